@@ -1,0 +1,3 @@
+from mlx_server.cli import main
+
+raise SystemExit(main())
