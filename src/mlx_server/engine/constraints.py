@@ -1,0 +1,321 @@
+"""Grammar-constrained decoding: JSON mode, JSON schemas and forced tool calls.
+
+``ConstraintSpec`` says what the answer must be; ``ConstraintCompiler`` (one per model)
+turns it into an llguidance matcher, cached by the spec's JSON, and hands out a fresh
+``GrammarLogitsProcessor`` per sequence for mlx-lm's ``BatchGenerator``::
+
+    compiler = ConstraintCompiler(tokenizer)              # mlx-lm TokenizerWrapper
+    spec = ConstraintSpec.json_schema({"type": "object", ...})
+    processor = compiler.processor(spec, activate_after=tokenizer.think_end_tokens)
+    generator.insert([prompt], logits_processors=[[processor]])
+
+Tool calls are produced in the model's own wire format (Hermes/Qwen ``<tool_call>`` +
+``{"name": ..., "arguments": {...}}`` + ``</tool_call>`` by default), so the ordinary
+tool-call parser reads them back.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import jsonschema
+import llguidance
+import llguidance.hf
+
+from mlx_server.engine.constraint_processor import GrammarLogitsProcessor
+
+KINDS = ("json_object", "json_schema", "tool_call")
+
+# JSON whitespace: at most one line break plus bounded indentation per gap, so a model
+# cannot run away emitting blank lines or spaces while staying inside the grammar.
+JSON_WHITESPACE = r"(?:[\x20\x09]{1,8}|\x0D?\x0A[\x20\x09]{0,48})"
+_JSON_OPTIONS: dict[str, Any] = {"whitespace_pattern": JSON_WHITESPACE}
+
+
+class ConstraintError(ValueError):
+    """A schema, tool list or grammar that cannot be enforced; the message says why."""
+
+
+@dataclass(frozen=True, eq=False)
+class ConstraintSpec:
+    """What a constrained answer must look like.
+
+    - ``json_object``: any JSON object.
+    - ``json_schema``: JSON matching ``schema``.
+    - ``tool_call``: ``start`` + ``{"name": ..., "arguments": {...}}`` + ``end``, for one
+      of ``tools`` (OpenAI function tools, or bare ``{"name", "parameters"}`` /
+      ``{"name", "input_schema"}``), or only ``required_name`` when set. ``parallel``
+      allows several calls in a row (separated by an optional newline).
+
+    Equality and hashing follow ``key()``. Property order is part of the key because
+    llguidance emits object properties in schema order.
+    """
+
+    kind: str
+    schema: Mapping[str, Any] | None = None
+    tools: Sequence[Mapping[str, Any]] = field(default_factory=tuple)
+    required_name: str | None = None
+    start: str = "<tool_call>"
+    end: str = "</tool_call>"
+    parallel: bool = False
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ConstraintError(f"unknown constraint kind {self.kind!r}; expected {KINDS}")
+        if self.kind == "json_schema" and self.schema is None:
+            raise ConstraintError("a json_schema constraint needs a schema")
+        if self.kind == "tool_call" and not self.tools:
+            raise ConstraintError("a tool_call constraint needs at least one tool")
+
+    @classmethod
+    def json_object(cls) -> ConstraintSpec:
+        """Any JSON object (OpenAI ``response_format: {"type": "json_object"}``)."""
+        return cls("json_object")
+
+    @classmethod
+    def json_schema(cls, schema: Mapping[str, Any]) -> ConstraintSpec:
+        """JSON matching ``schema`` (OpenAI ``response_format: json_schema``)."""
+        return cls("json_schema", schema=schema)
+
+    @classmethod
+    def tool_call(
+        cls,
+        tools: Sequence[Mapping[str, Any]],
+        required_name: str | None = None,
+        *,
+        start: str = "<tool_call>",
+        end: str = "</tool_call>",
+        parallel: bool = False,
+    ) -> ConstraintSpec:
+        """A call to one of ``tools`` (``tool_choice: "required"``) or to ``required_name``."""
+        return cls("tool_call", None, tuple(tools), required_name, start, end, parallel)
+
+    def key(self) -> str:
+        """Canonical JSON of the spec: the grammar cache key."""
+        body = {
+            "kind": self.kind,
+            "schema": self.schema,
+            "tools": list(self.tools),
+            "required_name": self.required_name,
+            "start": self.start,
+            "end": self.end,
+            "parallel": self.parallel,
+        }
+        return json.dumps(body, separators=(",", ":"), ensure_ascii=False)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, ConstraintSpec) and self.key() == other.key()
+
+    def __hash__(self) -> int:
+        return hash(self.key())
+
+
+def validate_schema(schema: Any) -> None:
+    """Raise ``ConstraintError`` unless ``schema`` is a valid JSON schema llguidance enforces.
+
+    Checks the schema against its meta-schema (Draft 2020-12 unless ``$schema`` says
+    otherwise), then compiles it, which names unsupported keywords (``uniqueItems``,
+    ``not``, ``if``/``then``, ``propertyNames``, ``contains``, unknown ``format`` values,
+    look-around in ``pattern``, ``oneOf`` that is not provably ``anyOf`` ...).
+    """
+    if not isinstance(schema, Mapping):
+        raise ConstraintError(f"a JSON schema must be an object, not {type(schema).__name__}")
+    _check_meta_schema(schema)
+    grammar = llguidance.LLMatcher.grammar_from_json_schema(dict(schema), defaults=_JSON_OPTIONS)
+    _raise_for_grammar_error(llguidance.LLMatcher.validate_grammar(grammar), "JSON schema")
+
+
+def validate_spec(spec: ConstraintSpec) -> None:
+    """Validate everything a spec carries: its schema, or its tools and their parameters."""
+    if spec.kind == "json_schema":
+        validate_schema(spec.schema)
+    elif spec.kind == "tool_call":
+        for name, params in _chosen_tools(spec):
+            try:
+                validate_schema(params)
+            except ConstraintError as e:
+                raise ConstraintError(f"tool {name!r} parameters: {e}") from None
+
+
+def tool_call_format(tokenizer: Any) -> tuple[str, str] | None:
+    """``(start, end)`` markers when the model's tool parser reads JSON-body tool calls.
+
+    That is mlx-lm's ``json_tools`` parser (Hermes, Qwen 2.5/3 ...); for other formats a
+    ``tool_call`` constraint would write something the parser cannot read, so ``None``.
+    """
+    parser = getattr(tokenizer, "tool_parser", None)
+    if parser is None or not getattr(parser, "__module__", "").endswith(".json_tools"):
+        return None
+    return tokenizer.tool_call_start, tokenizer.tool_call_end
+
+
+class ConstraintCompiler:
+    """Compiles specs for one tokenizer and hands out per-sequence processors.
+
+    Build it once per model (wrapping the tokenizer costs up to a second on large
+    vocabularies). Compiled grammars are kept in an LRU cache of ``cache_size`` entries
+    keyed by ``ConstraintSpec.key()``; each processor gets its own copy of the matcher.
+    Thread-safe.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        *,
+        cache_size: int = 64,
+        eos_token_ids: Sequence[int] | None = None,
+    ):
+        hf_tokenizer = getattr(tokenizer, "_tokenizer", tokenizer)
+        eos = eos_token_ids or getattr(tokenizer, "eos_token_ids", None)
+        if not eos and hf_tokenizer.eos_token_id is not None:
+            eos = [hf_tokenizer.eos_token_id]
+        self.eos_token_ids: tuple[int, ...] = tuple(sorted(eos or ()))
+        try:
+            self._tokenizer = llguidance.hf.from_tokenizer(
+                hf_tokenizer, eos_token=list(self.eos_token_ids) or None
+            )
+        except ValueError as e:
+            raise ConstraintError(f"constrained decoding needs a fast tokenizer: {e}") from e
+        self._vocab = {str(k): v for k, v in hf_tokenizer.get_vocab().items()}
+        self._cache: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
+        self._cache_size = cache_size
+        self._lock = threading.Lock()
+        self.hits = 0
+        self.misses = 0
+
+    def processor(
+        self, spec: ConstraintSpec, *, activate_after: Sequence[int] | None = None
+    ) -> GrammarLogitsProcessor:
+        """A fresh stateful logits processor for one sequence.
+
+        ``activate_after``: token ids (such as ``</think>``) after which the constraint
+        starts; until the context ends with them, logits pass through unchanged. A prompt
+        that already ends with them activates the constraint at once.
+        """
+        return GrammarLogitsProcessor(
+            self.compile(spec).deep_copy(),
+            mask_vocab=self._tokenizer.vocab_size,
+            eos_ids=self.eos_token_ids,
+            activate_after=activate_after,
+        )
+
+    def compile(self, spec: ConstraintSpec) -> llguidance.LLMatcher:
+        """The cached matcher for ``spec`` in its initial state (copy it before use)."""
+        key = spec.key()
+        with self._lock:
+            if key in self._cache:
+                self.hits += 1
+                self._cache.move_to_end(key)
+                return self._cache[key]
+            self.misses += 1
+        matcher = self._build(spec)
+        with self._lock:
+            self._cache[key] = matcher
+            while len(self._cache) > self._cache_size:
+                self._cache.popitem(last=False)
+        return matcher
+
+    def _build(self, spec: ConstraintSpec) -> llguidance.LLMatcher:
+        validate_spec(spec)
+        grammar = build_grammar(spec, self._marker)
+        matcher = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0)
+        if matcher.is_error():
+            _raise_for_grammar_error(matcher.get_error(), "constraint")
+        return matcher
+
+    def _marker(self, text: str) -> str:
+        """A lark element for a tool-call marker: a special token by id, else a string."""
+        token_id = self._vocab.get(text)
+        if token_id is not None and self._tokenizer.is_special_token(token_id):
+            return f"<[{token_id}]>"
+        return json.dumps(text)
+
+
+def build_grammar(spec: ConstraintSpec, marker: Callable[[str], str] = json.dumps) -> str:
+    """The llguidance grammar (JSON text) for ``spec``.
+
+    ``marker`` renders a tool-call marker as a lark element; the compiler passes one that
+    knows the tokenizer's special tokens.
+    """
+    if spec.kind == "json_object":
+        schema: Mapping[str, Any] = {"type": "object"}
+    elif spec.kind == "json_schema":
+        schema = spec.schema or {}
+    else:
+        return llguidance.LLMatcher.grammar_from_lark(_tool_call_lark(spec, marker))
+    return llguidance.LLMatcher.grammar_from_json_schema(dict(schema), defaults=_JSON_OPTIONS)
+
+
+def _tool_call_lark(spec: ConstraintSpec, marker: Callable[[str], str]) -> str:
+    bodies = [_call_schema(name, params, i) for i, (name, params) in enumerate(_chosen_tools(spec))]
+    body = bodies[0] if len(bodies) == 1 else {"anyOf": bodies}
+    body = {**body, "x-guidance": _JSON_OPTIONS}
+    start = 'call ("\\n"? call)*' if spec.parallel else "call"
+    return (
+        f"start: {start}\n"
+        f'call: {marker(spec.start)} "\\n"? body "\\n"? {marker(spec.end)}\n'
+        f"body: %json {json.dumps(body)}\n"
+    )
+
+
+def _call_schema(name: str, params: Mapping[str, Any], index: int) -> dict[str, Any]:
+    arguments = dict(params)
+    # The parameters become a subschema; an $id keeps their "#/$defs/..." refs resolving
+    # against themselves rather than against the wrapper.
+    arguments.setdefault("$id", f"urn:mlx-server:tool:{index}")
+    return {
+        "type": "object",
+        "properties": {"name": {"const": name}, "arguments": arguments},
+        "required": ["name", "arguments"],
+        "additionalProperties": False,
+    }
+
+
+def _chosen_tools(spec: ConstraintSpec) -> list[tuple[str, Mapping[str, Any]]]:
+    """(name, parameters schema) of each tool the spec allows."""
+    tools = [_function_of(tool) for tool in spec.tools]
+    names = [name for name, _ in tools]
+    if len(set(names)) != len(names):
+        raise ConstraintError(f"tool names must be unique, got {names}")
+    if spec.required_name is None:
+        return tools
+    chosen = [t for t in tools if t[0] == spec.required_name]
+    if not chosen:
+        raise ConstraintError(f"tool {spec.required_name!r} is not among the tools {names}")
+    return chosen
+
+
+def _function_of(tool: Mapping[str, Any]) -> tuple[str, Mapping[str, Any]]:
+    if tool.get("type", "function") != "function":
+        raise ConstraintError(f"cannot constrain a call to a {tool.get('type')!r} tool")
+    function = tool.get("function", tool)
+    name = function.get("name")
+    if not isinstance(name, str) or not name:
+        raise ConstraintError("every tool needs a name")
+    params = function.get("parameters", function.get("input_schema")) or {"type": "object"}
+    if not isinstance(params, Mapping):
+        raise ConstraintError(f"tool {name!r} parameters must be a JSON schema object")
+    return name, params
+
+
+def _check_meta_schema(schema: Mapping[str, Any]) -> None:
+    validator = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+    try:
+        validator.check_schema(schema)
+    except jsonschema.SchemaError as e:
+        where = "/".join(str(p) for p in e.absolute_path) or "(root)"
+        raise ConstraintError(f"invalid JSON schema at {where}: {e.message}") from None
+
+
+def _raise_for_grammar_error(message: str, what: str) -> None:
+    if not message:
+        return
+    # llguidance appends parser state and the grammar after the first lines; keep the gist.
+    gist = message.split("\n<state>")[0].split("\n<grammar>")[0].strip()
+    lines = [line for line in gist.splitlines() if line.strip()]
+    raise ConstraintError(f"{what} cannot be enforced: {' '.join(lines[:4])}")
