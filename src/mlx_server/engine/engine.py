@@ -1,0 +1,319 @@
+"""The engine: one thread owns MLX and runs continuous batching over mlx-lm's BatchGenerator.
+
+Requests are admitted FIFO against a batch-size limit and a KV-memory budget; admitted ones
+join the running batch after their (chunked) prefill; finished or cancelled ones leave it at
+the next step. A prefix cache (mlx-lm's LRUPromptCache) lets a prompt reuse the KV state of
+an earlier one that shares its prefix.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+import traceback
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.generate import BatchGenerator, StopSequences
+from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, trim_prompt_cache
+
+from mlx_server.engine.handle import GenerationHandle, TokenPiece
+from mlx_server.engine.sampling import make_processors, make_sampler
+from mlx_server.errors import InvalidRequest, Overloaded
+from mlx_server.events import Finished, LogprobEntry, Timings, TokenLogprob, Usage
+from mlx_server.logs import log
+from mlx_server.parsing.stops import StopMatcher
+from mlx_server.types import GenerationRequest
+
+
+@dataclass
+class EngineConfig:
+    max_batch_size: int = 8
+    max_queue: int = 64
+    prefill_step_size: int = 512
+    prompt_cache_size: int = 16
+    prompt_cache_bytes: int = 2 << 30
+    kv_budget_bytes: int = 4 << 30
+    kv_bytes_per_token: int = 1
+
+
+@dataclass
+class _Seq:
+    req: GenerationRequest
+    handle: GenerationHandle
+    uid: int = -1
+    detok: Any = None
+    stops: StopMatcher | None = None
+    n_generated: int = 0
+    cached: int = 0
+    t_submit: float = 0.0
+    t_start: float = 0.0
+    t_first: float = 0.0
+    kv_bytes: int = 0
+    logprobs: list[LogprobEntry] = field(default_factory=list)
+
+
+class Engine:
+    """Continuous-batching generation over one mlx-lm model, usable without HTTP."""
+
+    def __init__(self, model: Any, tokenizer: Any, config: EngineConfig | None = None):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.config = config or EngineConfig()
+        self._pending: deque[_Seq] = deque()
+        self._active: dict[int, _Seq] = {}
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self._kv_in_use = 0
+        self._prompt_cache = (
+            LRUPromptCache(self.config.prompt_cache_size, self.config.prompt_cache_bytes)
+            if self.config.prompt_cache_size > 0
+            else None
+        )
+        self._eos = sorted(int(t) for t in tokenizer.eos_token_ids)
+
+    # ---- public API (any thread) -------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="mlx-engine", daemon=True)
+        self._thread.start()
+
+    def submit(self, req: GenerationRequest, loop: asyncio.AbstractEventLoop | None = None) -> GenerationHandle:
+        """Queue a request; raises Overloaded when shutting down or the queue is full."""
+        loop = loop or asyncio.get_running_loop()
+        need = (len(req.prompt_tokens) + req.max_tokens) * self.config.kv_bytes_per_token
+        if need > self.config.kv_budget_bytes:
+            raise InvalidRequest(
+                f"this request needs about {need >> 20} MiB of KV cache (prompt {len(req.prompt_tokens)} "
+                f"+ max_tokens {req.max_tokens} tokens), more than the server's budget of "
+                f"{self.config.kv_budget_bytes >> 20} MiB; lower max_tokens or shorten the prompt",
+                code="kv_budget_exceeded",
+            )
+        handle = GenerationHandle(req.request_id, loop)
+        handle.prompt_tokens = len(req.prompt_tokens)
+        seq = _Seq(req=req, handle=handle, t_submit=time.perf_counter(), kv_bytes=need)
+        with self._wake:
+            if self._stopping:
+                raise Overloaded("the server is shutting down")
+            if len(self._pending) >= self.config.max_queue:
+                raise Overloaded(f"the request queue is full ({self.config.max_queue} waiting); retry shortly")
+            self._pending.append(seq)
+            self._wake.notify()
+        return handle
+
+    def cancel(self, request_id: str | None = None) -> int:
+        """Cancel one request by id, or every queued and running one. Returns how many."""
+        n = 0
+        with self._wake:
+            for seq in list(self._pending) + list(self._active.values()):
+                if not seq.handle.cancelled and (request_id is None or seq.req.request_id == request_id):
+                    seq.handle.cancel()
+                    n += 1
+            self._wake.notify()
+        return n
+
+    @property
+    def active_count(self) -> int:
+        return len(self._active)
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self._pending)
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "active": self.active_count,
+            "queued": self.queue_depth,
+            "kv_in_use_bytes": self._kv_in_use,
+            "prompt_cache_entries": len(self._prompt_cache) if self._prompt_cache else 0,
+        }
+
+    def shutdown(self, timeout: float = 3.0) -> None:
+        """Cancel everything, stop the thread and wait for it (bounded)."""
+        with self._wake:
+            self._stopping = True
+            for seq in list(self._pending) + list(self._active.values()):
+                seq.handle.cancel()
+            self._wake.notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    # ---- engine thread -----------------------------------------------------------------
+
+    def _run(self) -> None:
+        gen = self._new_generator()
+        while True:
+            with self._wake:
+                while not self._stopping and not self._pending and not self._active:
+                    self._wake.wait(0.5)
+                if self._stopping and not self._active and not self._pending:
+                    break
+            try:
+                self._drop_cancelled(gen)
+                self._admit(gen)
+                if self._active:
+                    self._step(gen)
+            except Exception as e:  # a real internal fault: fail the batch, keep serving
+                traceback.print_exc()
+                log(f"Error during generation: {type(e).__name__}: {e}")
+                self._fail_all(f"internal error during generation: {type(e).__name__}")
+                gen = self._new_generator()
+        self._fail_all("cancelled", reason="cancelled")
+        gen.close()
+
+    def _new_generator(self) -> BatchGenerator:
+        return BatchGenerator(
+            self.model,
+            completion_batch_size=self.config.max_batch_size,
+            prefill_batch_size=min(self.config.max_batch_size, 4),
+            prefill_step_size=self.config.prefill_step_size,
+            stop_tokens=[[t] for t in self._eos],
+        )
+
+    def _admit(self, gen: BatchGenerator) -> None:
+        while True:
+            with self._wake:
+                if not self._pending or len(self._active) >= self.config.max_batch_size:
+                    return
+                seq = self._pending[0]
+                if seq.handle.cancelled:
+                    self._pending.popleft()
+                    self._finish(seq, "cancelled")
+                    continue
+                if self._active and self._kv_in_use + seq.kv_bytes > self.config.kv_budget_bytes:
+                    return  # wait for memory to free up
+                self._pending.popleft()
+            self._insert(gen, seq)
+
+    def _insert(self, gen: BatchGenerator, seq: _Seq) -> None:
+        req = seq.req
+        prompt = list(req.prompt_tokens)
+        cache, rest = None, prompt
+        if self._prompt_cache is not None:
+            cache, rest = self._prompt_cache.fetch_nearest_cache("m", prompt)
+            if cache is not None and not rest:
+                if can_trim_prompt_cache(cache):
+                    trim_prompt_cache(cache, 1)
+                    rest = prompt[-1:]
+                else:
+                    cache, rest = None, prompt
+        seq.cached = len(prompt) - len(rest)
+        seq.handle.cached_tokens = seq.cached
+        processors = list(make_processors(req.sampling)) + list(req.logits_processors)
+        (uid,) = gen.insert_segments(
+            segments=[[rest]],
+            max_tokens=[req.max_tokens],
+            caches=[cache] if cache is not None else None,
+            all_tokens=[prompt[: seq.cached]],
+            samplers=[make_sampler(req.sampling)],
+            logits_processors=[processors],
+            stop_sequences=[StopSequences([[t] for t in self._eos])],
+        )
+        seq.uid = uid
+        seq.detok = self.tokenizer.detokenizer
+        seq.stops = StopMatcher(req.stop)
+        seq.t_start = time.perf_counter()
+        self._kv_in_use += seq.kv_bytes
+        self._active[uid] = seq
+
+    def _drop_cancelled(self, gen: BatchGenerator) -> None:
+        gone = [uid for uid, s in self._active.items() if s.handle.cancelled]
+        if gone:
+            gen.remove(gone)
+            for uid in gone:
+                self._finish(self._active.pop(uid), "cancelled")
+
+    def _step(self, gen: BatchGenerator) -> None:
+        _, responses = gen.next()
+        done: list[int] = []
+        for r in responses:
+            seq = self._active.get(r.uid)
+            if seq is None:
+                continue
+            if not seq.t_first:
+                seq.t_first = time.perf_counter()
+            seq.n_generated += 1
+            reason = self._on_token(seq, r)
+            if reason is not None:
+                if r.finish_reason is None:
+                    done.append(r.uid)  # a stop string matched: leave the batch now
+                elif r.prompt_cache is not None and self._prompt_cache is not None:
+                    self._prompt_cache.insert_cache("m", list(r.all_tokens), r.prompt_cache)
+                self._active.pop(r.uid)
+                self._finish(seq, reason)
+        if done:
+            gen.remove(done)
+
+    def _on_token(self, seq: _Seq, r: Any) -> str | None:
+        """Detokenize, apply stop strings and logprobs; return a finish reason or None."""
+        if r.finish_reason == "stop":  # an EOS token: not part of the text
+            seq.detok.finalize()
+        else:
+            seq.detok.add_token(r.token)
+            if r.finish_reason == "length":
+                seq.detok.finalize()
+        text = seq.detok.last_segment
+        entries: tuple[LogprobEntry, ...] = ()
+        if seq.req.logprobs:
+            entries = (self._logprob_entry(r.token, r.logprobs, seq.req.top_logprobs),)
+        out = seq.stops.feed(text) if seq.stops else text
+        if seq.stops is not None and seq.stops.matched is None and r.finish_reason is not None:
+            out += seq.stops.flush()
+        if out or entries:
+            seq.handle.push(TokenPiece(out, entries))
+        if seq.stops is not None and seq.stops.matched is not None:
+            return "stop_sequence"
+        if r.finish_reason is not None:
+            return r.finish_reason
+        return None
+
+    def _logprob_entry(self, token: int, logprobs: mx.array, k: int) -> LogprobEntry:
+        text = self.tokenizer.decode([token])
+        top: tuple[TokenLogprob, ...] = ()
+        if k > 0:
+            idx = mx.argpartition(-logprobs, k - 1)[:k]
+            vals = logprobs[idx]
+            order = mx.argsort(-vals)
+            ids, lps = idx[order].tolist(), vals[order].tolist()
+            top = tuple(self._tl(int(i), float(v)) for i, v in zip(ids, lps))
+        return LogprobEntry(text, float(logprobs[token].item()), list(text.encode()), top)
+
+    def _tl(self, token: int, lp: float) -> TokenLogprob:
+        s = self.tokenizer.decode([token])
+        return TokenLogprob(s, lp, list(s.encode()))
+
+    def _finish(self, seq: _Seq, reason: str, error: str | None = None) -> None:
+        now = time.perf_counter()
+        self._kv_in_use = max(0, self._kv_in_use - seq.kv_bytes) if seq.uid >= 0 else self._kv_in_use
+        prompt_n = len(seq.req.prompt_tokens) - seq.cached
+        t_first = seq.t_first or now
+        timings = Timings(
+            prompt_n=prompt_n,
+            prompt_ms=((t_first - seq.t_start) * 1000) if seq.t_start else 0.0,
+            predicted_n=seq.n_generated,
+            predicted_ms=(now - t_first) * 1000,
+            cache_n=seq.cached,
+        )
+        usage = Usage(len(seq.req.prompt_tokens), seq.n_generated, seq.cached)
+        stop = seq.stops.matched if seq.stops is not None else None
+        seq.handle.push(Finished(reason, usage, timings, stop_sequence=stop, error=error))
+        if reason != "cancelled" and seq.n_generated:
+            log(
+                f"Generation: {timings.prompt_n} prompt tokens at {timings.prompt_per_second:.1f} tokens/sec, "
+                f"{timings.predicted_n} generated at {timings.predicted_per_second:.1f} tokens/sec "
+                f"(cached {seq.cached}, finish={reason})"
+            )
+
+    def _fail_all(self, message: str, reason: str = "error") -> None:
+        with self._wake:
+            seqs = list(self._active.values()) + list(self._pending)
+            self._active.clear()
+            self._pending.clear()
+        for seq in seqs:
+            self._finish(seq, reason, error=message if reason == "error" else None)
+        self._kv_in_use = 0

@@ -1,0 +1,184 @@
+"""Find, fetch and load a model: path rules, Hugging Face ids, GGUF files, chat templates."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from mlx_server.logs import log
+
+
+class ModelLoadError(Exception):
+    """The model could not be found or loaded; the message says why."""
+
+
+_HF_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+@dataclass
+class LoadedModel:
+    """A loaded model with what the server needs to know about it."""
+
+    model_id: str
+    path: Path
+    model: Any
+    tokenizer: Any  # mlx_lm.tokenizer_utils.TokenizerWrapper
+    config: dict[str, Any]
+    load_seconds: float = 0.0
+    capabilities: list[str] = field(default_factory=list)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return kv_bytes_per_token(self.config)
+
+
+def kv_bytes_per_token(config: dict[str, Any]) -> int:
+    """KV-cache bytes one token costs, estimated from the model config (float16/bfloat16 cache)."""
+    cfg = config.get("text_config", config)
+    layers = int(cfg.get("num_hidden_layers", 0) or 0)
+    heads = int(cfg.get("num_attention_heads", 1) or 1)
+    kv_heads = int(cfg.get("num_key_value_heads", heads) or heads)
+    hidden = int(cfg.get("hidden_size", 0) or 0)
+    head_dim = int(cfg.get("head_dim", 0) or (hidden // heads if heads else 0))
+    return max(1, 2 * layers * kv_heads * head_dim * 2)
+
+
+def default_model_id(model: str) -> str:
+    """The model directory's name: the directory itself, or the parent of a file inside it.
+
+    Never cut at a dot: ``Qwen2.5-7B`` stays ``Qwen2.5-7B``. A ``.gguf`` file is named after
+    the file without its extension; a repo id after its last component.
+    """
+    p = Path(model).expanduser()
+    if p.is_file():
+        if p.suffix.lower() == ".gguf":
+            return p.stem
+        return p.resolve().parent.name
+    if p.is_dir():
+        return p.resolve().name
+    return model.rstrip("/").split("/")[-1]
+
+
+def resolve_model_dir(model: str) -> Path:
+    """Apply the path rules; download a Hugging Face repo id; import a GGUF file."""
+    p = Path(model).expanduser()
+    if p.is_dir():
+        if (p / "config.json").is_file():
+            log(f"Using local model directory: {p}")
+            return p
+        if (p.parent / "config.json").is_file():
+            log(f"Using parent directory: {p.parent}")
+            return p.parent
+        raise ModelLoadError(f"no config.json in {p} or its parent directory")
+    if p.is_file():
+        if p.suffix.lower() == ".gguf":
+            from mlx_server.models.gguf_import import GGUFImportError, import_cached
+
+            try:
+                return import_cached(p)
+            except GGUFImportError as e:
+                raise ModelLoadError(str(e)) from e
+        if not (p.parent / "config.json").is_file():
+            raise ModelLoadError(f"no config.json next to {p}")
+        log(f"Using parent directory: {p.parent}")
+        return p.parent
+    if _HF_ID.match(model) and not model.startswith((".", "/")):
+        return _download(model)
+    raise ModelLoadError(f"model path does not exist: {model}")
+
+
+def _download(repo_id: str) -> Path:
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError as e:  # pragma: no cover - huggingface_hub comes with mlx-lm
+        raise ModelLoadError("huggingface_hub is required to download models") from e
+    log(f"Downloading {repo_id} from the Hugging Face Hub")
+    try:
+        path = snapshot_download(
+            repo_id,
+            allow_patterns=["*.json", "*.safetensors", "*.jinja", "tokenizer.model", "*.txt", "*.tiktoken", "*.py"],
+        )
+    except Exception as e:
+        raise ModelLoadError(
+            f"could not download '{repo_id}' from the Hugging Face Hub "
+            f"({type(e).__name__}: {e}). If you are offline, pass a local model directory."
+        ) from e
+    return Path(path)
+
+
+def read_chat_template(model_dir: Path) -> str | None:
+    """Chat template: chat_template.jinja, else chat_template.json, else tokenizer_config.json."""
+    jinja = model_dir / "chat_template.jinja"
+    if jinja.is_file():
+        return jinja.read_text(encoding="utf-8")
+    for name in ("chat_template.json", "tokenizer_config.json"):
+        f = model_dir / name
+        if not f.is_file():
+            continue
+        try:
+            tpl = json.loads(f.read_text(encoding="utf-8")).get("chat_template")
+        except (OSError, ValueError):
+            continue
+        if isinstance(tpl, list):  # named templates: take "default", else the first
+            named = {t.get("name"): t.get("template") for t in tpl if isinstance(t, dict)}
+            tpl = named.get("default") or next(iter(named.values()), None)
+        if isinstance(tpl, str) and tpl:
+            return tpl
+    return None
+
+
+def load_model(model: str, *, model_id: str = "", dtype: str | None = None) -> LoadedModel:
+    """Resolve, load and describe a text model with mlx-lm. Raises ModelLoadError."""
+    t0 = time.perf_counter()
+    log(f"Loading model from: {model}")
+    model_dir = resolve_model_dir(model)
+    try:
+        import mlx.core as mx
+        from mlx_lm.utils import dequantize_model
+        from mlx_lm.utils import load as mlx_load
+
+        net, tokenizer, config = mlx_load(str(model_dir), return_config=True)
+        if dtype is not None:
+            if config.get("quantization"):
+                net = dequantize_model(net)
+            net.set_dtype(getattr(mx, dtype))
+            mx.eval(net.parameters())
+    except ModelLoadError:
+        raise
+    except Exception as e:
+        raise ModelLoadError(f"{type(e).__name__}: {e}") from e
+    template = read_chat_template(model_dir)
+    if template is not None:
+        tokenizer._tokenizer.chat_template = template
+    if getattr(tokenizer._tokenizer, "chat_template", None) is None:
+        raise ModelLoadError(f"the model in {model_dir} has no chat template")
+    return LoadedModel(
+        model_id=model_id or default_model_id(model),
+        path=model_dir,
+        model=net,
+        tokenizer=tokenizer,
+        config=config,
+        load_seconds=time.perf_counter() - t0,
+    )
+
+
+def device_memory_bytes() -> int:
+    """The device's recommended working set (Metal/CUDA), else physical RAM; 8 GiB if unknown."""
+    try:
+        import mlx.core as mx
+
+        info = mx.device_info() if hasattr(mx, "device_info") else mx.metal.device_info()
+        size = int(info.get("max_recommended_working_set_size") or info.get("memory_size") or 0)
+        if size > 0:
+            return size
+    except Exception:
+        pass
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return 8 << 30

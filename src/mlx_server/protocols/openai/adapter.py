@@ -1,0 +1,113 @@
+"""OpenAI request → neutral ChatRequest."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from mlx_server.errors import InvalidRequest, UnsupportedFeature
+from mlx_server.parsing.tools import validate_tools
+from mlx_server.protocols.openai.schemas import ChatCompletionRequest, Message
+from mlx_server.types import ChatRequest, SamplingParams
+
+_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
+
+
+def to_chat_request(body: ChatCompletionRequest, *, vision: bool = False) -> ChatRequest:
+    """Map a validated OpenAI request to the neutral request (raises InvalidRequest)."""
+    messages = [_message(i, m, vision) for i, m in enumerate(body.messages)]
+    tools = None
+    if body.tools is not None:
+        try:
+            tools = validate_tools(body.tools)
+        except ValueError as e:
+            raise InvalidRequest(str(e), param="tools") from e
+    max_tokens = body.max_completion_tokens or body.max_tokens
+    if max_tokens is None and body.n_predict is not None and body.n_predict > 0:
+        max_tokens = body.n_predict
+    stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
+    kwargs = dict(body.chat_template_kwargs or {})
+    return ChatRequest(
+        messages=messages,
+        sampling=SamplingParams(
+            temperature=0.7 if body.temperature is None else body.temperature,
+            top_p=1.0 if body.top_p is None else body.top_p,
+            top_k=body.top_k or 0,
+            min_p=body.min_p or 0.0,
+            repetition_penalty=body.repetition_penalty,
+            presence_penalty=body.presence_penalty,
+            frequency_penalty=body.frequency_penalty,
+            seed=body.seed,
+        ),
+        max_tokens=max_tokens,
+        stop=stop,
+        tools=tools or None,
+        tool_choice=body.tool_choice,
+        parallel_tool_calls=body.parallel_tool_calls is not False,
+        logprobs=bool(body.logprobs),
+        top_logprobs=(body.top_logprobs or 0) if body.logprobs else 0,
+        template_kwargs=kwargs,
+        reasoning_format="none" if body.reasoning_format == "none" else "auto",
+        constraint=_constraint(body, tools),
+    )
+
+
+def _constraint(body: ChatCompletionRequest, tools: list[dict[str, Any]] | None) -> Any:
+    rf = body.response_format
+    if rf is not None and rf.type not in ("text",):
+        if rf.type not in ("json_object", "json_schema"):
+            raise InvalidRequest(f"response_format.type '{rf.type}' is not supported (use text, json_object or json_schema)", param="response_format")
+        raise UnsupportedFeature(f"response_format '{rf.type}' is not supported by this server yet", param="response_format")
+    return None
+
+
+def _message(i: int, m: Message, vision: bool) -> dict[str, Any]:
+    role = _ROLES.get(m.role)
+    if role is None:
+        raise InvalidRequest(
+            f"messages[{i}].role '{m.role}' is not one of system, developer, user, assistant, tool",
+            param=f"messages[{i}].role",
+        )
+    out: dict[str, Any] = {"role": role, "content": _content(i, m, vision)}
+    if m.name:
+        out["name"] = m.name
+    if m.tool_calls and role == "assistant":
+        out["tool_calls"] = [_tool_call(i, j, tc) for j, tc in enumerate(m.tool_calls)]
+    if m.tool_call_id and role == "tool":
+        out["tool_call_id"] = m.tool_call_id
+    if m.reasoning_content and role == "assistant":
+        out["reasoning_content"] = m.reasoning_content
+    if (m.images or m.videos) and not vision:
+        raise InvalidRequest(f"messages[{i}] has images or videos, but this model accepts text only", param=f"messages[{i}]")
+    return out
+
+
+def _content(i: int, m: Message, vision: bool) -> str:
+    if m.content is None:
+        return ""
+    if isinstance(m.content, str):
+        return m.content
+    texts: list[str] = []
+    for j, part in enumerate(m.content):
+        where = f"messages[{i}].content[{j}]"
+        if part.type == "text":
+            if part.text is None:
+                raise InvalidRequest(f"{where} is a text part without 'text'", param=where)
+            texts.append(part.text)
+        elif part.type in ("image_url", "input_image", "video_url", "input_audio"):
+            if not vision:
+                raise InvalidRequest(f"{where} is an {part.type} part, but this model accepts text only", param=where)
+        else:
+            raise InvalidRequest(f"{where} has unsupported type '{part.type}'", param=where)
+    return "\n".join(texts)
+
+
+def _tool_call(i: int, j: int, tc: Any) -> dict[str, Any]:
+    args = tc.function.arguments
+    if isinstance(args, str):
+        try:
+            args = json.loads(args) if args.strip() else {}
+        except ValueError as e:
+            where = f"messages[{i}].tool_calls[{j}].function.arguments"
+            raise InvalidRequest(f"{where} is not valid JSON: {e}", param=where) from e
+    return {"id": tc.id or f"call_{i}_{j}", "type": "function", "function": {"name": tc.function.name, "arguments": args}}

@@ -1,0 +1,164 @@
+"""Neutral events → OpenAI chat.completion JSON and chat.completion.chunk SSE frames."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+from mlx_server.events import (
+    Finished,
+    LogprobEntry,
+    Logprobs,
+    ReasoningDelta,
+    TextDelta,
+    Timings,
+    ToolCallArgsDelta,
+    ToolCallEnd,
+    ToolCallStart,
+    Usage,
+)
+
+
+def finish_reason(ev: Finished) -> str:
+    """Map the neutral finish reason to OpenAI's (which has no 'cancelled' or 'error')."""
+    if ev.in_reasoning and ev.reason in ("stop", "stop_sequence", "length"):
+        return "length"  # the answer never came: the reasoning was cut off
+    return {"stop_sequence": "stop", "tool_calls": "tool_calls", "length": "length"}.get(ev.reason, "stop")
+
+
+def usage_json(u: Usage) -> dict[str, Any]:
+    return {
+        "prompt_tokens": u.prompt_tokens,
+        "completion_tokens": u.completion_tokens,
+        "total_tokens": u.total_tokens,
+        "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
+    }
+
+
+def timings_json(t: Timings) -> dict[str, Any]:
+    return {
+        "cache_n": t.cache_n,
+        "prompt_n": t.prompt_n,
+        "prompt_ms": round(t.prompt_ms, 3),
+        "prompt_per_second": round(t.prompt_per_second, 3),
+        "predicted_n": t.predicted_n,
+        "predicted_ms": round(t.predicted_ms, 3),
+        "predicted_per_second": round(t.predicted_per_second, 3),
+    }
+
+
+def logprob_json(e: LogprobEntry) -> dict[str, Any]:
+    return {
+        "token": e.token,
+        "logprob": e.logprob,
+        "bytes": e.bytes,
+        "top_logprobs": [{"token": t.token, "logprob": t.logprob, "bytes": t.bytes} for t in e.top],
+    }
+
+
+class MessageBuilder:
+    """Assembles a whole assistant message from events (non-streaming responses)."""
+
+    def __init__(self) -> None:
+        self.content: list[str] = []
+        self.reasoning: list[str] = []
+        self.calls: dict[int, dict[str, Any]] = {}
+        self.logprobs: list[dict[str, Any]] = []
+
+    def add(self, ev: Any) -> None:
+        if isinstance(ev, TextDelta):
+            self.content.append(ev.text)
+        elif isinstance(ev, ReasoningDelta):
+            self.reasoning.append(ev.text)
+        elif isinstance(ev, ToolCallStart):
+            self.calls[ev.index] = {"id": ev.id, "type": "function", "function": {"name": ev.name, "arguments": ""}}
+        elif isinstance(ev, ToolCallArgsDelta):
+            self.calls[ev.index]["function"]["arguments"] += ev.text
+        elif isinstance(ev, ToolCallEnd):
+            self.calls[ev.index]["function"]["arguments"] = ev.arguments
+        elif isinstance(ev, Logprobs):
+            self.logprobs.extend(logprob_json(e) for e in ev.entries)
+
+    def message(self) -> dict[str, Any]:
+        text = "".join(self.content)
+        msg: dict[str, Any] = {"role": "assistant", "content": text if (text or not self.calls) else None, "refusal": None}
+        if self.reasoning:
+            msg["reasoning_content"] = "".join(self.reasoning)
+        if self.calls:
+            msg["tool_calls"] = [self.calls[i] for i in sorted(self.calls)]
+        return msg
+
+
+def completion_json(
+    request_id: str, model: str, created: int, builder: MessageBuilder, fin: Finished, want_logprobs: bool
+) -> dict[str, Any]:
+    return {
+        "id": request_id,
+        "object": "chat.completion",
+        "created": created,
+        "model": model,
+        "choices": [
+            {
+                "index": 0,
+                "message": builder.message(),
+                "finish_reason": finish_reason(fin),
+                "logprobs": {"content": builder.logprobs, "refusal": None} if want_logprobs else None,
+            }
+        ],
+        "usage": usage_json(fin.usage),
+        "timings": timings_json(fin.timings) if fin.timings else None,
+    }
+
+
+class ChunkEncoder:
+    """Builds chat.completion.chunk frames for one streamed response."""
+
+    def __init__(self, request_id: str, model: str):
+        self.id = request_id
+        self.model = model
+        self.created = int(time.time())
+
+    def _chunk(self, delta: dict[str, Any], finish: str | None = None, **extra: Any) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish}
+        choice.update(extra)
+        return {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model, "choices": [choice]}
+
+    def role(self) -> dict[str, Any]:
+        return self._chunk({"role": "assistant", "content": ""})
+
+    def event(self, ev: Any) -> dict[str, Any] | None:
+        if isinstance(ev, TextDelta):
+            return self._chunk({"content": ev.text}) if ev.text else None
+        if isinstance(ev, ReasoningDelta):
+            return self._chunk({"reasoning_content": ev.text}) if ev.text else None
+        if isinstance(ev, ToolCallStart):
+            call = {"index": ev.index, "id": ev.id, "type": "function", "function": {"name": ev.name, "arguments": ""}}
+            return self._chunk({"tool_calls": [call]})
+        if isinstance(ev, ToolCallArgsDelta):
+            return self._chunk({"tool_calls": [{"index": ev.index, "function": {"arguments": ev.text}}]}) if ev.text else None
+        if isinstance(ev, Logprobs):
+            lp = {"content": [logprob_json(e) for e in ev.entries], "refusal": None}
+            return self._chunk({}, logprobs=lp)
+        return None  # ToolCallEnd: the arguments were already streamed
+
+    def final(self, fin: Finished) -> dict[str, Any]:
+        chunk = self._chunk({}, finish_reason(fin))
+        chunk["usage"] = usage_json(fin.usage)
+        if fin.timings:
+            chunk["timings"] = timings_json(fin.timings)
+        return chunk
+
+    def usage_chunk(self, fin: Finished) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "object": "chat.completion.chunk",
+            "created": self.created,
+            "model": self.model,
+            "choices": [],
+            "usage": usage_json(fin.usage),
+        }
+
+
+def sse(obj: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"

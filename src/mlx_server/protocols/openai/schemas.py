@@ -1,0 +1,106 @@
+"""OpenAI Chat Completions request schema, validated at the edge. Unknown fields are ignored."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class FunctionCall(_Model):
+    name: str
+    arguments: str | dict[str, Any] = "{}"
+
+
+class ToolCall(_Model):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ImageURL(_Model):
+    url: str
+    detail: str | None = None
+
+
+class ContentPart(_Model):
+    type: str
+    text: str | None = None
+    image_url: ImageURL | str | None = None
+    input_audio: Any = None
+    video_url: Any = None
+
+
+class Message(_Model):
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
+    # Jan's legacy per-message media fields.
+    images: list[str] | None = None
+    videos: list[str] | None = None
+
+
+class StreamOptions(_Model):
+    include_usage: bool = False
+
+
+class ResponseFormat(_Model):
+    type: str = "text"
+    json_schema: dict[str, Any] | None = None
+
+
+class ChatCompletionRequest(_Model):
+    model: str = ""
+    messages: list[Message] = Field(min_length=1)
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    top_k: int | None = Field(default=None, ge=0)
+    min_p: float | None = Field(default=None, ge=0, le=1)
+    repetition_penalty: float | None = Field(default=None, gt=0)
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
+    seed: int | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    n_predict: int | None = None
+    n: int | None = Field(default=None, ge=1, le=1)
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: ResponseFormat | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_format: str | None = None
+    user: str | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _check_stop(cls, v: str | list[str] | None) -> str | list[str] | None:
+        if isinstance(v, list) and len(v) > 16:
+            raise ValueError("at most 16 stop strings are allowed")
+        return v
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _check_tool_choice(cls, v: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
+        if isinstance(v, str) and v not in ("none", "auto", "required"):
+            raise ValueError("tool_choice must be 'none', 'auto', 'required' or a function object")
+        return v
+
+    @field_validator("reasoning_format")
+    @classmethod
+    def _check_reasoning_format(cls, v: str | None) -> str | None:
+        if v is not None and v not in ("none", "auto", "deepseek", "deepseek-legacy"):
+            raise ValueError("reasoning_format must be 'auto' or 'none'")
+        return v

@@ -1,0 +1,93 @@
+"""The app factory: wires the service and engine into routes, middleware and error handlers."""
+
+from __future__ import annotations
+
+import traceback
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from mlx_server.errors import InvalidRequest, MethodNotAllowed, NotFound, Overloaded, ServerError
+from mlx_server.logs import log
+from mlx_server.protocols.openai.routes import make_router as openai_router
+from mlx_server.server.http import parse_body
+from mlx_server.server.middleware import GuardMiddleware, error_body
+from mlx_server.service import ChatService
+
+
+class CancelRequest(BaseModel):
+    id: str | None = None
+
+
+def create_app(service: ChatService, *, api_key: str = "", vision: bool = False) -> FastAPI:
+    """Build the ASGI app around a ChatService (whose engine may be real or scripted)."""
+    app = FastAPI(title="mlx-server", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.service = service
+    app.state.shutting_down = False
+    engine = service.engine
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        return {"status": "ok", "active": engine.active_count, "queued": engine.queue_depth}
+
+    @app.post("/v1/cancel")
+    async def cancel(request: Request) -> dict[str, Any]:
+        raw = await request.body()
+        target = None
+        if raw.strip():
+            target = (await parse_body(request, CancelRequest)).id
+        n = engine.cancel(target)
+        log(f"Cancel requested: {n} active generation(s) cancelled")
+        return {"status": "cancelled" if n else "no_active_generation", "cancelled_count": n}
+
+    app.include_router(openai_router(service, vision=vision))
+    try:
+        from mlx_server.protocols.anthropic.routes import make_router as anthropic_router
+    except ImportError:
+        anthropic_router = None
+    if anthropic_router is not None:
+        app.include_router(anthropic_router(service, vision=vision))
+
+    _install_error_handlers(app)
+    app.add_middleware(GuardMiddleware, api_key=api_key)
+    return app
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ServerError)
+    async def on_server_error(request: Request, exc: ServerError) -> JSONResponse:
+        headers = {"Retry-After": str(exc.retry_after)} if isinstance(exc, Overloaded) else None
+        status = exc.status
+        if isinstance(exc, Overloaded) and request.url.path.startswith("/v1/messages"):
+            status = 529  # Anthropic's overloaded status
+        if status >= 500 and not isinstance(exc, Overloaded):
+            log(f"Error processing request: {exc.message}")
+        return JSONResponse(error_body(request.url.path, exc), status_code=status, headers=headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def on_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        err = InvalidRequest(f"invalid request: {exc.errors()}")
+        return JSONResponse(error_body(request.url.path, err), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        err: ServerError
+        if exc.status_code == 404:
+            err = NotFound(f"no route for {request.method} {request.url.path}")
+        elif exc.status_code == 405:
+            err = MethodNotAllowed(f"method {request.method} is not allowed on {request.url.path}")
+        else:
+            err = ServerError(str(exc.detail))
+            err.status = exc.status_code
+        return JSONResponse(error_body(request.url.path, err), status_code=err.status)
+
+    @app.exception_handler(Exception)
+    async def on_crash(request: Request, exc: Exception) -> JSONResponse:
+        traceback.print_exc()
+        log(f"Error processing request: {type(exc).__name__}: {exc}")
+        err = ServerError(f"internal server error ({type(exc).__name__})")
+        return JSONResponse(error_body(request.url.path, err), status_code=500)

@@ -1,0 +1,166 @@
+"""The chat service: neutral ChatRequest in, neutral output events out.
+
+Both protocol layers call this; it renders the prompt, enforces the context size, submits to
+the engine and runs the output parsers (reasoning split, tool calls) over the generated text.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, replace
+from typing import Any
+
+from mlx_server.engine.handle import GenerationHandle, TokenPiece
+from mlx_server.errors import ContextLengthExceeded, InvalidRequest
+from mlx_server.events import Finished, Logprobs, OutputEvent, ToolCallStart
+from mlx_server.logs import log
+from mlx_server.models.prompt import encode_prompt, render_prompt
+from mlx_server.parsing.pipeline import OutputPipeline
+from mlx_server.parsing.reasoning import prompt_opens_reasoning, reasoning_tags
+from mlx_server.parsing.tools import resolve_tool_parser
+from mlx_server.types import ChatRequest, GenerationRequest
+
+StreamEvent = OutputEvent | Logprobs | Finished
+
+
+@dataclass(frozen=True)
+class PreparedPrompt:
+    text: str
+    tokens: list[int]
+    max_tokens: int
+    start_in_reasoning: bool
+
+
+class ChatService:
+    """Turns chat requests into generations on one engine and one model."""
+
+    def __init__(self, model_id: str, tokenizer: Any, engine: Any, *, ctx_size: int, tool_call_parser: str | None = None):
+        self.model_id = model_id
+        self.tokenizer = tokenizer
+        self.engine = engine
+        self.ctx_size = ctx_size
+        self.reasoning_tags = reasoning_tags(tokenizer) or ("<think>", "</think>")
+        self.tool_format = resolve_tool_parser(tool_call_parser, tokenizer)
+        self.constraints: Any = None  # a ConstraintCompiler, when structured output is available
+        self.capabilities: list[str] = []
+
+    # ---- prompt ------------------------------------------------------------------------
+
+    def render(self, chat: ChatRequest) -> str:
+        tools = chat.tools if chat.tool_choice != "none" else None
+        return render_prompt(self.tokenizer, chat.messages, tools=tools, template_kwargs=chat.template_kwargs)
+
+    def count_tokens(self, chat: ChatRequest) -> int:
+        return len(encode_prompt(self.tokenizer, self.render(chat)))
+
+    def prepare(self, chat: ChatRequest) -> PreparedPrompt:
+        """Render and tokenize; check prompt + max_tokens against the context size."""
+        text = self.render(chat)
+        tokens = encode_prompt(self.tokenizer, text)
+        n = len(tokens)
+        if chat.max_tokens is not None:
+            if n + chat.max_tokens > self.ctx_size:
+                raise ContextLengthExceeded(
+                    f"this request needs {n + chat.max_tokens} tokens ({n} in the prompt + {chat.max_tokens} "
+                    f"max_tokens), more than the context size of {self.ctx_size} tokens",
+                    param="messages",
+                )
+            max_tokens = chat.max_tokens
+        else:
+            max_tokens = self.ctx_size - n
+            if max_tokens <= 0:
+                raise ContextLengthExceeded(
+                    f"the prompt has {n} tokens, which leaves no room within the context size of "
+                    f"{self.ctx_size} tokens",
+                    param="messages",
+                )
+        start, end = self.reasoning_tags
+        opens = chat.reasoning_format != "none" and prompt_opens_reasoning(text, start, end)
+        return PreparedPrompt(text, tokens, max_tokens, opens)
+
+    # ---- generation --------------------------------------------------------------------
+
+    def start(self, chat: ChatRequest, request_id: str | None = None) -> Generation:
+        """Validate, render and submit; raises InvalidRequest/Overloaded before anything streams."""
+        prepared = self.prepare(chat)
+        request_id = request_id or f"chatcmpl-{uuid.uuid4().hex[:24]}"
+        processors = self._constraint_processors(chat, prepared)
+        req = GenerationRequest(
+            request_id=request_id,
+            prompt_tokens=prepared.tokens,
+            max_tokens=prepared.max_tokens,
+            sampling=chat.sampling,
+            stop=chat.stop,
+            logprobs=chat.logprobs,
+            top_logprobs=chat.top_logprobs,
+            logits_processors=tuple(processors),
+        )
+        handle = self.engine.submit(req, asyncio.get_running_loop())
+        parse_tools = bool(chat.tools) and chat.tool_choice != "none" and self.tool_format is not None
+        pipeline = OutputPipeline(
+            reasoning=self.reasoning_tags if chat.reasoning_format != "none" else None,
+            start_in_reasoning=prepared.start_in_reasoning,
+            tool_format=self.tool_format if parse_tools else None,
+            tools=chat.tools if parse_tools else None,
+            max_calls=None if chat.parallel_tool_calls else 1,
+        )
+        return Generation(request_id, handle, pipeline, len(prepared.tokens))
+
+    def _constraint_processors(self, chat: ChatRequest, prepared: PreparedPrompt) -> list[Any]:
+        if chat.constraint is None:
+            return []
+        if self.constraints is None:
+            raise InvalidRequest("structured output is not available on this server", param="response_format")
+        activate_after = None
+        if prepared.start_in_reasoning:
+            activate_after = self.tokenizer.encode(self.reasoning_tags[1], add_special_tokens=False)
+        return [self.constraints.processor(chat.constraint, activate_after=activate_after)]
+
+
+class Generation:
+    """One running generation: iterate ``events()`` for neutral events, ending with Finished."""
+
+    def __init__(self, request_id: str, handle: GenerationHandle, pipeline: OutputPipeline, prompt_tokens: int):
+        self.request_id = request_id
+        self.handle = handle
+        self.pipeline = pipeline
+        self.prompt_tokens = prompt_tokens
+
+    @property
+    def cached_tokens(self) -> int:
+        return self.handle.cached_tokens
+
+    def cancel(self) -> None:
+        self.handle.cancel()
+
+    async def events(self) -> AsyncIterator[StreamEvent]:
+        saw_tools = False
+        try:
+            async for ev in self.handle:
+                if isinstance(ev, TokenPiece):
+                    if ev.logprobs:
+                        yield Logprobs(ev.logprobs)
+                    for out in self.pipeline.feed(ev.text):
+                        saw_tools = saw_tools or isinstance(out, ToolCallStart)
+                        yield out
+                    continue
+                for out in self.pipeline.flush():
+                    saw_tools = saw_tools or isinstance(out, ToolCallStart)
+                    yield out
+                yield self._final(ev, saw_tools)
+        finally:
+            if not self.handle.done:
+                self.handle.cancel()  # the consumer went away: free the slot
+
+    def _final(self, ev: Finished, saw_tools: bool) -> Finished:
+        reason = ev.reason
+        in_reasoning = self.pipeline.in_reasoning
+        if reason == "stop" and saw_tools:
+            reason = "tool_calls"
+        elif reason in ("stop", "stop_sequence") and in_reasoning:
+            log("Generation ended inside the reasoning block: no answer was produced")
+        if ev.error:
+            log(f"Error during generation: {ev.error}")
+        return replace(ev, reason=reason, in_reasoning=in_reasoning)

@@ -1,0 +1,58 @@
+"""Neutral request values: what every protocol adapter produces for the engine."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.7
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    seed: int | None = None
+
+
+@dataclass(frozen=True)
+class ChatRequest:
+    """A chat conversation to render and generate from, independent of the protocol.
+
+    ``messages`` use the Hugging Face chat-template shape (role, content, tool_calls with
+    ``function.arguments`` as a dict, tool_call_id, reasoning_content), because that is
+    what chat templates consume.
+    """
+
+    messages: list[dict[str, Any]]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    max_tokens: int | None = None
+    stop: tuple[str, ...] = ()
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool = True
+    logprobs: bool = False
+    top_logprobs: int = 0
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
+    # "auto": split reasoning out of the answer; "none": raw text.
+    reasoning_format: str = "auto"
+    # Constrained decoding (response_format / enforced tool_choice), or None.
+    constraint: Any = None
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """What the engine runs: token ids in, text pieces out."""
+
+    request_id: str
+    prompt_tokens: list[int]
+    max_tokens: int
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop: tuple[str, ...] = ()
+    logprobs: bool = False
+    top_logprobs: int = 0
+    # Extra mlx-lm logits processors (e.g. a grammar constraint), built per request.
+    logits_processors: tuple[Any, ...] = ()

@@ -1,0 +1,61 @@
+"""Wires Settings into a loaded model, an engine, a chat service and the app."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mlx_server.config import Settings
+from mlx_server.logs import log
+
+
+def set_cache_limit(settings: Settings) -> int:
+    """MLX's buffer-cache limit (freed buffers kept for reuse). Returns bytes."""
+    import mlx.core as mx
+
+    from mlx_server.models.loader import device_memory_bytes
+
+    if settings.cache_limit_gb is not None:
+        limit = int(settings.cache_limit_gb * (1 << 30))
+    else:
+        limit = min(device_memory_bytes() // 4, 20 << 30)
+    mx.set_cache_limit(limit)
+    log(f"Memory cache limit: {limit // (1 << 20)}MB")
+    return limit
+
+
+def build(settings: Settings) -> tuple[Any, Any]:
+    """Load the model and return (app, engine); the engine thread is started."""
+    from mlx_server.engine.engine import Engine, EngineConfig
+    from mlx_server.models.loader import device_memory_bytes, load_model
+    from mlx_server.server.app import create_app
+    from mlx_server.service import ChatService
+
+    set_cache_limit(settings)
+    loaded = load_model(settings.model, model_id=settings.model_id, dtype=settings.dtype)
+    log(f"Model id: {loaded.model_id} ({loaded.path})")
+    budget = settings.kv_budget_gb
+    kv_budget = int(budget * (1 << 30)) if budget is not None else device_memory_bytes() // 4
+    engine = Engine(
+        loaded.model,
+        loaded.tokenizer,
+        EngineConfig(
+            max_batch_size=settings.max_batch_size,
+            max_queue=settings.max_queue,
+            prefill_step_size=settings.prefill_step_size,
+            prompt_cache_size=settings.prompt_cache_size,
+            prompt_cache_bytes=int(settings.prompt_cache_gb * (1 << 30)),
+            kv_budget_bytes=kv_budget,
+            kv_bytes_per_token=loaded.kv_bytes_per_token,
+        ),
+    )
+    service = ChatService(
+        loaded.model_id,
+        loaded.tokenizer,
+        engine,
+        ctx_size=settings.ctx_size,
+        tool_call_parser=settings.tool_call_parser,
+    )
+    service.capabilities = loaded.capabilities
+    log(f"KV budget: {kv_budget // (1 << 20)}MB, max batch size {settings.max_batch_size}")
+    engine.start()
+    return create_app(service, api_key=settings.api_key), engine

@@ -1,0 +1,111 @@
+"""A scripted engine: replays chosen text piece by piece through the real server stack.
+
+It has the engine's public interface (submit/cancel/active_count/queue_depth/start/shutdown)
+and applies stop strings and max_tokens like the real one, so protocol tests are exact.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from dataclasses import dataclass, field
+
+from mlx_server.engine.handle import GenerationHandle, TokenPiece
+from mlx_server.errors import Overloaded
+from mlx_server.events import Finished, Timings, Usage
+from mlx_server.parsing.stops import StopMatcher
+from mlx_server.types import GenerationRequest
+
+
+@dataclass
+class Script:
+    pieces: list[str]
+    delay: float = 0.0  # seconds between pieces
+    finish: str = "stop"  # how the text ends when it runs out: "stop" (EOS) or "error"
+
+
+@dataclass
+class ScriptedEngine:
+    default: Script = field(default_factory=lambda: Script(["Hello", " there", "!"]))
+    scripts: deque[Script] = field(default_factory=deque)
+    requests: list[GenerationRequest] = field(default_factory=list)
+    max_queue: int = 64
+    _active: dict[str, GenerationHandle] = field(default_factory=dict)
+    _tasks: set[asyncio.Task] = field(default_factory=set)
+    stopping: bool = False
+
+    def push(self, *pieces: str, delay: float = 0.0, finish: str = "stop") -> None:
+        self.scripts.append(Script(list(pieces), delay, finish))
+
+    def start(self) -> None:
+        pass
+
+    def submit(self, req: GenerationRequest, loop: asyncio.AbstractEventLoop | None = None) -> GenerationHandle:
+        if self.stopping:
+            raise Overloaded("the server is shutting down")
+        if len(self._active) >= self.max_queue:
+            raise Overloaded("the request queue is full")
+        loop = loop or asyncio.get_running_loop()
+        script = self.scripts.popleft() if self.scripts else self.default
+        handle = GenerationHandle(req.request_id, loop)
+        handle.prompt_tokens = len(req.prompt_tokens)
+        self.requests.append(req)
+        self._active[req.request_id] = handle
+        task = loop.create_task(self._play(req, handle, script))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return handle
+
+    async def _play(self, req: GenerationRequest, handle: GenerationHandle, script: Script) -> None:
+        stops = StopMatcher(req.stop)
+        n = 0
+        reason = script.finish
+        try:
+            for piece in script.pieces:
+                if handle.cancelled:
+                    reason = "cancelled"
+                    break
+                if n >= req.max_tokens:
+                    reason = "length"
+                    break
+                n += 1
+                out = stops.feed(piece)
+                if out:
+                    handle.push(TokenPiece(out))
+                if stops.matched is not None:
+                    reason = "stop_sequence"
+                    break
+                await asyncio.sleep(script.delay)
+            else:
+                if handle.cancelled:
+                    reason = "cancelled"
+            if reason not in ("stop_sequence", "cancelled"):
+                tail = stops.flush()
+                if tail:
+                    handle.push(TokenPiece(tail))
+        finally:
+            self._active.pop(req.request_id, None)
+            usage = Usage(len(req.prompt_tokens), n)
+            timings = Timings(len(req.prompt_tokens), 1.0, n, 1.0 + n)
+            err = "scripted failure" if reason == "error" else None
+            handle.push(Finished(reason, usage, timings, stop_sequence=stops.matched, error=err))
+
+    def cancel(self, request_id: str | None = None) -> int:
+        n = 0
+        for rid, h in list(self._active.items()):
+            if not h.cancelled and (request_id is None or rid == request_id):
+                h.cancel()
+                n += 1
+        return n
+
+    @property
+    def active_count(self) -> int:
+        return len(self._active)
+
+    @property
+    def queue_depth(self) -> int:
+        return 0
+
+    def shutdown(self, timeout: float = 0) -> None:
+        self.stopping = True
+        self.cancel()

@@ -1,0 +1,159 @@
+"""End-to-end: the real ``mlx-server`` process on a tiny random-weight model."""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import threading
+import time
+
+import httpx
+import openai
+from conftest import free_port, schema_validator
+
+CHUNK = schema_validator("CreateChatCompletionStreamResponse")
+COMPLETION = schema_validator("CreateChatCompletionResponse")
+
+
+def oai(srv) -> openai.OpenAI:
+    return openai.OpenAI(base_url=srv.base_url + "/v1", api_key="x", _strict_response_validation=True, max_retries=0)
+
+
+def test_greedy_generation_and_schema(tiny_server):
+    r = httpx.post(tiny_server.base_url + "/v1/chat/completions", json={"model": "m", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 8, "temperature": 0}, timeout=60)
+    assert r.status_code == 200, r.text
+    COMPLETION.validate(r.json())
+    body = r.json()
+    assert body["usage"]["completion_tokens"] <= 8
+    assert body["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+def test_same_seed_same_text(tiny_server):
+    c = oai(tiny_server)
+    kw = dict(model="m", messages=[{"role": "user", "content": "tell me"}], max_tokens=12, temperature=1.0, seed=1234)
+    a = c.chat.completions.create(**kw).choices[0].message.content
+    b = c.chat.completions.create(**kw).choices[0].message.content
+    assert a == b
+    others = {c.chat.completions.create(**{**kw, "seed": s}).choices[0].message.content for s in (1, 2, 3)}
+    assert len(others | {a}) > 1  # the seed actually changes the sampling
+
+
+def test_stream_matches_non_stream_at_temperature_zero(tiny_server):
+    c = oai(tiny_server)
+    kw = dict(model="m", messages=[{"role": "user", "content": "abc"}], max_tokens=10, temperature=0)
+    full = c.chat.completions.create(**kw).choices[0].message.content
+    chunks = list(c.chat.completions.create(stream=True, **kw))
+    for ch in chunks:
+        CHUNK.validate(ch.model_dump(exclude_unset=True))
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == full
+
+
+def test_length_and_context_limit(tiny_server):
+    c = oai(tiny_server)
+    r = c.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}], max_tokens=3, temperature=0)
+    assert r.usage.completion_tokens <= 3
+    r = httpx.post(tiny_server.base_url + "/v1/chat/completions", json={"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 300})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    # no max_tokens: runs until EOS or the context (256) is full, then says "length"
+    r = c.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}], temperature=0)
+    assert r.usage.prompt_tokens + r.usage.completion_tokens <= 256
+
+
+def test_logprobs(tiny_server):
+    r = httpx.post(tiny_server.base_url + "/v1/chat/completions", json={"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 4, "temperature": 0, "logprobs": True, "top_logprobs": 3}).json()
+    COMPLETION.validate(r)
+    content = r["choices"][0]["logprobs"]["content"]
+    assert len(content) >= 1
+    for e in content:
+        assert len(e["top_logprobs"]) == 3
+        assert e["logprob"] <= 0
+        # greedy: the chosen token is the most likely one
+        assert abs(e["logprob"] - e["top_logprobs"][0]["logprob"]) < 1e-4
+
+
+def test_health_answers_during_generation(tiny_server):
+    def gen():
+        httpx.post(tiny_server.base_url + "/v1/chat/completions", json={"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 200, "temperature": 0, "ignore_eos": True}, timeout=120)
+
+    t = threading.Thread(target=gen)
+    t.start()
+    time.sleep(0.3)
+    for _ in range(5):
+        r = httpx.get(tiny_server.base_url + "/health", timeout=5)
+        assert r.status_code == 200 and r.json()["status"] == "ok"
+    t.join(120)
+
+
+def test_disconnect_frees_the_slot(tiny_server):
+    body = {"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 200, "stream": True, "temperature": 1.0}
+    with httpx.stream("POST", tiny_server.base_url + "/v1/chat/completions", json=body, timeout=60) as resp:
+        it = resp.iter_lines()
+        next(it)
+    deadline = time.time() + 10
+    while time.time() < deadline and httpx.get(tiny_server.base_url + "/health").json()["active"]:
+        time.sleep(0.05)
+    assert httpx.get(tiny_server.base_url + "/health").json()["active"] == 0
+
+
+def test_readiness_only_after_bind_and_sigterm(tiny_model_dir, server_factory):
+    port = free_port()
+    sp = server_factory(["-m", str(tiny_model_dir), "--port", str(port), "--model-id", "my.model-1.5"])
+    # the readiness line was printed: the port must already accept connections
+    with socket.create_connection(("127.0.0.1", port), timeout=2):
+        pass
+    assert any(line == f"[mlx] server is listening on 127.0.0.1:{port}" for line in sp.lines)
+    assert httpx.get(sp.base_url + "/v1/models").json()["data"][0]["id"] == "my.model-1.5"
+    # a long generation is running when SIGTERM arrives
+    t = threading.Thread(target=lambda: httpx.post(sp.base_url + "/v1/chat/completions", json={"model": "m", "messages": [{"role": "user", "content": "x"}], "stream": True, "max_tokens": 3000}, timeout=30))
+    t.start()
+    time.sleep(0.5)
+    t0 = time.time()
+    sp.proc.send_signal(signal.SIGTERM)
+    sp.proc.wait(10)
+    assert time.time() - t0 < 5
+    t.join(10)
+
+
+def test_port_in_use(tiny_model_dir, server_factory):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(1)
+        port = s.getsockname()[1]
+        sp = server_factory(["-m", str(tiny_model_dir), "--port", str(port)], wait=False)
+        rc = sp.proc.wait(60)
+    assert rc != 0
+    assert not any("http server listening" in line for line in sp.lines)
+    assert "in use" in sp.proc.stderr.read().lower()
+
+
+def test_load_failure(tmp_path, server_factory):
+    sp = server_factory(["-m", str(tmp_path / "missing"), "--port", str(free_port())], wait=False)
+    assert sp.proc.wait(60) == 1
+    time.sleep(0.1)
+    assert any(line.startswith("[mlx] Failed to load model:") for line in sp.lines)
+    assert not any("listening" in line for line in sp.lines)
+    assert sp.proc.stderr.read().strip()
+
+
+def test_unknown_flag_exits_2(server_factory):
+    sp = server_factory(["-m", "x", "--chat-template", "y"], wait=False)
+    assert sp.proc.wait(30) == 2
+    assert "usage" in sp.proc.stderr.read().lower()
+
+
+def test_default_model_id_keeps_dots(tmp_path, tiny_model_dir, server_factory):
+    import shutil
+
+    d = tmp_path / "Qwen2.5-7B"
+    shutil.copytree(tiny_model_dir, d)
+    port = free_port()
+    sp = server_factory(["-m", str(d / "model.safetensors"), "--port", str(port)])
+    assert httpx.get(sp.base_url + "/v1/models").json()["data"][0]["id"] == "Qwen2.5-7B"
+
+
+def test_non_loopback_warning(tiny_model_dir, server_factory):
+    port = free_port()
+    sp = server_factory(["-m", str(tiny_model_dir), "--port", str(port), "--host", "0.0.0.0"])
+    assert any("WARNING" in line and "API key" in line for line in sp.lines)
+    assert json.loads(httpx.get(f"http://127.0.0.1:{port}/health").text)["status"] == "ok"

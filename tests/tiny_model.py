@@ -1,0 +1,86 @@
+"""Build a tiny random-weight mlx-lm model with a real BPE tokenizer and a ChatML template."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+CHATML = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + (message['content'] or '') }}"
+    "{% if message.tool_calls %}{% for tc in message.tool_calls %}"
+    "{{ '<tool_call>\n' + (tc.function | tojson) + '\n</tool_call>' }}"
+    "{% endfor %}{% endif %}"
+    "{{ '<|im_end|>\n' }}"
+    "{% endfor %}"
+    "{% if tools %}{{ '<|im_start|>system\nTools: ' + (tools | tojson) + '<|im_end|>\n' }}{% endif %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>", "<tool_call>", "</tool_call>"]
+
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Hello world! What is the capital of France? Paris is the capital.",
+    "def add(a, b):\n    return a + b\n",
+    "Numbers 0 1 2 3 4 5 6 7 8 9 and symbols {}[]():;,.'\"<>/\\|!@#$%^&*-_=+",
+    "system user assistant tool function arguments name content",
+]
+
+
+def build_tokenizer(path: Path, template: str = CHATML) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=SPECIALS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(CORPUS * 20, trainer)
+    tok.save(str(path / "tokenizer.json"))
+    cfg = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": None,
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>",
+        "unk_token": None,
+        "chat_template": template,
+        "model_max_length": 4096,
+    }
+    (path / "tokenizer_config.json").write_text(json.dumps(cfg))
+
+
+def build_tiny_model(path: Path, *, template: str = CHATML, seed: int = 0) -> Path:
+    """Write config.json, model.safetensors and the tokenizer files into ``path``."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.models import llama
+
+    path.mkdir(parents=True, exist_ok=True)
+    build_tokenizer(path, template)
+    vocab = json.loads((path / "tokenizer.json").read_text())["model"]["vocab"]
+    vocab_size = max(len(vocab) + len(SPECIALS), 64)
+    config = {
+        "model_type": "llama",
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "intermediate_size": 128,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-5,
+        "vocab_size": vocab_size,
+        "max_position_embeddings": 4096,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": True,
+        "eos_token_id": vocab["<|im_end|>"] if "<|im_end|>" in vocab else 2,
+    }
+    mx.random.seed(seed)
+    model = llama.Model(llama.ModelArgs.from_dict(config))
+    weights = dict(tree_flatten(model.parameters()))
+    mx.save_safetensors(str(path / "model.safetensors"), weights)
+    (path / "config.json").write_text(json.dumps(config))
+    return path
