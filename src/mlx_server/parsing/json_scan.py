@@ -1,0 +1,55 @@
+"""Find where a streamed JSON object ends without parsing it.
+
+Tool-call arguments are streamed as the raw JSON text the model writes; the scanner tracks
+nesting depth and string/escape state so that it knows the exact character that closes the
+object, even when strings hold braces, quotes or tags.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+
+
+class ScanStatus(Enum):
+    MORE = "more"  # consumed everything; the object is still open
+    CLOSED = "closed"  # the object closed at the last consumed character
+    STOPPED = "stopped"  # halted before a stop character outside any string
+
+
+class JsonObjectScanner:
+    """Incremental scanner over text that starts with a JSON object's ``{``."""
+
+    def __init__(self) -> None:
+        self.depth = 0
+        self.in_string = False
+        self._escape = False
+        self.closed = False
+
+    def scan(self, text: str, stop: str = "") -> tuple[int, ScanStatus]:
+        """Consume ``text`` until the object closes or a ``stop`` character appears outside a
+        string; return how many characters were consumed and why it returned.
+
+        A stop character is left unconsumed so the caller can look at what follows it (for
+        instance an end tag that shows the JSON was cut short).
+        """
+        for i, ch in enumerate(text):
+            if self.in_string:
+                if self._escape:
+                    self._escape = False
+                elif ch == "\\":
+                    self._escape = True
+                elif ch == '"':
+                    self.in_string = False
+                continue
+            if ch == '"':
+                self.in_string = True
+            elif ch in "{[":
+                self.depth += 1
+            elif ch in "}]":
+                self.depth -= 1
+                if self.depth <= 0:
+                    self.closed = True
+                    return i + 1, ScanStatus.CLOSED
+            elif stop and ch in stop:
+                return i, ScanStatus.STOPPED
+        return len(text), ScanStatus.MORE

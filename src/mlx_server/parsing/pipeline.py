@@ -1,0 +1,149 @@
+"""The output parsers composed: reasoning split, then tool calls in the answer text.
+
+Tool calls are looked for in content only: markup inside a reasoning block stays reasoning.
+Conversely, think tags written inside a tool call's markup stay part of the call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from mlx_server.events import (
+    OutputEvent,
+    ReasoningDelta,
+    TextDelta,
+    ToolCallArgsDelta,
+    ToolCallEnd,
+    ToolCallStart,
+)
+from mlx_server.parsing.reasoning import ReasoningSplitter
+from mlx_server.parsing.tool_formats import ToolFormat
+from mlx_server.parsing.tools import ToolCallParser, new_call_id
+
+
+class OutputPipeline:
+    """Incremental decoder of generated text into neutral output events."""
+
+    def __init__(
+        self,
+        *,
+        reasoning: tuple[str, str] | None,
+        start_in_reasoning: bool,
+        tool_format: ToolFormat | None,
+        tools: list[dict[str, Any]] | None,
+        max_calls: int | None = None,
+        id_factory: Callable[[], str] = new_call_id,
+    ) -> None:
+        """
+        ``reasoning``: the think tags, or None to pass reasoning through as text (for
+        ``reasoning_format: none`` or a model without them). ``start_in_reasoning``: the
+        prompt already opened a block (see ``prompt_opens_reasoning``). Tool calls are
+        parsed only when both ``tool_format`` and a non-empty ``tools`` are given;
+        ``max_calls=1`` implements ``parallel_tool_calls: false``.
+        """
+        self._tools = (
+            ToolCallParser(tool_format, tools, id_factory=id_factory, max_calls=max_calls)
+            if tool_format is not None and tools
+            else None
+        )
+        verbatim = [(tool_format.start, tool_format.end)] if self._tools and tool_format else []
+        self._splitter = (
+            ReasoningSplitter(
+                reasoning[0],
+                reasoning[1],
+                start_in_reasoning=start_in_reasoning,
+                verbatim=verbatim,
+            )
+            if reasoning is not None
+            else None
+        )
+
+    @property
+    def in_reasoning(self) -> bool:
+        """True while inside a reasoning block (after ``flush``: it was never closed)."""
+        return self._splitter is not None and self._splitter.in_reasoning
+
+    @property
+    def saw_tool_calls(self) -> bool:
+        """True once a tool call has been emitted."""
+        return self._tools is not None and self._tools.saw_tool_calls
+
+    def feed(self, text: str) -> list[OutputEvent]:
+        """Consume a piece of generated text; return the events that are now certain."""
+        if self._splitter is None:
+            split: list[TextDelta | ReasoningDelta] = [TextDelta(text)] if text else []
+        else:
+            split = self._splitter.feed(text)
+        return merge_events(self._route(split))
+
+    def flush(self) -> list[OutputEvent]:
+        """End of generation: everything still held back, as final events."""
+        events = self._route(self._splitter.flush() if self._splitter else [])
+        if self._tools is not None:
+            events.extend(self._tools.flush())
+        return merge_events(events)
+
+    def _route(self, events: Iterable[TextDelta | ReasoningDelta]) -> list[OutputEvent]:
+        out: list[OutputEvent] = []
+        for event in events:
+            if isinstance(event, TextDelta) and self._tools is not None:
+                out.extend(self._tools.feed(event.text))
+            else:
+                out.append(event)
+        return out
+
+
+def merge_events(events: Iterable[OutputEvent]) -> list[OutputEvent]:
+    """Join adjacent text, reasoning, and same-call argument pieces; drop empty pieces."""
+    out: list[OutputEvent] = []
+    for event in events:
+        if isinstance(event, (TextDelta, ReasoningDelta, ToolCallArgsDelta)) and not event.text:
+            continue
+        last = out[-1] if out else None
+        if isinstance(event, TextDelta) and isinstance(last, TextDelta):
+            out[-1] = TextDelta(last.text + event.text)
+        elif isinstance(event, ReasoningDelta) and isinstance(last, ReasoningDelta):
+            out[-1] = ReasoningDelta(last.text + event.text)
+        elif (
+            isinstance(event, ToolCallArgsDelta)
+            and isinstance(last, ToolCallArgsDelta)
+            and last.index == event.index
+        ):
+            out[-1] = ToolCallArgsDelta(index=event.index, text=last.text + event.text)
+        else:
+            out.append(event)
+    return out
+
+
+def collect(events: Iterable[OutputEvent]) -> dict[str, Any]:
+    """Assemble a whole message from events (for non-streaming responses).
+
+    Returns ``{"content": str | None, "reasoning_content": str | None,
+    "tool_calls": [{"id", "name", "arguments"}]}``; empty text becomes None.
+    """
+    content: list[str] = []
+    reasoning: list[str] = []
+    calls: dict[int, dict[str, Any]] = {}
+    for event in events:
+        if isinstance(event, TextDelta):
+            content.append(event.text)
+        elif isinstance(event, ReasoningDelta):
+            reasoning.append(event.text)
+        elif isinstance(event, ToolCallStart):
+            calls[event.index] = {"id": event.id, "name": event.name, "arguments": "", "_parts": []}
+        elif isinstance(event, ToolCallArgsDelta) and event.index in calls:
+            calls[event.index]["_parts"].append(event.text)
+        elif isinstance(event, ToolCallEnd) and event.index in calls:
+            calls[event.index]["arguments"] = event.arguments
+            calls[event.index]["_done"] = True
+    tool_calls = []
+    for index in sorted(calls):
+        call = calls[index]
+        arguments = call["arguments"] if call.get("_done") else "".join(call["_parts"])
+        tool_calls.append({"id": call["id"], "name": call["name"], "arguments": arguments})
+    return {
+        "content": "".join(content) or None,
+        "reasoning_content": "".join(reasoning) or None,
+        "tool_calls": tool_calls,
+    }
