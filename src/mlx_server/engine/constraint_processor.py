@@ -9,6 +9,7 @@ step (on the first call, the last prompt token, which the grammar must not consu
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import cast
 
 import llguidance
 import mlx.core as mx
@@ -67,14 +68,14 @@ class GrammarLogitsProcessor:
         if self._skip_next:
             self._skip_next = False
         elif self.error is None:
-            self._consume(int(tokens[-1].item()))
+            self._consume(_tail(tokens, 1)[0])
         return _apply_mask(logits, self._next_allowed(logits.shape[-1]))
 
     def _trigger_seen(self, tokens: mx.array) -> bool:
         n = len(self._trigger)
-        if tokens.shape[0] < n or int(tokens[-1].item()) != self._trigger[-1]:
+        if tokens.shape[0] < n or _tail(tokens, 1)[0] != self._trigger[-1]:
             return False
-        return n == 1 or tuple(tokens[-n:].tolist()) == self._trigger
+        return n == 1 or tuple(_tail(tokens, n)) == self._trigger
 
     def _consume(self, token: int) -> None:
         if self._matcher.is_stopped():
@@ -106,6 +107,11 @@ class GrammarLogitsProcessor:
         # Rust writes the mask straight into our buffer and releases the GIL meanwhile.
         self._matcher.unsafe_compute_mask_ptr(self._bitmask.ctypes.data, self._bitmask.nbytes)
         return self._bitmask
+
+
+def _tail(tokens: mx.array, n: int) -> list[int]:
+    """The last ``n`` token ids (waits for the step that sampled the last one)."""
+    return cast(list[int], tokens[-n:].tolist())
 
 
 def _fit(allowed: np.ndarray, vocab: int) -> np.ndarray:

@@ -21,7 +21,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jsonschema
 import llguidance
@@ -29,12 +29,15 @@ import llguidance.hf
 
 from mlx_server.engine.constraint_processor import GrammarLogitsProcessor
 
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions
+
 KINDS = ("json_object", "json_schema", "tool_call")
 
 # JSON whitespace: at most one line break plus bounded indentation per gap, so a model
 # cannot run away emitting blank lines or spaces while staying inside the grammar.
 JSON_WHITESPACE = r"(?:[\x20\x09]{1,8}|\x0D?\x0A[\x20\x09]{0,48})"
-_JSON_OPTIONS: dict[str, Any] = {"whitespace_pattern": JSON_WHITESPACE}
+_JSON_OPTIONS: JsonCompileOptions = {"whitespace_pattern": JSON_WHITESPACE}
 
 
 class ConstraintError(ValueError):
@@ -254,7 +257,7 @@ def build_grammar(spec: ConstraintSpec, marker: Callable[[str], str] = json.dump
 def _tool_call_lark(spec: ConstraintSpec, marker: Callable[[str], str]) -> str:
     bodies = [_call_schema(name, params, i) for i, (name, params) in enumerate(_chosen_tools(spec))]
     body = bodies[0] if len(bodies) == 1 else {"anyOf": bodies}
-    body = {**body, "x-guidance": _JSON_OPTIONS}
+    body = {**body, "x-guidance": dict(_JSON_OPTIONS)}
     start = 'call ("\\n"? call)*' if spec.parallel else "call"
     return (
         f"start: {start}\n"
