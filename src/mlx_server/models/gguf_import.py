@@ -154,18 +154,27 @@ def import_cached(src: Path, *, dtype: str | None = None) -> Path:
     target = cache_dir() / "gguf" / file_sha256(src) / variant
     if target.is_dir():
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
     log.info("importing %s into %s", src, target)
-    staging = Path(tempfile.mkdtemp(prefix=".import-", dir=target.parent))
+    return import_atomically(src, target, dtype=dtype)
+
+
+def import_atomically(src: Path, target: Path, *, dtype: str | None = None) -> Path:
+    """Import into a temporary sibling of `target`, then rename it into place.
+
+    Readers never see a half-written model, and when two processes race, the first rename
+    wins and the other import is discarded.
+    """
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     try:
         import_gguf(src, staging, dtype=dtype)
+        staging.chmod(0o755)  # mkdtemp makes it private
         os.rename(staging, target)
     except OSError:
-        if not target.is_dir():  # not a lost race with another importer
+        if not target.is_dir():
             raise
     finally:
-        if staging.exists():
-            shutil.rmtree(staging, ignore_errors=True)
+        shutil.rmtree(staging, ignore_errors=True)
     return target
 
 
