@@ -56,7 +56,9 @@ class InProcessServer:
         self.thread.join(5)
 
 
-def start_in_process(tokenizer, *, api_key: str = "", ctx_size: int = 512, engine=None, **service_kw) -> InProcessServer:
+def start_in_process(
+    tokenizer, *, api_key: str = "", ctx_size: int = 512, engine=None, **service_kw
+) -> InProcessServer:
     import uvicorn
 
     from mlx_server.server.app import create_app
@@ -160,11 +162,15 @@ def launch(args: list[str], env: dict[str, str] | None = None) -> ServerProcess:
 def server_factory():
     procs: list[ServerProcess] = []
 
-    def make(args: list[str], *, wait: bool = True, env: dict[str, str] | None = None) -> ServerProcess:
+    def make(
+        args: list[str], *, wait: bool = True, env: dict[str, str] | None = None
+    ) -> ServerProcess:
         sp = launch(args, env)
         procs.append(sp)
         if wait:
-            assert sp.wait_ready(), f"server did not become ready: {sp.lines} {sp.proc.stderr.read() if sp.proc.poll() is not None else ''}"
+            assert sp.wait_ready(), (
+                f"server did not become ready: {sp.lines} {sp.proc.stderr.read() if sp.proc.poll() is not None else ''}"
+            )
         return sp
 
     yield make

@@ -40,7 +40,9 @@ class ScriptedEngine:
     def start(self) -> None:
         pass
 
-    def submit(self, req: GenerationRequest, loop: asyncio.AbstractEventLoop | None = None) -> GenerationHandle:
+    def submit(
+        self, req: GenerationRequest, loop: asyncio.AbstractEventLoop | None = None
+    ) -> GenerationHandle:
         if self.stopping:
             raise Overloaded("the server is shutting down")
         if len(self._active) >= self.max_queue:

@@ -15,7 +15,13 @@ ERROR = schema_validator("ErrorResponse")
 
 
 def client(srv, **kw) -> openai.OpenAI:
-    return openai.OpenAI(base_url=srv.base_url + "/v1", api_key=kw.pop("api_key", "x"), _strict_response_validation=True, max_retries=0, **kw)
+    return openai.OpenAI(
+        base_url=srv.base_url + "/v1",
+        api_key=kw.pop("api_key", "x"),
+        _strict_response_validation=True,
+        max_retries=0,
+        **kw,
+    )
 
 
 def sse_events(resp: httpx.Response) -> list[dict]:
@@ -28,7 +34,9 @@ def sse_events(resp: httpx.Response) -> list[dict]:
 
 def test_non_stream_response_is_valid(scripted):
     scripted.engine.push("Hello", " world", "!")
-    r = client(scripted).chat.completions.create(model="anything", messages=[{"role": "user", "content": "hi"}])
+    r = client(scripted).chat.completions.create(
+        model="anything", messages=[{"role": "user", "content": "hi"}]
+    )
     assert r.choices[0].message.content == "Hello world!"
     assert r.choices[0].finish_reason == "stop"
     assert r.model == "anything"
@@ -42,7 +50,12 @@ def test_non_stream_response_is_valid(scripted):
 
 def test_stream_chunks_are_valid_and_ordered(scripted):
     scripted.engine.push("A", "B", "C")
-    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "model": "m",
+        "messages": [{"role": "user", "content": "hi"}],
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     with httpx.stream("POST", scripted.base_url + "/v1/chat/completions", json=body) as resp:
         assert resp.status_code == 200
         assert resp.headers["content-type"].startswith("text/event-stream")
@@ -58,14 +71,25 @@ def test_stream_chunks_are_valid_and_ordered(scripted):
     final = [e for e in events if e["choices"] and e["choices"][0]["finish_reason"]]
     assert len(final) == 1 and final[0]["choices"][0]["finish_reason"] == "stop"
     t = final[0]["timings"]
-    for k in ("prompt_n", "prompt_ms", "prompt_per_second", "predicted_n", "predicted_ms", "predicted_per_second"):
+    for k in (
+        "prompt_n",
+        "prompt_ms",
+        "prompt_per_second",
+        "predicted_n",
+        "predicted_ms",
+        "predicted_per_second",
+    ):
         assert k in t
     assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 3
 
 
 def test_sdk_stream(scripted):
     scripted.engine.push("x", "y")
-    chunks = list(client(scripted).chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], stream=True))
+    chunks = list(
+        client(scripted).chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "hi"}], stream=True
+        )
+    )
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "xy"
 
 
@@ -75,7 +99,11 @@ def test_stop_string_split_across_pieces_never_leaks(scripted, stream):
     c = client(scripted)
     kw = dict(model="m", messages=[{"role": "user", "content": "hi"}], stop=["END"])
     if stream:
-        text = "".join(ch.choices[0].delta.content or "" for ch in c.chat.completions.create(stream=True, **kw) if ch.choices)
+        text = "".join(
+            ch.choices[0].delta.content or ""
+            for ch in c.chat.completions.create(stream=True, **kw)
+            if ch.choices
+        )
     else:
         r = c.chat.completions.create(**kw)
         text = r.choices[0].message.content
@@ -85,19 +113,30 @@ def test_stop_string_split_across_pieces_never_leaks(scripted, stream):
 
 def test_stop_as_plain_string(scripted):
     scripted.engine.push("one, two, three")
-    r = client(scripted).chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], stop=", ")
+    r = client(scripted).chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "hi"}], stop=", "
+    )
     assert r.choices[0].message.content == "one"
 
 
 def test_finish_reason_length(scripted):
     scripted.engine.push(*["w "] * 10)
-    r = client(scripted).chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=3)
+    r = client(scripted).chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=3
+    )
     assert r.choices[0].finish_reason == "length"
     assert r.usage.completion_tokens == 3
 
 
 def test_context_length_exceeded(scripted):
-    r = httpx.post(scripted.base_url + "/v1/chat/completions", json={"model": "m", "messages": [{"role": "user", "content": "hi " * 50}], "max_tokens": 500})
+    r = httpx.post(
+        scripted.base_url + "/v1/chat/completions",
+        json={
+            "model": "m",
+            "messages": [{"role": "user", "content": "hi " * 50}],
+            "max_tokens": 500,
+        },
+    )
     assert r.status_code == 400
     err = r.json()["error"]
     ERROR.validate(r.json())
@@ -110,11 +149,26 @@ def test_whole_conversation_reaches_template(scripted):
     msgs = [
         {"role": "system", "content": "S1"},
         {"role": "developer", "content": "D1"},
-        {"role": "user", "content": [{"type": "text", "text": "U1"}, {"type": "text", "text": "U2"}]},
-        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{\"a\": 1}"}}]},
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "U1"}, {"type": "text", "text": "U2"}],
+        },
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "f", "arguments": '{"a": 1}'},
+                }
+            ],
+        },
         {"role": "tool", "tool_call_id": "call_1", "content": "R1"},
     ]
-    r = httpx.post(scripted.base_url + "/v1/chat/completions", json={"model": "m", "messages": msgs})
+    r = httpx.post(
+        scripted.base_url + "/v1/chat/completions", json={"model": "m", "messages": msgs}
+    )
     assert r.status_code == 200, r.text
     req = scripted.engine.requests[-1]
     text = scripted.service.tokenizer.decode(req.prompt_tokens)
@@ -132,7 +186,12 @@ def test_cancel_all_and_by_id(scripted):
     results = {}
 
     def run(key):
-        with httpx.stream("POST", scripted.base_url + "/v1/chat/completions", json={"model": "m", "messages": [{"role": "user", "content": key}], "stream": True}, timeout=30) as resp:
+        with httpx.stream(
+            "POST",
+            scripted.base_url + "/v1/chat/completions",
+            json={"model": "m", "messages": [{"role": "user", "content": key}], "stream": True},
+            timeout=30,
+        ) as resp:
             results[key] = sse_events(resp)
 
     threads = [threading.Thread(target=run, args=(k,)) for k in ("a", "b")]
@@ -167,7 +226,16 @@ def test_cancel_non_streaming(scripted):
     eng = scripted.engine
     eng.push(*["x"] * 500, delay=0.01)
     out = {}
-    t = threading.Thread(target=lambda: out.setdefault("r", httpx.post(scripted.base_url + "/v1/chat/completions", json={"model": "m", "messages": [{"role": "user", "content": "a"}]}, timeout=30)))
+    t = threading.Thread(
+        target=lambda: out.setdefault(
+            "r",
+            httpx.post(
+                scripted.base_url + "/v1/chat/completions",
+                json={"model": "m", "messages": [{"role": "user", "content": "a"}]},
+                timeout=30,
+            ),
+        )
+    )
     t.start()
     deadline = time.time() + 5
     while eng.active_count < 1 and time.time() < deadline:
@@ -183,7 +251,11 @@ def test_disconnect_stops_generation(scripted):
 
     eng = scripted.engine
     eng.push(*["x"] * 1000, delay=0.01)
-    with httpx.stream("POST", scripted.base_url + "/v1/chat/completions", json={"model": "m", "messages": [{"role": "user", "content": "a"}], "stream": True}) as resp:
+    with httpx.stream(
+        "POST",
+        scripted.base_url + "/v1/chat/completions",
+        json={"model": "m", "messages": [{"role": "user", "content": "a"}], "stream": True},
+    ) as resp:
         it = resp.iter_lines()
         for _ in range(5):
             next(it)
@@ -195,10 +267,14 @@ def test_disconnect_stops_generation(scripted):
 
 def test_error_after_stream_began(scripted):
     scripted.engine.push("partial", finish="error")
-    with httpx.stream("POST", scripted.base_url + "/v1/chat/completions", json={"model": "m", "messages": [{"role": "user", "content": "a"}], "stream": True}) as resp:
+    with httpx.stream(
+        "POST",
+        scripted.base_url + "/v1/chat/completions",
+        json={"model": "m", "messages": [{"role": "user", "content": "a"}], "stream": True},
+    ) as resp:
         lines = [x for x in resp.iter_lines() if x]
     assert any(x.startswith("error: ") and json.loads(x[7:])["message"] for x in lines)
-    data_err = [json.loads(x[6:]) for x in lines if x.startswith("data: {\"error\"")]
+    data_err = [json.loads(x[6:]) for x in lines if x.startswith('data: {"error"')]
     assert data_err and ERROR.validate(data_err[0]) is None
     assert "data: [DONE]" not in lines
     assert httpx.get(scripted.base_url + "/health").status_code == 200
@@ -206,7 +282,11 @@ def test_error_after_stream_began(scripted):
 
 def test_models_and_health(scripted):
     r = httpx.get(scripted.base_url + "/v1/models").json()
-    assert r["object"] == "list" and r["data"][0]["id"] == "scripted-model" and r["data"][0]["owned_by"] == "mlx"
+    assert (
+        r["object"] == "list"
+        and r["data"][0]["id"] == "scripted-model"
+        and r["data"][0]["owned_by"] == "mlx"
+    )
     schema_validator("ListModelsResponse").validate(r)
     h = httpx.get(scripted.base_url + "/health").json()
     assert h["status"] == "ok"
@@ -217,33 +297,130 @@ BAD = [
     ("malformed json", b'{"model": "m", "messages": [', "application/json", "not valid JSON"),
     ("form encoded", b"model=m&messages=x", "application/x-www-form-urlencoded", "not valid JSON"),
     ("not an object", b"[1, 2]", "application/json", "JSON object"),
-    ("empty messages", json.dumps({"model": "m", "messages": []}).encode(), "application/json", "messages"),
+    (
+        "empty messages",
+        json.dumps({"model": "m", "messages": []}).encode(),
+        "application/json",
+        "messages",
+    ),
     ("missing messages", json.dumps({"model": "m"}).encode(), "application/json", "messages"),
-    ("messages wrong type", json.dumps({"model": "m", "messages": "hi"}).encode(), "application/json", "messages"),
-    ("unknown role", json.dumps({"model": "m", "messages": [{"role": "wizard", "content": "x"}]}).encode(), "application/json", "role"),
-    ("negative max_tokens", json.dumps({"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": -1}).encode(), "application/json", "max_tokens"),
-    ("negative temperature", json.dumps({"model": "m", "messages": [{"role": "user", "content": "x"}], "temperature": -0.5}).encode(), "application/json", "temperature"),
-    ("top_logprobs too big", json.dumps({"model": "m", "messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21}).encode(), "application/json", "top_logprobs"),
-    ("temperature string", json.dumps({"model": "m", "messages": [{"role": "user", "content": "x"}], "temperature": "hot"}).encode(), "application/json", "temperature"),
-    ("response_format schema", json.dumps({"model": "m", "messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}}).encode(), "application/json", "response_format"),
-    ("bad tool call args", json.dumps({"model": "m", "messages": [{"role": "assistant", "content": None, "tool_calls": [{"id": "a", "type": "function", "function": {"name": "f", "arguments": "{nope"}}]}]}).encode(), "application/json", "arguments"),
+    (
+        "messages wrong type",
+        json.dumps({"model": "m", "messages": "hi"}).encode(),
+        "application/json",
+        "messages",
+    ),
+    (
+        "unknown role",
+        json.dumps({"model": "m", "messages": [{"role": "wizard", "content": "x"}]}).encode(),
+        "application/json",
+        "role",
+    ),
+    (
+        "negative max_tokens",
+        json.dumps(
+            {"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": -1}
+        ).encode(),
+        "application/json",
+        "max_tokens",
+    ),
+    (
+        "negative temperature",
+        json.dumps(
+            {"model": "m", "messages": [{"role": "user", "content": "x"}], "temperature": -0.5}
+        ).encode(),
+        "application/json",
+        "temperature",
+    ),
+    (
+        "top_logprobs too big",
+        json.dumps(
+            {
+                "model": "m",
+                "messages": [{"role": "user", "content": "x"}],
+                "logprobs": True,
+                "top_logprobs": 21,
+            }
+        ).encode(),
+        "application/json",
+        "top_logprobs",
+    ),
+    (
+        "temperature string",
+        json.dumps(
+            {"model": "m", "messages": [{"role": "user", "content": "x"}], "temperature": "hot"}
+        ).encode(),
+        "application/json",
+        "temperature",
+    ),
+    (
+        "response_format schema",
+        json.dumps(
+            {
+                "model": "m",
+                "messages": [{"role": "user", "content": "x"}],
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {"type": "object"}},
+                },
+            }
+        ).encode(),
+        "application/json",
+        "response_format",
+    ),
+    (
+        "bad tool call args",
+        json.dumps(
+            {
+                "model": "m",
+                "messages": [
+                    {
+                        "role": "assistant",
+                        "content": None,
+                        "tool_calls": [
+                            {
+                                "id": "a",
+                                "type": "function",
+                                "function": {"name": "f", "arguments": "{nope"},
+                            }
+                        ],
+                    }
+                ],
+            }
+        ).encode(),
+        "application/json",
+        "arguments",
+    ),
 ]
 
 
 @pytest.mark.parametrize("name,body,ctype,needle", BAD, ids=[b[0] for b in BAD])
 def test_bad_input_gives_400_and_server_survives(scripted, name, body, ctype, needle):
-    r = httpx.post(scripted.base_url + "/v1/chat/completions", content=body, headers={"content-type": ctype})
+    r = httpx.post(
+        scripted.base_url + "/v1/chat/completions", content=body, headers={"content-type": ctype}
+    )
     assert r.status_code == 400, r.text
     ERROR.validate(r.json())
     assert needle in r.json()["error"]["message"], r.json()
     scripted.engine.push("fine")
-    ok = httpx.post(scripted.base_url + "/v1/chat/completions", json={"model": "m", "messages": [{"role": "user", "content": "x"}]})
+    ok = httpx.post(
+        scripted.base_url + "/v1/chat/completions",
+        json={"model": "m", "messages": [{"role": "user", "content": "x"}]},
+    )
     assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["content"] == "fine"
 
 
 def test_huge_body_413(scripted):
-    big = b'{"model": "m", "messages": [{"role": "user", "content": "' + b"a" * (11 * 1024 * 1024) + b'"}]}'
-    r = httpx.post(scripted.base_url + "/v1/chat/completions", content=big, headers={"content-type": "application/json"})
+    big = (
+        b'{"model": "m", "messages": [{"role": "user", "content": "'
+        + b"a" * (11 * 1024 * 1024)
+        + b'"}]}'
+    )
+    r = httpx.post(
+        scripted.base_url + "/v1/chat/completions",
+        content=big,
+        headers={"content-type": "application/json"},
+    )
     assert r.status_code == 413
     ERROR.validate(r.json())
 
@@ -257,16 +434,36 @@ def test_unknown_path_404_and_wrong_method_405(scripted):
 
 def test_auth_on_every_v1_route(scripted_factory):
     srv = scripted_factory(api_key="s3cret+/=")
-    routes = [("GET", "/v1/models", None), ("POST", "/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "x"}]}), ("POST", "/v1/cancel", {})]
+    routes = [
+        ("GET", "/v1/models", None),
+        (
+            "POST",
+            "/v1/chat/completions",
+            {"model": "m", "messages": [{"role": "user", "content": "x"}]},
+        ),
+        ("POST", "/v1/cancel", {}),
+    ]
     for method, path, body in routes:
         r = httpx.request(method, srv.base_url + path, json=body)
         assert r.status_code == 401
-        assert r.json() == {"error": {"message": "Unauthorized", "type": "authentication_error", "code": "unauthorized"}}
-        r = httpx.request(method, srv.base_url + path, json=body, headers={"Authorization": "Bearer wrong"})
+        assert r.json() == {
+            "error": {
+                "message": "Unauthorized",
+                "type": "authentication_error",
+                "code": "unauthorized",
+            }
+        }
+        r = httpx.request(
+            method, srv.base_url + path, json=body, headers={"Authorization": "Bearer wrong"}
+        )
         assert r.status_code == 401
-        r = httpx.request(method, srv.base_url + path, json=body, headers={"Authorization": "Bearer s3cret+/="})
+        r = httpx.request(
+            method, srv.base_url + path, json=body, headers={"Authorization": "Bearer s3cret+/="}
+        )
         assert r.status_code == 200, (path, r.text)
-        r = httpx.request(method, srv.base_url + path, json=body, headers={"x-api-key": "s3cret+/="})
+        r = httpx.request(
+            method, srv.base_url + path, json=body, headers={"x-api-key": "s3cret+/="}
+        )
         assert r.status_code == 200
     assert httpx.get(srv.base_url + "/health").status_code == 200
     assert client(srv, api_key="s3cret+/=").models.list().data
@@ -276,14 +473,42 @@ def test_auth_on_every_v1_route(scripted_factory):
 
 def test_unknown_fields_ignored_and_model_echoed(scripted):
     scripted.engine.push("ok")
-    r = httpx.post(scripted.base_url + "/v1/chat/completions", json={"model": "whatever-name", "messages": [{"role": "user", "content": "x"}], "frobnicate": 1, "n": 1})
+    r = httpx.post(
+        scripted.base_url + "/v1/chat/completions",
+        json={
+            "model": "whatever-name",
+            "messages": [{"role": "user", "content": "x"}],
+            "frobnicate": 1,
+            "n": 1,
+        },
+    )
     assert r.status_code == 200 and r.json()["model"] == "whatever-name"
 
 
 def test_sampling_params_reach_engine(scripted):
     scripted.engine.push("ok")
-    httpx.post(scripted.base_url + "/v1/chat/completions", json={"model": "m", "messages": [{"role": "user", "content": "x"}], "temperature": 0.3, "top_p": 0.9, "top_k": 5, "min_p": 0.1, "seed": 7, "repetition_penalty": 1.1, "max_completion_tokens": 9})
+    httpx.post(
+        scripted.base_url + "/v1/chat/completions",
+        json={
+            "model": "m",
+            "messages": [{"role": "user", "content": "x"}],
+            "temperature": 0.3,
+            "top_p": 0.9,
+            "top_k": 5,
+            "min_p": 0.1,
+            "seed": 7,
+            "repetition_penalty": 1.1,
+            "max_completion_tokens": 9,
+        },
+    )
     req = scripted.engine.requests[-1]
     s = req.sampling
-    assert (s.temperature, s.top_p, s.top_k, s.min_p, s.seed, s.repetition_penalty) == (0.3, 0.9, 5, 0.1, 7, 1.1)
+    assert (s.temperature, s.top_p, s.top_k, s.min_p, s.seed, s.repetition_penalty) == (
+        0.3,
+        0.9,
+        5,
+        0.1,
+        7,
+        1.1,
+    )
     assert req.max_tokens == 9

@@ -17,11 +17,22 @@ COMPLETION = schema_validator("CreateChatCompletionResponse")
 
 
 def oai(srv) -> openai.OpenAI:
-    return openai.OpenAI(base_url=srv.base_url + "/v1", api_key="x", _strict_response_validation=True, max_retries=0)
+    return openai.OpenAI(
+        base_url=srv.base_url + "/v1", api_key="x", _strict_response_validation=True, max_retries=0
+    )
 
 
 def test_greedy_generation_and_schema(tiny_server):
-    r = httpx.post(tiny_server.base_url + "/v1/chat/completions", json={"model": "m", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 8, "temperature": 0}, timeout=60)
+    r = httpx.post(
+        tiny_server.base_url + "/v1/chat/completions",
+        json={
+            "model": "m",
+            "messages": [{"role": "user", "content": "hello"}],
+            "max_tokens": 8,
+            "temperature": 0,
+        },
+        timeout=60,
+    )
     assert r.status_code == 200, r.text
     COMPLETION.validate(r.json())
     body = r.json()
@@ -31,17 +42,27 @@ def test_greedy_generation_and_schema(tiny_server):
 
 def test_same_seed_same_text(tiny_server):
     c = oai(tiny_server)
-    kw = dict(model="m", messages=[{"role": "user", "content": "tell me"}], max_tokens=12, temperature=1.0, seed=1234)
+    kw = dict(
+        model="m",
+        messages=[{"role": "user", "content": "tell me"}],
+        max_tokens=12,
+        temperature=1.0,
+        seed=1234,
+    )
     a = c.chat.completions.create(**kw).choices[0].message.content
     b = c.chat.completions.create(**kw).choices[0].message.content
     assert a == b
-    others = {c.chat.completions.create(**{**kw, "seed": s}).choices[0].message.content for s in (1, 2, 3)}
+    others = {
+        c.chat.completions.create(**{**kw, "seed": s}).choices[0].message.content for s in (1, 2, 3)
+    }
     assert len(others | {a}) > 1  # the seed actually changes the sampling
 
 
 def test_stream_matches_non_stream_at_temperature_zero(tiny_server):
     c = oai(tiny_server)
-    kw = dict(model="m", messages=[{"role": "user", "content": "abc"}], max_tokens=10, temperature=0)
+    kw = dict(
+        model="m", messages=[{"role": "user", "content": "abc"}], max_tokens=10, temperature=0
+    )
     full = c.chat.completions.create(**kw).choices[0].message.content
     chunks = list(c.chat.completions.create(stream=True, **kw))
     for ch in chunks:
@@ -51,17 +72,34 @@ def test_stream_matches_non_stream_at_temperature_zero(tiny_server):
 
 def test_length_and_context_limit(tiny_server):
     c = oai(tiny_server)
-    r = c.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}], max_tokens=3, temperature=0)
+    r = c.chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "x"}], max_tokens=3, temperature=0
+    )
     assert r.usage.completion_tokens <= 3
-    r = httpx.post(tiny_server.base_url + "/v1/chat/completions", json={"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 300})
+    r = httpx.post(
+        tiny_server.base_url + "/v1/chat/completions",
+        json={"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 300},
+    )
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
     # no max_tokens: runs until EOS or the context (256) is full, then says "length"
-    r = c.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}], temperature=0)
+    r = c.chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "x"}], temperature=0
+    )
     assert r.usage.prompt_tokens + r.usage.completion_tokens <= 256
 
 
 def test_logprobs(tiny_server):
-    r = httpx.post(tiny_server.base_url + "/v1/chat/completions", json={"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 4, "temperature": 0, "logprobs": True, "top_logprobs": 3}).json()
+    r = httpx.post(
+        tiny_server.base_url + "/v1/chat/completions",
+        json={
+            "model": "m",
+            "messages": [{"role": "user", "content": "x"}],
+            "max_tokens": 4,
+            "temperature": 0,
+            "logprobs": True,
+            "top_logprobs": 3,
+        },
+    ).json()
     COMPLETION.validate(r)
     content = r["choices"][0]["logprobs"]["content"]
     assert len(content) >= 1
@@ -74,7 +112,17 @@ def test_logprobs(tiny_server):
 
 def test_health_answers_during_generation(tiny_server):
     def gen():
-        httpx.post(tiny_server.base_url + "/v1/chat/completions", json={"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 200, "temperature": 0, "ignore_eos": True}, timeout=120)
+        httpx.post(
+            tiny_server.base_url + "/v1/chat/completions",
+            json={
+                "model": "m",
+                "messages": [{"role": "user", "content": "x"}],
+                "max_tokens": 200,
+                "temperature": 0,
+                "ignore_eos": True,
+            },
+            timeout=120,
+        )
 
     t = threading.Thread(target=gen)
     t.start()
@@ -86,8 +134,16 @@ def test_health_answers_during_generation(tiny_server):
 
 
 def test_disconnect_frees_the_slot(tiny_server):
-    body = {"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 200, "stream": True, "temperature": 1.0}
-    with httpx.stream("POST", tiny_server.base_url + "/v1/chat/completions", json=body, timeout=60) as resp:
+    body = {
+        "model": "m",
+        "messages": [{"role": "user", "content": "x"}],
+        "max_tokens": 200,
+        "stream": True,
+        "temperature": 1.0,
+    }
+    with httpx.stream(
+        "POST", tiny_server.base_url + "/v1/chat/completions", json=body, timeout=60
+    ) as resp:
         it = resp.iter_lines()
         next(it)
     deadline = time.time() + 10
@@ -98,14 +154,32 @@ def test_disconnect_frees_the_slot(tiny_server):
 
 def test_readiness_only_after_bind_and_sigterm(tiny_model_dir, server_factory):
     port = free_port()
-    sp = server_factory(["-m", str(tiny_model_dir), "--port", str(port), "--model-id", "my.model-1.5"])
+    sp = server_factory(
+        ["-m", str(tiny_model_dir), "--port", str(port), "--model-id", "my.model-1.5"]
+    )
     # the readiness line was printed: the port must already accept connections
     with socket.create_connection(("127.0.0.1", port), timeout=2):
         pass
+    deadline = time.time() + 5
+    while time.time() < deadline and not any(
+        line == f"[mlx] server is listening on 127.0.0.1:{port}" for line in sp.lines
+    ):
+        time.sleep(0.05)
     assert any(line == f"[mlx] server is listening on 127.0.0.1:{port}" for line in sp.lines)
     assert httpx.get(sp.base_url + "/v1/models").json()["data"][0]["id"] == "my.model-1.5"
     # a long generation is running when SIGTERM arrives
-    t = threading.Thread(target=lambda: httpx.post(sp.base_url + "/v1/chat/completions", json={"model": "m", "messages": [{"role": "user", "content": "x"}], "stream": True, "max_tokens": 3000}, timeout=30))
+    t = threading.Thread(
+        target=lambda: httpx.post(
+            sp.base_url + "/v1/chat/completions",
+            json={
+                "model": "m",
+                "messages": [{"role": "user", "content": "x"}],
+                "stream": True,
+                "max_tokens": 3000,
+            },
+            timeout=30,
+        )
+    )
     t.start()
     time.sleep(0.5)
     t0 = time.time()

@@ -23,7 +23,9 @@ def build_parser() -> argparse.ArgumentParser:
         if f.type in ("bool", bool):
             kwargs["action"] = "store_true"
         else:
-            kwargs["type"] = {"int": int, "float": float, "float | None": float}.get(str(f.type), str)
+            kwargs["type"] = {"int": int, "float": float, "float | None": float}.get(
+                str(f.type), str
+            )
             if "choices" in meta:
                 kwargs["choices"] = meta["choices"]
             if meta.get("required"):
@@ -64,7 +66,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"Error: {e}", file=sys.stderr, flush=True)
         return 1
     if not is_loopback(settings.host) and not settings.api_key:
-        log(f"WARNING: listening on {settings.host} (not a loopback address) WITHOUT an API key: anyone on the network can use this server. Pass --api-key.")
+        log(
+            f"WARNING: listening on {settings.host} (not a loopback address) WITHOUT an API key: anyone on the network can use this server. Pass --api-key."
+        )
 
     from mlx_server.wiring import build
 

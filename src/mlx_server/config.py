@@ -12,22 +12,57 @@ def _opt(default: Any, help: str, *flags: str, **extra: Any) -> Any:
 
 @dataclass(frozen=True)
 class Settings:
-    model: str = _opt("", "Model: a directory, a file inside one, a .gguf file or a Hugging Face repo id", "-m", "--model", required=True)
+    model: str = _opt(
+        "",
+        "Model: a directory, a file inside one, a .gguf file or a Hugging Face repo id",
+        "-m",
+        "--model",
+        required=True,
+    )
     port: int = _opt(8080, "Port to listen on", "--port")
-    ctx_size: int = _opt(4096, "Context size: prompt plus generated tokens per request (enforced)", "--ctx-size")
+    ctx_size: int = _opt(
+        4096, "Context size: prompt plus generated tokens per request (enforced)", "--ctx-size"
+    )
     api_key: str = _opt("", "API key required on every /v1 route (empty: no auth)", "--api-key")
-    model_id: str = _opt("", "Model id reported by /v1/models (default: the model directory's name)", "--model-id")
+    model_id: str = _opt(
+        "", "Model id reported by /v1/models (default: the model directory's name)", "--model-id"
+    )
     host: str = _opt("127.0.0.1", "Address to bind", "--host")
-    cache_limit_gb: float | None = _opt(None, "MLX buffer-cache limit in GB (default: a quarter of the device memory, at most 20)", "--cache-limit-gb")
+    cache_limit_gb: float | None = _opt(
+        None,
+        "MLX buffer-cache limit in GB (default: a quarter of the device memory, at most 20)",
+        "--cache-limit-gb",
+    )
     max_batch_size: int = _opt(8, "Sequences decoded together in one batch", "--max-batch-size")
-    max_queue: int = _opt(64, "Requests allowed to wait for a batch slot before new ones get 503", "--max-queue")
-    prefill_step_size: int = _opt(512, "Prompt tokens processed per step (long prompts are prefilled in chunks)", "--prefill-step-size")
-    prompt_cache_size: int = _opt(16, "Prefix-cache entries kept (0 disables the prefix cache)", "--prompt-cache-size")
+    max_queue: int = _opt(
+        64, "Requests allowed to wait for a batch slot before new ones get 503", "--max-queue"
+    )
+    prefill_step_size: int = _opt(
+        512,
+        "Prompt tokens processed per step (long prompts are prefilled in chunks)",
+        "--prefill-step-size",
+    )
+    prompt_cache_size: int = _opt(
+        16, "Prefix-cache entries kept (0 disables the prefix cache)", "--prompt-cache-size"
+    )
     prompt_cache_gb: float = _opt(2.0, "Prefix-cache size limit in GB", "--prompt-cache-gb")
-    kv_budget_gb: float | None = _opt(None, "KV-cache memory budget for admitted requests in GB (default: a quarter of device memory)", "--kv-budget-gb")
-    tool_call_parser: str | None = _opt(None, "Tool-call format (default: detected from the chat template)", "--tool-call-parser")
-    dtype: str | None = _opt(None, "Convert weights on load: float32, bfloat16 or float16 (float32 is fastest on Linux CPU)", "--dtype", choices=("float32", "bfloat16", "float16"))
-    allow_remote_images: bool = _opt(False, "Allow http(s) image URLs to be fetched", "--allow-remote-images")
+    kv_budget_gb: float | None = _opt(
+        None,
+        "KV-cache memory budget for admitted requests in GB (default: a quarter of device memory)",
+        "--kv-budget-gb",
+    )
+    tool_call_parser: str | None = _opt(
+        None, "Tool-call format (default: detected from the chat template)", "--tool-call-parser"
+    )
+    dtype: str | None = _opt(
+        None,
+        "Convert weights on load: float32, bfloat16 or float16 (float32 is fastest on Linux CPU)",
+        "--dtype",
+        choices=("float32", "bfloat16", "float16"),
+    )
+    allow_remote_images: bool = _opt(
+        False, "Allow http(s) image URLs to be fetched", "--allow-remote-images"
+    )
     log_level: str = _opt("warning", "Log level for the HTTP layer (uvicorn)", "--log-level")
 
 

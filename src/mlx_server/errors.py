@@ -1,13 +1,13 @@
 """The exception tree. Each protocol maps these to its own error envelope in one place.
 
-    ServerError                      (500, api_error)
-    ├── InvalidRequest               (400, invalid_request_error)
-    │   ├── ContextLengthExceeded    (400, code context_length_exceeded)
-    │   └── UnsupportedFeature       (400)
-    ├── AuthenticationFailed         (401, authentication_error)
-    ├── NotFound                     (404, not_found_error)
-    ├── RequestTooLarge              (413, request_too_large)
-    └── Overloaded                   (503, overloaded: queue full or shutting down)
+ServerError                      (500, api_error)
+├── InvalidRequest               (400, invalid_request_error)
+│   ├── ContextLengthExceeded    (400, code context_length_exceeded)
+│   └── UnsupportedFeature       (400)
+├── AuthenticationFailed         (401, authentication_error)
+├── NotFound                     (404, not_found_error)
+├── RequestTooLarge              (413, request_too_large)
+└── Overloaded                   (503, overloaded: queue full or shutting down)
 """
 
 from __future__ import annotations

@@ -36,7 +36,15 @@ class PreparedPrompt:
 class ChatService:
     """Turns chat requests into generations on one engine and one model."""
 
-    def __init__(self, model_id: str, tokenizer: Any, engine: Any, *, ctx_size: int, tool_call_parser: str | None = None):
+    def __init__(
+        self,
+        model_id: str,
+        tokenizer: Any,
+        engine: Any,
+        *,
+        ctx_size: int,
+        tool_call_parser: str | None = None,
+    ):
         self.model_id = model_id
         self.tokenizer = tokenizer
         self.engine = engine
@@ -50,7 +58,9 @@ class ChatService:
 
     def render(self, chat: ChatRequest) -> str:
         tools = chat.tools if chat.tool_choice != "none" else None
-        return render_prompt(self.tokenizer, chat.messages, tools=tools, template_kwargs=chat.template_kwargs)
+        return render_prompt(
+            self.tokenizer, chat.messages, tools=tools, template_kwargs=chat.template_kwargs
+        )
 
     def count_tokens(self, chat: ChatRequest) -> int:
         return len(encode_prompt(self.tokenizer, self.render(chat)))
@@ -98,7 +108,9 @@ class ChatService:
             logits_processors=tuple(processors),
         )
         handle = self.engine.submit(req, asyncio.get_running_loop())
-        parse_tools = bool(chat.tools) and chat.tool_choice != "none" and self.tool_format is not None
+        parse_tools = (
+            bool(chat.tools) and chat.tool_choice != "none" and self.tool_format is not None
+        )
         pipeline = OutputPipeline(
             reasoning=self.reasoning_tags if chat.reasoning_format != "none" else None,
             start_in_reasoning=prepared.start_in_reasoning,
@@ -112,7 +124,9 @@ class ChatService:
         if chat.constraint is None:
             return []
         if self.constraints is None:
-            raise InvalidRequest("structured output is not available on this server", param="response_format")
+            raise InvalidRequest(
+                "structured output is not available on this server", param="response_format"
+            )
         activate_after = None
         if prepared.start_in_reasoning:
             activate_after = self.tokenizer.encode(self.reasoning_tags[1], add_special_tokens=False)
@@ -122,7 +136,13 @@ class ChatService:
 class Generation:
     """One running generation: iterate ``events()`` for neutral events, ending with Finished."""
 
-    def __init__(self, request_id: str, handle: GenerationHandle, pipeline: OutputPipeline, prompt_tokens: int):
+    def __init__(
+        self,
+        request_id: str,
+        handle: GenerationHandle,
+        pipeline: OutputPipeline,
+        prompt_tokens: int,
+    ):
         self.request_id = request_id
         self.handle = handle
         self.pipeline = pipeline

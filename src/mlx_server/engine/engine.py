@@ -83,7 +83,9 @@ class Engine:
         self._thread = threading.Thread(target=self._run, name="mlx-engine", daemon=True)
         self._thread.start()
 
-    def submit(self, req: GenerationRequest, loop: asyncio.AbstractEventLoop | None = None) -> GenerationHandle:
+    def submit(
+        self, req: GenerationRequest, loop: asyncio.AbstractEventLoop | None = None
+    ) -> GenerationHandle:
         """Queue a request; raises Overloaded when shutting down or the queue is full."""
         loop = loop or asyncio.get_running_loop()
         need = (len(req.prompt_tokens) + req.max_tokens) * self.config.kv_bytes_per_token
@@ -101,7 +103,9 @@ class Engine:
             if self._stopping:
                 raise Overloaded("the server is shutting down")
             if len(self._pending) >= self.config.max_queue:
-                raise Overloaded(f"the request queue is full ({self.config.max_queue} waiting); retry shortly")
+                raise Overloaded(
+                    f"the request queue is full ({self.config.max_queue} waiting); retry shortly"
+                )
             self._pending.append(seq)
             self._wake.notify()
         return handle
@@ -111,7 +115,9 @@ class Engine:
         n = 0
         with self._wake:
             for seq in list(self._pending) + list(self._active.values()):
-                if not seq.handle.cancelled and (request_id is None or seq.req.request_id == request_id):
+                if not seq.handle.cancelled and (
+                    request_id is None or seq.req.request_id == request_id
+                ):
                     seq.handle.cancel()
                     n += 1
             self._wake.notify()
@@ -279,9 +285,11 @@ class Engine:
             idx = mx.argpartition(-logprobs, k - 1)[:k]
             vals = logprobs[idx]
             order = mx.argsort(-vals)
-            ids, lps = idx[order].tolist(), vals[order].tolist()
-            top = tuple(self._tl(int(i), float(v)) for i, v in zip(ids, lps))
-        return LogprobEntry(text, float(logprobs[token].item()), list(text.encode()), top)
+            ids: list[Any] = idx[order].tolist()  # type: ignore[assignment]
+            lps: list[Any] = vals[order].tolist()  # type: ignore[assignment]
+            top = tuple(self._tl(int(i), float(v)) for i, v in zip(ids, lps, strict=True))
+        chosen: Any = logprobs[token].item()
+        return LogprobEntry(text, float(chosen), list(text.encode()), top)
 
     def _tl(self, token: int, lp: float) -> TokenLogprob:
         s = self.tokenizer.decode([token])
@@ -289,7 +297,9 @@ class Engine:
 
     def _finish(self, seq: _Seq, reason: str, error: str | None = None) -> None:
         now = time.perf_counter()
-        self._kv_in_use = max(0, self._kv_in_use - seq.kv_bytes) if seq.uid >= 0 else self._kv_in_use
+        self._kv_in_use = (
+            max(0, self._kv_in_use - seq.kv_bytes) if seq.uid >= 0 else self._kv_in_use
+        )
         prompt_n = len(seq.req.prompt_tokens) - seq.cached
         t_first = seq.t_first or now
         timings = Timings(

@@ -101,7 +101,15 @@ def _download(repo_id: str) -> Path:
     try:
         path = snapshot_download(
             repo_id,
-            allow_patterns=["*.json", "*.safetensors", "*.jinja", "tokenizer.model", "*.txt", "*.tiktoken", "*.py"],
+            allow_patterns=[
+                "*.json",
+                "*.safetensors",
+                "*.jinja",
+                "tokenizer.model",
+                "*.txt",
+                "*.tiktoken",
+                "*.py",
+            ],
         )
     except Exception as e:
         raise ModelLoadError(
@@ -142,7 +150,7 @@ def load_model(model: str, *, model_id: str = "", dtype: str | None = None) -> L
         from mlx_lm.utils import dequantize_model
         from mlx_lm.utils import load as mlx_load
 
-        net, tokenizer, config = mlx_load(str(model_dir), return_config=True)
+        net, tokenizer, config = mlx_load(str(model_dir), return_config=True)  # type: ignore[misc]
         if dtype is not None:
             if config.get("quantization"):
                 net = dequantize_model(net)

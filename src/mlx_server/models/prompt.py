@@ -31,7 +31,9 @@ def render_prompt(
     except InvalidRequest:
         raise
     except Exception as e:  # jinja2 errors, raise_exception() in templates, type errors
-        raise InvalidRequest(f"the chat template could not render these messages: {e}", param="messages") from e
+        raise InvalidRequest(
+            f"the chat template could not render these messages: {e}", param="messages"
+        ) from e
     if not isinstance(text, str):
         raise InvalidRequest("the chat template did not render to text", param="messages")
     return text

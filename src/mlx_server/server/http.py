@@ -42,7 +42,11 @@ def _loc(loc: tuple[Any, ...]) -> str:
     for part in loc:
         if isinstance(part, int):
             out += f"[{part}]"
-        elif not isinstance(part, str) or part in {"str", "list[ContentPart]", "dict[str,any]"} or "[" in part:
+        elif (
+            not isinstance(part, str)
+            or part in {"str", "list[ContentPart]", "dict[str,any]"}
+            or "[" in part
+        ):
             continue  # pydantic's union-branch labels, not fields
         else:
             out += f".{part}" if out else part

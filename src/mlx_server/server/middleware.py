@@ -16,16 +16,24 @@ from mlx_server.errors import AuthenticationFailed, RequestTooLarge, ServerError
 MAX_BODY_BYTES = 10 * 1024 * 1024
 
 Scope = dict[str, Any]
-ASGIApp = Callable[[Scope, Callable[[], Awaitable[Any]], Callable[[Any], Awaitable[None]]], Awaitable[None]]
+ASGIApp = Callable[
+    [Scope, Callable[[], Awaitable[Any]], Callable[[Any], Awaitable[None]]], Awaitable[None]
+]
 
 # Jan's exact 401 body on the OpenAI routes.
-JAN_UNAUTHORIZED = {"error": {"message": "Unauthorized", "type": "authentication_error", "code": "unauthorized"}}
+JAN_UNAUTHORIZED = {
+    "error": {"message": "Unauthorized", "type": "authentication_error", "code": "unauthorized"}
+}
 
 
 def error_body(path: str, err: ServerError) -> dict[str, Any]:
     """The protocol's own error envelope: Anthropic's on /v1/messages, OpenAI's elsewhere."""
     if path.startswith("/v1/messages"):
-        kind = err.kind if err.kind != "invalid_request_error" or err.status == 400 else "invalid_request_error"
+        kind = (
+            err.kind
+            if err.kind != "invalid_request_error" or err.status == 400
+            else "invalid_request_error"
+        )
         return {"type": "error", "error": {"type": kind, "message": err.message}}
     if isinstance(err, AuthenticationFailed):
         return JAN_UNAUTHORIZED
@@ -33,7 +41,12 @@ def error_body(path: str, err: ServerError) -> dict[str, Any]:
     return {"error": {"message": err.message, "type": kind, "param": err.param, "code": err.code}}
 
 
-async def send_json(send: Callable[[Any], Awaitable[None]], status: int, body: dict[str, Any], headers: list[tuple[bytes, bytes]] | None = None) -> None:
+async def send_json(
+    send: Callable[[Any], Awaitable[None]],
+    status: int,
+    body: dict[str, Any],
+    headers: list[tuple[bytes, bytes]] | None = None,
+) -> None:
     data = json.dumps(body).encode()
     hdrs = [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]
     await send({"type": "http.response.start", "status": status, "headers": hdrs + (headers or [])})
@@ -48,14 +61,21 @@ class GuardMiddleware:
         self.key = api_key.encode()
         self.max_body = max_body
 
-    async def __call__(self, scope: Scope, receive: Callable[[], Awaitable[Any]], send: Callable[[Any], Awaitable[None]]) -> None:
+    async def __call__(
+        self,
+        scope: Scope,
+        receive: Callable[[], Awaitable[Any]],
+        send: Callable[[Any], Awaitable[None]],
+    ) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         path: str = scope.get("path", "")
         headers = {k.decode("latin-1").lower(): v for k, v in scope.get("headers", [])}
         if self.key and path.startswith("/v1") and not self._authorized(headers):
-            err = AuthenticationFailed("invalid or missing API key (send Authorization: Bearer <key> or x-api-key)")
+            err = AuthenticationFailed(
+                "invalid or missing API key (send Authorization: Bearer <key> or x-api-key)"
+            )
             await send_json(send, 401, error_body(path, err))
             return
         length = headers.get("content-length")

@@ -61,7 +61,9 @@ class _Server(uvicorn.Server):
             log(f"server is listening on {self.host_name}:{self.port_number}")
 
 
-def serve(app: Any, engine: Any, sock: socket.socket, host: str, port: int, log_level: str = "warning") -> None:
+def serve(
+    app: Any, engine: Any, sock: socket.socket, host: str, port: int, log_level: str = "warning"
+) -> None:
     config = uvicorn.Config(
         app,
         log_level=log_level,

@@ -10,7 +10,13 @@ from mlx_server.parsing.tools import validate_tools
 from mlx_server.protocols.openai.schemas import ChatCompletionRequest, Message
 from mlx_server.types import ChatRequest, SamplingParams
 
-_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
+_ROLES = {
+    "system": "system",
+    "developer": "system",
+    "user": "user",
+    "assistant": "assistant",
+    "tool": "tool",
+}
 
 
 def to_chat_request(body: ChatCompletionRequest, *, vision: bool = False) -> ChatRequest:
@@ -56,8 +62,14 @@ def _constraint(body: ChatCompletionRequest, tools: list[dict[str, Any]] | None)
     rf = body.response_format
     if rf is not None and rf.type not in ("text",):
         if rf.type not in ("json_object", "json_schema"):
-            raise InvalidRequest(f"response_format.type '{rf.type}' is not supported (use text, json_object or json_schema)", param="response_format")
-        raise UnsupportedFeature(f"response_format '{rf.type}' is not supported by this server yet", param="response_format")
+            raise InvalidRequest(
+                f"response_format.type '{rf.type}' is not supported (use text, json_object or json_schema)",
+                param="response_format",
+            )
+        raise UnsupportedFeature(
+            f"response_format '{rf.type}' is not supported by this server yet",
+            param="response_format",
+        )
     return None
 
 
@@ -78,7 +90,10 @@ def _message(i: int, m: Message, vision: bool) -> dict[str, Any]:
     if m.reasoning_content and role == "assistant":
         out["reasoning_content"] = m.reasoning_content
     if (m.images or m.videos) and not vision:
-        raise InvalidRequest(f"messages[{i}] has images or videos, but this model accepts text only", param=f"messages[{i}]")
+        raise InvalidRequest(
+            f"messages[{i}] has images or videos, but this model accepts text only",
+            param=f"messages[{i}]",
+        )
     return out
 
 
@@ -96,7 +111,9 @@ def _content(i: int, m: Message, vision: bool) -> str:
             texts.append(part.text)
         elif part.type in ("image_url", "input_image", "video_url", "input_audio"):
             if not vision:
-                raise InvalidRequest(f"{where} is an {part.type} part, but this model accepts text only", param=where)
+                raise InvalidRequest(
+                    f"{where} is an {part.type} part, but this model accepts text only", param=where
+                )
         else:
             raise InvalidRequest(f"{where} has unsupported type '{part.type}'", param=where)
     return "\n".join(texts)
@@ -110,4 +127,8 @@ def _tool_call(i: int, j: int, tc: Any) -> dict[str, Any]:
         except ValueError as e:
             where = f"messages[{i}].tool_calls[{j}].function.arguments"
             raise InvalidRequest(f"{where} is not valid JSON: {e}", param=where) from e
-    return {"id": tc.id or f"call_{i}_{j}", "type": "function", "function": {"name": tc.function.name, "arguments": args}}
+    return {
+        "id": tc.id or f"call_{i}_{j}",
+        "type": "function",
+        "function": {"name": tc.function.name, "arguments": args},
+    }

