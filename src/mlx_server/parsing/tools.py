@@ -72,12 +72,13 @@ def normalize_call(item: object) -> tuple[str, str] | None:
     """
     if not isinstance(item, dict):
         return None
-    if "name" not in item and isinstance(item.get("function"), dict):
-        item = item["function"]
-    name = item.get("name")
+    call: dict[str, Any] = item
+    if "name" not in call and isinstance(call.get("function"), dict):
+        call = call["function"]
+    name = call.get("name")
     if not isinstance(name, str) or not name:
         return None
-    args = item.get("arguments", item.get("parameters"))
+    args = call.get("arguments", call.get("parameters"))
     if args is None:
         args = {}
     if isinstance(args, str):

@@ -1,0 +1,147 @@
+"""Choosing parsers from a real (tiny) tokenizer loaded through mlx-lm."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from mlx_lm.tokenizer_utils import TokenizerWrapper, load
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+from mlx_server.parsing.pipeline import OutputPipeline, collect
+from mlx_server.parsing.reasoning import prompt_opens_reasoning, reasoning_tags
+from mlx_server.parsing.tools import detect_tool_parser, resolve_tool_parser
+
+QWEN3_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\n# Tools\n<tools>{% for tool in tools %}"
+    "{{ tool | tojson }}{% endfor %}</tools>\nFor each function call, return a json object "
+    'within <tool_call></tool_call> XML tags:\n<tool_call>\n{"name": <function-name>, '
+    '"arguments": <args-json-object>}\n</tool_call><|im_end|>\n{%- endif %}'
+    "{%- for message in messages %}<|im_start|>{{ message.role }}\n{{ message.content }}"
+    "{%- if message.tool_calls %}{%- for tool_call in message.tool_calls %}"
+    "{%- if tool_call.function %}{%- set tool_call = tool_call.function %}{%- endif %}"
+    '\n<tool_call>\n{"name": "{{ tool_call.name }}", "arguments": {{ tool_call.arguments }}}'
+    "\n</tool_call>{%- endfor %}{%- endif %}<|im_end|>\n{%- endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n"
+    "{%- if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n"
+    "{%- else %}<think>\n{%- endif %}{%- endif %}"
+)
+QWEN3_CODER_TEMPLATE = (
+    "{%- for message in messages %}{{ message.content }}{%- endfor %}"
+    "<tool_call>\n<function={{ name }}>\n<parameter=x>\n</parameter>\n</function>\n</tool_call>"
+)
+HERMES_TEMPLATE = (
+    "{%- for message in messages %}{{ message.content }}{%- endfor %}"
+    "<tool_call>{{ call['name'] }}</tool_call>"
+)
+MISTRAL_TEMPLATE = (
+    "{%- for message in messages %}[INST]{{ message.content }}[/INST]{%- endfor %}[TOOL_CALLS]"
+)
+MINIMAX_TEMPLATE = "{%- for m in messages %}{{ m.content }}{%- endfor %}<minimax:tool_call>"
+PLAIN_TEMPLATE = "{%- for message in messages %}{{ message.content }}{%- endfor %}"
+
+WORDS = ["<unk>", "<|im_start|>", "<|im_end|>", "hello", "user", "assistant"]
+THINK = ["<think>", "</think>"]
+
+
+def make_tokenizer(
+    directory: Path, template: str, extra_words=(), config: dict | None = None
+) -> TokenizerWrapper:
+    words = [*WORDS, *extra_words]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    hf = PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="<unk>", eos_token="<|im_end|>", chat_template=template
+    )
+    hf.save_pretrained(directory)
+    if config:
+        path = directory / "tokenizer_config.json"
+        path.write_text(json.dumps({**json.loads(path.read_text()), **config}))
+    return load(directory)
+
+
+@pytest.fixture
+def qwen3(tmp_path) -> TokenizerWrapper:
+    return make_tokenizer(tmp_path, QWEN3_TEMPLATE, THINK)
+
+
+def test_qwen3_template_is_detected_as_json_tools(qwen3):
+    fmt = resolve_tool_parser(None, qwen3)
+    assert fmt is not None
+    assert (fmt.name, fmt.start, fmt.end) == ("json_tools", "<tool_call>", "</tool_call>")
+    assert resolve_tool_parser("auto", qwen3) == fmt
+    # The same answer from the bare Hugging Face tokenizer.
+    assert detect_tool_parser(qwen3._tokenizer) == "json_tools"
+
+
+@pytest.mark.parametrize(
+    "template, expected",
+    [
+        (QWEN3_CODER_TEMPLATE, "qwen3_coder"),
+        (MISTRAL_TEMPLATE, "mistral"),
+        (MINIMAX_TEMPLATE, "minimax_m2"),
+        (HERMES_TEMPLATE, "json_tools"),  # only "<tool_call>": taken as Hermes JSON
+        (PLAIN_TEMPLATE, None),
+    ],
+)
+def test_detection_from_template(tmp_path, template, expected):
+    fmt = resolve_tool_parser(None, make_tokenizer(tmp_path, template))
+    assert (fmt.name if fmt else None) == expected
+
+
+def test_tokenizer_config_choice_wins(tmp_path):
+    tokenizer = make_tokenizer(tmp_path, QWEN3_TEMPLATE, config={"tool_parser_type": "glm47"})
+    assert resolve_tool_parser(None, tokenizer).name == "glm47"
+
+
+def test_vocabulary_fallback_for_pythonic(tmp_path):
+    words = ["<|tool_call_start|>", "<|tool_call_end|>"]
+    tokenizer = make_tokenizer(tmp_path, PLAIN_TEMPLATE, words)
+    assert resolve_tool_parser(None, tokenizer).name == "pythonic"
+
+
+def test_override_beats_detection_and_unknown_names_fail(qwen3):
+    assert resolve_tool_parser("mistral", qwen3).name == "mistral"
+    assert resolve_tool_parser("none", qwen3) is None
+    with pytest.raises(ValueError, match="valid names: .*json_tools.*qwen3_coder"):
+        resolve_tool_parser("hermes", qwen3)
+
+
+def test_reasoning_tags_from_the_vocabulary(qwen3, tmp_path):
+    assert reasoning_tags(qwen3) == ("<think>", "</think>")
+    assert reasoning_tags(qwen3._tokenizer) == ("<think>", "</think>")
+    plain = make_tokenizer(tmp_path / "plain", PLAIN_TEMPLATE)
+    assert reasoning_tags(plain) is None
+    assert reasoning_tags(None) is None
+
+
+def test_rendered_prompt_decides_start_in_reasoning(qwen3):
+    messages = [{"role": "user", "content": "hello"}]
+    thinking = qwen3.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert prompt_opens_reasoning(thinking, "<think>", "</think>")
+    off = qwen3.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True, enable_thinking=False
+    )
+    assert not prompt_opens_reasoning(off, "<think>", "</think>")
+
+
+def test_end_to_end_with_detected_parsers(qwen3):
+    tools = [{"type": "function", "function": {"name": "get_time", "parameters": {}}}]
+    messages = [{"role": "user", "content": "hello"}]
+    prompt = qwen3.apply_chat_template(
+        messages, tools=tools, tokenize=False, add_generation_prompt=True
+    )
+    tags = reasoning_tags(qwen3)
+    pipeline = OutputPipeline(
+        reasoning=tags,
+        start_in_reasoning=prompt_opens_reasoning(prompt, *tags),
+        tool_format=resolve_tool_parser(None, qwen3),
+        tools=tools,
+    )
+    output = 'I should call it.\n</think>\n\n<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
+    message = collect([e for ch in output for e in pipeline.feed(ch)] + pipeline.flush())
+    assert message["reasoning_content"] == "I should call it."
+    assert message["content"] is None
+    assert [(c["name"], c["arguments"]) for c in message["tool_calls"]] == [("get_time", "{}")]
