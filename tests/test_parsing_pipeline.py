@@ -118,6 +118,14 @@ def test_max_calls_one():
     assert message["content"] is None
 
 
+def test_a_start_marker_cannot_span_a_reasoning_block():
+    tail = '_call>{"name": "read", "arguments": {}}</tool_call>'
+    text = f"see <tool<think>x</think>{tail}"
+    for pieces in ([text], list(text)):
+        events = run(make(), pieces)
+        assert events == [TextDelta("see <tool"), ReasoningDelta("x"), TextDelta(tail)]
+
+
 def test_feed_merges_adjacent_pieces():
     pipeline = make()
     assert pipeline.feed("<think>a b c</think>d e ") == [ReasoningDelta("a b c"), TextDelta("d e")]

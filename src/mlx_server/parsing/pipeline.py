@@ -87,9 +87,12 @@ class OutputPipeline:
     def _route(self, events: Iterable[TextDelta | ReasoningDelta]) -> list[OutputEvent]:
         out: list[OutputEvent] = []
         for event in events:
-            if isinstance(event, TextDelta) and self._tools is not None:
+            if self._tools is None:
+                out.append(event)
+            elif isinstance(event, TextDelta):
                 out.extend(self._tools.feed(event.text))
             else:
+                out.extend(self._tools.interrupt())
                 out.append(event)
         return out
 

@@ -155,6 +155,16 @@ class ToolCallParser:
             self._held_ws = ""
         return out
 
+    def interrupt(self) -> list[OutputEvent]:
+        """The answer text is interrupted (a reasoning block comes between): a start marker
+        cannot span the gap, so a held partial marker is released as text."""
+        if self._state != _TEXT or not self._buf:
+            return []
+        out: list[OutputEvent] = []
+        buf, self._buf = self._buf, ""
+        self._emit_text(out, buf)
+        return out
+
     # -- states; each returns True when it changed state and another step may follow
 
     def _step(self, out: list[OutputEvent]) -> bool:
