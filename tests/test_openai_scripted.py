@@ -354,15 +354,12 @@ BAD = [
         "temperature",
     ),
     (
-        "response_format schema",
+        "response_format unknown type",
         json.dumps(
             {
                 "model": "m",
                 "messages": [{"role": "user", "content": "x"}],
-                "response_format": {
-                    "type": "json_schema",
-                    "json_schema": {"name": "x", "schema": {"type": "object"}},
-                },
+                "response_format": {"type": "xml"},
             }
         ).encode(),
         "application/json",

@@ -16,10 +16,11 @@ from mlx_server.engine.handle import GenerationHandle, TokenPiece
 from mlx_server.errors import ContextLengthExceeded, InvalidRequest
 from mlx_server.events import Finished, Logprobs, OutputEvent, ToolCallStart
 from mlx_server.logs import log
-from mlx_server.models.prompt import encode_prompt, render_prompt
+from mlx_server.models.prompt import encode_prompt, inline_tools, render_prompt, template_text
 from mlx_server.parsing.pipeline import OutputPipeline
 from mlx_server.parsing.reasoning import prompt_opens_reasoning, reasoning_tags
 from mlx_server.parsing.tools import resolve_tool_parser
+from mlx_server.structured import constraint_spec
 from mlx_server.types import ChatRequest, GenerationRequest
 
 StreamEvent = OutputEvent | Logprobs | Finished
@@ -51,6 +52,11 @@ class ChatService:
         self.ctx_size = ctx_size
         self.reasoning_tags = reasoning_tags(tokenizer) or ("<think>", "</think>")
         self.tool_format = resolve_tool_parser(tool_call_parser, tokenizer)
+        if self.tool_format is None and tool_call_parser in (None, "auto"):
+            # No format detected: Hermes-style <tool_call> JSON, the most common one, which
+            # the prompt builder also describes to templates that don't render tools.
+            self.tool_format = resolve_tool_parser("json_tools", tokenizer)
+        self.template = template_text(tokenizer)
         self.constraints: Any = None  # a ConstraintCompiler, when structured output is available
         self.capabilities: list[str] = []
 
@@ -58,8 +64,12 @@ class ChatService:
 
     def render(self, chat: ChatRequest) -> str:
         tools = chat.tools if chat.tool_choice != "none" else None
+        messages = chat.messages
+        fmt = self.tool_format
+        if fmt is not None and fmt.name == "json_tools":
+            messages = inline_tools(messages, tools, self.template, (fmt.start, fmt.end))
         return render_prompt(
-            self.tokenizer, chat.messages, tools=tools, template_kwargs=chat.template_kwargs
+            self.tokenizer, messages, tools=tools, template_kwargs=chat.template_kwargs
         )
 
     def count_tokens(self, chat: ChatRequest) -> int:
@@ -121,16 +131,22 @@ class ChatService:
         return Generation(request_id, handle, pipeline, len(prepared.tokens))
 
     def _constraint_processors(self, chat: ChatRequest, prepared: PreparedPrompt) -> list[Any]:
-        if chat.constraint is None:
+        spec = constraint_spec(chat, self.tool_format if chat.tools else None)
+        if spec is None:
             return []
         if self.constraints is None:
             raise InvalidRequest(
-                "structured output is not available on this server", param="response_format"
+                "structured output is not available for this model", param="response_format"
             )
         activate_after = None
         if prepared.start_in_reasoning:
             activate_after = self.tokenizer.encode(self.reasoning_tags[1], add_special_tokens=False)
-        return [self.constraints.processor(chat.constraint, activate_after=activate_after)]
+        try:
+            return [self.constraints.processor(spec, activate_after=activate_after)]
+        except ValueError as e:  # ConstraintError: a grammar llguidance rejects
+            raise InvalidRequest(
+                f"cannot enforce this request's constraint: {e}", param="response_format"
+            ) from e
 
 
 class Generation:

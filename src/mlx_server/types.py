@@ -39,8 +39,10 @@ class ChatRequest:
     template_kwargs: dict[str, Any] = field(default_factory=dict)
     # "auto": split reasoning out of the answer; "none": raw text.
     reasoning_format: str = "auto"
-    # Constrained decoding (response_format / enforced tool_choice), or None.
-    constraint: Any = None
+    # Structured output, protocol-neutral: None (free text), {"type": "json_object"} or
+    # {"type": "json_schema", "schema": {...}}. Enforced with a grammar, like a
+    # tool_choice of "required" or a named function.
+    response_format: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)

@@ -56,6 +56,18 @@ def build(settings: Settings) -> tuple[Any, Any]:
         tool_call_parser=settings.tool_call_parser,
     )
     service.capabilities = loaded.capabilities
+    service.constraints = _constraint_compiler(loaded.tokenizer)
     log(f"KV budget: {kv_budget // (1 << 20)}MB, max batch size {settings.max_batch_size}")
     engine.start()
     return create_app(service, api_key=settings.api_key), engine
+
+
+def _constraint_compiler(tokenizer: Any) -> Any:
+    """The grammar compiler for structured output, or None when the tokenizer can't have one."""
+    from mlx_server.engine.constraints import ConstraintCompiler, ConstraintError
+
+    try:
+        return ConstraintCompiler(tokenizer)
+    except ConstraintError as e:
+        log(f"Structured output is unavailable for this model: {e}")
+        return None

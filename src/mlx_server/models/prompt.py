@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from mlx_server.errors import InvalidRequest
@@ -45,3 +46,49 @@ def encode_prompt(tokenizer: Any, text: str) -> list[int]:
     if not ids:
         raise InvalidRequest("the rendered prompt is empty", param="messages")
     return list(ids)
+
+
+def template_text(tokenizer: Any) -> str:
+    tpl = getattr(getattr(tokenizer, "_tokenizer", tokenizer), "chat_template", None)
+    if isinstance(tpl, dict):
+        return "\n".join(v for v in tpl.values() if isinstance(v, str))
+    return tpl if isinstance(tpl, str) else ""
+
+
+def _describe_tools(tools: list[dict[str, Any]], start: str, end: str) -> str:
+    specs = "\n".join(json.dumps(t.get("function", t), ensure_ascii=False) for t in tools)
+    return (
+        "You can call functions to help answer. These are the available functions, one JSON "
+        f"signature per line:\n{specs}\n\nTo call a function, write {start} then a JSON object "
+        f'{{"name": <function name>, "arguments": <arguments object>}} then {end}. '
+        "Write one such block per call."
+    )
+
+
+def inline_tools(
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None,
+    template: str,
+    markers: tuple[str, str] = ("<tool_call>", "</tool_call>"),
+) -> list[dict[str, Any]]:
+    """For chat templates that know nothing of tools: describe the tools in the system
+    message and write earlier tool calls into the assistant text, in the Hermes format the
+    tool parser reads, so the model still sees the offered tools and its own calls."""
+    start, end = markers
+    out = [dict(m) for m in messages]
+    if "tool_calls" not in template:
+        for m in out:
+            calls = m.pop("tool_calls", None)
+            if calls:
+                blocks = [
+                    f"{start}\n{json.dumps(c['function'], ensure_ascii=False)}\n{end}"
+                    for c in calls
+                ]
+                m["content"] = "\n".join(([m["content"]] if m.get("content") else []) + blocks)
+    if tools and "tools" not in template:
+        note = _describe_tools(tools, start, end)
+        if out and out[0]["role"] == "system":
+            out[0]["content"] = f"{out[0]['content']}\n\n{note}" if out[0].get("content") else note
+        else:
+            out.insert(0, {"role": "system", "content": note})
+    return out

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from mlx_server.errors import InvalidRequest, UnsupportedFeature
+from mlx_server.errors import InvalidRequest
 from mlx_server.parsing.tools import validate_tools
 from mlx_server.protocols.openai.schemas import ChatCompletionRequest, Message
 from mlx_server.types import ChatRequest, SamplingParams
@@ -54,23 +54,29 @@ def to_chat_request(body: ChatCompletionRequest, *, vision: bool = False) -> Cha
         top_logprobs=(body.top_logprobs or 0) if body.logprobs else 0,
         template_kwargs=kwargs,
         reasoning_format="none" if body.reasoning_format == "none" else "auto",
-        constraint=_constraint(body, tools),
+        response_format=_response_format(body),
     )
 
 
-def _constraint(body: ChatCompletionRequest, tools: list[dict[str, Any]] | None) -> Any:
+def _response_format(body: ChatCompletionRequest) -> dict[str, Any] | None:
     rf = body.response_format
-    if rf is not None and rf.type not in ("text",):
-        if rf.type not in ("json_object", "json_schema"):
+    if rf is None or rf.type == "text":
+        return None
+    if rf.type == "json_object":
+        return {"type": "json_object"}
+    if rf.type == "json_schema":
+        js = rf.json_schema or {}
+        schema = js.get("schema")
+        if not isinstance(schema, dict):
             raise InvalidRequest(
-                f"response_format.type '{rf.type}' is not supported (use text, json_object or json_schema)",
-                param="response_format",
+                "response_format.json_schema.schema must be a JSON schema object",
+                param="response_format.json_schema.schema",
             )
-        raise UnsupportedFeature(
-            f"response_format '{rf.type}' is not supported by this server yet",
-            param="response_format",
-        )
-    return None
+        return {"type": "json_schema", "schema": schema, "name": js.get("name")}
+    raise InvalidRequest(
+        f"response_format.type '{rf.type}' is not supported (use text, json_object or json_schema)",
+        param="response_format.type",
+    )
 
 
 def _message(i: int, m: Message, vision: bool) -> dict[str, Any]:
