@@ -1,0 +1,103 @@
+"""Anthropic routes: /v1/messages and /v1/messages/count_tokens.
+
+Errors raised here (InvalidRequest, Overloaded, ...) reach the app's handlers, which answer
+with Anthropic's ``{"type": "error", "error": {...}}`` envelope on these paths. A failure
+after a stream began is sent as an ``error`` event, and the stream ends.
+"""
+
+from __future__ import annotations
+
+import traceback
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from mlx_server.errors import ServerError
+from mlx_server.events import Finished
+from mlx_server.logs import log
+from mlx_server.protocols.anthropic.adapter import to_chat_request
+from mlx_server.protocols.anthropic.encoder import (
+    MessageAccumulator,
+    StreamEncoder,
+    error_json,
+    new_message_id,
+    sse_frame,
+)
+from mlx_server.protocols.anthropic.schemas import CountTokensRequest, MessagesRequest
+from mlx_server.server.http import parse_body, sse_response, until_disconnect
+from mlx_server.service import ChatService, Generation
+
+
+def make_router(service: ChatService, *, vision: bool = False) -> APIRouter:
+    """The Anthropic Messages API over ``service``; image blocks are accepted if ``vision``."""
+    router = APIRouter()
+
+    @router.post("/v1/messages")
+    async def messages(request: Request) -> Response:
+        body = await parse_body(request, MessagesRequest)
+        chat = to_chat_request(body, vision=vision)
+        log(
+            f"Request: model={body.model}, messages={len(chat.messages)}, "
+            f"stream={str(body.stream).lower()}, tools={len(chat.tools or [])}"
+        )
+        message_id = new_message_id()
+        gen = service.start(chat, request_id=message_id)
+        enc = StreamEncoder(message_id, body.model, gen.prompt_tokens, gen.cached_tokens)
+        if body.stream:
+            return sse_response(_stream(gen, enc))
+        result = await until_disconnect(request, _collect(gen, enc), gen.cancel)
+        if result is None:
+            log("Generation cancelled by client")
+            return Response(status_code=499)
+        return JSONResponse(result)
+
+    @router.post("/v1/messages/count_tokens")
+    async def count_tokens(request: Request) -> dict[str, Any]:
+        body = await parse_body(request, CountTokensRequest)
+        chat = to_chat_request(body, vision=vision)
+        return {"input_tokens": service.count_tokens(chat)}
+
+    return router
+
+
+async def _collect(gen: Generation, enc: StreamEncoder) -> dict[str, Any]:
+    acc = MessageAccumulator()
+    for event in enc.start():
+        acc.add(event)
+    async for ev in gen.events():
+        if isinstance(ev, Finished):
+            if ev.reason == "error":
+                raise ServerError(ev.error or "generation failed")
+            for event in enc.finish(ev):
+                acc.add(event)
+            msg = acc.message
+            kinds = ", ".join(b["type"] for b in msg["content"]) or "none"
+            log(f"Response: blocks [{kinds}], stop_reason={msg['stop_reason']}")
+            return msg
+        for event in enc.event(ev):
+            acc.add(event)
+    raise RuntimeError("generation ended without a result")
+
+
+async def _stream(gen: Generation, enc: StreamEncoder) -> AsyncIterator[bytes]:
+    for event in enc.start():
+        yield sse_frame(event)
+    try:
+        async for ev in gen.events():
+            if isinstance(ev, Finished):
+                if ev.reason == "error":
+                    yield sse_frame(error_json("api_error", ev.error or "generation failed"))
+                    return
+                if ev.reason == "cancelled":
+                    log("Stream generation cancelled")
+                for event in enc.finish(ev):
+                    yield sse_frame(event)
+                return
+            for event in enc.event(ev):
+                yield sse_frame(event)
+    except Exception as e:  # an internal fault after the 200 went out
+        traceback.print_exc()
+        log(f"Error in SSE stream: {type(e).__name__}: {e}")
+        yield sse_frame(error_json("api_error", f"internal error: {type(e).__name__}"))
