@@ -36,6 +36,10 @@ HERMES_TEMPLATE = (
     "{%- for message in messages %}{{ message.content }}{%- endfor %}"
     "<tool_call>{{ call['name'] }}</tool_call>"
 )
+LLAMA3_TEMPLATE = (
+    "{%- for m in messages %}{{ m.content }}{%- endfor %}"
+    "{%- if builtin_tools %}<|python_tag|>{%- endif %}"
+)
 MISTRAL_TEMPLATE = (
     "{%- for message in messages %}[INST]{{ message.content }}[/INST]{%- endfor %}[TOOL_CALLS]"
 )
@@ -83,6 +87,7 @@ def test_qwen3_template_is_detected_as_json_tools(qwen3):
         (MISTRAL_TEMPLATE, "mistral"),
         (MINIMAX_TEMPLATE, "minimax_m2"),
         (HERMES_TEMPLATE, "json_tools"),  # only "<tool_call>": taken as Hermes JSON
+        (LLAMA3_TEMPLATE, "llama3_json"),
         (PLAIN_TEMPLATE, None),
     ],
 )

@@ -148,7 +148,7 @@ OUTPUT_PARTS = [
 ]  # fmt: skip
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(
     st.lists(st.sampled_from(OUTPUT_PARTS), max_size=12).map("".join),
     st.booleans(),

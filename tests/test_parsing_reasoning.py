@@ -126,7 +126,7 @@ TEXT = st.lists(
 ).map("".join)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(TEXT, st.booleans(), st.data())
 def test_random_splits_give_same_events(text, implicit, data):
     cuts = sorted(data.draw(st.lists(st.integers(0, len(text)), max_size=12)))
@@ -134,7 +134,7 @@ def test_random_splits_give_same_events(text, implicit, data):
     assert run(pieces, start_in_reasoning=implicit) == run([text], start_in_reasoning=implicit)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(st.text(alphabet="ab <>/\n.thinké", max_size=40), st.data())
 def test_text_without_tags_is_returned_exactly(text, data):
     if "<think>" in text or "</think>" in text:
@@ -166,7 +166,7 @@ def reference_split(text: str) -> tuple[str, str]:
     return squash(content), squash(reasoning)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(TEXT)
 def test_nothing_but_tags_and_blank_space_is_removed(text):
     events = run(list(text))

@@ -151,6 +151,12 @@ SAMPLES: dict[str, tuple[str, str | None, list[tuple[str, dict]]]] = {
         "Let me look that up.",
         [PARIS, TOKYO],
     ),
+    "llama3_json": (
+        '{"name": "get_weather", "parameters": {"city": "Paris", "days": 3}}; '
+        '{"name": "get_time", "parameters": {"tz": "Asia/Tokyo"}}',
+        None,
+        [PARIS, TOKYO],
+    ),
     "muse_spark": (
         'Let me look that up.<atem:function_calls><atem:invoke name="get_weather">'
         '<atem:parameter name="city">Paris</atem:parameter>'
@@ -194,7 +200,7 @@ def content_of(events) -> str:
 # -- every format
 
 
-def test_samples_cover_every_mlx_lm_format():
+def test_samples_cover_every_format():
     assert set(SAMPLES) == set(available_tool_parsers())
 
 
@@ -308,6 +314,27 @@ def test_mistral_text_after_a_call_is_content():
     events = run(make_parser("mistral"), list(text))
     assert calls_of(events) == [TOKYO]
     assert content_of(events) == "Done."
+
+
+def test_llama3_bare_and_tagged_calls():
+    tagged = '<|python_tag|>{"name": "get_time", "parameters": {"tz": "Asia/Tokyo"}}'
+    bare = '\n{"name": "get_time", "arguments": {"tz": "Asia/Tokyo"}}\n'
+    for text in (tagged, bare):
+        events = run(make_parser("llama3_json"), list(text))
+        assert calls_of(events) == [TOKYO] and content_of(events) == ""
+    parser = make_parser("llama3_json")
+    early = parser.feed('{"name": "get_time", "parameters": {"tz": "Asia')
+    assert early[-1] == ToolCallArgsDelta(index=0, text='{"tz": "Asia')
+
+
+def test_llama3_plain_answers_are_not_calls():
+    parser = make_parser("llama3_json")
+    assert parser.feed("The answer is {4}.") == [TextDelta("The answer is {4}.")]
+    json_answer = '{"name": "Bob", "age": 4}'
+    events = run(make_parser("llama3_json"), list(json_answer))
+    assert events == [TextDelta(json_answer)]
+    unknown = '{"name": "format_disk", "parameters": {}}'
+    assert run(make_parser("llama3_json"), [unknown]) == [TextDelta(unknown)]
 
 
 # -- what is not a call stays text

@@ -5,7 +5,8 @@ Each module in ``mlx_lm.tool_parsers`` describes one format with ``tool_call_sta
 ``parse_tool_call(text, tools)``, which turns the text between the two markers into
 ``{"name", "arguments"}`` (or a list of them). ``ToolFormat`` carries those three, plus,
 for formats whose arguments are a plain JSON object, the header pattern that lets the
-arguments be streamed as they are generated.
+arguments be streamed as they are generated. Formats mlx-lm lacks live in this package as
+modules of the same shape (``llama3_json``).
 """
 
 from __future__ import annotations
@@ -20,17 +21,28 @@ from typing import Any
 import mlx_lm.tool_parsers
 import regex
 
+_JSON_HEADER = (
+    r'\s*\{{\s*"name"\s*:\s*"(?P<name>(?:[^"\\]|\\.)*)"\s*,'
+    r'\s*"(?:{keys})"\s*:\s*\{{'
+)
+
 # Formats whose arguments are a JSON object that follows a short header: the header
 # pattern (matched with ``partial=True`` while it is still arriving) ends with the ``{``
-# that opens the arguments; group ``name`` is the called function.
+# that opens the arguments; group ``name`` is the called function. The second item closes
+# what the header opened around the arguments.
 _STREAM_HEADERS = {
     # <tool_call>{"name": "f", "arguments": {...}}</tool_call>  (Hermes, Qwen 2.5/3)
-    "json_tools": r'\s*\{\s*"name"\s*:\s*"(?P<name>(?:[^"\\]|\\.)*)"\s*,'
-    r'\s*"(?:arguments|parameters)"\s*:\s*\{',
+    "json_tools": (_JSON_HEADER.format(keys="arguments|parameters"), "}"),
     # [TOOL_CALLS]f[ARGS]{...}  (Mistral Small 3.2, Devstral, Magistral)
     # The optional marker lets a call that follows another one repeat it.
-    "mistral": r"\s*(?:\[TOOL_CALLS\]\s*)?(?P<name>[\w.-]+)\s*\[ARGS\]\s*\{",
+    "mistral": (r"\s*(?:\[TOOL_CALLS\]\s*)?(?P<name>[\w.-]+)\s*\[ARGS\]\s*\{", ""),
+    # {"name": "f", "parameters": {...}}; {...}  (Llama 3.1 / 3.2)
+    "llama3_json": (r"\s*;?" + _JSON_HEADER.format(keys="parameters|arguments"), "}"),
 }
+
+# Formats of this package: name -> module. They may begin without their start marker, as
+# a bare JSON object at the start of the answer.
+_OWN_FORMATS = {"llama3_json": "mlx_server.parsing.llama3_json"}
 
 # Parser names accepted besides the module names.
 AUTO = "auto"
@@ -48,6 +60,11 @@ class ToolFormat:
     # Compiled ``regex`` pattern of the header before a JSON arguments object, or None when
     # the arguments can only be produced once the whole call has been parsed.
     stream_header: Any = None
+    # What closes the header's own brackets after the arguments (skipped, not parsed).
+    stream_closer: str = ""
+    # A call may also begin, without the start marker, as a bare JSON object at the very
+    # start of the answer.
+    bare_start: bool = False
 
     @property
     def streams_arguments(self) -> bool:
@@ -57,9 +74,9 @@ class ToolFormat:
 
 @cache
 def available_tool_parsers() -> list[str]:
-    """Names of the tool-call parsers mlx-lm ships (its ``tool_parsers`` modules)."""
-    names = (m.name for m in pkgutil.iter_modules(mlx_lm.tool_parsers.__path__))
-    return sorted(n for n in names if not n.startswith("_"))
+    """Names of the tool-call parsers: mlx-lm's ``tool_parsers`` modules plus this package's."""
+    names = {m.name for m in pkgutil.iter_modules(mlx_lm.tool_parsers.__path__)}
+    return sorted(n for n in names | set(_OWN_FORMATS) if not n.startswith("_"))
 
 
 def tool_format(name: str) -> ToolFormat:
@@ -70,14 +87,16 @@ def tool_format(name: str) -> ToolFormat:
             f"unknown tool-call parser {name!r}; valid names: {', '.join(valid)} "
             f"(or {AUTO!r} to detect it from the chat template, {NONE!r} to disable)"
         )
-    module = importlib.import_module(f"mlx_lm.tool_parsers.{name}")
-    header = _STREAM_HEADERS.get(name)
+    module = importlib.import_module(_OWN_FORMATS.get(name, f"mlx_lm.tool_parsers.{name}"))
+    header, closer = _STREAM_HEADERS.get(name, (None, ""))
     return ToolFormat(
         name=name,
         start=module.tool_call_start,
         end=module.tool_call_end or "",
         parse=module.parse_tool_call,
         stream_header=regex.compile(header, regex.DOTALL) if header else None,
+        stream_closer=closer,
+        bare_start=name in _OWN_FORMATS,
     )
 
 
@@ -88,7 +107,8 @@ def resolve_tool_parser(name: str | None, tokenizer: object) -> ToolFormat | Non
     ``available_tool_parsers()``, ``"none"`` (no tool parsing) or ``None``/``"auto"``
     (detect). Detection follows mlx-lm: the ``tool_parser_type`` of tokenizer_config.json,
     else markers in the chat template or vocabulary (``_infer_tool_parser``), else a
-    template that writes ``<tool_call>`` is taken as the Hermes JSON format.
+    template that writes ``<tool_call>`` is taken as the Hermes JSON format and one that
+    knows ``<|python_tag|>`` as the Llama 3 JSON format.
     Returns None when the model has no known tool-call format.
     """
     if name is not None and name != AUTO:
@@ -129,6 +149,8 @@ def _infer_from_template(hf: Any) -> str | None:
         template = "\n".join(t for t in template.values() if isinstance(t, str))
     if isinstance(template, str) and "<tool_call>" in template:
         return "json_tools"
+    if isinstance(template, str) and "<|python_tag|>" in template:
+        return "llama3_json"
     return None
 
 

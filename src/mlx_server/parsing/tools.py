@@ -56,6 +56,7 @@ _TEXT = "text"  # answer text; looking for a call's start marker
 _BODY = "body"  # inside a call block, collecting it until its end marker
 _ARGS = "args"  # streaming a JSON arguments object
 _TAIL = "tail"  # arguments closed; skipping to the block's end marker
+_CLOSER = "closer"  # arguments closed; skipping the header's closer (formats without end)
 
 
 def new_call_id() -> str:
@@ -116,6 +117,7 @@ class ToolCallParser:
         self._fresh = True  # nothing emitted in this segment yet
         self._after_call = False  # the segment follows a call
         self._held_ws = ""  # trailing whitespace that may turn out to precede a call
+        self._bare_checked = not fmt.bare_start  # looked for a call without start marker
         # The current call block.
         self._prefix = ""  # the start marker that opened it, for returning it as text
         self._searched = 0  # how far the end marker was already searched for
@@ -174,9 +176,13 @@ class ToolCallParser:
             return self._step_body(out)
         if self._state == _ARGS:
             return self._step_args(out)
-        return self._step_tail(out)
+        if self._state == _TAIL:
+            return self._step_tail(out)
+        return self._step_closer()
 
     def _step_text(self, out: list[OutputEvent]) -> bool:
+        if not self._bare_checked:
+            return self._step_bare_start()
         start = self._fmt.start
         pos = self._buf.find(start)
         if pos < 0:
@@ -187,6 +193,18 @@ class ToolCallParser:
         self._emit_text(out, self._buf[:pos])
         self._buf = self._buf[pos + len(start) :]
         self._open_block(start)
+        return True
+
+    def _step_bare_start(self) -> bool:
+        """At the start of the answer, a JSON object may be a call without start marker."""
+        rest = self._buf.lstrip()
+        if not rest:
+            return False
+        self._bare_checked = True
+        if rest.startswith("{"):
+            self._held_ws += self._buf[: len(self._buf) - len(rest)]
+            self._buf = rest
+            self._open_block("")
         return True
 
     def _step_body(self, out: list[OutputEvent]) -> bool:
@@ -212,10 +230,7 @@ class ToolCallParser:
         self._buf = self._buf[n:]
         if status is ScanStatus.CLOSED:
             self._end_streamed(out)
-            if end:
-                self._state = _TAIL
-            else:  # no end marker: another header may follow right away
-                self._open_block("")
+            self._state = _TAIL if end else _CLOSER
             return True
         if status is ScanStatus.MORE:
             return False
@@ -239,6 +254,15 @@ class ToolCallParser:
         pos, tag = hit
         self._buf = self._buf[pos:] if tag == self._fmt.start else self._buf[pos + len(tag) :]
         self._state = _TEXT
+        return True
+
+    def _step_closer(self) -> bool:
+        rest = self._buf.lstrip()
+        closer = self._fmt.stream_closer
+        if not rest or (closer.startswith(rest) and rest != closer):
+            return False
+        self._buf = rest[len(closer) :] if closer and rest.startswith(closer) else rest
+        self._open_block("")  # no end marker: another call may follow right away
         return True
 
     # -- call blocks
