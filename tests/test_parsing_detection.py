@@ -120,6 +120,8 @@ def test_reasoning_tags_from_the_vocabulary(qwen3, tmp_path):
     plain = make_tokenizer(tmp_path / "plain", PLAIN_TEMPLATE)
     assert reasoning_tags(plain) is None
     assert reasoning_tags(None) is None
+    magistral = make_tokenizer(tmp_path / "magistral", PLAIN_TEMPLATE, ["[THINK]", "[/THINK]"])
+    assert reasoning_tags(magistral) == ("[THINK]", "[/THINK]")
 
 
 def test_rendered_prompt_decides_start_in_reasoning(qwen3):

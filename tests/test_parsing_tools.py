@@ -314,6 +314,11 @@ def test_mistral_text_after_a_call_is_content():
     events = run(make_parser("mistral"), list(text))
     assert calls_of(events) == [TOKYO]
     assert content_of(events) == "Done."
+    text += ' And [TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "days": 3}'
+    for pieces in ([text], list(text)):
+        events = run(make_parser("mistral"), pieces)
+        assert calls_of(events) == [TOKYO, PARIS]
+        assert content_of(events) == "Done. And"
 
 
 def test_llama3_bare_and_tagged_calls():
@@ -331,8 +336,9 @@ def test_llama3_plain_answers_are_not_calls():
     parser = make_parser("llama3_json")
     assert parser.feed("The answer is {4}.") == [TextDelta("The answer is {4}.")]
     json_answer = '{"name": "Bob", "age": 4}'
-    events = run(make_parser("llama3_json"), list(json_answer))
-    assert events == [TextDelta(json_answer)]
+    parser = make_parser("llama3_json")
+    assert parser.feed(json_answer[:-3]) == [TextDelta(json_answer[:-3])]  # not held to the end
+    assert run(make_parser("llama3_json"), list(json_answer)) == [TextDelta(json_answer)]
     unknown = '{"name": "format_disk", "parameters": {}}'
     assert run(make_parser("llama3_json"), [unknown]) == [TextDelta(unknown)]
 

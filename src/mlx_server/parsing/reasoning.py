@@ -2,8 +2,8 @@
 
 ``ReasoningSplitter`` is an incremental decoder: ``feed(text)`` returns the events that are
 certain so far, ``flush()`` the rest at the end of generation. It holds back only a tail
-that could still grow into a tag, plus whitespace at the very start of a segment (see
-below); it never drops other text.
+that could still grow into a tag, and whitespace at the ends of a segment (see below); it
+drops nothing but tags and the whitespace next to them.
 
 Behaviour:
 
@@ -199,26 +199,41 @@ def prompt_opens_reasoning(prompt_text: str, start_tag: str, end_tag: str) -> bo
     return not prompt_text[pos + len(start_tag) :].strip()
 
 
+# Think tags mlx-lm does not infer (it knows <think>, <longcat_think>, <|think:start|>,
+# Gemma's channel and the XTML markers); looked up in the vocabulary as single tokens.
+_EXTRA_THINK_TAGS = (("[THINK]", "[/THINK]"),)  # Magistral
+
+
 def reasoning_tags(tokenizer: object) -> tuple[str, str] | None:
     """The model's ``(think_start, think_end)`` strings, or None when it has none.
 
     Reads them from an mlx-lm ``TokenizerWrapper`` (which infers them from the vocabulary);
-    for a bare Hugging Face tokenizer, runs the same inference on its vocabulary.
+    for a bare Hugging Face tokenizer, runs the same inference on its vocabulary. Also knows
+    Magistral's ``[THINK]``/``[/THINK]``.
     """
     if tokenizer is None:
         return None
-    start = getattr(type(tokenizer), "think_start", None)
-    if start is not None:  # a TokenizerWrapper: the properties are authoritative
+    start = end = None
+    if getattr(type(tokenizer), "think_start", None) is not None:  # a TokenizerWrapper
         start, end = tokenizer.think_start, tokenizer.think_end  # type: ignore[attr-defined]
     elif hasattr(tokenizer, "get_vocab"):
         from mlx_lm.tokenizer_utils import _infer_thinking
 
         try:
             start, end = _infer_thinking(tokenizer)[:2]
-        except Exception:  # an unusual tokenizer: treat as having no reasoning tags
-            return None
-    else:
-        return None
+        except Exception:  # an unusual tokenizer: fall through to the vocabulary check
+            pass
     if isinstance(start, str) and isinstance(end, str) and start and end:
         return start, end
+    return _extra_tags(tokenizer)
+
+
+def _extra_tags(tokenizer: object) -> tuple[str, str] | None:
+    try:
+        vocab = tokenizer.get_vocab()  # type: ignore[attr-defined]
+    except Exception:
+        return None
+    for start, end in _EXTRA_THINK_TAGS:
+        if start in vocab and end in vocab:
+            return start, end
     return None

@@ -208,10 +208,14 @@ class ToolCallParser:
         return True
 
     def _step_body(self, out: list[OutputEvent]) -> bool:
-        if not self._header_failed and self._try_header(out):
-            return True
         if not self._header_failed:
-            return False  # the header may still complete
+            if self._try_header(out):
+                return True
+            if not self._header_failed:
+                return False  # the header may still complete
+            if not self._prefix:  # a block guessed without start marker is text after all
+                self._state = _TEXT
+                return True
         end = self._fmt.end
         if not end:
             return False  # the block runs to the end of the output
