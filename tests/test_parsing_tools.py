@@ -272,6 +272,25 @@ def test_streamed_arguments_equal_the_whole_parse():
     assert content_of(events) == ""
 
 
+def test_several_objects_in_one_block_are_several_calls():
+    text = (
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}\n'
+        '{"name": "get_time", "arguments": {"tz": "Asia/Tokyo"}}\n</tool_call>\nDone.'
+    )
+    for pieces in ([text], list(text)):
+        events = run(make_parser("json_tools"), pieces)
+        assert calls_of(events) == [PARIS, TOKYO]
+        assert content_of(events) == "Done."
+
+
+def test_junk_after_streamed_arguments_is_skipped():
+    text = '<tool_call>{"name": "get_time", "arguments": {"tz": "Asia/Tokyo"}, "id": 7} x</tool_call>ok'
+    for pieces in ([text], list(text)):
+        events = run(make_parser("json_tools"), pieces)
+        assert calls_of(events) == [TOKYO]
+        assert content_of(events) == "ok"
+
+
 def test_arguments_as_a_json_string_are_decoded():
     text = (
         '<tool_call>{"name": "get_weather", "arguments": "{\\"city\\": \\"Paris\\"}"}</tool_call>'

@@ -55,8 +55,8 @@ log = logging.getLogger(__name__)
 _TEXT = "text"  # answer text; looking for a call's start marker
 _BODY = "body"  # inside a call block, collecting it until its end marker
 _ARGS = "args"  # streaming a JSON arguments object
-_TAIL = "tail"  # arguments closed; skipping to the block's end marker
-_CLOSER = "closer"  # arguments closed; skipping the header's closer (formats without end)
+_CLOSER = "closer"  # arguments closed; skipping what closes the header's brackets
+_TAIL = "tail"  # skipping the rest of a block up to its end marker
 
 
 def new_call_id() -> str:
@@ -122,6 +122,7 @@ class ToolCallParser:
         self._prefix = ""  # the start marker that opened it, for returning it as text
         self._searched = 0  # how far the end marker was already searched for
         self._header_failed = True
+        self._continued = False  # the block goes on after a streamed call, inside its markers
         # The current streamed call.
         self._scanner = JsonObjectScanner()
         self._args: list[str] = []
@@ -213,6 +214,9 @@ class ToolCallParser:
                 return True
             if not self._header_failed:
                 return False  # the header may still complete
+            if self._continued:  # not another call: skip to the block's end marker
+                self._state = _TAIL
+                return True
             if not self._prefix:  # a block guessed without start marker is text after all
                 self._state = _TEXT
                 return True
@@ -234,7 +238,7 @@ class ToolCallParser:
         self._buf = self._buf[n:]
         if status is ScanStatus.CLOSED:
             self._end_streamed(out)
-            self._state = _TAIL if end else _CLOSER
+            self._state = _CLOSER
             return True
         if status is ScanStatus.MORE:
             return False
@@ -264,16 +268,20 @@ class ToolCallParser:
         rest = self._buf.lstrip()
         closer = self._fmt.stream_closer
         if not rest or (closer.startswith(rest) and rest != closer):
+            self._buf = rest
             return False
         self._buf = rest[len(closer) :] if closer and rest.startswith(closer) else rest
-        self._open_block("")  # no end marker: another call may follow right away
+        # Another call may follow: in the same block (several JSON objects in one
+        # <tool_call>) or, for formats without end marker, right after this one.
+        self._open_block("", continued=bool(self._fmt.end))
         return True
 
     # -- call blocks
 
-    def _open_block(self, prefix: str) -> None:
+    def _open_block(self, prefix: str, *, continued: bool = False) -> None:
         self._state = _BODY
         self._prefix = prefix
+        self._continued = continued
         self._searched = 0
         self._header_failed = self._fmt.stream_header is None
 
