@@ -4,10 +4,11 @@
 as ``TextDelta`` and turns each call into ``ToolCallStart`` / ``ToolCallArgsDelta`` /
 ``ToolCallEnd``. The call text itself is parsed by mlx-lm's parser for the format.
 
-- Formats with a JSON arguments object after a short header (``json_tools``, ``mistral``)
-  stream the arguments as the raw JSON text arrives, ending exactly at the object's close.
-  Other formats emit the arguments in one piece when the call's end marker arrives (or at
-  ``flush`` when the format has no end marker).
+- Formats with a JSON arguments object after a short header (``json_tools``, ``mistral``,
+  ``llama3_json``) stream the arguments as the raw JSON text arrives, ending exactly at the
+  object's close; several objects in one block are several calls. Other formats emit the
+  arguments in one piece when the call's end marker arrives (or at ``flush`` when the
+  format has no end marker). A block whose header does not match is parsed whole.
 - A block that does not parse, or that calls a function the request did not offer, is
   returned as ``TextDelta`` with its markers, so nothing the model wrote is lost.
 - Whitespace next to a call is dropped: trailing whitespace of the text before it, leading
