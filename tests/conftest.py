@@ -189,6 +189,35 @@ def tiny_server(tmp_path_factory) -> Iterator[ServerProcess]:
     sp.stop()
 
 
+REPO = Path(__file__).resolve().parents[1]
+DEMO_DIR = REPO / "models" / "smollm2-135m-instruct"
+DEMO_F32_DIR = REPO / "models" / "smollm2-135m-instruct-f32"
+
+
+def demo_model_dir(float32: bool = True) -> Path:
+    """The demo model (``mlx-server-demo`` puts it in models/); its float32 copy is the fast
+    one on CPU. Tests that need it fail loudly when it is missing."""
+    d = DEMO_F32_DIR if float32 else DEMO_DIR
+    assert (d / "config.json").is_file(), (
+        f"demo model missing: run `mlx-server-demo{' --dtype float32' if float32 else ''}`"
+    )
+    return d
+
+
+@pytest.fixture(scope="module", params=["tiny", pytest.param("demo", marks=pytest.mark.demo)])
+def e2e_server(request, tmp_path_factory) -> Iterator[ServerProcess]:
+    """A real server process, once on the tiny random model and once on the demo model."""
+    if request.param == "tiny":
+        model = build_tiny_model(tmp_path_factory.mktemp("srv") / "tiny-model")
+    else:
+        model = demo_model_dir()
+    port = free_port()
+    sp = launch(["-m", str(model), "--port", str(port), "--ctx-size", "256"])
+    assert sp.wait_ready(300), sp.lines
+    yield sp
+    sp.stop()
+
+
 def schema_validator(name: str):
     """A jsonschema validator for one schema of the official spec extracts."""
     import json

@@ -22,9 +22,9 @@ def oai(srv) -> openai.OpenAI:
     )
 
 
-def test_greedy_generation_and_schema(tiny_server):
+def test_greedy_generation_and_schema(e2e_server):
     r = httpx.post(
-        tiny_server.base_url + "/v1/chat/completions",
+        e2e_server.base_url + "/v1/chat/completions",
         json={
             "model": "m",
             "messages": [{"role": "user", "content": "hello"}],
@@ -40,8 +40,8 @@ def test_greedy_generation_and_schema(tiny_server):
     assert body["choices"][0]["finish_reason"] in ("stop", "length")
 
 
-def test_same_seed_same_text(tiny_server):
-    c = oai(tiny_server)
+def test_same_seed_same_text(e2e_server):
+    c = oai(e2e_server)
     kw = dict(
         model="m",
         messages=[{"role": "user", "content": "tell me"}],
@@ -58,8 +58,8 @@ def test_same_seed_same_text(tiny_server):
     assert len(others | {a}) > 1  # the seed actually changes the sampling
 
 
-def test_stream_matches_non_stream_at_temperature_zero(tiny_server):
-    c = oai(tiny_server)
+def test_stream_matches_non_stream_at_temperature_zero(e2e_server):
+    c = oai(e2e_server)
     kw = dict(
         model="m", messages=[{"role": "user", "content": "abc"}], max_tokens=10, temperature=0
     )
@@ -70,14 +70,14 @@ def test_stream_matches_non_stream_at_temperature_zero(tiny_server):
     assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == full
 
 
-def test_length_and_context_limit(tiny_server):
-    c = oai(tiny_server)
+def test_length_and_context_limit(e2e_server):
+    c = oai(e2e_server)
     r = c.chat.completions.create(
         model="m", messages=[{"role": "user", "content": "x"}], max_tokens=3, temperature=0
     )
     assert r.usage.completion_tokens <= 3
     r = httpx.post(
-        tiny_server.base_url + "/v1/chat/completions",
+        e2e_server.base_url + "/v1/chat/completions",
         json={"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 300},
     )
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
@@ -88,9 +88,9 @@ def test_length_and_context_limit(tiny_server):
     assert r.usage.prompt_tokens + r.usage.completion_tokens <= 256
 
 
-def test_logprobs(tiny_server):
+def test_logprobs(e2e_server):
     r = httpx.post(
-        tiny_server.base_url + "/v1/chat/completions",
+        e2e_server.base_url + "/v1/chat/completions",
         json={
             "model": "m",
             "messages": [{"role": "user", "content": "x"}],
@@ -110,10 +110,10 @@ def test_logprobs(tiny_server):
         assert abs(e["logprob"] - e["top_logprobs"][0]["logprob"]) < 1e-4
 
 
-def test_health_answers_during_generation(tiny_server):
+def test_health_answers_during_generation(e2e_server):
     def gen():
         httpx.post(
-            tiny_server.base_url + "/v1/chat/completions",
+            e2e_server.base_url + "/v1/chat/completions",
             json={
                 "model": "m",
                 "messages": [{"role": "user", "content": "x"}],
@@ -128,12 +128,12 @@ def test_health_answers_during_generation(tiny_server):
     t.start()
     time.sleep(0.3)
     for _ in range(5):
-        r = httpx.get(tiny_server.base_url + "/health", timeout=5)
+        r = httpx.get(e2e_server.base_url + "/health", timeout=5)
         assert r.status_code == 200 and r.json()["status"] == "ok"
     t.join(120)
 
 
-def test_disconnect_frees_the_slot(tiny_server):
+def test_disconnect_frees_the_slot(e2e_server):
     body = {
         "model": "m",
         "messages": [{"role": "user", "content": "x"}],
@@ -142,14 +142,14 @@ def test_disconnect_frees_the_slot(tiny_server):
         "temperature": 1.0,
     }
     with httpx.stream(
-        "POST", tiny_server.base_url + "/v1/chat/completions", json=body, timeout=60
+        "POST", e2e_server.base_url + "/v1/chat/completions", json=body, timeout=60
     ) as resp:
         it = resp.iter_lines()
         next(it)
     deadline = time.time() + 10
-    while time.time() < deadline and httpx.get(tiny_server.base_url + "/health").json()["active"]:
+    while time.time() < deadline and httpx.get(e2e_server.base_url + "/health").json()["active"]:
         time.sleep(0.05)
-    assert httpx.get(tiny_server.base_url + "/health").json()["active"] == 0
+    assert httpx.get(e2e_server.base_url + "/health").json()["active"] == 0
 
 
 def test_readiness_only_after_bind_and_sigterm(tiny_model_dir, server_factory):
