@@ -49,16 +49,12 @@ def to_chat_request(
 ) -> ChatRequest:
     """Map a validated Messages (or count_tokens) request to the neutral request.
 
-    Raises InvalidRequest naming the offending field. ``tool_choice`` ``any``/``tool`` is
-    passed on as OpenAI-style ``"required"`` / a named function; nothing here enforces it.
+    Raises InvalidRequest naming the offending field. ``tool_choice`` ``any``/``tool``
+    becomes OpenAI-style ``"required"`` / a named function, which the service enforces
+    with a grammar where the model's tool-call format allows it.
     """
     tools = to_tools(body.tools)
     tool_choice, parallel = to_tool_choice(body.tool_choice, tools)
-    if body.output_config is not None and body.output_config.format is not None:
-        raise UnsupportedFeature(
-            "output_config.format (structured output) is not supported on /v1/messages yet",
-            param="output_config.format",
-        )
     messages = MessageConverter(vision).convert(body.system, body.messages)
     kwargs: dict[str, Any] = {}
     if body.thinking is not None:
@@ -73,7 +69,27 @@ def to_chat_request(
         tool_choice=tool_choice,
         parallel_tool_calls=parallel,
         template_kwargs=kwargs,
+        response_format=_response_format(body),
     )
+
+
+def _response_format(body: MessagesRequest | CountTokensRequest) -> dict[str, Any] | None:
+    """``output_config.format`` (structured output) → the neutral ``response_format``."""
+    fmt = body.output_config.format if body.output_config is not None else None
+    if fmt is None:
+        return None
+    if fmt.get("type") != "json_schema":
+        raise InvalidRequest(
+            f"output_config.format.type {fmt.get('type')!r} is not supported (use 'json_schema')",
+            param="output_config.format.type",
+        )
+    schema = fmt.get("schema")
+    if not isinstance(schema, dict):
+        raise InvalidRequest(
+            "output_config.format.schema must be a JSON schema object",
+            param="output_config.format.schema",
+        )
+    return {"type": "json_schema", "schema": schema}
 
 
 def _sampling(req: MessagesRequest | None) -> SamplingParams:

@@ -132,5 +132,5 @@ class MessagesRequest(CountTokensRequest):
     top_p: float | None = Field(default=None, ge=0, le=1)
     top_k: int | None = Field(default=None, ge=0)
     stop_sequences: list[str] | None = None
-    stream: bool = False
+    stream: bool = Field(default=False, strict=True)
     metadata: dict[str, Any] | None = None
