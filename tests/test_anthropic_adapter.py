@@ -1,0 +1,304 @@
+"""Anthropic request mapping (adapter) and event encoding (encoder), without a server."""
+
+from __future__ import annotations
+
+import pytest
+
+from mlx_server.errors import InvalidRequest, UnsupportedFeature
+from mlx_server.events import (
+    Finished,
+    ReasoningDelta,
+    TextDelta,
+    ToolCallArgsDelta,
+    ToolCallEnd,
+    ToolCallStart,
+    Usage,
+)
+from mlx_server.protocols.anthropic.adapter import (
+    strip_billing_header,
+    system_text,
+    to_chat_request,
+)
+from mlx_server.protocols.anthropic.encoder import MessageAccumulator, StreamEncoder
+from mlx_server.protocols.anthropic.schemas import (
+    CountTokensRequest,
+    MessagesRequest,
+    SystemBlock,
+)
+
+PNG = {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}
+TOOL = {"name": "f", "description": "d", "input_schema": {"type": "object"}}
+
+
+def chat(vision: bool = False, **kw):
+    body = {"model": "m", "max_tokens": 16, "messages": [{"role": "user", "content": "hi"}]}
+    body.update(kw)
+    return to_chat_request(MessagesRequest.model_validate(body), vision=vision)
+
+
+def convo(*messages, vision: bool = False) -> list[dict]:
+    return chat(vision=vision, messages=list(messages)).messages
+
+
+# ---- messages ----------------------------------------------------------------------------
+
+
+def test_tool_results_become_tool_messages_in_order():
+    msgs = convo(
+        {"role": "user", "content": "go"},
+        {
+            "role": "assistant",
+            "content": [
+                {"type": "thinking", "thinking": "plan", "signature": "s"},
+                {"type": "redacted_thinking", "data": "opaque"},
+                {"type": "text", "text": "Calling."},
+                {"type": "tool_use", "id": "t1", "name": "f", "input": {"a": 1}},
+                {"type": "tool_use", "id": "t2", "name": "g", "input": {}},
+            ],
+        },
+        {
+            "role": "user",
+            "content": [
+                {"type": "tool_result", "tool_use_id": "t1", "content": "one"},
+                {
+                    "type": "tool_result",
+                    "tool_use_id": "t2",
+                    "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
+                    "is_error": True,
+                },
+                {"type": "text", "text": "now what?"},
+            ],
+        },
+    )
+    assert msgs == [
+        {"role": "user", "content": "go"},
+        {
+            "role": "assistant",
+            "content": "Calling.",
+            "tool_calls": [
+                {"id": "t1", "type": "function", "function": {"name": "f", "arguments": {"a": 1}}},
+                {"id": "t2", "type": "function", "function": {"name": "g", "arguments": {}}},
+            ],
+            "reasoning_content": "plan",
+        },
+        {"role": "tool", "content": "one", "tool_call_id": "t1", "name": "f"},
+        {"role": "tool", "content": "Error: a\nb", "tool_call_id": "t2", "name": "g"},
+        {"role": "user", "content": "now what?"},
+    ]
+
+
+def test_text_before_a_tool_result_keeps_its_place():
+    msgs = convo(
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "first"},
+                {"type": "tool_result", "tool_use_id": "x"},
+                {"type": "text", "text": "last"},
+            ],
+        }
+    )
+    assert [m["role"] for m in msgs] == ["user", "tool", "user"]
+    assert msgs[1] == {"role": "tool", "content": "", "tool_call_id": "x"}  # no name known
+    assert [msgs[0]["content"], msgs[2]["content"]] == ["first", "last"]
+
+
+def test_only_tool_results_make_no_empty_user_message():
+    msgs = convo({"role": "user", "content": [{"type": "tool_result", "tool_use_id": "x"}]})
+    assert [m["role"] for m in msgs] == ["tool"]
+
+
+def test_images_need_vision_and_then_become_hf_parts():
+    content = [
+        {"type": "text", "text": "what is this?"},
+        {"type": "image", "source": PNG},
+        {"type": "image", "source": {"type": "url", "url": "https://x/y.png"}},
+    ]
+    with pytest.raises(InvalidRequest, match=r"messages\[0\]\.content\[1\] is an image block"):
+        convo({"role": "user", "content": content})
+    msgs = convo({"role": "user", "content": content}, vision=True)
+    assert msgs == [
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "what is this?"},
+                {"type": "image", "image": "data:image/png;base64,iVBORw0KGgo="},
+                {"type": "image", "image": "https://x/y.png"},
+            ],
+        }
+    ]
+    result = {
+        "type": "tool_result",
+        "tool_use_id": "t",
+        "content": [{"type": "image", "source": PNG}],
+    }
+    with pytest.raises(InvalidRequest, match=r"content\[0\]\.content\[0\]"):
+        convo({"role": "user", "content": [result]})
+    tool_msg = convo({"role": "user", "content": [result]}, vision=True)[0]
+    assert tool_msg["content"] == [{"type": "image", "image": "data:image/png;base64,iVBORw0KGgo="}]
+    bad = {"type": "image", "source": {**PNG, "media_type": "image/tiff"}}
+    with pytest.raises(InvalidRequest, match="media_type"):
+        convo({"role": "user", "content": [bad]}, vision=True)
+
+
+def test_text_only_messages_stay_strings_even_with_vision():
+    msgs = convo({"role": "user", "content": [{"type": "text", "text": "a"}]}, vision=True)
+    assert msgs == [{"role": "user", "content": "a"}]
+
+
+# ---- system and the billing header -------------------------------------------------------
+
+BILLING = "x-anthropic-billing-header: cc_version=2.1.117.48f; cc_entrypoint=cli; cch=71fea;"
+
+
+def test_billing_header_block_is_dropped():
+    blocks = [
+        SystemBlock(type="text", text=BILLING),
+        SystemBlock(type="text", text="You are Claude Code."),
+        SystemBlock(type="text", text="Rules."),
+    ]
+    assert system_text(blocks) == "You are Claude Code.\nRules."
+
+
+def test_billing_header_line_is_removed_from_text():
+    assert strip_billing_header(f"{BILLING}\nYou are Claude Code.") == "You are Claude Code."
+    assert system_text(f"{BILLING}\nYou are helpful.") == "You are helpful."
+    blocks = [SystemBlock(type="text", text=f"{BILLING}\nYou are Claude Code.")]
+    assert system_text(blocks) == "You are Claude Code."
+    # Mentions of the header that are not the header line stay.
+    text = "Explain what x-anthropic-billing-header: is."
+    assert strip_billing_header(text) == text
+
+
+def test_system_becomes_the_first_message():
+    msgs = chat(system=[{"type": "text", "text": BILLING}, {"type": "text", "text": "S"}]).messages
+    assert msgs[0] == {"role": "system", "content": "S"}
+    assert chat(system=BILLING).messages[0]["role"] == "user"  # nothing left: no system message
+
+
+# ---- tools, tool_choice, thinking, structured output -------------------------------------
+
+
+def test_tools_and_tool_choice_mapping():
+    req = chat(tools=[TOOL])
+    assert req.tools == [
+        {
+            "type": "function",
+            "function": {"name": "f", "description": "d", "parameters": {"type": "object"}},
+        }
+    ]
+    assert req.tool_choice is None and req.parallel_tool_calls
+    cases = {
+        "auto": "auto",
+        "none": "none",
+        "any": "required",
+    }
+    for kind, want in cases.items():
+        assert chat(tools=[TOOL], tool_choice={"type": kind}).tool_choice == want
+    named = chat(tools=[TOOL], tool_choice={"type": "tool", "name": "f"})
+    assert named.tool_choice == {"type": "function", "function": {"name": "f"}}
+    once = chat(tools=[TOOL], tool_choice={"type": "auto", "disable_parallel_tool_use": True})
+    assert once.parallel_tool_calls is False
+    with pytest.raises(InvalidRequest, match="tool_choice.name"):
+        chat(tools=[TOOL], tool_choice={"type": "tool"})
+    with pytest.raises(UnsupportedFeature, match="server tool"):
+        chat(tools=[{"type": "bash_20250124", "name": "bash"}])
+    typed = chat(tools=[{**TOOL, "type": "custom", "cache_control": {"type": "ephemeral"}}])
+    assert typed.tools is not None and typed.tools[0]["function"]["name"] == "f"
+
+
+def test_thinking_sets_enable_thinking():
+    assert chat().template_kwargs == {}
+    on = chat(thinking={"type": "enabled", "budget_tokens": 1024})
+    assert on.template_kwargs == {"enable_thinking": True}
+    assert chat(thinking={"type": "adaptive"}).template_kwargs == {"enable_thinking": True}
+    assert chat(thinking={"type": "disabled"}).template_kwargs == {"enable_thinking": False}
+
+
+def test_output_config_format_is_structured_output():
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    req = chat(output_config={"format": {"type": "json_schema", "schema": schema}})
+    assert req.response_format == {"type": "json_schema", "schema": schema}
+    assert chat(output_config={"effort": "low"}).response_format is None
+
+
+def test_count_tokens_request_maps_without_generation_fields():
+    body = CountTokensRequest.model_validate(
+        {"model": "m", "messages": [{"role": "user", "content": "hi"}], "tools": [TOOL]}
+    )
+    req = to_chat_request(body)
+    assert req.max_tokens is None and req.stop == () and req.tools is not None
+
+
+# ---- encoder -----------------------------------------------------------------------------
+
+
+def run(events, fin: Finished, *, prompt: int = 10, cached: int = 0):
+    enc = StreamEncoder("msg_1", "m", prompt, cached)
+    stream = enc.start()
+    for ev in events:
+        stream += enc.event(ev)
+    stream += enc.finish(fin)
+    acc = MessageAccumulator()
+    for e in stream:
+        acc.add(e)
+    return stream, acc.message
+
+
+def test_cached_prompt_tokens_are_reported_apart():
+    stream, msg = run([TextDelta("x")], Finished("stop", Usage(100, 5, 40)), prompt=100, cached=40)
+    usage = msg["usage"]
+    assert usage["input_tokens"] == 60 and usage["cache_read_input_tokens"] == 40
+    assert usage["output_tokens"] == 5 and usage["cache_creation_input_tokens"] == 0
+    assert stream[0]["message"]["usage"]["input_tokens"] == 60
+
+
+def test_arguments_sent_at_the_end_of_a_call_are_streamed_once():
+    events = [
+        ToolCallStart(0, "call_abc", "f"),
+        ToolCallEnd(0, '{"a": [1, 2]}'),
+        ToolCallStart(1, "call_def", "f"),
+        ToolCallArgsDelta(1, '{"b":'),
+        ToolCallArgsDelta(1, " 2}"),
+        ToolCallEnd(1, '{"b": 2}'),
+    ]
+    stream, msg = run(events, Finished("tool_calls", Usage(10, 3)))
+    json_deltas = [e["delta"]["partial_json"] for e in stream if e["type"] == "content_block_delta"]
+    assert json_deltas == ['{"a": [1, 2]}', '{"b":', " 2}"]
+    assert [b["input"] for b in msg["content"]] == [{"a": [1, 2]}, {"b": 2}]
+    assert [b["id"] for b in msg["content"]] == ["toolu_abc", "toolu_def"]
+    assert msg["stop_reason"] == "tool_use"
+
+
+def test_blocks_follow_the_output_order():
+    events = [
+        ReasoningDelta("a"),
+        ReasoningDelta(""),
+        TextDelta("b"),
+        ReasoningDelta("c"),
+        TextDelta(""),
+        TextDelta("d"),
+    ]
+    _, msg = run(events, Finished("length", Usage(10, 4)))
+    assert [(b["type"], b.get("thinking", b.get("text"))) for b in msg["content"]] == [
+        ("thinking", "a"),
+        ("text", "b"),
+        ("thinking", "c"),
+        ("text", "d"),
+    ]
+    assert all(b["signature"] for b in msg["content"] if b["type"] == "thinking")
+    assert msg["stop_reason"] == "max_tokens"
+
+
+def test_stop_reasons():
+    cases = {
+        "stop": "end_turn",
+        "length": "max_tokens",
+        "tool_calls": "tool_use",
+        "cancelled": "end_turn",
+    }
+    for reason, want in cases.items():
+        _, msg = run([], Finished(reason, Usage(1, 0)))
+        assert msg["stop_reason"] == want and msg["stop_sequence"] is None
+    _, msg = run([], Finished("stop_sequence", Usage(1, 0), stop_sequence="##"))
+    assert (msg["stop_reason"], msg["stop_sequence"]) == ("stop_sequence", "##")
