@@ -2,8 +2,9 @@
 
 Requests are admitted FIFO against a batch-size limit and a KV-memory budget; admitted ones
 join the running batch after their (chunked) prefill; finished or cancelled ones leave it at
-the next step. A prefix cache (mlx-lm's LRUPromptCache) lets a prompt reuse the KV state of
-an earlier one that shares its prefix.
+the next step. A prefix cache (``prefix_cache.PrefixCache``) lets a prompt reuse the KV state
+of an earlier one that shares its prefix: finished, stopped and cancelled sequences leave
+their state there, and a prompt's system-prompt prefix is saved as it is prefilled.
 """
 
 from __future__ import annotations
@@ -18,9 +19,9 @@ from typing import Any
 
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, StopSequences
-from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, trim_prompt_cache
 
 from mlx_server.engine.handle import GenerationHandle, TokenPiece
+from mlx_server.engine.prefix_cache import SYSTEM, PrefixCache
 from mlx_server.engine.sampling import make_processors, make_sampler
 from mlx_server.errors import InvalidRequest, Overloaded
 from mlx_server.events import Finished, LogprobEntry, Timings, TokenLogprob, Usage
@@ -53,6 +54,7 @@ class _Seq:
     t_start: float = 0.0
     t_first: float = 0.0
     kv_bytes: int = 0
+    system_end: int = 0  # prompt offset where the system prompt's KV state is worth caching
     logprobs: list[LogprobEntry] = field(default_factory=list)
 
 
@@ -71,7 +73,7 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._kv_in_use = 0
         self._prompt_cache = (
-            LRUPromptCache(self.config.prompt_cache_size, self.config.prompt_cache_bytes)
+            PrefixCache(self.config.prompt_cache_size, self.config.prompt_cache_bytes)
             if self.config.prompt_cache_size > 0
             else None
         )
@@ -136,7 +138,18 @@ class Engine:
             "active": self.active_count,
             "queued": self.queue_depth,
             "kv_in_use_bytes": self._kv_in_use,
-            "prompt_cache_entries": len(self._prompt_cache) if self._prompt_cache else 0,
+            **self._cache_stats(),
+        }
+
+    def _cache_stats(self) -> dict[str, Any]:
+        pc = self._prompt_cache
+        if pc is None:
+            return {"prompt_cache_entries": 0}
+        return {
+            "prompt_cache_entries": len(pc),
+            "prompt_cache_bytes": pc.nbytes,
+            "prompt_cache_hits": pc.hits,
+            "prompt_cache_misses": pc.misses,
         }
 
     def shutdown(self, timeout: float = 3.0) -> None:
@@ -201,18 +214,12 @@ class Engine:
         prompt = list(req.prompt_tokens)
         cache, rest = None, prompt
         if self._prompt_cache is not None:
-            cache, rest = self._prompt_cache.fetch_nearest_cache("m", prompt)
-            if cache is not None and not rest:
-                if can_trim_prompt_cache(cache):
-                    trim_prompt_cache(cache, 1)
-                    rest = prompt[-1:]
-                else:
-                    cache, rest = None, prompt
+            cache, rest = self._prompt_cache.fetch(prompt)
         seq.cached = len(prompt) - len(rest)
         seq.handle.cached_tokens = seq.cached
         processors = list(make_processors(req.sampling)) + list(req.logits_processors)
         (uid,) = gen.insert_segments(
-            segments=[[rest]],
+            segments=[self._segments(seq, prompt)],
             max_tokens=[req.max_tokens],
             caches=[cache] if cache is not None else None,
             all_tokens=[prompt[: seq.cached]],
@@ -227,16 +234,33 @@ class Engine:
         self._kv_in_use += seq.kv_bytes
         self._active[uid] = seq
 
+    def _segments(self, seq: _Seq, prompt: list[int]) -> list[list[int]]:
+        """The uncached prompt, split where the system prompt ends when that prefix is not
+        cached yet: prefill pauses at a segment boundary, where its KV state is saved."""
+        end = getattr(seq.req, "system_prefix_tokens", 0)
+        if self._prompt_cache is None or not seq.cached < end < len(prompt) - 1:
+            return [prompt[seq.cached :]]
+        seq.system_end = end
+        return [prompt[seq.cached : end], prompt[end:]]
+
     def _drop_cancelled(self, gen: BatchGenerator) -> None:
         gone = [uid for uid, s in self._active.items() if s.handle.cancelled]
         if gone:
-            gen.remove(gone)
+            saved = gen.remove(gone, return_prompt_caches=self._prompt_cache is not None)
             for uid in gone:
-                self._finish(self._active.pop(uid), "cancelled")
+                seq = self._active.pop(uid)
+                self._keep_state(seq, *saved.get(uid, (None, ())))
+                self._finish(seq, "cancelled")
+
+    def _keep_state(self, seq: _Seq, cache: Any, tokens: Any) -> None:
+        """Store a leaving sequence's KV state (prompt and generated tokens) for reuse."""
+        if self._prompt_cache is not None and cache is not None and len(tokens) > seq.cached:
+            self._prompt_cache.insert(list(tokens), cache)
 
     def _step(self, gen: BatchGenerator) -> None:
-        _, responses = gen.next()
-        done: list[int] = []
+        progress, responses = gen.next()
+        self._save_system_prefixes(gen, progress)
+        done: list[_Seq] = []
         for r in responses:
             seq = self._active.get(r.uid)
             if seq is None:
@@ -245,15 +269,38 @@ class Engine:
                 seq.t_first = time.perf_counter()
             seq.n_generated += 1
             reason = self._on_token(seq, r)
-            if reason is not None:
-                if r.finish_reason is None:
-                    done.append(r.uid)  # a stop string matched: leave the batch now
-                elif r.prompt_cache is not None and self._prompt_cache is not None:
-                    self._prompt_cache.insert_cache("m", list(r.all_tokens), r.prompt_cache)
-                self._active.pop(r.uid)
-                self._finish(seq, reason)
+            if reason is None:
+                continue
+            self._active.pop(r.uid)
+            if r.finish_reason is None:
+                done.append(seq)  # a stop string matched: leave the batch now
+            else:
+                self._keep_state(seq, r.prompt_cache, r.all_tokens)
+            self._finish(seq, reason)
         if done:
-            gen.remove(done)
+            saved = gen.remove(
+                [s.uid for s in done], return_prompt_caches=self._prompt_cache is not None
+            )
+            for seq in done:
+                self._keep_state(seq, *saved.get(seq.uid, (None, ())))
+
+    def _save_system_prefixes(self, gen: BatchGenerator, progress: list[Any]) -> None:
+        """At the end of a system-prompt segment, cache its KV state as a system entry."""
+        uids = [
+            p.uid
+            for p in progress
+            if p.end_of_segment
+            and not p.end_of_prompt
+            and p.uid in self._active
+            and self._active[p.uid].system_end
+        ]
+        if not uids or self._prompt_cache is None:
+            return
+        for uid, (cache, tokens) in gen.extract_cache(uids).items():
+            seq = self._active[uid]
+            if len(tokens) == seq.system_end:
+                self._prompt_cache.insert(list(tokens), cache, SYSTEM)
+                seq.system_end = 0
 
     def _on_token(self, seq: _Seq, r: Any) -> str | None:
         """Detokenize, apply stop strings and logprobs; return a finish reason or None."""
