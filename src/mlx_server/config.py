@@ -61,8 +61,17 @@ class Settings:
         choices=("float32", "bfloat16", "float16"),
     )
     allow_remote_images: bool = _opt(
-        False, "Allow http(s) image URLs to be fetched", "--allow-remote-images"
+        False,
+        "Fetch http(s) image/video URLs (off: any client or web page reaching the server could "
+        "make it request URLs on your network)",
+        "--allow-remote-images",
     )
+    max_images: int = _opt(16, "Images and videos allowed in one request", "--max-images")
+    max_image_mb: float = _opt(20.0, "Largest image accepted, in MB (encoded)", "--max-image-mb")
+    max_image_pixels: int = _opt(
+        50_000_000, "Largest image accepted, in pixels (width x height)", "--max-image-pixels"
+    )
+    max_video_mb: float = _opt(100.0, "Largest video accepted, in MB", "--max-video-mb")
     log_level: str = _opt("warning", "Log level for the HTTP layer (uvicorn)", "--log-level")
 
 

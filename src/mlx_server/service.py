@@ -32,6 +32,7 @@ class PreparedPrompt:
     tokens: list[int]
     max_tokens: int
     start_in_reasoning: bool
+    vision_inputs: Any = None  # pixels etc. for a vision model's prompt with media
 
 
 class ChatService:
@@ -59,6 +60,8 @@ class ChatService:
         self.template = template_text(tokenizer)
         self.constraints: Any = None  # a ConstraintCompiler, when structured output is available
         self.capabilities: list[str] = []
+        # A VisionPromptBuilder for vision-language models: media parts in, image tokens out.
+        self.vision: Any = None
 
     # ---- prompt ------------------------------------------------------------------------
 
@@ -68,17 +71,25 @@ class ChatService:
         fmt = self.tool_format
         if fmt is not None and fmt.name == "json_tools":
             messages = inline_tools(messages, tools, self.template, (fmt.start, fmt.end))
+        if self.vision is not None:
+            messages = self.vision.template_messages(messages)
         return render_prompt(
             self.tokenizer, messages, tools=tools, template_kwargs=chat.template_kwargs
         )
 
     def count_tokens(self, chat: ChatRequest) -> int:
-        return len(encode_prompt(self.tokenizer, self.render(chat)))
+        return len(self._encode(chat, self.render(chat))[0])
+
+    def _encode(self, chat: ChatRequest, text: str) -> tuple[list[int], Any]:
+        """Token ids, and a vision model's inputs (image tokens counted in the ids)."""
+        if self.vision is not None:
+            return self.vision.encode(text, chat.messages)
+        return encode_prompt(self.tokenizer, text), None
 
     def prepare(self, chat: ChatRequest) -> PreparedPrompt:
         """Render and tokenize; check prompt + max_tokens against the context size."""
         text = self.render(chat)
-        tokens = encode_prompt(self.tokenizer, text)
+        tokens, vision_inputs = self._encode(chat, text)
         n = len(tokens)
         if chat.max_tokens is not None:
             if n + chat.max_tokens > self.ctx_size:
@@ -98,7 +109,7 @@ class ChatService:
                 )
         start, end = self.reasoning_tags
         opens = chat.reasoning_format != "none" and prompt_opens_reasoning(text, start, end)
-        return PreparedPrompt(text, tokens, max_tokens, opens)
+        return PreparedPrompt(text, tokens, max_tokens, opens, vision_inputs)
 
     # ---- generation --------------------------------------------------------------------
 
@@ -116,6 +127,7 @@ class ChatService:
             logprobs=chat.logprobs,
             top_logprobs=chat.top_logprobs,
             logits_processors=tuple(processors),
+            vision_inputs=prepared.vision_inputs,
         )
         handle = self.engine.submit(req, asyncio.get_running_loop())
         parse_tools = (

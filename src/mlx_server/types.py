@@ -58,3 +58,6 @@ class GenerationRequest:
     top_logprobs: int = 0
     # Extra mlx-lm logits processors (e.g. a grammar constraint), built per request.
     logits_processors: tuple[Any, ...] = ()
+    # A vision model's inputs besides the token ids (the processor's pixel_values,
+    # attention_mask, image_grid_thw, ...), or None for a text-only prompt.
+    vision_inputs: dict[str, Any] | None = None

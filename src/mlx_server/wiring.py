@@ -35,7 +35,13 @@ def build(settings: Settings) -> tuple[Any, Any]:
     log(f"Model id: {loaded.model_id} ({loaded.path})")
     budget = settings.kv_budget_gb
     kv_budget = int(budget * (1 << 30)) if budget is not None else device_memory_bytes() // 4
-    engine = Engine(
+    vision = "vision" in loaded.capabilities
+    engine_class: Any = Engine
+    if vision:  # mlx-vlm's generation step: pixels in, one request at a time
+        from mlx_server.engine.vision_engine import VisionEngine
+
+        engine_class = VisionEngine
+    engine = engine_class(
         loaded.model,
         loaded.tokenizer,
         EngineConfig(
@@ -56,10 +62,30 @@ def build(settings: Settings) -> tuple[Any, Any]:
         tool_call_parser=settings.tool_call_parser,
     )
     service.capabilities = loaded.capabilities
+    if vision:
+        service.vision = _vision_prompt_builder(loaded, settings)
     service.constraints = _constraint_compiler(loaded.tokenizer)
     log(f"KV budget: {kv_budget // (1 << 20)}MB, max batch size {settings.max_batch_size}")
     engine.start()
-    return create_app(service, api_key=settings.api_key), engine
+    return create_app(service, api_key=settings.api_key, vision=vision), engine
+
+
+def _vision_prompt_builder(loaded: Any, settings: Settings) -> Any:
+    from mlx_server.models.images import MediaLimits
+    from mlx_server.models.vision import VisionPromptBuilder
+
+    limits = MediaLimits(
+        max_images=settings.max_images,
+        max_image_bytes=int(settings.max_image_mb * (1 << 20)),
+        max_image_pixels=settings.max_image_pixels,
+        max_video_bytes=int(settings.max_video_mb * (1 << 20)),
+        allow_remote=settings.allow_remote_images,
+    )
+    log(
+        f"Vision: up to {limits.max_images} images per request, requests run one at a time, "
+        f"remote image URLs {'allowed' if limits.allow_remote else 'refused'}"
+    )
+    return VisionPromptBuilder(loaded.processor, loaded.config, limits)
 
 
 def _constraint_compiler(tokenizer: Any) -> Any:

@@ -31,6 +31,7 @@ class LoadedModel:
     config: dict[str, Any]
     load_seconds: float = 0.0
     capabilities: list[str] = field(default_factory=list)
+    processor: Any = None  # a vision-language model's processor (mlx-vlm), else None
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -141,10 +142,17 @@ def read_chat_template(model_dir: Path) -> str | None:
 
 
 def load_model(model: str, *, model_id: str = "", dtype: str | None = None) -> LoadedModel:
-    """Resolve, load and describe a text model with mlx-lm. Raises ModelLoadError."""
+    """Resolve, load and describe a model: mlx-lm for text, mlx-vlm for vision-language
+    models (a config with a vision tower). Raises ModelLoadError."""
     t0 = time.perf_counter()
     log(f"Loading model from: {model}")
     model_dir = resolve_model_dir(model)
+    from mlx_server.models.vision import is_vision_model, load_vision_model
+
+    if is_vision_model(model_dir):
+        return load_vision_model(
+            model_dir, model_id=model_id or default_model_id(model), dtype=dtype
+        )
     try:
         import mlx.core as mx
         from mlx_lm.utils import dequantize_model

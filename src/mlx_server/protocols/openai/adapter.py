@@ -103,26 +103,49 @@ def _message(i: int, m: Message, vision: bool) -> dict[str, Any]:
     return out
 
 
-def _content(i: int, m: Message, vision: bool) -> str:
-    if m.content is None:
-        return ""
+def _content(i: int, m: Message, vision: bool) -> str | list[dict[str, Any]]:
+    """Text; or, with media (vision models only), Hugging Face style parts in order:
+    ``{"type": "text", "text"}``, ``{"type": "image", "image": url}``,
+    ``{"type": "video", "video": url}``, each media part with its ``param`` location."""
+    parts: list[dict[str, Any]] = []
     if isinstance(m.content, str):
-        return m.content
-    texts: list[str] = []
-    for j, part in enumerate(m.content):
-        where = f"messages[{i}].content[{j}]"
-        if part.type == "text":
-            if part.text is None:
-                raise InvalidRequest(f"{where} is a text part without 'text'", param=where)
-            texts.append(part.text)
-        elif part.type in ("image_url", "input_image", "video_url", "input_audio"):
-            if not vision:
-                raise InvalidRequest(
-                    f"{where} is an {part.type} part, but this model accepts text only", param=where
-                )
-        else:
-            raise InvalidRequest(f"{where} has unsupported type '{part.type}'", param=where)
-    return "\n".join(texts)
+        parts.append({"type": "text", "text": m.content})
+    for j, part in enumerate(m.content if isinstance(m.content, list) else []):
+        parts.append(_part(f"messages[{i}].content[{j}]", part, vision))
+    if vision:  # Jan's legacy per-message media lists, after the content's own
+        for key, kind in (("images", "image"), ("videos", "video")):
+            for k, url in enumerate(getattr(m, key) or []):
+                parts.append({"type": kind, kind: url, "param": f"messages[{i}].{key}[{k}]"})
+    if any(p["type"] != "text" for p in parts):
+        return parts
+    return "\n".join(p["text"] for p in parts)
+
+
+def _part(where: str, part: Any, vision: bool) -> dict[str, Any]:
+    if part.type == "text":
+        if part.text is None:
+            raise InvalidRequest(f"{where} is a text part without 'text'", param=where)
+        return {"type": "text", "text": part.text}
+    if part.type not in ("image_url", "input_image", "video_url", "input_audio"):
+        raise InvalidRequest(f"{where} has unsupported type '{part.type}'", param=where)
+    if not vision:
+        raise InvalidRequest(
+            f"{where} is an {part.type} part, but this model accepts text only", param=where
+        )
+    if part.type == "input_audio":
+        raise InvalidRequest(f"{where}: audio input is not supported", param=where)
+    kind = "video" if part.type == "video_url" else "image"
+    ref = part.video_url if kind == "video" else part.image_url
+    url = ref if isinstance(ref, str) else getattr(ref, "url", None)
+    if isinstance(ref, dict):
+        url = ref.get("url")
+    if not isinstance(url, str) or not url:
+        raise InvalidRequest(f"{where}.{part.type}.url: field required", param=where)
+    out = {"type": kind, kind: url, "param": where}
+    detail = getattr(ref, "detail", None)
+    if detail:
+        out["detail"] = detail
+    return out
 
 
 def _tool_call(i: int, j: int, tc: Any) -> dict[str, Any]:

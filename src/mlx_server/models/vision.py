@@ -1,0 +1,203 @@
+"""Vision-language models: detection, loading through mlx-vlm, and prompt building with media.
+
+mlx-vlm is an optional dependency (``pip install 'mlx-server[vision]'``); it is imported
+only when a model that needs it is loaded, so the text-only server runs without it.
+
+Neutral messages carry media as Hugging Face style content parts,
+``{"type": "image", "image": <url>}`` and ``{"type": "video", "video": <url>}``, optionally
+with ``"param"`` (where the part was in the protocol request, for error messages) and
+``"detail"``. The prompt builder turns them into the model's own placeholders (through
+mlx-vlm's per-model message formats), renders the chat template as the text path does,
+and lets the model's processor expand the placeholders into image tokens and pixels.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from mlx_server.errors import InvalidRequest
+from mlx_server.logs import log
+from mlx_server.models.images import Media, MediaLimits, collect_media, part_where
+from mlx_server.models.loader import LoadedModel, ModelLoadError, read_chat_template
+
+INSTALL_HINT = "pip install 'mlx-server[vision]'  (or: pip install mlx-vlm)"
+
+# Config keys that declare a vision tower. mlx-vlm itself tells VLMs apart by
+# "vision_config"; LLaVA-style checkpoints (FastVLM) name their tower "mm_vision_tower".
+_VISION_KEYS = ("vision_config", "mm_vision_tower")
+
+
+def is_vision_config(config: dict[str, Any]) -> bool:
+    """Whether a model config declares a vision tower."""
+    return any(config.get(k) for k in _VISION_KEYS)
+
+
+def is_vision_model(model_dir: Path) -> bool:
+    """Whether the model directory holds a vision-language model (by its config.json)."""
+    try:
+        config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and is_vision_config(config)
+
+
+def load_vision_model(model_dir: Path, *, model_id: str, dtype: str | None = None) -> LoadedModel:
+    """Load a vision-language model and its processor with mlx-vlm. Raises ModelLoadError."""
+    t0 = time.perf_counter()
+    try:
+        import mlx_vlm  # noqa: F401
+    except ImportError as e:
+        raise ModelLoadError(
+            f"the model in {model_dir} is a vision-language model, which needs mlx-vlm: "
+            f"{INSTALL_HINT}"
+        ) from e
+    try:
+        import mlx.core as mx
+        from mlx_lm.tokenizer_utils import load as load_tokenizer
+        from mlx_vlm.utils import load as vlm_load
+
+        net, processor = vlm_load(str(model_dir))
+        if dtype is not None and not getattr(net.config, "quantization", None):
+            net.set_dtype(getattr(mx, dtype))
+            mx.eval(net.parameters())
+        config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+        tokenizer = load_tokenizer(model_dir, eos_token_ids=_eos_ids(config))
+    except Exception as e:
+        raise ModelLoadError(f"{type(e).__name__}: {e}") from e
+    template = read_chat_template(model_dir) or getattr(processor, "chat_template", None)
+    if isinstance(template, str) and template:
+        tokenizer._tokenizer.chat_template = template
+    if getattr(tokenizer._tokenizer, "chat_template", None) is None:
+        raise ModelLoadError(f"the model in {model_dir} has no chat template")
+    log(f"Vision-language model ({config.get('model_type')}) loaded with mlx-vlm")
+    return LoadedModel(
+        model_id=model_id,
+        path=model_dir,
+        model=net,
+        tokenizer=tokenizer,
+        config=config,
+        load_seconds=time.perf_counter() - t0,
+        capabilities=["vision"],
+        processor=processor,
+    )
+
+
+def _eos_ids(config: dict[str, Any]) -> list[int] | None:
+    eos = config.get("eos_token_id", (config.get("text_config") or {}).get("eos_token_id"))
+    if isinstance(eos, int):
+        return [eos]
+    return [int(e) for e in eos] if isinstance(eos, list) else None
+
+
+class VisionPromptBuilder:
+    """Media-aware prompt building for one vision-language model."""
+
+    def __init__(self, processor: Any, config: dict[str, Any], limits: MediaLimits):
+        from mlx_vlm.utils import get_model_type
+
+        self.processor = processor
+        self.config = config
+        self.model_type = get_model_type(config) or str(config.get("model_type", ""))
+        self.limits = limits
+        self.tokenizer = getattr(processor, "tokenizer", processor)
+
+    # ---- rendering -----------------------------------------------------------------------
+
+    def template_messages(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Messages for the chat template: media parts become the model's placeholders."""
+        out = []
+        for i, m in enumerate(messages):
+            content = m.get("content")
+            if isinstance(content, list):
+                m = {**m, "content": self._content(i, m.get("role", "user"), content)}
+            out.append(m)
+        return out
+
+    def _content(self, i: int, role: str, parts: list[dict[str, Any]]) -> Any:
+        kinds = [p.get("type") if isinstance(p, dict) else None for p in parts]
+        media = [(j, p) for j, p in enumerate(parts) if kinds[j] in ("image", "video")]
+        if not media:
+            return "\n".join(str(p.get("text") or "") for p in parts if isinstance(p, dict))
+        first = part_where(i, *media[0])
+        if role != "user":
+            raise InvalidRequest(
+                f"{first}: images and videos are accepted in user messages only", param=first
+            )
+        keep = [
+            {"type": "image"} if k == "image" else p
+            for p, k in zip(parts, kinds, strict=True)
+            if k in ("image", "text")
+        ]
+        content = self._format(keep, kinds.count("image"))
+        videos = [(j, p) for j, p in media if kinds[j] == "video"]
+        if videos:
+            where = part_where(i, *videos[0])
+            if not isinstance(content, list) or not getattr(
+                self.processor, "video_processor", None
+            ):
+                raise InvalidRequest(f"{where}: this model does not accept video", param=where)
+            content = [{"type": "video"}] * len(videos) + content
+        return content
+
+    def _format(self, parts: list[dict[str, Any]], n_images: int) -> Any:
+        """The user content in the model's image convention (mlx-vlm's message formats)."""
+        from mlx_vlm.prompt_utils import MODEL_CONFIG, get_message_json
+
+        if self.model_type not in MODEL_CONFIG:
+            return parts  # Hugging Face parts, which multimodal chat templates understand
+        try:
+            msg = get_message_json(self.model_type, parts, "user", num_images=n_images)
+        except ValueError as e:  # e.g. a model that takes one image per request
+            raise InvalidRequest(str(e), param="messages") from e
+        return msg["content"] if isinstance(msg, dict) else msg
+
+    # ---- encoding ------------------------------------------------------------------------
+
+    def encode(self, text: str, messages: list[dict[str, Any]]) -> tuple[list[int], Any]:
+        """Token ids (image placeholders expanded) and the processor's model inputs, or None."""
+        media = collect_media(messages, self.limits)
+        if not media:
+            from mlx_server.models.prompt import encode_prompt
+
+            return encode_prompt(self.tokenizer, text), None
+        try:
+            inputs = self._process(text, media)
+        finally:
+            media.cleanup()
+        ids = inputs.pop("input_ids")
+        tokens = [int(t) for t in (ids[0] if getattr(ids, "ndim", 1) > 1 else ids).tolist()]
+        return tokens, inputs
+
+    def _process(self, text: str, media: Media) -> dict[str, Any]:
+        from mlx_vlm.utils import prepare_inputs
+
+        video_token = getattr(self.processor, "video_token", None)
+        if media.videos and isinstance(video_token, str) and video_token not in text:
+            raise InvalidRequest(
+                "this model's chat template does not place videos in the prompt",
+                param="messages",
+            )
+        bos = getattr(self.tokenizer, "bos_token", None)
+        try:
+            return dict(
+                prepare_inputs(
+                    self.processor,
+                    images=media.images or None,
+                    videos=media.videos or None,
+                    prompts=text,
+                    image_token_index=self.config.get("image_token_index"),
+                    # The template usually writes BOS itself; add one only where it did not.
+                    add_special_tokens=bool(bos) and not text.startswith(bos),
+                )
+            )
+        except InvalidRequest:
+            raise
+        except Exception as e:  # the processor rejects the media or the placeholders
+            raise InvalidRequest(
+                f"the model's processor could not prepare this request's media: "
+                f"{type(e).__name__}: {e}",
+                param="messages",
+            ) from e
