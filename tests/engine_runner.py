@@ -1,0 +1,117 @@
+"""Drive the real Engine from Python on the tiny model: submit, collect, compare."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from mlx_server.engine.engine import Engine, EngineConfig
+from mlx_server.engine.handle import GenerationHandle, TokenPiece
+from mlx_server.events import Finished, LogprobEntry
+from mlx_server.types import GenerationRequest, SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+@dataclass
+class Result:
+    text: str
+    finished: Finished
+    logprobs: list[LogprobEntry] = field(default_factory=list)
+    pieces: int = 0
+
+    @property
+    def reason(self) -> str:
+        return self.finished.reason
+
+    @property
+    def cached(self) -> int:
+        return self.finished.usage.cached_tokens
+
+
+_ids = iter(range(1 << 30))
+
+
+def request(tokens: list[int], max_tokens: int = 24, **kw: Any) -> GenerationRequest:
+    kw.setdefault("sampling", GREEDY)
+    return GenerationRequest(f"req-{next(_ids)}", list(tokens), max_tokens, **kw)
+
+
+async def collect(handle: GenerationHandle) -> Result:
+    text, logprobs, pieces = "", [], 0
+    async for ev in handle:
+        if isinstance(ev, TokenPiece):
+            text += ev.text
+            logprobs.extend(ev.logprobs)
+            pieces += 1
+        else:
+            return Result(text, ev, logprobs, pieces)
+    raise AssertionError("the stream ended without Finished")
+
+
+async def generate(engine: Engine, req: GenerationRequest) -> Result:
+    return await collect(engine.submit(req))
+
+
+async def generate_all(engine: Engine, reqs: list[GenerationRequest]) -> list[Result]:
+    """Submit every request before awaiting any, so they run in one batch."""
+    handles = [engine.submit(r) for r in reqs]
+    return list(await asyncio.gather(*(collect(h) for h in handles)))
+
+
+def solo(engine: Engine, reqs: list[GenerationRequest]) -> list[Result]:
+    """Each request alone, one after another."""
+
+    async def run() -> list[Result]:
+        return [await generate(engine, r) for r in reqs]
+
+    return asyncio.run(run())
+
+
+@contextmanager
+def running_engine(model: Any, tokenizer: Any, **config: Any) -> Iterator[Engine]:
+    config.setdefault("kv_bytes_per_token", 256)
+    engine = Engine(model, tokenizer, EngineConfig(**config))
+    engine.start()
+    try:
+        yield engine
+    finally:
+        engine.shutdown(timeout=10)
+
+
+def chat_tokens(tokenizer: Any, messages: list[dict[str, Any]]) -> list[int]:
+    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+
+
+def build_varied_model(path: Any, head_scale: float = 4.0) -> Any:
+    """The tiny model with an untied, sharpened output head: with tied random embeddings
+    greedy decoding repeats the input token, which would make output comparisons vacuous."""
+    import json
+
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.models import llama
+    from tiny_model import build_tiny_model
+
+    path = build_tiny_model(path)
+    config = json.loads((path / "config.json").read_text())
+    config["tie_word_embeddings"] = False
+    mx.random.seed(1)
+    net = llama.Model(llama.ModelArgs.from_dict(config))
+    weights = dict(tree_flatten(net.parameters()))
+    weights["lm_head.weight"] = weights["lm_head.weight"] * head_scale
+    mx.save_safetensors(str(path / "model.safetensors"), weights)
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+def load_varied_model(tmp_path_factory: Any) -> tuple[Any, Any, Any]:
+    """(model, tokenizer, model_dir) for the varied tiny model."""
+    from mlx_lm import load
+
+    path = build_varied_model(tmp_path_factory.mktemp("varied") / "tiny-varied")
+    model, tokenizer = load(str(path))[:2]
+    return model, tokenizer, path
