@@ -133,6 +133,11 @@ class Engine:
     def queue_depth(self) -> int:
         return len(self._pending)
 
+    @property
+    def prefix_cache(self) -> PrefixCache | None:
+        """The prefix cache (owned by the engine thread: read it only while idle)."""
+        return self._prompt_cache
+
     def stats(self) -> dict[str, Any]:
         return {
             "active": self.active_count,

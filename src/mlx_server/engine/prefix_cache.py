@@ -135,6 +135,11 @@ class PrefixCache(LRUPromptCache):
         self._n_bytes += sign * entry.nbytes
         self._n_bytes_by_type[entry.cache_type] += sign * entry.nbytes
 
+    def keys(self, kind: str | None = None) -> list[list[int]]:
+        """The stored token sequences, least recently used first (of one kind, or all)."""
+        kinds = [kind] if kind is not None else list(self._lru._lrus)
+        return [list(t) for k in kinds for _, t in self._lru._lrus[k]]
+
     def entries(self) -> dict[str, int]:
         """Entry counts by kind (for stats)."""
         return {k: len(v) for k, v in self._lru._lrus.items() if v}
