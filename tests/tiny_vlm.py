@@ -110,7 +110,9 @@ def build_tiny_vlm(path: Path, *, seed: int = 0, max_pixels: int = 224 * 224) ->
         "rope_theta": 10000.0,
         # head_dim 16: the three mRoPE sections split its 8 frequencies.
         "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]},
-        "tie_word_embeddings": True,
+        # Untied and sharpened: with tied random embeddings greedy decoding just repeats
+        # the last input token, whatever the image.
+        "tie_word_embeddings": False,
         "bos_token_id": None,
         "eos_token_id": vocab["<|im_end|>"],
         "image_token_id": vocab["<|image_pad|>"],
@@ -140,6 +142,8 @@ def build_tiny_vlm(path: Path, *, seed: int = 0, max_pixels: int = 224 * 224) ->
     for name, value in tree_flatten(model.parameters()):
         if name.endswith("patch_embed.proj.weight"):
             value = value.transpose(0, 4, 1, 2, 3)  # stored the PyTorch way, as checkpoints are
+        elif name.endswith("lm_head.weight"):
+            value = value * 4.0
         weights[name] = value
     mx.save_safetensors(str(path / "model.safetensors"), weights)
     (path / "config.json").write_text(json.dumps(config))

@@ -1,0 +1,151 @@
+"""The VisionEngine from Python, on the tiny Qwen2-VL: pixels reach the model, FIFO order,
+cancellation, limits, errors and shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+from typing import Any
+
+import pytest
+from engine_runner import GREEDY, collect, generate, request
+from PIL import Image
+from tiny_vlm import build_tiny_vlm
+
+from mlx_server.engine.engine import EngineConfig
+from mlx_server.engine.vision_engine import VisionEngine
+from mlx_server.errors import Overloaded
+from mlx_server.models.images import MediaLimits
+from mlx_server.models.loader import load_model
+from mlx_server.models.prompt import render_prompt
+from mlx_server.models.vision import VisionPromptBuilder
+from mlx_server.types import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def vlm(tmp_path_factory) -> Any:
+    loaded = load_model(str(build_tiny_vlm(tmp_path_factory.mktemp("vlm") / "tiny-vlm")))
+    assert loaded.capabilities == ["vision"] and loaded.processor is not None
+    return loaded
+
+
+@pytest.fixture
+def engine(vlm):
+    eng = VisionEngine(vlm.model, vlm.tokenizer, EngineConfig(kv_bytes_per_token=256))
+    eng.start()
+    yield eng
+    eng.shutdown(timeout=10)
+
+
+def prompt(vlm, color=(255, 0, 0), size: int = 56, image: bool = True) -> tuple[list[int], Any]:
+    """(token ids, vision inputs) for a one-image question, through the prompt builder."""
+    builder = VisionPromptBuilder(vlm.processor, vlm.config, MediaLimits())
+    content: list[dict[str, Any]] = [{"type": "text", "text": "What colour is it?"}]
+    if image:
+        buf = io.BytesIO()
+        Image.new("RGB", (size, size), color).save(buf, "PNG")
+        url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+        content.insert(0, {"type": "image", "image": url})
+    messages = [{"role": "user", "content": content}]
+    text = render_prompt(vlm.tokenizer, builder.template_messages(messages))
+    return builder.encode(text, messages)
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_pixels_reach_the_model(vlm, engine):
+    async def first_token(color):
+        tokens, inputs = prompt(vlm, color)
+        req = request(tokens, 1, vision_inputs=inputs, logprobs=True, top_logprobs=5)
+        return (await generate(engine, req)).logprobs[0]
+
+    red, blue, red_again = (run(first_token(c)) for c in [(255, 0, 0), (0, 0, 255), (255, 0, 0)])
+    assert red == red_again
+    assert red.top != blue.top  # a different picture, a different next-token distribution
+
+
+def test_usage_counts_image_tokens_and_max_tokens(vlm, engine):
+    tokens, inputs = prompt(vlm, size=112)
+    text_tokens, none = prompt(vlm, image=False)
+    assert none is None and len(tokens) == len(text_tokens) + 2 + 16
+    r = run(generate(engine, request(tokens, 5, vision_inputs=inputs)))
+    assert r.reason == "length"
+    assert r.finished.usage.prompt_tokens == len(tokens)
+    assert r.finished.usage.completion_tokens == 5
+    assert r.finished.timings.prompt_n == len(tokens) and r.finished.timings.predicted_n == 5
+    text_only = run(generate(engine, request(text_tokens, 3)))
+    assert text_only.reason == "length" and text_only.finished.usage.prompt_tokens == len(
+        text_tokens
+    )
+
+
+def test_seeded_sampling_repeats(vlm, engine):
+    tokens, inputs = prompt(vlm)
+    sampling = SamplingParams(temperature=1.0, top_p=0.9, seed=3)
+
+    def once():
+        return run(generate(engine, request(tokens, 8, vision_inputs=inputs, sampling=sampling)))
+
+    assert once().text == once().text
+
+
+def test_requests_run_first_in_first_out(vlm, engine):
+    tokens, inputs = prompt(vlm)
+    reqs = [request(tokens, 6, vision_inputs=inputs, sampling=GREEDY) for _ in range(3)]
+
+    async def main():
+        done: list[str] = []
+
+        async def one(req):
+            await collect(engine.submit(req))
+            done.append(req.request_id)
+
+        await asyncio.gather(*(one(r) for r in reqs))
+        return done
+
+    assert run(main()) == [r.request_id for r in reqs]
+
+
+def test_cancel_queued_and_running(vlm, engine):
+    tokens, inputs = prompt(vlm)
+    long = request(tokens, 2000, vision_inputs=inputs)
+    queued = request(tokens, 5, vision_inputs=inputs)
+
+    async def main():
+        h_long, h_queued = engine.submit(long), engine.submit(queued)
+        assert engine.cancel(queued.request_id) == 1
+        first = await h_long.__aiter__().__anext__()  # the long one is generating
+        assert first is not None
+        assert engine.cancel() == 1  # only the running one is left to cancel
+        return await collect(h_long), await collect(h_queued)
+
+    r_long, r_queued = run(main())
+    assert r_queued.reason == "cancelled" and r_queued.finished.usage.completion_tokens == 0
+    assert r_long.reason == "cancelled" and r_long.finished.usage.completion_tokens < 2000
+    assert engine.active_count == 0 and engine.queue_depth == 0
+    assert engine.stats()["mode"] == "sequential"
+
+
+def test_a_failing_request_does_not_stop_the_engine(vlm, engine):
+    tokens, inputs = prompt(vlm)
+    broken = dict(inputs, image_grid_thw=inputs["image_grid_thw"] * 3)  # more patches than pixels
+    r = run(generate(engine, request(tokens, 4, vision_inputs=broken)))
+    assert r.reason == "error" and r.finished.error
+    ok = run(generate(engine, request(tokens, 4, vision_inputs=inputs)))
+    assert ok.reason == "length"
+
+
+def test_shutdown_refuses_new_requests(vlm):
+    eng = VisionEngine(vlm.model, vlm.tokenizer, EngineConfig(kv_bytes_per_token=256))
+    eng.start()
+    eng.shutdown(timeout=10)
+    tokens, inputs = prompt(vlm)
+
+    async def submit():
+        eng.submit(request(tokens, 4, vision_inputs=inputs))
+
+    with pytest.raises(Overloaded):
+        run(submit())
