@@ -70,7 +70,7 @@ def byte_level_vocab() -> list[str]:
     return SPECIALS + sorted(ByteLevel.alphabet()) + merged
 
 
-def tiny_config(arch: str, *, tie: bool = True) -> dict[str, Any]:
+def tiny_config(arch: str, *, tie: bool = True, vocab_size: int | None = None) -> dict[str, Any]:
     config = {
         "model_type": arch,
         "hidden_size": 64,
@@ -82,7 +82,7 @@ def tiny_config(arch: str, *, tie: bool = True) -> dict[str, Any]:
         "rms_norm_eps": 1e-5,
         "rope_theta": 10000.0,
         "max_position_embeddings": 512,
-        "vocab_size": len(byte_level_vocab()),
+        "vocab_size": vocab_size or len(byte_level_vocab()),
         "tie_word_embeddings": tie,
     }
     return config
@@ -111,20 +111,25 @@ def write_tiny_gguf(
     tie: bool = True,
     seed: int = 0,
     pre: str = "smollm",
+    spm: Any = None,
 ) -> TinyGGUF:
     """Write a tiny random model as llama.cpp would, and return its reference model.
 
     `quant` maps a name fragment (e.g. "token_embd", "blk") to a GGML type for 2-D weights.
     The reference model gets the quantize-dequantize round trip of those weights, so the
-    imported model must match it closely.
+    imported model must match it closely. `spm` (a SentencePieceProcessor) replaces the
+    byte-level vocabulary with a SentencePiece one.
     """
-    config = tiny_config(arch, tie=tie)
+    tokens = byte_level_vocab() if spm is None else spm_vocab(spm)[0]
+    config = tiny_config(arch, tie=tie, vocab_size=len(tokens))
     model = build_reference(config, seed)
     names = gguf.get_tensor_name_map(ARCHS[arch], config["num_hidden_layers"])
     writer = gguf.GGUFWriter(str(path), arch)
     _write_hparams(writer, arch, config)
-    tokens = byte_level_vocab()
-    _write_byte_level_tokenizer(writer, tokens, pre)
+    if spm is None:
+        _write_byte_level_tokenizer(writer, tokens, pre)
+    else:
+        _write_sentencepiece_tokenizer(writer, spm)
     reference = {}
     for name, value in tree_flatten(model.parameters()):
         array = np.array(value)
@@ -195,3 +200,33 @@ def _write_byte_level_tokenizer(writer: gguf.GGUFWriter, tokens: list[str], pre:
     writer.add_pad_token_id(tokens.index("<|endoftext|>"))
     writer.add_add_bos_token(False)
     writer.add_chat_template(CHAT_TEMPLATE)
+
+
+def spm_vocab(spm: Any) -> tuple[list[str], list[float], list[int]]:
+    """Pieces, scores and llama.cpp token types of a SentencePiece model, as its converter does."""
+    count = spm.get_piece_size()
+
+    def kind(i: int) -> int:
+        for test, token_type in (
+            (spm.is_unknown, gguf.TokenType.UNKNOWN),
+            (spm.is_control, gguf.TokenType.CONTROL),
+            (spm.is_byte, gguf.TokenType.BYTE),
+            (spm.is_unused, gguf.TokenType.UNUSED),
+        ):
+            if test(i):
+                return int(token_type)
+        return int(gguf.TokenType.NORMAL)
+
+    pieces = [spm.id_to_piece(i) for i in range(count)]
+    return pieces, [spm.get_score(i) for i in range(count)], [kind(i) for i in range(count)]
+
+
+def _write_sentencepiece_tokenizer(writer: gguf.GGUFWriter, spm: Any) -> None:
+    pieces, scores, types = spm_vocab(spm)
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(pieces)
+    writer.add_token_scores(scores)
+    writer.add_token_types(types)
+    writer.add_bos_token_id(spm.bos_id())
+    writer.add_eos_token_id(spm.eos_id())
+    writer.add_unk_token_id(spm.unk_id())

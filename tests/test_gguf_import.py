@@ -125,6 +125,55 @@ def test_unknown_pre_tokenizer_is_refused_by_name(tmp_path):
         import_gguf(tiny.path, tmp_path / "out", progress=False)
 
 
+SPM_CORPUS = [
+    "The town library opened in 1923 in a small brick building next to the railway station.",
+    "Volunteers carried the books over one box at a time, every Saturday morning.",
+    "A retired teacher kept the keys and wrote every loan by hand in a notebook.",
+    "Ünïcödé façade naïve café résumé",
+]
+
+
+@pytest.fixture(scope="module")
+def sentencepiece_model():
+    """A small SentencePiece BPE model trained like Llama's: no normalization, byte fallback."""
+    import io
+
+    import sentencepiece
+
+    proto = io.BytesIO()
+    sentencepiece.SentencePieceTrainer.train(
+        sentence_iterator=iter(SPM_CORPUS * 4),
+        model_writer=proto,
+        model_type="bpe",
+        vocab_size=300,
+        byte_fallback=True,
+        character_coverage=1.0,
+        normalization_rule_name="identity",
+        remove_extra_whitespaces=False,
+        split_digits=True,
+        minloglevel=2,
+    )
+    return sentencepiece.SentencePieceProcessor(model_proto=proto.getvalue())
+
+
+def test_sentencepiece_vocabulary_tokenizes_as_sentencepiece_does(tmp_path, sentencepiece_model):
+    sp = sentencepiece_model
+    tiny = write_tiny_gguf(tmp_path / "m.gguf", "llama", spm=sp)
+    _, tokenizer = imported(tiny, tmp_path / "out", dtype="float32")
+    texts = SPM_CORPUS + ["  two  spaces", "tab\there\nnew line", "emoji 🙂 and 中文", "1923!"]
+    for text in texts:
+        assert tokenizer.encode(text, add_special_tokens=False) == sp.encode(text), text
+        assert tokenizer.encode(text) == [sp.bos_id(), *sp.encode(text)]  # add_bos by default
+        assert tokenizer.decode(sp.encode(text)) == text
+        detokenizer = tokenizer.detokenizer
+        detokenizer.reset()
+        for token in sp.encode(text):
+            detokenizer.add_token(token)
+        detokenizer.finalize()
+        # mlx-lm's SentencePiece streaming detokenizer drops the text's leading spaces.
+        assert detokenizer.text == text.lstrip(" ")
+
+
 # ---------------------------------------------------------------- files that cannot be imported
 
 
