@@ -1,0 +1,105 @@
+"""Anthropic Messages API end to end: the real ``mlx-server`` process.
+
+On the tiny random-weight model the wording is noise, so that test checks structure; the
+demo-model tests check facts.
+"""
+
+from __future__ import annotations
+
+import anthropic
+import httpx
+import pytest
+from conftest import demo_model_dir, free_port, launch
+from test_anthropic_scripted import MESSAGE, check_stream_order, stream_events
+
+QUESTION = [{"role": "user", "content": "hello"}]
+
+
+def sdk(srv) -> anthropic.Anthropic:
+    return anthropic.Anthropic(
+        base_url=srv.base_url, api_key="x", _strict_response_validation=True, max_retries=0
+    )
+
+
+def without_ids(msg: anthropic.types.Message) -> dict:
+    out = msg.model_dump(exclude={"id"})
+    for block in out["content"]:
+        block.pop("id", None)
+    return out
+
+
+def test_message_stream_and_count_on_a_real_model(tiny_server):
+    c = sdk(tiny_server)
+    # Current SDKs no longer have sampling arguments; older clients still send them.
+    kw = dict(model="tiny", max_tokens=8, messages=QUESTION, extra_body={"temperature": 0})
+    raw = {"model": "tiny", "max_tokens": 8, "messages": QUESTION, "temperature": 0}
+    r = httpx.post(tiny_server.base_url + "/v1/messages", json=raw, timeout=120)
+    assert r.status_code == 200, r.text
+    MESSAGE.validate(r.json())
+    msg = c.messages.create(**kw)
+    assert msg.model == "tiny" and msg.id.startswith("msg_")
+    assert msg.stop_reason in ("end_turn", "max_tokens")
+    assert 0 < msg.usage.output_tokens <= 8
+    counted = c.messages.count_tokens(model="tiny", messages=QUESTION).input_tokens
+    # Anthropic's split: what came from the prompt cache is not in input_tokens.
+    assert msg.usage.input_tokens + (msg.usage.cache_read_input_tokens or 0) == counted
+    assert msg.usage.input_tokens > 0
+
+    events = stream_events(tiny_server, raw)
+    check_stream_order(events)
+    with c.messages.stream(**kw) as stream:
+        streamed = stream.get_final_message()
+    assert without_ids(streamed)["content"] == without_ids(msg)["content"]  # greedy: same text
+    assert streamed.stop_reason == msg.stop_reason
+    assert streamed.usage.output_tokens == msg.usage.output_tokens
+
+
+@pytest.fixture(scope="module")
+def demo():
+    sp = launch(["-m", str(demo_model_dir()), "--port", str(free_port()), "--ctx-size", "2048"])
+    assert sp.wait_ready(300), sp.lines
+    yield sp
+    sp.stop()
+
+
+@pytest.mark.demo
+def test_demo_model_answers_through_the_sdk(demo):
+    msg = sdk(demo).messages.create(
+        model="smollm2",
+        max_tokens=40,
+        extra_body={"temperature": 0},
+        system="You are a helpful assistant. Answer in one short sentence.",
+        messages=[{"role": "user", "content": "What is the capital of France?"}],
+    )
+    assert msg.stop_reason in ("end_turn", "max_tokens")
+    text = "".join(b.text for b in msg.content if b.type == "text")
+    assert "Paris" in text
+
+
+@pytest.mark.demo
+def test_demo_model_forced_tool_use_streams_its_input(demo):
+    tool = {
+        "name": "get_weather",
+        "description": "Current weather for a city",
+        "input_schema": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    }
+    with sdk(demo).messages.stream(
+        model="smollm2",
+        max_tokens=100,
+        extra_body={"temperature": 0},
+        messages=[{"role": "user", "content": "What is the weather in Paris?"}],
+        tools=[tool],
+        tool_choice={"type": "tool", "name": "get_weather"},
+    ) as stream:
+        json_deltas = [e for e in stream if e.type == "input_json"]
+        msg = stream.get_final_message()
+    uses = [b for b in msg.content if b.type == "tool_use"]
+    assert [u.name for u in uses] == ["get_weather"]
+    assert list(uses[0].input) == ["city"] and isinstance(uses[0].input["city"], str)
+    assert msg.stop_reason == "tool_use"
+    assert len(json_deltas) > 1  # the arguments arrived piece by piece
