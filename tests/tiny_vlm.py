@@ -1,4 +1,5 @@
-"""Build a tiny random-weight Qwen2-VL model for mlx-vlm, with a local processor (no hub)."""
+"""Tiny random-weight vision-language models for mlx-vlm (Qwen2-VL, LLaVA), with their
+processors' files written locally (no hub)."""
 
 from __future__ import annotations
 
@@ -40,7 +41,9 @@ PATCH = 14
 MERGE = 2
 
 
-def _tokenizer(path: Path) -> dict[str, int]:
+def _tokenizer(
+    path: Path, specials: list[str] = SPECIALS, template: str = TEMPLATE
+) -> dict[str, int]:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -48,7 +51,7 @@ def _tokenizer(path: Path) -> dict[str, int]:
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=400,
-        special_tokens=SPECIALS,
+        special_tokens=specials,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -60,11 +63,11 @@ def _tokenizer(path: Path) -> dict[str, int]:
         "eos_token": "<|im_end|>",
         "pad_token": "<|endoftext|>",
         "unk_token": None,
-        "chat_template": TEMPLATE,
+        "chat_template": template,
         "model_max_length": 4096,
     }
     (path / "tokenizer_config.json").write_text(json.dumps(cfg))
-    (path / "chat_template.jinja").write_text(TEMPLATE)
+    (path / "chat_template.jinja").write_text(template)
     return json.loads((path / "tokenizer.json").read_text())["model"]["vocab"]
 
 
@@ -145,6 +148,94 @@ def build_tiny_vlm(path: Path, *, seed: int = 0, max_pixels: int = 224 * 224) ->
         elif name.endswith("lm_head.weight"):
             value = value * 4.0
         weights[name] = value
+    mx.save_safetensors(str(path / "model.safetensors"), weights)
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+# Idefics3 (SmolVLM): "<image>" in the text, which the processor replaces with one
+# "<fake_token_around_image><row_r_col_c>(<image> * image_seq_len)" block per tile and a
+# global view; images are resized to 56 pixels on the longest side and cut into 28-pixel
+# tiles, and each tile's 2x2 patches are shuffled into one token.
+IDEFICS3_SPECIALS = [
+    *SPECIALS[:3],
+    "<fake_token_around_image>",
+    "<image>",
+    "<end_of_utterance>",
+    "<global-img>",
+]
+IDEFICS3_TEMPLATE = TEMPLATE.replace("'<|vision_start|><|image_pad|><|vision_end|>'", "'<image>'")
+TILE = 28
+
+
+def build_tiny_idefics3(path: Path, *, seed: int = 0) -> Path:
+    """A tiny Idefics3 (SigLIP vision tower, pixel-shuffle connector, Llama) in ``path``."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_vlm.models import idefics3
+
+    path.mkdir(parents=True, exist_ok=True)
+    vocab = _tokenizer(path, IDEFICS3_SPECIALS, IDEFICS3_TEMPLATE)
+    image = {
+        "image_processor_type": "Idefics3ImageProcessor",
+        "do_resize": True,
+        "size": {"longest_edge": 2 * TILE},
+        "max_image_size": {"longest_edge": TILE},
+        "do_image_splitting": True,
+        "do_rescale": True,
+        "rescale_factor": 1 / 255,
+        "do_normalize": True,
+        "image_mean": [0.5, 0.5, 0.5],
+        "image_std": [0.5, 0.5, 0.5],
+        "do_pad": True,
+        "do_convert_rgb": True,
+    }
+    (path / "preprocessor_config.json").write_text(json.dumps(image))
+    processor = {"processor_class": "Idefics3Processor", "image_seq_len": 1}
+    (path / "processor_config.json").write_text(json.dumps(processor))
+    text = {
+        "model_type": "llama",
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "intermediate_size": 128,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-5,
+        "vocab_size": max(len(vocab), 64),
+        "max_position_embeddings": 4096,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": False,
+    }
+    vision = {
+        "model_type": "idefics3",
+        "hidden_size": 32,
+        "num_attention_heads": 2,
+        "patch_size": PATCH,
+        "num_hidden_layers": 1,
+        "intermediate_size": 64,
+        "image_size": TILE,
+        "num_channels": 3,
+    }
+    config = {
+        "model_type": "idefics3",
+        "architectures": ["Idefics3ForConditionalGeneration"],
+        "text_config": text,
+        "vision_config": vision,
+        "scale_factor": 2,
+        "image_token_id": vocab["<image>"],
+        "vocab_size": text["vocab_size"],
+        "bos_token_id": None,
+        "eos_token_id": vocab["<|im_end|>"],
+    }
+    mx.random.seed(seed)
+    args = idefics3.ModelConfig.from_dict(json.loads(json.dumps(config)))
+    args.text_config = idefics3.TextConfig.from_dict(text)
+    args.vision_config = idefics3.VisionConfig.from_dict(vision)
+    model = idefics3.Model(args)
+    weights = {
+        k: v * 4.0 if k.endswith("lm_head.weight") else v
+        for k, v in tree_flatten(model.parameters())
+    }
     mx.save_safetensors(str(path / "model.safetensors"), weights)
     (path / "config.json").write_text(json.dumps(config))
     return path

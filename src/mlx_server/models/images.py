@@ -233,15 +233,15 @@ def decode_image(data: bytes, where: str, limits: MediaLimits, detail: Any = Non
         with warnings.catch_warnings():
             # Our own pixel limit applies below; Pillow's bomb warning would pre-empt it.
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-            img = Image.open(io.BytesIO(data), formats=IMAGE_FORMATS)
-        w, h = img.size
+            src = Image.open(io.BytesIO(data), formats=IMAGE_FORMATS)
+        w, h = src.size
         if w * h > limits.max_image_pixels:
             raise InvalidRequest(
                 f"{where}: the image is {w}x{h} ({w * h:,} pixels), more than this server's "
                 f"limit of {limits.max_image_pixels:,} pixels",
                 param=where,
             )
-        img = ImageOps.exif_transpose(img).convert("RGB")
+        img = ImageOps.exif_transpose(src).convert("RGB")
     except InvalidRequest:
         raise
     except Image.DecompressionBombError as e:

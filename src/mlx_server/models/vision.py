@@ -160,9 +160,10 @@ class VisionPromptBuilder:
         """Token ids (image placeholders expanded) and the processor's model inputs, or None."""
         media = collect_media(messages, self.limits)
         if not media:
-            from mlx_server.models.prompt import encode_prompt
-
-            return encode_prompt(self.tokenizer, text), None
+            ids = self.tokenizer.encode(text, add_special_tokens=self._add_bos(text))
+            if not ids:
+                raise InvalidRequest("the rendered prompt is empty", param="messages")
+            return list(ids), None
         try:
             inputs = self._process(text, media)
         finally:
@@ -170,6 +171,12 @@ class VisionPromptBuilder:
         ids = inputs.pop("input_ids")
         tokens = [int(t) for t in (ids[0] if getattr(ids, "ndim", 1) > 1 else ids).tolist()]
         return tokens, inputs
+
+    def _add_bos(self, text: str) -> bool:
+        """Whether tokenizing should add BOS: the template usually writes it itself (as the
+        text path assumes); some VLM templates leave it to the processor (as mlx-vlm does)."""
+        bos = getattr(self.tokenizer, "bos_token", None)
+        return isinstance(bos, str) and bool(bos) and not text.startswith(bos)
 
     def _process(self, text: str, media: Media) -> dict[str, Any]:
         from mlx_vlm.utils import prepare_inputs
@@ -180,7 +187,6 @@ class VisionPromptBuilder:
                 "this model's chat template does not place videos in the prompt",
                 param="messages",
             )
-        bos = getattr(self.tokenizer, "bos_token", None)
         try:
             return dict(
                 prepare_inputs(
@@ -189,8 +195,7 @@ class VisionPromptBuilder:
                     videos=media.videos or None,
                     prompts=text,
                     image_token_index=self.config.get("image_token_index"),
-                    # The template usually writes BOS itself; add one only where it did not.
-                    add_special_tokens=bool(bos) and not text.startswith(bos),
+                    add_special_tokens=self._add_bos(text),
                 )
             )
         except InvalidRequest:
