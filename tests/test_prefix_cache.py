@@ -76,6 +76,15 @@ def test_system_entries_outlive_conversations():
     assert rest == [7, 7] and cache is not None and cache[0].offset == 3
 
 
+def test_system_entries_take_at_most_half_the_slots():
+    pc = PrefixCache(4, 1 << 30)
+    for i in range(4):
+        pc.insert([i, 0, 0], kv(3), SYSTEM)
+    pc.insert([9, 9, 9, 9], kv(4))
+    assert pc.keys(SYSTEM) == [[2, 0, 0], [3, 0, 0]]
+    assert pc.keys("assistant") == [[9, 9, 9, 9]]
+
+
 def test_hits_refresh_recency():
     pc = PrefixCache(2, 1 << 30)
     pc.insert([1, 1, 1], kv(3))
@@ -185,6 +194,46 @@ def test_eviction_under_a_tiny_byte_budget_stays_correct(lm):
                     {"role": "user", "content": "Go on."},
                 ]
         assert warm.stats()["prompt_cache_misses"] > 1  # entries really were evicted
+
+
+def test_system_prompt_prefix_stays_cached_after_its_conversations_age_out(lm):
+    from mlx_server.service import ChatService
+    from mlx_server.types import ChatRequest
+
+    model, tokenizer, _ = lm
+
+    def conv(system: str, user: str) -> tuple[list[int], int]:
+        msgs = [{"role": "system", "content": system}, {"role": "user", "content": user}]
+        ids = chat_tokens(tokenizer, msgs)
+        service = ChatService("m", tokenizer, None, ctx_size=1024)
+        return ids, service.system_prefix_tokens(ChatRequest(msgs), ids)
+
+    other = "Another long system prompt, about the quick brown fox and the lazy dog."
+    first, boundary = conv(SYSTEM_PROMPT, "hello")
+    assert 0 < boundary < len(first)
+    assert (
+        chat_tokens(tokenizer, [{"role": "system", "content": SYSTEM_PROMPT}])[: boundary - 4]
+        == first[: boundary - 4]
+    )
+    with (
+        running_engine(model, tokenizer, prompt_cache_size=4) as warm,
+        running_engine(model, tokenizer, prompt_cache_size=0) as cold,
+    ):
+
+        def run(engine, ids_and_boundary):
+            ids, end = ids_and_boundary
+            return solo(engine, [request(ids, 12, system_prefix_tokens=end)])[0]
+
+        run(warm, (first, boundary))
+        pc = warm.prefix_cache
+        assert pc is not None and pc.keys(SYSTEM) == [first[:boundary]]
+        for user in ("one", "two", "three"):
+            run(warm, conv(other, user))
+        assert all(k[:boundary] != first[:boundary] for k in pc.keys("assistant"))
+        later = conv(SYSTEM_PROMPT, "a different question entirely")
+        w = run(warm, later)
+        assert w.cached == boundary
+        assert w.text == run(cold, later).text
 
 
 def test_stopped_and_cancelled_sequences_leave_reusable_state(lm):

@@ -111,6 +111,26 @@ class ChatService:
         opens = chat.reasoning_format != "none" and prompt_opens_reasoning(text, start, end)
         return PreparedPrompt(text, tokens, max_tokens, opens, vision_inputs)
 
+    def system_prefix_tokens(self, chat: ChatRequest, tokens: list[int]) -> int:
+        """How many leading prompt tokens render the system prompt: the prefix the prompt
+        shares with its system messages followed by an empty user turn. 0 if none."""
+        n = 0
+        while n < len(chat.messages) and chat.messages[n].get("role") in ("system", "developer"):
+            n += 1
+        if n == len(chat.messages) or self.vision is not None:
+            return 0
+        head = replace(chat, messages=[*chat.messages[:n], {"role": "user", "content": ""}])
+        try:
+            head_tokens = encode_prompt(self.tokenizer, self.render(head))
+        except Exception:  # a template that rejects the cut conversation: no boundary
+            return 0
+        common = 0
+        for a, b in zip(head_tokens, tokens, strict=False):
+            if a != b:
+                break
+            common += 1
+        return common if common < len(tokens) else 0
+
     # ---- generation --------------------------------------------------------------------
 
     def start(self, chat: ChatRequest, request_id: str | None = None) -> Generation:
@@ -128,6 +148,7 @@ class ChatService:
             top_logprobs=chat.top_logprobs,
             logits_processors=tuple(processors),
             vision_inputs=prepared.vision_inputs,
+            system_prefix_tokens=self.system_prefix_tokens(chat, prepared.tokens),
         )
         handle = self.engine.submit(req, asyncio.get_running_loop())
         parse_tools = (

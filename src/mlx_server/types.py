@@ -61,3 +61,6 @@ class GenerationRequest:
     # A vision model's inputs besides the token ids (the processor's pixel_values,
     # attention_mask, image_grid_thw, ...), or None for a text-only prompt.
     vision_inputs: dict[str, Any] | None = None
+    # Leading prompt tokens that render the system prompt (and tools): the engine keeps the
+    # KV state of that prefix in its prefix cache longest. 0 when unknown.
+    system_prefix_tokens: int = 0

@@ -242,7 +242,7 @@ class Engine:
     def _segments(self, seq: _Seq, prompt: list[int]) -> list[list[int]]:
         """The uncached prompt, split where the system prompt ends when that prefix is not
         cached yet: prefill pauses at a segment boundary, where its KV state is saved."""
-        end = getattr(seq.req, "system_prefix_tokens", 0)
+        end = seq.req.system_prefix_tokens
         if self._prompt_cache is None or not seq.cached < end < len(prompt) - 1:
             return [prompt[seq.cached :]]
         seq.system_end = end

@@ -7,8 +7,9 @@ changes the server needs:
   model, since its logits give the first generated token (an exact hit is trimmed by one);
 - a hit refreshes the entry it used, so eviction is least-recently-*used*;
 - system-prompt entries (``kind="system"``) are evicted only when no conversation entry is
-  left, and a longer conversation inserted on top of one does not replace it. A shared
-  system prompt therefore stays warm for new conversations after their turns age out.
+  left (or when they would take more than half the slots), and a longer conversation
+  inserted on top of one does not replace it. A shared system prompt therefore stays warm
+  for new conversations after their turns age out.
 """
 
 from __future__ import annotations
@@ -127,9 +128,16 @@ class PrefixCache(LRUPromptCache):
             self._lru.remove(model, tokens[:n])
 
     def _enforce_limits(self) -> None:
+        # System entries may take at most half the slots, or many distinct system prompts
+        # would leave no room for the conversations built on them.
+        system = self._lru._lrus[SYSTEM]
+        while len(system) > max(1, self.max_size // 2):
+            self._evict(*system.popleft())
         while len(self._lru) > self.max_size or (self._n_bytes > self.max_bytes and len(self._lru)):
-            model, tokens = self._lru.pop()
-            self._account(self._trie.pop(model, tokens), -1)
+            self._evict(*self._lru.pop())
+
+    def _evict(self, model: Any, tokens: list[int]) -> None:
+        self._account(self._trie.pop(model, tokens), -1)
 
     def _account(self, entry: Any, sign: int) -> None:
         self._n_bytes += sign * entry.nbytes
