@@ -249,6 +249,12 @@ class Engine:
         return [prompt[seq.cached : end], prompt[end:]]
 
     def _drop_cancelled(self, gen: BatchGenerator) -> None:
+        with self._wake:  # a client that left the queue frees its queue slot now
+            queued = [s for s in self._pending if s.handle.cancelled]
+            for seq in queued:
+                self._pending.remove(seq)
+        for seq in queued:
+            self._finish(seq, "cancelled")
         gone = [uid for uid, s in self._active.items() if s.handle.cancelled]
         if gone:
             saved = gen.remove(gone, return_prompt_caches=self._prompt_cache is not None)

@@ -1,0 +1,179 @@
+"""Memory admission: requests wait for KV budget in a bounded queue; a full queue answers
+503 (529 on /v1/messages) with Retry-After; a request larger than the budget answers 400."""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+from conftest import free_port
+from engine_runner import collect, load_varied_model, request, running_engine, solo
+
+from mlx_server.errors import InvalidRequest, Overloaded
+
+PER_TOKEN = 256  # the tiny model's KV bytes per token (2 layers x 2 heads x 16 dims x K,V x 2 B)
+
+
+@pytest.fixture(scope="module")
+def lm(tmp_path_factory):
+    return load_varied_model(tmp_path_factory)
+
+
+def prompts(tokenizer, n: int) -> list[list[int]]:
+    return [list(tokenizer.encode(f"request {i}: the quick brown fox")) for i in range(n)]
+
+
+def test_a_burst_beyond_the_kv_budget_queues_and_all_complete(lm):
+    model, tokenizer, _ = lm
+    ps = prompts(tokenizer, 5)
+    budget = PER_TOKEN * 100  # room for one request of ~15 + 60 tokens, not two
+    seen: list[int] = []
+
+    async def burst(engine):
+        handles = [engine.submit(request(p, 60)) for p in ps]
+        queued = engine.queue_depth
+
+        async def consume(h):
+            text = ""
+            async for ev in h:
+                seen.append(engine.active_count)
+                text += getattr(ev, "text", "")
+            return text, ev.reason
+
+        return queued, await asyncio.gather(*(consume(h) for h in handles))
+
+    with running_engine(
+        model, tokenizer, prompt_cache_size=0, kv_budget_bytes=budget, kv_bytes_per_token=PER_TOKEN
+    ) as engine:
+        alone = solo(engine, [request(p, 60) for p in ps])
+        queued, results = asyncio.run(burst(engine))
+        assert engine.stats()["kv_in_use_bytes"] == 0
+    assert queued >= 3  # at most one was admitted (and none finished) while submitting
+    assert max(seen) == 1
+    assert results == [(a.text, "length") for a in alone]
+
+
+def test_a_full_queue_refuses_with_overloaded(lm):
+    model, tokenizer, _ = lm
+    ps = prompts(tokenizer, 8)
+
+    async def burst(engine):
+        handles, refused = [], 0
+        for p in ps:
+            try:
+                handles.append(engine.submit(request(p, 40)))
+            except Overloaded as e:
+                refused += 1
+                assert "queue is full" in e.message and e.retry_after >= 1
+        results = await asyncio.gather(*(collect(h) for h in handles))
+        return refused, results
+
+    with running_engine(
+        model,
+        tokenizer,
+        max_queue=2,
+        kv_budget_bytes=PER_TOKEN * 100,
+        kv_bytes_per_token=PER_TOKEN,
+    ) as engine:
+        refused, results = asyncio.run(burst(engine))
+        assert engine.queue_depth == 0 and engine.active_count == 0
+    assert refused >= 8 - 3  # two queued, at most one already admitted
+    assert all(r.reason == "length" for r in results)
+
+
+def test_a_request_larger_than_the_budget_is_refused_with_the_reason(lm):
+    model, tokenizer, _ = lm
+
+    async def submit(engine):
+        engine.submit(request(prompts(tokenizer, 1)[0], 1000))
+
+    with running_engine(
+        model, tokenizer, kv_budget_bytes=PER_TOKEN * 500, kv_bytes_per_token=PER_TOKEN
+    ) as engine:
+        with pytest.raises(InvalidRequest) as info:
+            asyncio.run(submit(engine))
+        assert engine.queue_depth == 0
+        (ok,) = solo(engine, [request(prompts(tokenizer, 1)[0], 8)])
+    assert info.value.code == "kv_budget_exceeded"
+    assert "max_tokens 1000" in info.value.message and "budget" in info.value.message
+    assert ok.reason == "length"
+
+
+def test_a_cancelled_queued_request_frees_its_queue_slot(lm):
+    model, tokenizer, _ = lm
+    p = prompts(tokenizer, 3)
+
+    async def run(engine):
+        running = engine.submit(request(p[0], 300))
+        task = asyncio.ensure_future(collect(running))
+        while engine.active_count == 0:
+            await asyncio.sleep(0.001)
+        waiting = engine.submit(request(p[1], 10))
+        with pytest.raises(Overloaded):
+            engine.submit(request(p[2], 10))
+        waiting.cancel()
+        while engine.queue_depth:
+            await asyncio.sleep(0.001)
+        third = await collect(engine.submit(request(p[2], 10)))
+        return await collect(waiting), third, await task
+
+    with running_engine(
+        model, tokenizer, max_queue=1, kv_budget_bytes=PER_TOKEN * 400, kv_bytes_per_token=PER_TOKEN
+    ) as engine:
+        waiting, third, first = asyncio.run(run(engine))
+    assert waiting.reason == "cancelled" and waiting.finished.usage.completion_tokens == 0
+    assert third.reason == first.reason == "length"
+
+
+# ---- over HTTP ------------------------------------------------------------------------
+
+
+def test_http_overload_oversize_and_health(lm, server_factory):
+    _, _, model_dir = lm
+    budget_gb = PER_TOKEN * 300 / (1 << 30)
+    srv = server_factory(
+        [
+            *("-m", str(model_dir), "--port", str(free_port()), "--ctx-size", "2048"),
+            *("--kv-budget-gb", f"{budget_gb:.10f}", "--max-queue", "1"),
+        ]
+    )
+    base = srv.base_url
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "temperature": 0}
+
+    big = httpx.post(f"{base}/v1/chat/completions", json={**chat, "max_tokens": 1000}, timeout=60)
+    assert big.status_code == 400
+    assert big.json()["error"]["code"] == "kv_budget_exceeded"
+    assert "budget" in big.json()["error"]["message"]
+
+    def post(path: str, body: dict) -> httpx.Response:
+        return httpx.post(f"{base}{path}", json=body, timeout=120)
+
+    anthropic = {"model": "m", "max_tokens": 200, "messages": chat["messages"]}
+    jobs = [("/v1/chat/completions", {**chat, "max_tokens": 200})] * 6
+    jobs += [("/v1/messages", anthropic)] * 3
+    with ThreadPoolExecutor(len(jobs) + 1) as pool:
+        futures = [pool.submit(post, path, body) for path, body in jobs]
+        health = httpx.get(f"{base}/health", timeout=10)
+        responses = [f.result() for f in futures]
+
+    assert health.status_code == 200
+    assert {"active", "queued"} <= set(health.json())
+    codes = [r.status_code for r in responses]
+    assert codes.count(200) >= 1
+    refused = [
+        (path, r) for (path, _), r in zip(jobs, responses, strict=True) if r.status_code != 200
+    ]
+    assert refused, codes  # one runs, one waits: the rest are turned away
+    for path, r in refused:
+        assert r.headers.get("retry-after", "").isdigit()
+        if path == "/v1/messages":
+            assert r.status_code == 529
+            assert r.json()["error"]["type"] == "overloaded_error"
+        else:
+            assert r.status_code == 503
+            assert "queue is full" in r.json()["error"]["message"]
+
+    after = httpx.post(f"{base}/v1/chat/completions", json={**chat, "max_tokens": 8}, timeout=60)
+    assert after.status_code == 200 and srv.proc.poll() is None
