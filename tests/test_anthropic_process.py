@@ -6,6 +6,8 @@ demo-model tests check facts.
 
 from __future__ import annotations
 
+import json
+
 import anthropic
 import httpx
 import pytest
@@ -103,3 +105,22 @@ def test_demo_model_forced_tool_use_streams_its_input(demo):
     assert list(uses[0].input) == ["city"] and isinstance(uses[0].input["city"], str)
     assert msg.stop_reason == "tool_use"
     assert len(json_deltas) > 1  # the arguments arrived piece by piece
+
+
+@pytest.mark.demo
+def test_demo_model_structured_output(demo):
+    schema = {
+        "type": "object",
+        "properties": {"capital": {"type": "string"}},
+        "required": ["capital"],
+        "additionalProperties": False,
+    }
+    msg = sdk(demo).messages.create(
+        model="smollm2",
+        max_tokens=60,
+        extra_body={"temperature": 0},
+        messages=[{"role": "user", "content": "What is the capital of France? Answer in JSON."}],
+        output_config={"format": {"type": "json_schema", "schema": schema}},
+    )
+    text = "".join(b.text for b in msg.content if b.type == "text")
+    assert list(json.loads(text)) == ["capital"]

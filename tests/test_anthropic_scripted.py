@@ -82,11 +82,11 @@ def post(srv, body: dict, path: str = "/v1/messages", **kw) -> httpx.Response:
     return httpx.post(srv.base_url + path, json=body, timeout=30, **kw)
 
 
-def stream_events(srv, body: dict, **kw) -> list[tuple[str, dict]]:
+def stream_events(srv, body: dict, path: str = "/v1/messages", **kw) -> list[tuple[str, dict]]:
     """POST a streaming request; every (event name, data) pair, each checked against the spec."""
     events = []
     with httpx.stream(
-        "POST", srv.base_url + "/v1/messages", json={**body, "stream": True}, timeout=30, **kw
+        "POST", srv.base_url + path, json={**body, "stream": True}, timeout=30, **kw
     ) as resp:
         assert resp.status_code == 200, resp.read()
         assert resp.headers["content-type"].startswith("text/event-stream")
@@ -368,7 +368,14 @@ def claude_code_body(cch: str) -> dict:
 def test_claude_code_request_reaches_the_template(scripted_factory):
     scripted = scripted_factory(ctx_size=4096)  # the tiny tokenizer spends many tokens
     scripted.engine.push("It prints 1.")
-    events = stream_events(scripted, claude_code_body("eb6c6"))
+    # Claude Code posts to /v1/messages?beta=true with its beta headers.
+    headers = {
+        "anthropic-beta": "interleaved-thinking-2025-05-14",
+        "anthropic-version": "2023-06-01",
+    }
+    events = stream_events(
+        scripted, claude_code_body("eb6c6"), path="/v1/messages?beta=true", headers=headers
+    )
     text = "".join(d["delta"].get("text", "") for n, d in events if n == "content_block_delta")
     assert text == "It prints 1."
     first = scripted.engine.requests[-1].prompt_tokens
@@ -613,3 +620,26 @@ def test_v1_cancel_ends_the_turn(scripted):
     MESSAGE.validate(body)
     assert body["stop_reason"] == "end_turn"
     assert body["usage"]["output_tokens"] < 400
+
+
+def test_v1_cancel_by_message_id_ends_the_stream(scripted):
+    scripted.engine.push(*["tok"] * 400, delay=0.1)
+    events = []
+    with httpx.stream(
+        "POST", scripted.base_url + "/v1/messages", json=base(stream=True), timeout=30
+    ) as resp:
+        name = None
+        for line in resp.iter_lines():
+            if line.startswith("event: "):
+                name = line[len("event: ") :]
+            elif line.startswith("data: "):
+                data = json.loads(line[len("data: ") :])
+                check_event(name, data)
+                events.append((name, data))
+                if name == "message_start":
+                    target = {"id": data["message"]["id"]}
+                    r = httpx.post(scripted.base_url + "/v1/cancel", json=target)
+                    assert r.json()["cancelled_count"] == 1
+    check_stream_order(events)
+    assert events[-2][1]["delta"]["stop_reason"] == "end_turn"
+    assert events[-2][1]["usage"]["output_tokens"] < 400
