@@ -231,3 +231,20 @@ def test_non_loopback_warning(tiny_model_dir, server_factory):
     sp = server_factory(["-m", str(tiny_model_dir), "--port", str(port), "--host", "0.0.0.0"])
     assert any("WARNING" in line and "API key" in line for line in sp.lines)
     assert json.loads(httpx.get(f"http://127.0.0.1:{port}/health").text)["status"] == "ok"
+
+
+def test_unknown_tool_call_parser_lists_valid_names(server_factory):
+    sp = server_factory(["-m", "x", "--tool-call-parser", "bogus"], wait=False)
+    assert sp.proc.wait(30) == 2
+    err = sp.proc.stderr.read()
+    assert "bogus" in err and "json_tools" in err and "mistral" in err
+
+
+def test_hf_repo_id_offline_fails_clearly(server_factory, tmp_path):
+    env = {"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
+    sp = server_factory(
+        ["-m", "some-org/some-model", "--port", str(free_port())], wait=False, env=env
+    )
+    assert sp.proc.wait(60) == 1
+    err = sp.proc.stderr.read()
+    assert "some-org/some-model" in err and "offline" in err.lower()

@@ -37,7 +37,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_settings(argv: list[str] | None = None) -> Settings:
-    ns = build_parser().parse_args(argv)  # unknown flags: usage on stderr, exit 2
+    parser = build_parser()
+    ns = parser.parse_args(argv)  # unknown flags: usage on stderr, exit 2
+    if ns.tool_call_parser is not None:
+        from mlx_server.parsing.tool_formats import available_tool_parsers
+
+        valid = ["auto", "none", *available_tool_parsers()]
+        if ns.tool_call_parser not in valid:
+            parser.error(
+                f"--tool-call-parser: unknown format {ns.tool_call_parser!r}; valid: {', '.join(valid)}"
+            )
     return Settings(**vars(ns))
 
 
