@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import io
+import json
 import os
 import time
 from collections.abc import Iterator
@@ -180,6 +181,23 @@ def test_sampling_seed_and_stop_strings(vlm_server):
     cut = c.chat.completions.create(**kw, temperature=0, stop=[stop]).choices[0]
     assert cut.finish_reason == "stop"
     assert cut.message.content == text[: text.index(stop)]
+
+
+def test_structured_output_with_an_image(vlm_server):
+    schema = {
+        "type": "object",
+        "properties": {"color": {"type": "string", "enum": ["red", "blue"]}},
+        "required": ["color"],
+    }
+    r = oai(vlm_server).chat.completions.create(
+        model="tiny-vlm",
+        messages=[user(image_part(data_url(png(56, 56))))],
+        max_tokens=500,  # random weights: whitespace up to the grammar's bound in every gap
+        temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "c", "schema": schema}},
+    )
+    assert r.choices[0].finish_reason == "stop", repr(r.choices[0].message.content)
+    assert json.loads(r.choices[0].message.content or "")["color"] in ("red", "blue")
 
 
 def test_context_check_counts_image_tokens(vlm_server):
@@ -384,3 +402,24 @@ def test_a_vlm_without_mlx_vlm_names_the_install_command(vlm_dir, monkeypatch):
     with pytest.raises(ModelLoadError) as e:
         load_model(str(vlm_dir))
     assert "pip install 'mlx-server[vision]'" in str(e.value)
+
+
+def test_text_server_runs_without_vision_packages(tmp_path, tiny_model_dir, vlm_dir):
+    # Stand-ins that fail on import, first on the path: as if mlx-vlm and Pillow were absent.
+    for name in ("mlx_vlm", "PIL", "cv2"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "__init__.py").write_text(f"raise ImportError('no {name} here')\n")
+    env = {"PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    text = launch(["-m", str(tiny_model_dir), "--port", str(free_port())], env)
+    try:
+        assert text.wait_ready(), text.lines
+        assert prompt_tokens(text, [{"role": "user", "content": "hello"}]) > 0
+    finally:
+        text.stop()
+    vlm = launch(["-m", str(vlm_dir), "--port", str(free_port())], env)
+    try:
+        assert not vlm.wait_ready(60)
+        assert vlm.proc.wait(30) == 1
+        assert any("pip install 'mlx-server[vision]'" in line for line in vlm.lines), vlm.lines
+    finally:
+        vlm.stop()
