@@ -302,3 +302,44 @@ def test_stop_reasons():
         assert msg["stop_reason"] == want and msg["stop_sequence"] is None
     _, msg = run([], Finished("stop_sequence", Usage(1, 0), stop_sequence="##"))
     assert (msg["stop_reason"], msg["stop_sequence"]) == ("stop_sequence", "##")
+
+
+def test_consecutive_turns_of_one_role_are_merged():
+    msgs = convo(
+        {"role": "user", "content": "a"},
+        {"role": "user", "content": [{"type": "text", "text": "b"}]},
+        {"role": "assistant", "content": [{"type": "thinking", "thinking": "t"}]},
+        {
+            "role": "assistant",
+            "content": [{"type": "tool_use", "id": "t1", "name": "f", "input": {}}],
+        },
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1"}]},
+        {"role": "user", "content": "c"},
+    )
+    assert msgs == [
+        {"role": "user", "content": "a\nb"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {"id": "t1", "type": "function", "function": {"name": "f", "arguments": {}}}
+            ],
+            "reasoning_content": "t",
+        },
+        {"role": "tool", "content": "", "tool_call_id": "t1", "name": "f"},
+        {"role": "user", "content": "c"},
+    ]
+    with_image = convo(
+        {"role": "user", "content": "look"},
+        {"role": "user", "content": [{"type": "image", "source": PNG}]},
+        vision=True,
+    )
+    assert with_image == [
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "look"},
+                {"type": "image", "image": "data:image/png;base64,iVBORw0KGgo="},
+            ],
+        }
+    ]

@@ -226,7 +226,13 @@ class MessageConverter:
         if text:
             out.append({"role": "system", "content": text})
         for i, m in enumerate(messages):
-            out.extend(self._message(i, m))
+            for msg in self._message(i, m):
+                if out and out[-1]["role"] == msg["role"] and msg["role"] in ("user", "assistant"):
+                    # Like Anthropic's API, consecutive turns of one role are one turn (and
+                    # templates that insist on alternating roles accept the result).
+                    out[-1] = _merge(out[-1], msg)
+                else:
+                    out.append(msg)
         return out
 
     def _message(self, i: int, m: InputMessage) -> list[dict[str, Any]]:
@@ -339,3 +345,26 @@ def _compose(role: str, parts: list[dict[str, Any]]) -> dict[str, Any]:
     if any(p["type"] == "image" for p in parts):
         return {"role": role, "content": parts}
     return {"role": role, "content": "\n".join(p["text"] for p in parts)}
+
+
+def _merge(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    """Two consecutive messages of one role as one: contents, calls and reasoning joined."""
+    merged = {"role": a["role"]}
+    ca, cb = a["content"], b["content"]
+    if isinstance(ca, str) and isinstance(cb, str):
+        merged["content"] = "\n".join(c for c in (ca, cb) if c)
+    else:
+        merged["content"] = _as_parts(ca) + _as_parts(cb)
+    calls = a.get("tool_calls", []) + b.get("tool_calls", [])
+    if calls:
+        merged["tool_calls"] = calls
+    reasoning = [r for r in (a.get("reasoning_content"), b.get("reasoning_content")) if r]
+    if reasoning:
+        merged["reasoning_content"] = "\n".join(reasoning)
+    return merged
+
+
+def _as_parts(content: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
+    if isinstance(content, list):
+        return content
+    return [{"type": "text", "text": content}] if content else []
