@@ -149,3 +149,27 @@ def test_shutdown_refuses_new_requests(vlm):
 
     with pytest.raises(Overloaded):
         run(submit())
+
+
+def test_images_in_tool_results_need_a_template_that_shows_them(vlm):
+    from mlx_server.errors import InvalidRequest
+
+    builder = VisionPromptBuilder(vlm.processor, vlm.config, MediaLimits())
+    url = "data:image/png;base64," + base64.b64encode(_png()).decode()
+    messages = [
+        {"role": "user", "content": "Look."},
+        {"role": "tool", "content": [{"type": "image", "image": url}], "tool_call_id": "c1"},
+    ]
+    shown = render_prompt(vlm.tokenizer, builder.template_messages(messages))
+    tokens, inputs = builder.encode(shown, messages)
+    assert inputs is not None and "<|image_pad|>" in shown
+    hidden = shown.replace("<|vision_start|><|image_pad|><|vision_end|>", "")
+    with pytest.raises(InvalidRequest) as e:
+        builder.encode(hidden, messages)
+    assert e.value.param == "messages[1].content[0]" and "tool results" in e.value.message
+
+
+def _png() -> bytes:
+    buf = io.BytesIO()
+    Image.new("RGB", (56, 56), (0, 200, 0)).save(buf, "PNG")
+    return buf.getvalue()

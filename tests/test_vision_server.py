@@ -310,7 +310,7 @@ def test_too_many_images_and_misplaced_images(vlm_server):
     r = post(vlm_server, {"messages": [user(), assistant, user()], "max_tokens": 2})
     assert r.status_code == 400
     assert r.json()["error"]["param"] == "messages[1].content[0]"
-    assert "user messages only" in r.json()["error"]["message"]
+    assert "accepted in user messages and tool results only" in r.json()["error"]["message"]
     legacy = {"role": "user", "content": "hi", "images": ["/no/such.png"]}
     r = post(vlm_server, {"messages": [legacy], "max_tokens": 2})
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages[0].images[0]"
@@ -347,6 +347,33 @@ def test_anthropic_images_are_counted(vlm_server, media_dir):
     two = [_ant_image(png(56, 56)), _ant_image(png(112, 112)), {"type": "text", "text": QUESTION}]
     msg2 = c.messages.create(**kw, messages=[{"role": "user", "content": two}])
     assert msg2.usage.input_tokens == msg.usage.input_tokens + 2 + 16
+
+
+def test_anthropic_image_in_a_tool_result(vlm_server):
+    tools = [{"name": "screenshot", "description": "Take one", "input_schema": {"type": "object"}}]
+    call = {"type": "tool_use", "id": "toolu_1", "name": "screenshot", "input": {}}
+
+    def turns(result: list[dict]) -> list[dict]:
+        return [
+            {"role": "user", "content": "Look at the screen."},
+            {"role": "assistant", "content": [call]},
+            {
+                "role": "user",
+                "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": result}],
+            },
+        ]
+
+    c = ant(vlm_server)
+    text = [{"type": "text", "text": "done"}]
+    plain = c.messages.count_tokens(model="m", tools=tools, messages=turns(text)).input_tokens
+    shot = c.messages.count_tokens(
+        model="m", tools=tools, messages=turns([_ant_image(png(112, 112)), *text])
+    ).input_tokens
+    assert shot == plain + 2 + 16
+    msg = c.messages.create(
+        model="m", max_tokens=3, tools=tools, messages=turns([_ant_image(png(112, 112)), *text])
+    )
+    assert msg.usage.input_tokens == shot
 
 
 def test_anthropic_stream_with_an_image(vlm_server):

@@ -122,15 +122,20 @@ class VisionPromptBuilder:
         if not media:
             return "\n".join(str(p.get("text") or "") for p in parts if isinstance(p, dict))
         first = part_where(i, *media[0])
-        if role != "user":
-            raise InvalidRequest(
-                f"{first}: images and videos are accepted in user messages only", param=first
-            )
         keep = [
             {"type": "image"} if k == "image" else p
             for p, k in zip(parts, kinds, strict=True)
             if k in ("image", "text")
         ]
+        if role == "tool" and "video" not in kinds:
+            # Tool results (screenshots) stay Hugging Face parts, as mlx-vlm passes them on;
+            # whether the template shows them is checked once the prompt is rendered.
+            return keep
+        if role != "user":
+            raise InvalidRequest(
+                f"{first}: images and videos are accepted in user messages and tool results only",
+                param=first,
+            )
         content = self._format(keep, kinds.count("image"))
         videos = [(j, p) for j, p in media if kinds[j] == "video"]
         if videos:
@@ -165,6 +170,7 @@ class VisionPromptBuilder:
                 raise InvalidRequest("the rendered prompt is empty", param="messages")
             return list(ids), None
         try:
+            self._check_tool_images(text, messages, len(media.images))
             inputs = self._process(text, media)
         finally:
             media.cleanup()
@@ -177,6 +183,17 @@ class VisionPromptBuilder:
         text path assumes); some VLM templates leave it to the processor (as mlx-vlm does)."""
         bos = getattr(self.tokenizer, "bos_token", None)
         return isinstance(bos, str) and bool(bos) and not text.startswith(bos)
+
+    def _check_tool_images(self, text: str, messages: list[dict[str, Any]], n: int) -> None:
+        """Images in tool results reach the prompt only if the template renders them there:
+        then the rendered text holds one image placeholder per image."""
+        where = next(iter(_tool_images(messages)), None)
+        token = getattr(self.processor, "image_token", None)
+        if where is not None and (not isinstance(token, str) or text.count(token) != n):
+            raise InvalidRequest(
+                f"{where}: this model's chat template does not show images in tool results",
+                param=where,
+            )
 
     def _process(self, text: str, media: Media) -> dict[str, Any]:
         from mlx_vlm.utils import prepare_inputs
@@ -206,3 +223,15 @@ class VisionPromptBuilder:
                 f"{type(e).__name__}: {e}",
                 param="messages",
             ) from e
+
+
+def _tool_images(messages: list[dict[str, Any]]) -> list[str]:
+    """Where each image part of a tool-result message is."""
+    out = []
+    for i, m in enumerate(messages):
+        content = m.get("content")
+        if m.get("role") == "tool" and isinstance(content, list):
+            for j, p in enumerate(content):
+                if isinstance(p, dict) and p.get("type") == "image":
+                    out.append(part_where(i, j, p))
+    return out
