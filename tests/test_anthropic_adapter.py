@@ -122,8 +122,12 @@ def test_images_need_vision_and_then_become_hf_parts():
             "role": "user",
             "content": [
                 {"type": "text", "text": "what is this?"},
-                {"type": "image", "image": "data:image/png;base64,iVBORw0KGgo="},
-                {"type": "image", "image": "https://x/y.png"},
+                {
+                    "type": "image",
+                    "image": "data:image/png;base64,iVBORw0KGgo=",
+                    "param": "messages[0].content[1]",
+                },
+                {"type": "image", "image": "https://x/y.png", "param": "messages[0].content[2]"},
             ],
         }
     ]
@@ -135,7 +139,13 @@ def test_images_need_vision_and_then_become_hf_parts():
     with pytest.raises(InvalidRequest, match=r"content\[0\]\.content\[0\]"):
         convo({"role": "user", "content": [result]})
     tool_msg = convo({"role": "user", "content": [result]}, vision=True)[0]
-    assert tool_msg["content"] == [{"type": "image", "image": "data:image/png;base64,iVBORw0KGgo="}]
+    assert tool_msg["content"] == [
+        {
+            "type": "image",
+            "image": "data:image/png;base64,iVBORw0KGgo=",
+            "param": "messages[0].content[0].content[0]",
+        }
+    ]
     bad = {"type": "image", "source": {**PNG, "media_type": "image/tiff"}}
     with pytest.raises(InvalidRequest, match="media_type"):
         convo({"role": "user", "content": [bad]}, vision=True)
@@ -339,7 +349,11 @@ def test_consecutive_turns_of_one_role_are_merged():
             "role": "user",
             "content": [
                 {"type": "text", "text": "look"},
-                {"type": "image", "image": "data:image/png;base64,iVBORw0KGgo="},
+                {
+                    "type": "image",
+                    "image": "data:image/png;base64,iVBORw0KGgo=",
+                    "param": "messages[1].content[0]",
+                },
             ],
         }
     ]

@@ -324,7 +324,7 @@ class MessageConverter:
         if src.type == "url":
             if not src.url:
                 raise InvalidRequest(f"{where}.source.url: field required", param=where)
-            return {"type": "image", "image": src.url}
+            return {"type": "image", "image": src.url, "param": where}
         if not src.data:
             raise InvalidRequest(f"{where}.source.data: field required", param=where)
         if src.media_type not in IMAGE_MEDIA_TYPES:
@@ -332,15 +332,17 @@ class MessageConverter:
                 f"{where}.source.media_type must be one of {', '.join(IMAGE_MEDIA_TYPES)}",
                 param=f"{where}.source.media_type",
             )
-        return {"type": "image", "image": f"data:{src.media_type};base64,{src.data}"}
+        url = f"data:{src.media_type};base64,{src.data}"
+        return {"type": "image", "image": url, "param": where}
 
 
 def _compose(role: str, parts: list[dict[str, Any]]) -> dict[str, Any]:
     """A chat message from text/image parts: plain text unless it carries images.
 
     With images (vision models only) the content is a list of Hugging Face style parts,
-    ``{"type": "text", "text": ...}`` and ``{"type": "image", "image": <url or data URL>}``,
-    in block order; that is what multimodal chat templates and processors consume.
+    ``{"type": "text", "text": ...}`` and ``{"type": "image", "image": <url or data URL>,
+    "param": <the block's place in the request>}``, in block order; that is what the vision
+    prompt builder consumes (``param`` names the block in its error messages).
     """
     if any(p["type"] == "image" for p in parts):
         return {"role": role, "content": parts}
