@@ -87,6 +87,17 @@ def error_json(kind: str, message: str) -> dict[str, Any]:
     return {"type": "error", "error": {"type": kind, "message": message}, "request_id": None}
 
 
+def context_error_message(prompt_tokens: int, max_tokens: int, ctx_size: int) -> str:
+    """Anthropic's wording for a request that does not fit the context. Clients act on it:
+    Claude Code compacts the conversation on the first, and lowers max_tokens on the second."""
+    if prompt_tokens >= ctx_size:
+        return f"prompt is too long: {prompt_tokens} tokens > {ctx_size} maximum"
+    return (
+        f"input length and `max_tokens` exceed context limit: {prompt_tokens} + {max_tokens} "
+        f"> {ctx_size}, decrease input length or `max_tokens` and try again"
+    )
+
+
 def sse_frame(event: dict[str, Any]) -> bytes:
     """``event: <type>\\ndata: <json>\\n\\n``."""
     data = json.dumps(event, ensure_ascii=False)

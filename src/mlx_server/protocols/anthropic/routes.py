@@ -14,13 +14,14 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from mlx_server.errors import ServerError
+from mlx_server.errors import ContextLengthExceeded, ServerError
 from mlx_server.events import Finished
 from mlx_server.logs import log
 from mlx_server.protocols.anthropic.adapter import to_chat_request
 from mlx_server.protocols.anthropic.encoder import (
     MessageAccumulator,
     StreamEncoder,
+    context_error_message,
     error_json,
     new_message_id,
     sse_frame,
@@ -28,6 +29,7 @@ from mlx_server.protocols.anthropic.encoder import (
 from mlx_server.protocols.anthropic.schemas import CountTokensRequest, MessagesRequest
 from mlx_server.server.http import parse_body, sse_response, until_disconnect
 from mlx_server.service import ChatService, Generation
+from mlx_server.types import ChatRequest
 
 
 def make_router(service: ChatService, *, vision: bool = False) -> APIRouter:
@@ -43,7 +45,7 @@ def make_router(service: ChatService, *, vision: bool = False) -> APIRouter:
             f"stream={str(body.stream).lower()}, tools={len(chat.tools or [])}"
         )
         message_id = new_message_id()
-        gen = service.start(chat, request_id=message_id)
+        gen = _start(service, chat, message_id)
         enc = StreamEncoder(message_id, body.model, gen.prompt_tokens, gen.cached_tokens)
         if body.stream:
             return sse_response(_stream(gen, enc))
@@ -60,6 +62,15 @@ def make_router(service: ChatService, *, vision: bool = False) -> APIRouter:
         return {"input_tokens": service.count_tokens(chat)}
 
     return router
+
+
+def _start(service: ChatService, chat: ChatRequest, message_id: str) -> Generation:
+    try:
+        return service.start(chat, request_id=message_id)
+    except ContextLengthExceeded as e:
+        n = service.count_tokens(chat)
+        message = context_error_message(n, chat.max_tokens or 0, service.ctx_size)
+        raise ContextLengthExceeded(message, param=e.param) from e
 
 
 async def _collect(gen: Generation, enc: StreamEncoder) -> dict[str, Any]:
