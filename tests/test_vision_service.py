@@ -116,3 +116,9 @@ def test_video_to_an_image_only_model_is_refused(service):
     with pytest.raises(InvalidRequest) as e:
         service.count_tokens(chat(ask(video)))
     assert e.value.param == "messages[0].videos[0]" and "does not accept video" in e.value.message
+
+
+def test_end_of_utterance_ends_the_turn(service):
+    eou = service.tokenizer.convert_tokens_to_ids("<end_of_utterance>")
+    assert eou in service.tokenizer.eos_token_ids  # declared by the processor, not the config
+    assert eou in service.engine._eos

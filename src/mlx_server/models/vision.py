@@ -64,7 +64,7 @@ def load_vision_model(model_dir: Path, *, model_id: str, dtype: str | None = Non
             net.set_dtype(getattr(mx, dtype))
             mx.eval(net.parameters())
         config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
-        tokenizer = load_tokenizer(model_dir, eos_token_ids=_eos_ids(config))
+        tokenizer = load_tokenizer(model_dir, eos_token_ids=_eos_ids(model_dir, config, processor))
     except Exception as e:
         raise ModelLoadError(f"{type(e).__name__}: {e}") from e
     template = read_chat_template(model_dir) or getattr(processor, "chat_template", None)
@@ -85,11 +85,21 @@ def load_vision_model(model_dir: Path, *, model_id: str, dtype: str | None = Non
     )
 
 
-def _eos_ids(config: dict[str, Any]) -> list[int] | None:
-    eos = config.get("eos_token_id", (config.get("text_config") or {}).get("eos_token_id"))
-    if isinstance(eos, int):
-        return [eos]
-    return [int(e) for e in eos] if isinstance(eos, list) else None
+def _eos_ids(model_dir: Path, config: dict[str, Any], processor: Any) -> list[int] | None:
+    """End-of-turn ids from every place VLM checkpoints declare them: config.json (top level
+    or text_config), generation_config.json, and the processor (Idefics3's end of utterance)."""
+    found: list[int] = []
+    sources: list[Any] = [config, config.get("text_config") or {}]
+    try:
+        sources.append(json.loads((model_dir / "generation_config.json").read_text()))
+    except (OSError, ValueError):
+        pass
+    for src in sources:
+        eos = src.get("eos_token_id") if isinstance(src, dict) else None
+        found += [eos] if isinstance(eos, int) else [e for e in eos or [] if isinstance(e, int)]
+    extra = getattr(processor, "additional_eos_token_ids", None)
+    found += [e for e in extra or [] if isinstance(e, int)]
+    return sorted(set(found)) or None
 
 
 class VisionPromptBuilder:
