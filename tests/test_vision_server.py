@@ -402,6 +402,13 @@ def test_anthropic_bad_image_is_a_400(vlm_server):
     assert r.status_code == 400
     assert r.json()["type"] == "error"
     assert r.json()["error"]["message"].startswith("messages[0].content[0]: ")
+    # A system prompt becomes the first template message; errors still name the request's place.
+    text = {"type": "text", "text": "hi"}
+    body["system"] = "Be brief."
+    body["messages"] = [{"role": "user", "content": [text, block]}]
+    r = post(vlm_server, body, "/v1/messages")
+    assert r.status_code == 400
+    assert r.json()["error"]["message"].startswith("messages[0].content[1]: ")
     still_answers(vlm_server)
 
 
