@@ -59,7 +59,7 @@ def chat(*messages: dict[str, Any], **kw: Any) -> ChatRequest:
 def run(service: ChatService, req: ChatRequest) -> tuple[str, Finished]:
     async def main():
         text, final = "", None
-        async for ev in service.start(req).events():
+        async for ev in (await service.start(req)).events():
             if isinstance(ev, TextDelta):
                 text += ev.text
             elif isinstance(ev, Finished):

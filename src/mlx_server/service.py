@@ -133,10 +133,25 @@ class ChatService:
 
     # ---- generation --------------------------------------------------------------------
 
-    def start(self, chat: ChatRequest, request_id: str | None = None) -> Generation:
-        """Validate, render and submit; raises InvalidRequest/Overloaded before anything streams."""
-        prepared = self.prepare(chat)
+    async def start(self, chat: ChatRequest, request_id: str | None = None) -> Generation:
+        """Validate, render and submit; raises InvalidRequest/Overloaded before anything streams.
+
+        Rendering and tokenizing a long prompt takes a while: it runs in a worker thread so
+        the event loop (``/health``, other streams) never waits for it. Vision inputs are
+        prepared on the loop's thread, as the processor may create MLX arrays.
+        """
         request_id = request_id or f"chatcmpl-{uuid.uuid4().hex[:24]}"
+        if self.vision is None:
+            req, prepared = await asyncio.to_thread(self.build_request, chat, request_id)
+        else:
+            req, prepared = self.build_request(chat, request_id)
+        return self.submit(chat, req, prepared)
+
+    def build_request(
+        self, chat: ChatRequest, request_id: str
+    ) -> tuple[GenerationRequest, PreparedPrompt]:
+        """Everything before the engine: prompt, context check, constraint, cache hints."""
+        prepared = self.prepare(chat)
         processors = self._constraint_processors(chat, prepared)
         req = GenerationRequest(
             request_id=request_id,
@@ -150,6 +165,12 @@ class ChatService:
             vision_inputs=prepared.vision_inputs,
             system_prefix_tokens=self.system_prefix_tokens(chat, prepared.tokens),
         )
+        return req, prepared
+
+    def submit(
+        self, chat: ChatRequest, req: GenerationRequest, prepared: PreparedPrompt
+    ) -> Generation:
+        """Queue a built request on the engine and attach the output parsers."""
         handle = self.engine.submit(req, asyncio.get_running_loop())
         parse_tools = (
             bool(chat.tools) and chat.tool_choice != "none" and self.tool_format is not None
@@ -161,7 +182,7 @@ class ChatService:
             tools=chat.tools if parse_tools else None,
             max_calls=None if chat.parallel_tool_calls else 1,
         )
-        return Generation(request_id, handle, pipeline, len(prepared.tokens))
+        return Generation(req.request_id, handle, pipeline, len(prepared.tokens))
 
     def _constraint_processors(self, chat: ChatRequest, prepared: PreparedPrompt) -> list[Any]:
         spec = constraint_spec(chat, self.tool_format if chat.tools else None)

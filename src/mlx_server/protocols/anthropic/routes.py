@@ -45,7 +45,7 @@ def make_router(service: ChatService, *, vision: bool = False) -> APIRouter:
             f"stream={str(body.stream).lower()}, tools={len(chat.tools or [])}"
         )
         message_id = new_message_id()
-        gen = _start(service, chat, message_id)
+        gen = await _start(service, chat, message_id)
         enc = StreamEncoder(message_id, body.model, gen.prompt_tokens, gen.cached_tokens)
         if body.stream:
             return sse_response(_stream(gen, enc))
@@ -64,9 +64,9 @@ def make_router(service: ChatService, *, vision: bool = False) -> APIRouter:
     return router
 
 
-def _start(service: ChatService, chat: ChatRequest, message_id: str) -> Generation:
+async def _start(service: ChatService, chat: ChatRequest, message_id: str) -> Generation:
     try:
-        return service.start(chat, request_id=message_id)
+        return await service.start(chat, request_id=message_id)
     except ContextLengthExceeded as e:
         n = service.count_tokens(chat)
         message = context_error_message(n, chat.max_tokens or 0, service.ctx_size)

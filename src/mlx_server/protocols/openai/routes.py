@@ -52,7 +52,7 @@ def make_router(service: ChatService, *, vision: bool = False) -> APIRouter:
         log(
             f"Request: model={body.model}, messages={len(chat.messages)}, stream={str(body.stream).lower()}, tools={tools}"
         )
-        gen = service.start(chat)
+        gen = await service.start(chat)
         model = body.model or service.model_id
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
