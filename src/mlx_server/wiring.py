@@ -28,6 +28,7 @@ def build(settings: Settings) -> tuple[Any, Any]:
     from mlx_server.engine.engine import Engine, EngineConfig
     from mlx_server.models.loader import device_memory_bytes, load_model
     from mlx_server.server.app import create_app
+    from mlx_server.server.middleware import MAX_BODY_BYTES
     from mlx_server.service import ChatService
 
     set_cache_limit(settings)
@@ -67,7 +68,10 @@ def build(settings: Settings) -> tuple[Any, Any]:
     service.constraints = _constraint_compiler(loaded.tokenizer)
     log(f"KV budget: {kv_budget // (1 << 20)}MB, max batch size {settings.max_batch_size}")
     engine.start()
-    return create_app(service, api_key=settings.api_key, vision=vision), engine
+    max_body = MAX_BODY_BYTES
+    if vision:  # room for at least one base64 image of the largest size allowed
+        max_body = max(max_body, int(settings.max_image_mb * (1 << 20) * 4 / 3) + (1 << 20))
+    return create_app(service, api_key=settings.api_key, vision=vision, max_body=max_body), engine
 
 
 def _vision_prompt_builder(loaded: Any, settings: Settings) -> Any:

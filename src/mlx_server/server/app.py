@@ -13,9 +13,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from mlx_server.errors import InvalidRequest, MethodNotAllowed, NotFound, Overloaded, ServerError
 from mlx_server.logs import log
+from mlx_server.protocols.anthropic.routes import make_router as anthropic_router
 from mlx_server.protocols.openai.routes import make_router as openai_router
 from mlx_server.server.http import parse_body
-from mlx_server.server.middleware import GuardMiddleware, error_body
+from mlx_server.server.middleware import MAX_BODY_BYTES, GuardMiddleware, error_body
 from mlx_server.service import ChatService
 
 
@@ -23,7 +24,9 @@ class CancelRequest(BaseModel):
     id: str | None = None
 
 
-def create_app(service: ChatService, *, api_key: str = "", vision: bool = False) -> FastAPI:
+def create_app(
+    service: ChatService, *, api_key: str = "", vision: bool = False, max_body: int = MAX_BODY_BYTES
+) -> FastAPI:
     """Build the ASGI app around a ChatService (whose engine may be real or scripted)."""
     app = FastAPI(title="mlx-server", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.service = service
@@ -45,15 +48,10 @@ def create_app(service: ChatService, *, api_key: str = "", vision: bool = False)
         return {"status": "cancelled" if n else "no_active_generation", "cancelled_count": n}
 
     app.include_router(openai_router(service, vision=vision))
-    try:
-        from mlx_server.protocols.anthropic.routes import make_router as anthropic_router
-    except ImportError:
-        anthropic_router = None
-    if anthropic_router is not None:
-        app.include_router(anthropic_router(service, vision=vision))
+    app.include_router(anthropic_router(service, vision=vision))
 
     _install_error_handlers(app)
-    app.add_middleware(GuardMiddleware, api_key=api_key)
+    app.add_middleware(GuardMiddleware, api_key=api_key, max_body=max_body)
     return app
 
 
