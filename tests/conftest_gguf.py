@@ -112,16 +112,20 @@ def write_tiny_gguf(
     seed: int = 0,
     pre: str = "smollm",
     spm: Any = None,
+    rope_scaling: dict[str, Any] | None = None,
 ) -> TinyGGUF:
     """Write a tiny random model as llama.cpp would, and return its reference model.
 
     `quant` maps a name fragment (e.g. "token_embd", "blk") to a GGML type for 2-D weights.
     The reference model gets the quantize-dequantize round trip of those weights, so the
     imported model must match it closely. `spm` (a SentencePieceProcessor) replaces the
-    byte-level vocabulary with a SentencePiece one.
+    byte-level vocabulary with a SentencePiece one. `rope_scaling` (linear or llama3) is
+    written as llama.cpp does: metadata for linear, a `rope_freqs` tensor for llama3.
     """
     tokens = byte_level_vocab() if spm is None else spm_vocab(spm)[0]
     config = tiny_config(arch, tie=tie, vocab_size=len(tokens))
+    if rope_scaling is not None:
+        config["rope_scaling"] = rope_scaling
     model = build_reference(config, seed)
     names = gguf.get_tensor_name_map(ARCHS[arch], config["num_hidden_layers"])
     writer = gguf.GGUFWriter(str(path), arch)
@@ -149,6 +153,8 @@ def write_tiny_gguf(
             reference[name] = mx.array(
                 gguf.quants.dequantize(gguf.quants.quantize(array, kind), kind)
             )
+    if rope_scaling is not None:
+        _write_rope_scaling(writer, config)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -171,6 +177,22 @@ def _llama_cpp_permute(weights: np.ndarray, heads: int) -> np.ndarray:
         .swapaxes(1, 2)
         .reshape(weights.shape)
     )
+
+
+def _write_rope_scaling(writer: gguf.GGUFWriter, config: dict[str, Any]) -> None:
+    scaling = config["rope_scaling"]
+    kind = scaling.get("rope_type") or scaling["type"]
+    if kind == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(scaling["factor"])
+        return
+    from mlx_lm.models.rope_utils import Llama3RoPE
+
+    dims, base = config["head_dim"], config["rope_theta"]
+    rope = Llama3RoPE(dims, config["max_position_embeddings"], base=base, scaling_config=scaling)
+    # Llama3RoPE keeps base**(2i/d) times the factor; the file keeps the factor alone.
+    factors = np.array(rope._freqs) / base ** (np.arange(0, dims, 2) / dims)
+    writer.add_tensor("rope_freqs.weight", factors.astype(np.float32))
 
 
 def _write_hparams(writer: gguf.GGUFWriter, arch: str, config: dict[str, Any]) -> None:

@@ -50,6 +50,24 @@ def test_llama_qk_rows_must_be_put_back_in_order(tmp_path):
     assert np.abs(logits(model) - logits(tiny.model)).max() > 1e-2
 
 
+LLAMA3_SCALING = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,  # llama.cpp stores none; every Llama 3 has 8192
+}
+
+
+@pytest.mark.parametrize("scaling", [LLAMA3_SCALING, {"type": "linear", "factor": 4.0}])
+def test_rope_scaling_is_recovered(tmp_path, scaling):
+    tiny = write_tiny_gguf(tmp_path / "m.gguf", "llama", rope_scaling=scaling)
+    model, _ = imported(tiny, tmp_path / "out", dtype="float32")
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["rope_scaling"] == scaling
+    np.testing.assert_allclose(logits(model), logits(tiny.model), atol=1e-4, rtol=1e-4)
+
+
 QUANTS = {"token_embd": Q.Q8_0, "blk.0": Q.Q4_0, "blk.1": Q.Q4_1, "output": Q.Q8_0}
 
 

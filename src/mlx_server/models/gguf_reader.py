@@ -13,7 +13,7 @@ import struct
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 
@@ -45,9 +45,10 @@ def read_gguf(path: Path) -> GGUFContents:
     """
     expected_tensors = _header_tensor_count(path)
     try:
-        tensors, metadata = mx.load(str(path), return_metadata=True)
+        loaded = mx.load(str(path), return_metadata=True)
     except (RuntimeError, ValueError) as exc:
         raise GGUFImportError(_explain_load_failure(path, str(exc))) from exc
+    tensors, metadata = cast(tuple[dict[str, mx.array], dict[str, Any]], loaded)
     if _base_tensor_count(tensors) != expected_tensors:
         # mx.load skips tensors of some types without a word; name them.
         raise GGUFImportError(_explain_load_failure(path, "some tensors were not loaded"))

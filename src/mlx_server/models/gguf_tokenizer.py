@@ -85,8 +85,10 @@ PRE_TOKENIZERS: dict[str, PreTokenizerSpec] = {
 }
 
 # Tokens llama.cpp also treats as end of generation, found by their text.
-_END_OF_TURN = ("<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>")
-_END_OF_TURN += ("<|endoftext|>", "<|end_of_text|>", "<EOT>")
+_END_OF_TURN = frozenset(
+    ["<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>"]
+    + ["<|end_of_text|>", "<EOT>"]
+)
 _SPECIAL_IDS = {"bos": "bos", "eos": "eos", "unk": "unknown", "pad": "padding"}
 
 
