@@ -102,20 +102,6 @@ def prompt_tokens(tokenizer: Any) -> list[int]:
     return list(tokenizer.encode(QUESTION))
 
 
-class Timed:
-    """Wraps a logits processor and adds up the wall time spent inside it."""
-
-    def __init__(self, processor: Any):
-        self.processor = processor
-        self.seconds = 0.0
-
-    def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
-        start = time.perf_counter()
-        out = self.processor(tokens, logits)
-        self.seconds += time.perf_counter() - start
-        return out
-
-
 def decode(model, tokenizer, prompt, *, batch, max_tokens, processors=None, stop=True):
     """Generate for ``batch`` copies of the prompt; returns (steps, seconds, outputs)."""
     mx.random.seed(0)
@@ -148,30 +134,60 @@ def decode(model, tokenizer, prompt, *, batch, max_tokens, processors=None, stop
     return steps, last - first, list(outputs.values())
 
 
-def one_round(model, tokenizer, compiler, prompt, args) -> dict[str, Any]:
+def one_round(model, tokenizer, compiler, prompt, args) -> tuple[dict[str, Any], list[int]]:
     spec = ConstraintSpec.json_schema(SCHEMA)
-    timed = [Timed(compiler.processor(spec)) for _ in range(args.batch)]
+    processors = [compiler.processor(spec) for _ in range(args.batch)]
     steps_c, secs_c, outs = decode(
-        model, tokenizer, prompt, batch=args.batch, max_tokens=args.max_tokens, processors=timed
+        model,
+        tokenizer,
+        prompt,
+        batch=args.batch,
+        max_tokens=args.max_tokens,
+        processors=processors,
     )
     n = max(len(o) for o in outs)
     steps_u, secs_u, _ = decode(
         model, tokenizer, prompt, batch=args.batch, max_tokens=n, stop=False
     )
-    valid = [_parses(tokenizer, o) for o in outs]
-    return {
+    result = {
         "generated_tokens": n,
         "constrained_tps": args.batch * steps_c / secs_c,
         "unconstrained_tps": args.batch * steps_u / secs_u,
-        "processor_ms_per_call": 1000 * sum(t.seconds for t in timed) / (args.batch * max(n, 1)),
-        "valid_json": all(valid),
-        "sample": tokenizer.decode([t for t in outs[0] if t not in tokenizer.eos_token_ids])[:160],
+        "valid_json": all(_parses(tokenizer, o) for o in outs),
+        "sample": _text(tokenizer, outs[0])[:120],
     }
+    return result, outs[0]
+
+
+def replay(compiler, tokens: list[int], vocab: int) -> dict[str, float]:
+    """The processor's own cost per token, without the model: replay ``tokens`` through
+    fresh processors with constant logits (the first pass also builds lexer states)."""
+    logits = mx.zeros((1, vocab))
+    passes = []
+    for _ in range(3):
+        processor = compiler.processor(ConstraintSpec.json_schema(SCHEMA))
+        context = [0]
+        times = []
+        for token in tokens:
+            start = time.perf_counter()
+            mx.eval(processor(mx.array(context), logits))
+            times.append(time.perf_counter() - start)
+            context.append(token)
+        passes.append(times)
+    return {
+        "first_pass_ms_per_token": 1000 * statistics.mean(passes[0]),
+        "ms_per_token": 1000 * statistics.mean(passes[-1]),
+        "max_ms": 1000 * max(passes[-1]),
+    }
+
+
+def _text(tokenizer, tokens: list[int]) -> str:
+    return tokenizer.decode([t for t in tokens if t not in tokenizer.eos_token_ids])
 
 
 def _parses(tokenizer, tokens: list[int]) -> bool:
     try:
-        json.loads(tokenizer.decode([t for t in tokens if t not in tokenizer.eos_token_ids]))
+        json.loads(_text(tokenizer, tokens))
     except ValueError:
         return False
     return True
@@ -194,24 +210,23 @@ def main() -> None:
     compiler = ConstraintCompiler(tokenizer)
     compiler.compile(ConstraintSpec.json_schema(SCHEMA))
     setup_ms = 1000 * (time.perf_counter() - start)
-    print(json.dumps({"model": what, "vocab": len(tokenizer), "setup_ms": round(setup_ms, 1)}))
+    emit({"model": what, "vocab": len(tokenizer), "setup_ms": setup_ms})
     prompt = prompt_tokens(tokenizer)
     decode(model, tokenizer, prompt, batch=args.batch, max_tokens=8)  # warm up
     ratios = []
     for i in range(args.rounds):
-        result = one_round(model, tokenizer, compiler, prompt, args)
+        result, tokens = one_round(model, tokenizer, compiler, prompt, args)
         result["ratio"] = result["constrained_tps"] / result["unconstrained_tps"]
         ratios.append(result["ratio"])
-        print(json.dumps({"round": i, "batch": args.batch, **_rounded(result)}))
-    print(
-        json.dumps(
-            {"summary": what, "batch": args.batch, "median_ratio": statistics.median(ratios)}
-        )
-    )
+        emit({"round": i, "batch": args.batch, **result})
+    vocab = model(mx.array([prompt[:1]])).shape[-1]
+    emit({"replay_tokens": len(tokens), **replay(compiler, tokens, vocab)})
+    emit({"summary": what, "batch": args.batch, "median_ratio": statistics.median(ratios)})
 
 
-def _rounded(result: dict[str, Any]) -> dict[str, Any]:
-    return {k: round(v, 3) if isinstance(v, float) else v for k, v in result.items()}
+def emit(record: dict[str, Any]) -> None:
+    rounded = {k: round(v, 3) if isinstance(v, float) else v for k, v in record.items()}
+    print(json.dumps(rounded), flush=True)
 
 
 if __name__ == "__main__":

@@ -122,5 +122,5 @@ def _fit(allowed: np.ndarray, vocab: int) -> np.ndarray:
 
 
 def _apply_mask(logits: mx.array, allowed: np.ndarray) -> mx.array:
-    mask = mx.array(allowed).astype(mx.bool_)
-    return mx.where(mask, logits, mx.array(-float("inf"), dtype=logits.dtype))
+    # 0/1 bytes reinterpret as booleans without a copy.
+    return mx.where(mx.array(allowed.view(np.bool_)), logits, -float("inf"))
