@@ -19,6 +19,7 @@ from mlx_lm import load
 from mlx_server.models import gguf_import
 from mlx_server.models.gguf_cli import main as cli_main
 from mlx_server.models.gguf_import import GGUFImportError, import_cached, import_gguf
+from mlx_server.models.gguf_reader import read_gguf
 
 Q = gguf.GGMLQuantizationType
 PROMPT = mx.array([[5, 80, 17, 200, 33, 101, 7, 250, 64, 9]])
@@ -217,10 +218,16 @@ def not_gguf(src: Path, dest: Path) -> Path:
     return dest
 
 
+def empty(src: Path, dest: Path) -> Path:
+    dest.write_bytes(b"")
+    return dest
+
+
 BROKEN = {
     "truncated": (truncated, "truncated or corrupt.*past the end"),
     "corrupted": (corrupted, "truncated or corrupt"),
     "not-gguf": (not_gguf, "not a GGUF file"),
+    "empty": (empty, "not a GGUF file"),
 }
 
 
@@ -249,18 +256,55 @@ def test_import_command_exits_1_on_damaged_files(tmp_path, good_gguf, kind):
     assert done.stderr.startswith("mlx-server-import: error: ") and "Traceback" not in done.stderr
 
 
-def test_types_mlx_cannot_read_are_named(tmp_path):
-    writer = gguf.GGUFWriter(str(tmp_path / "iq.gguf"), "llama")
-    block, size = gguf.GGML_QUANT_SIZES[Q.IQ4_NL]
-    raw = np.zeros((4, 256 // block * size), dtype=np.uint8)
-    writer.add_tensor("blk.0.ffn_up.weight", raw, raw_dtype=Q.IQ4_NL)
+def write_raw_tensor(path: Path, kind, raw: np.ndarray) -> Path:
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_tensor("blk.0.ffn_up.weight", raw, raw_dtype=kind)
     writer.add_tensor("blk.0.ffn_down.weight", np.zeros((4, 256), np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+    return path
+
+
+def sane_blocks(kind, rows: int = 4, cols: int = 512) -> np.ndarray:
+    """Random blocks of a GGML type, with its float16 super-block scales set to 0.01."""
+    block, size = gguf.GGML_QUANT_SIZES[kind]
+    if kind in (Q.F16, Q.BF16):
+        values = np.random.default_rng(0).normal(0, 1, (rows, cols)).astype(np.float32)
+        return gguf.quants.quantize(values, kind)
+    raw = np.random.default_rng(0).integers(0, 255, (rows, cols // block, size), dtype=np.uint8)
+    scale = np.array([0.01], dtype=np.float16).view(np.uint8)
+    where = {Q.Q2_K: [-4, -2], Q.Q6_K: [-2], Q.Q4_K: [0, 2]}[kind]
+    for at in where:
+        raw[..., at : at + 2 if at != -2 else None] = scale
+    return raw.reshape(rows, -1)
+
+
+@pytest.mark.parametrize("kind", [Q.F16, Q.BF16, Q.Q2_K, Q.Q6_K])
+def test_types_read_as_float_match_the_reference_dequantizer(tmp_path, kind):
+    raw = sane_blocks(kind)
+    path = write_raw_tensor(tmp_path / "f.gguf", kind, raw)
+    got = read_gguf(path).tensors["blk.0.ffn_up.weight"].astype(mx.float32)
+    expected = gguf.quants.dequantize(raw, kind)
+    np.testing.assert_allclose(np.array(got), expected, rtol=2e-3, atol=1e-4)
+
+
+def test_q4_k_is_refused_because_mlx_misreads_it(tmp_path):
+    raw = sane_blocks(Q.Q4_K)
+    path = write_raw_tensor(tmp_path / "k.gguf", Q.Q4_K, raw)
+    misread = np.array(mx.load(str(path))["blk.0.ffn_up.weight"].astype(mx.float32))
+    assert np.abs(misread - gguf.quants.dequantize(raw, Q.Q4_K)).max() > 0.1  # why it is refused
+    with pytest.raises(GGUFImportError, match=r"Q4_K \(1 tensors\).*llama-quantize"):
+        import_gguf(path, tmp_path / "out", progress=False)
+
+
+def test_types_mlx_cannot_read_are_named(tmp_path):
+    block, size = gguf.GGML_QUANT_SIZES[Q.IQ4_NL]
+    raw = np.zeros((4, 256 // block * size), dtype=np.uint8)
+    path = write_raw_tensor(tmp_path / "iq.gguf", Q.IQ4_NL, raw)
     with pytest.raises(GGUFImportError, match=r"IQ4_NL \(1 tensors\).*Supported: Q4_0, Q4_1, Q8_0"):
-        import_gguf(tmp_path / "iq.gguf", tmp_path / "out", progress=False)
+        import_gguf(path, tmp_path / "out", progress=False)
 
 
 def test_unsupported_architecture_is_named(tmp_path, good_gguf):
