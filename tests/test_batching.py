@@ -211,3 +211,29 @@ def test_batch_size_limit_bounds_concurrency(lm):
         finished = asyncio.run(run(engine))
     assert max(seen) <= 2
     assert finished == [(a.text, "length") for a in alone]
+
+
+def test_prefill_is_paced_so_long_prompts_do_not_pile_up(lm):
+    model, tokenizer = lm
+    longs = [prompt(tokenizer, 120, seed=400 + i) for i in range(4)]
+    short = prompt(tokenizer, 3, seed=500)
+    seen: list[int] = []
+
+    async def run(engine):
+        running = asyncio.ensure_future(collect(engine.submit(request(short, 120))))
+        while engine.stats()["prefilling"] or not engine.active_count:
+            await asyncio.sleep(0.001)
+        handles = [engine.submit(request(p, 6)) for p in longs]
+        tasks = asyncio.gather(*(collect(h) for h in handles))
+        while not tasks.done():
+            seen.append(engine.stats()["next_prefill_tokens"])
+            await asyncio.sleep(0.001)
+        await running
+        return tasks.result()
+
+    with running_engine(model, tokenizer, prompt_cache_size=0, prefill_step_size=16) as engine:
+        alone = solo(engine, [request(p, 6) for p in longs])
+        paced = asyncio.run(run(engine))
+    # Four long prompts in 16-token chunks: two share a step, never more than two chunks' worth.
+    assert 16 < max(seen) <= 32
+    assert [r.text for r in paced] == [a.text for a in alone]

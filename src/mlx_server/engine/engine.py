@@ -17,14 +17,14 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, StopSequences
 
 from mlx_server.engine.handle import GenerationHandle, TokenPiece
+from mlx_server.engine.logprobs import logprob_entry
 from mlx_server.engine.prefix_cache import SYSTEM, PrefixCache
 from mlx_server.engine.sampling import make_processors, make_sampler
 from mlx_server.errors import InvalidRequest, Overloaded
-from mlx_server.events import Finished, LogprobEntry, Timings, TokenLogprob, Usage
+from mlx_server.events import Finished, LogprobEntry, Timings, Usage
 from mlx_server.logs import log
 from mlx_server.parsing.stops import StopMatcher
 from mlx_server.types import GenerationRequest
@@ -55,6 +55,8 @@ class _Seq:
     t_first: float = 0.0
     kv_bytes: int = 0
     system_end: int = 0  # prompt offset where the system prompt's KV state is worth caching
+    prefill_left: int = 0  # prompt tokens still to prefill once inserted (0: decoding)
+    uncached: int = -1  # estimate, while queued, of the tokens it will have to prefill
     logprobs: list[LogprobEntry] = field(default_factory=list)
 
 
@@ -139,8 +141,12 @@ class Engine:
         return self._prompt_cache
 
     def stats(self) -> dict[str, Any]:
+        """Counters for monitoring; safe to call from any thread."""
+        active = list(self._active.values())  # a snapshot: the engine thread mutates the dict
         return {
-            "active": self.active_count,
+            "active": len(active),
+            "prefilling": sum(1 for s in active if s.prefill_left > 0),
+            "next_prefill_tokens": self._prefill_load(active),
             "queued": self.queue_depth,
             "kv_in_use_bytes": self._kv_in_use,
             **self._cache_stats(),
@@ -194,7 +200,9 @@ class Engine:
         return BatchGenerator(
             self.model,
             completion_batch_size=self.config.max_batch_size,
-            prefill_batch_size=min(self.config.max_batch_size, 4),
+            # Prompts that arrive together prefill together; _may_start_prefill bounds the
+            # tokens one step prefills.
+            prefill_batch_size=self.config.max_batch_size,
             prefill_step_size=self.config.prefill_step_size,
             stop_tokens=[[t] for t in self._eos],
         )
@@ -211,8 +219,29 @@ class Engine:
                     continue
                 if self._active and self._kv_in_use + seq.kv_bytes > self.config.kv_budget_bytes:
                     return  # wait for memory to free up
+                if not self._may_start_prefill(seq):
+                    return  # wait for the prefills ahead of it to make room
                 self._pending.popleft()
             self._insert(gen, seq)
+
+    def _may_start_prefill(self, seq: _Seq) -> bool:
+        """Pace prefill so that running streams keep producing: BatchGenerator prefills one
+        chunk (at most prefill_step_size tokens) of every prompt in flight per decode step,
+        so a prompt starts only while the chunks of one step stay within two step sizes.
+        Short prompts arriving together still share a step; long ones do not pile up."""
+        step = self.config.prefill_step_size
+        load = self._prefill_load(self._active.values())
+        if load == 0:
+            return True
+        if seq.uncached < 0:
+            prompt = seq.req.prompt_tokens
+            hit = self._prompt_cache.cached_length(prompt) if self._prompt_cache else 0
+            seq.uncached = len(prompt) - hit
+        return load + min(seq.uncached, step) <= 2 * step
+
+    def _prefill_load(self, seqs: Any) -> int:
+        """Prompt tokens the next step prefills (at most): one chunk per prompt in flight."""
+        return sum(min(s.prefill_left, self.config.prefill_step_size) for s in seqs)
 
     def _insert(self, gen: BatchGenerator, seq: _Seq) -> None:
         req = seq.req
@@ -221,6 +250,7 @@ class Engine:
         if self._prompt_cache is not None:
             cache, rest = self._prompt_cache.fetch(prompt)
         seq.cached = len(prompt) - len(rest)
+        seq.prefill_left = len(rest)
         seq.handle.cached_tokens = seq.cached
         processors = list(make_processors(req.sampling)) + list(req.logits_processors)
         (uid,) = gen.insert_segments(
@@ -270,6 +300,10 @@ class Engine:
 
     def _step(self, gen: BatchGenerator) -> None:
         progress, responses = gen.next()
+        for p in progress:
+            if p.uid in self._active:
+                done_n, total = p.progress
+                self._active[p.uid].prefill_left = total - done_n
         self._save_system_prefixes(gen, progress)
         done: list[_Seq] = []
         for r in responses:
@@ -278,6 +312,7 @@ class Engine:
                 continue
             if not seq.t_first:
                 seq.t_first = time.perf_counter()
+                seq.prefill_left = 0
             seq.n_generated += 1
             reason = self._on_token(seq, r)
             if reason is None:
@@ -324,7 +359,7 @@ class Engine:
         text = seq.detok.last_segment
         entries: tuple[LogprobEntry, ...] = ()
         if seq.req.logprobs:
-            entries = (self._logprob_entry(r.token, r.logprobs, seq.req.top_logprobs),)
+            entries = (logprob_entry(self.tokenizer, r.token, r.logprobs, seq.req.top_logprobs),)
         out = seq.stops.feed(text) if seq.stops else text
         if seq.stops is not None and seq.stops.matched is None and r.finish_reason is not None:
             out += seq.stops.flush()
@@ -335,23 +370,6 @@ class Engine:
         if r.finish_reason is not None:
             return r.finish_reason
         return None
-
-    def _logprob_entry(self, token: int, logprobs: mx.array, k: int) -> LogprobEntry:
-        text = self.tokenizer.decode([token])
-        top: tuple[TokenLogprob, ...] = ()
-        if k > 0:
-            idx = mx.argpartition(-logprobs, k - 1)[:k]
-            vals = logprobs[idx]
-            order = mx.argsort(-vals)
-            ids: list[Any] = idx[order].tolist()  # type: ignore[assignment]
-            lps: list[Any] = vals[order].tolist()  # type: ignore[assignment]
-            top = tuple(self._tl(int(i), float(v)) for i, v in zip(ids, lps, strict=True))
-        chosen: Any = logprobs[token].item()
-        return LogprobEntry(text, float(chosen), list(text.encode()), top)
-
-    def _tl(self, token: int, lp: float) -> TokenLogprob:
-        s = self.tokenizer.decode([token])
-        return TokenLogprob(s, lp, list(s.encode()))
 
     def _finish(self, seq: _Seq, reason: str, error: str | None = None) -> None:
         now = time.perf_counter()

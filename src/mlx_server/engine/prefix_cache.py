@@ -74,6 +74,12 @@ class PrefixCache(LRUPromptCache):
         self.hits += 1
         return cache, tokens[keep:]
 
+    def cached_length(self, tokens: list[int]) -> int:
+        """How many leading tokens ``fetch`` would serve from the cache (no copy, no hit
+        counted)."""
+        key, keep = self._choose(self._trie.search(_KEY, tokens), tokens)
+        return keep if key is not None else 0
+
     def _choose(self, res: Any, tokens: list[int]) -> tuple[list[int] | None, int]:
         """Which entry to use and how many of its tokens to keep."""
         if res.exact is not None:
