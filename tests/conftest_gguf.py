@@ -1,4 +1,5 @@
-"""GGUF test material: the demo model fixtures, and tiny GGUF files written the way llama.cpp's
+"""GGUF test material: the demo model fixtures (import the `*_fixture` functions into a test
+module to use them as `demo_gguf`, `demo_quantized_dir`, `demo_f32_dir`), and tiny GGUF files written the way llama.cpp's
 converter writes them (tensor names from the `gguf` package, q/k rows permuted for llama,
 Q8_0/Q4_0/Q4_1 blocks quantized by `gguf.quants`)."""
 
@@ -22,20 +23,20 @@ REPO = Path(__file__).resolve().parents[1]
 # ---------------------------------------------------------------- the demo model
 
 
-@pytest.fixture(scope="session")
-def demo_gguf() -> Path:
+@pytest.fixture(scope="session", name="demo_gguf")
+def demo_gguf_fixture() -> Path:
     """The demo GGUF file (SmolLM2-135M-Instruct Q4_1), fetched once into models/."""
     return ensure_demo_gguf(REPO / DEMO_GGUF)
 
 
-@pytest.fixture(scope="session")
-def demo_quantized_dir(demo_gguf: Path) -> Path:
+@pytest.fixture(scope="session", name="demo_quantized_dir")
+def demo_quantized_dir_fixture(demo_gguf: Path) -> Path:
     """The demo model imported as the file has it: 8-bit embedding, 4-bit layers."""
     return ensure_demo_model(REPO / demo_model_dir())
 
 
-@pytest.fixture(scope="session")
-def demo_f32_dir(demo_gguf: Path) -> Path:
+@pytest.fixture(scope="session", name="demo_f32_dir")
+def demo_f32_dir_fixture(demo_gguf: Path) -> Path:
     """The demo model dequantized to float32: the fast one on a CPU."""
     return ensure_demo_model(REPO / demo_model_dir("float32"), dtype="float32")
 

@@ -13,13 +13,17 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
+from conftest_gguf import (  # noqa: F401  (fixtures)
+    demo_f32_dir_fixture,
+    demo_gguf_fixture,
+    demo_quantized_dir_fixture,
+)
 from mlx_lm import generate, load
 
 from mlx_server.models import gguf_import
 from mlx_server.models.gguf_import import import_cached, import_gguf
 
 pytestmark = pytest.mark.demo
-pytest_plugins = ["conftest_gguf"]  # the demo model fixtures
 
 TEXT = (Path(__file__).parent / "data" / "perplexity.txt").read_text()
 # Perplexity per word (tokenizer-independent). The right import scores about 114 on TEXT, an
