@@ -35,8 +35,8 @@ _BLOCK_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
-# Tensors that only feed the config (Llama 3's RoPE factors) or that mlx-lm recomputes.
-_CONFIG_ONLY = {"rope_freqs", "rope_factors_long", "rope_factors_short"}
+# Tensors that only feed the config: Llama 3's RoPE factors become `rope_scaling`.
+_CONFIG_ONLY = {"rope_freqs"}
 _TENSOR_NAME = re.compile(r"^(?:blk\.(\d+)\.)?(\w+)\.(weight|bias|scales|biases)$")
 
 
