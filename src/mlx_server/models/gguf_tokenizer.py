@@ -115,7 +115,28 @@ def build_tokenizer(
     metadata: dict[str, Any], *, pre_tokenizer: str | None = None
 ) -> ImportedTokenizer:
     """Rebuild the file's tokenizer; `pre_tokenizer` overrides `tokenizer.ggml.pre`."""
-    kind = metadata.get("tokenizer.ggml.model")
+    tokens, types = _vocabulary(metadata)
+    specials = _special_tokens(metadata, tokens)
+    tokenizer, default_add_bos = _base_tokenizer(metadata, tokens, types, specials, pre_tokenizer)
+    _add_special_tokens(tokenizer, tokens, types)
+    add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", default_add_bos))
+    add_bos = add_bos and "bos" in specials
+    add_eos = bool(metadata.get("tokenizer.ggml.add_eos_token", False)) and "eos" in specials
+    tokenizer.post_processor = _post_processor(
+        _special_pair(metadata, tokens, "bos") if add_bos else None,
+        _special_pair(metadata, tokens, "eos") if add_eos else None,
+        byte_level=metadata.get("tokenizer.ggml.model") == "gpt2",
+    )
+    return ImportedTokenizer(
+        tokenizer=tokenizer,
+        tokenizer_config=_tokenizer_config(metadata, specials, add_bos=add_bos, add_eos=add_eos),
+        special_tokens_map={f"{k}_token": v for k, v in specials.items()},
+        eos_token_ids=_eos_token_ids(metadata, tokens, types),
+    )
+
+
+def _vocabulary(metadata: dict[str, Any]) -> tuple[list[str], list[int]]:
+    """The tokens and their llama.cpp types, checked for consistency."""
     tokens: list[str] = list(metadata.get("tokenizer.ggml.tokens") or [])
     if not tokens:
         raise GGUFImportError(
@@ -126,36 +147,26 @@ def build_tokenizer(
     types: list[int] = list(metadata.get("tokenizer.ggml.token_type") or [NORMAL] * len(tokens))
     if len(types) != len(tokens):
         raise GGUFImportError("GGUF tokenizer.ggml.token_type does not match the vocabulary size")
-    specials = _special_tokens(metadata, tokens)
+    return tokens, types
+
+
+def _base_tokenizer(
+    metadata: dict[str, Any],
+    tokens: list[str],
+    types: list[int],
+    specials: dict[str, str],
+    pre_tokenizer: str | None,
+) -> tuple[Tokenizer, bool]:
+    """The model, normalizer, pre-tokenizer and decoder; and whether BOS is added by default."""
+    kind = metadata.get("tokenizer.ggml.model")
     if kind == "gpt2":
-        name = pre_tokenizer or metadata.get("tokenizer.ggml.pre") or "default"
-        spec = _pre_tokenizer_spec(name)
-        tokenizer = _byte_level(tokens, metadata, spec)
-        default_add_bos = spec.add_bos
-    elif kind == "llama":
-        tokenizer = _sentencepiece(tokens, types, metadata, specials.get("unk"))
-        default_add_bos = True
-    else:
-        raise GGUFImportError(
-            f"GGUF tokenizer model {kind!r} is not supported; supported: gpt2 (byte-level BPE), "
-            "llama (SentencePiece)"
-        )
-    _add_special_tokens(tokenizer, tokens, types)
-    add_bos = (
-        bool(metadata.get("tokenizer.ggml.add_bos_token", default_add_bos)) and "bos" in specials
-    )
-    add_eos = bool(metadata.get("tokenizer.ggml.add_eos_token", False)) and "eos" in specials
-    tokenizer.post_processor = _post_processor(
-        _special_pair(metadata, tokens, "bos") if add_bos else None,
-        _special_pair(metadata, tokens, "eos") if add_eos else None,
-        byte_level=kind == "gpt2",
-    )
-    config = _tokenizer_config(metadata, specials, add_bos=add_bos, add_eos=add_eos)
-    return ImportedTokenizer(
-        tokenizer=tokenizer,
-        tokenizer_config=config,
-        special_tokens_map={f"{k}_token": v for k, v in specials.items()},
-        eos_token_ids=_eos_token_ids(metadata, tokens, types),
+        spec = _pre_tokenizer_spec(pre_tokenizer or metadata.get("tokenizer.ggml.pre") or "default")
+        return _byte_level(tokens, metadata, spec), spec.add_bos
+    if kind == "llama":
+        return _sentencepiece(tokens, types, metadata, specials.get("unk")), True
+    raise GGUFImportError(
+        f"GGUF tokenizer model {kind!r} is not supported; supported: gpt2 (byte-level BPE), "
+        "llama (SentencePiece)"
     )
 
 
