@@ -54,7 +54,11 @@ class GrammarLogitsProcessor:
 
     @property
     def accepting(self) -> bool:
-        """Whether the output so far is a complete match of the grammar."""
+        """Whether the tokens consumed so far are a complete match of the grammar.
+
+        Each token is consumed on the call after it was sampled, so after a stop for
+        length the last token is not yet counted.
+        """
         return self._active and self._matcher.is_accepting()
 
     def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
