@@ -79,7 +79,8 @@ def load(args: argparse.Namespace) -> tuple[Any, Any, str]:
     for path in candidates:
         if Path(path).is_dir():
             if args.random_weights:
-                return *random_weights(Path(path)), f"{path} (random weights)"
+                model, tokenizer = random_weights(Path(path))
+                return model, tokenizer, f"{path} (random weights)"
             model, tokenizer = mlx_load(path)
             return model, tokenizer, path
     raise SystemExit(f"no model directory among {candidates}; pass --model or --tiny")
