@@ -81,8 +81,8 @@ def load(args: argparse.Namespace) -> tuple[Any, Any, str]:
             if args.random_weights:
                 model, tokenizer = random_weights(Path(path))
                 return model, tokenizer, f"{path} (random weights)"
-            model, tokenizer = mlx_load(path)
-            return model, tokenizer, path
+            loaded = mlx_load(path)
+            return loaded[0], loaded[1], path
     raise SystemExit(f"no model directory among {candidates}; pass --model or --tiny")
 
 
