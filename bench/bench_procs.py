@@ -69,6 +69,7 @@ class Server:
     model: str
     openblas: bool
     extra: list[str] = field(default_factory=list)
+    launcher: str = ""  # a Python file to run instead of ``-m mlx_server`` (a patched build)
     port: int = 0
     proc: subprocess.Popen | None = None
     log_path: Path | None = None
@@ -80,7 +81,8 @@ class Server:
     def start(self, timeout: float = 600) -> Server:
         self.port = free_port()
         if self.kind == "ours":
-            args = ["-m", "mlx_server", "-m", self.model, "--port", str(self.port)]
+            entry = [self.launcher] if self.launcher else ["-m", "mlx_server"]
+            args = [*entry, "-m", self.model, "--port", str(self.port)]
             args += ["--ctx-size", "4096", *self.extra]
         else:
             args = ["-m", "mlx_lm.server", "--model", self.model, "--port", str(self.port)]

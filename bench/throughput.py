@@ -170,13 +170,15 @@ def levers(reps: int, max_tokens: int) -> None:
 class running:
     """Start raw worker + our server (+ mlx_lm.server) for one configuration; record RSS."""
 
+    launcher = ""  # --ours-launcher
+
     def __init__(self, label: str, model: str, blas: bool, mlx_lm: bool = True):
         self.label, self.model, self.blas, self.mlx_lm = label, model, blas, mlx_lm
         self.systems: dict[str, Any] = {}
 
     def __enter__(self) -> tuple[dict[str, Any], dict[str, Server]]:
         self.systems["raw"] = RawWorker(self.model, self.blas)
-        self.systems["ours"] = Server("ours", self.model, self.blas).start()
+        self.systems["ours"] = Server("ours", self.model, self.blas, launcher=self.launcher).start()
         if self.mlx_lm:
             self.systems["mlx_lm"] = Server("mlx_lm", self.model, self.blas).start()
         servers = {k: v for k, v in self.systems.items() if isinstance(v, Server)}
@@ -270,7 +272,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="32 tokens, 1 repetition, 4 chat turns")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--reps", type=int, default=2)
-    ap.add_argument("--turns", type=int, default=6, help="chat turns (history passes 1,000 tokens)")
+    ap.add_argument("--turns", type=int, default=8, help="chat turns (history passes 1,000 tokens)")
     ap.add_argument("--streams", default="1,2,4,8")
     ap.add_argument(
         "--config",
@@ -279,9 +281,13 @@ def main() -> None:
     )
     ap.add_argument("--only", default="", help="comma list of: single,batch,chat,health,levers")
     ap.add_argument("--json", default="", help="also write all rows to this file")
+    ap.add_argument(
+        "--ours-launcher", default="", help="run this Python file instead of -m mlx_server"
+    )
     args = ap.parse_args()
+    running.launcher = args.ours_launcher
     if args.quick:
-        args.max_tokens, args.reps, args.turns = 32, 1, 4
+        args.max_tokens, args.reps, args.turns = 32, 1, 7
     parts = (
         set(args.only.split(",")) if args.only else {"single", "batch", "chat", "health", "levers"}
     )

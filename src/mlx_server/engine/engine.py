@@ -149,18 +149,7 @@ class Engine:
             "next_prefill_tokens": self._prefill_load(active),
             "queued": self.queue_depth,
             "kv_in_use_bytes": self._kv_in_use,
-            **self._cache_stats(),
-        }
-
-    def _cache_stats(self) -> dict[str, Any]:
-        pc = self._prompt_cache
-        if pc is None:
-            return {"prompt_cache_entries": 0}
-        return {
-            "prompt_cache_entries": len(pc),
-            "prompt_cache_bytes": pc.nbytes,
-            "prompt_cache_hits": pc.hits,
-            "prompt_cache_misses": pc.misses,
+            **(self._prompt_cache.stats() if self._prompt_cache else {"prompt_cache_entries": 0}),
         }
 
     def shutdown(self, timeout: float = 3.0) -> None:

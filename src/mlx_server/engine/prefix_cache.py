@@ -154,6 +154,12 @@ class PrefixCache(LRUPromptCache):
         kinds = [kind] if kind is not None else list(self._lru._lrus)
         return [list(t) for k in kinds for _, t in self._lru._lrus[k]]
 
-    def entries(self) -> dict[str, int]:
-        """Entry counts by kind (for stats)."""
-        return {k: len(v) for k, v in self._lru._lrus.items() if v}
+    def stats(self) -> dict[str, int]:
+        """Counters for monitoring."""
+        return {
+            "prompt_cache_entries": len(self),
+            "prompt_cache_system_entries": len(self._lru._lrus[SYSTEM]),
+            "prompt_cache_bytes": self.nbytes,
+            "prompt_cache_hits": self.hits,
+            "prompt_cache_misses": self.misses,
+        }
