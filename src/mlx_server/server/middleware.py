@@ -34,7 +34,11 @@ def error_body(path: str, err: ServerError) -> dict[str, Any]:
             if err.kind != "invalid_request_error" or err.status == 400
             else "invalid_request_error"
         )
-        return {"type": "error", "error": {"type": kind, "message": err.message}, "request_id": None}
+        return {
+            "type": "error",
+            "error": {"type": kind, "message": err.message},
+            "request_id": None,
+        }
     if isinstance(err, AuthenticationFailed):
         return JAN_UNAUTHORIZED
     kind = {"overloaded_error": "server_error", "api_error": "server_error"}.get(err.kind, err.kind)
