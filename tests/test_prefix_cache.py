@@ -175,25 +175,36 @@ def test_concurrent_conversations_share_a_cached_system_prompt(lm):
 
 def test_eviction_under_a_tiny_byte_budget_stays_correct(lm):
     model, tokenizer, _ = lm
-    budget = 60_000  # about two short conversations of the tiny model
+    budget = 250_000  # two or three conversations of the tiny model (512 B a token)
     with (
-        running_engine(model, tokenizer, prompt_cache_size=3, prompt_cache_bytes=budget) as warm,
+        running_engine(model, tokenizer, prompt_cache_size=16, prompt_cache_bytes=budget) as warm,
         running_engine(model, tokenizer, prompt_cache_size=0) as cold,
     ):
         convs = [conversation(10 + i) for i in range(4)]
-        for _turn in range(3):
-            for msgs in convs:
+        cached: list[int] = []
+        sizes: list[int] = []
+        for msgs in [*convs, convs[0]]:  # three turns each, then the first one again
+            for _turn in range(3):
                 ids = chat_tokens(tokenizer, msgs)
                 (w,) = solo(warm, [request(ids, 16)])
                 (c,) = solo(cold, [request(ids, 16)])
                 assert w.text == c.text
+                cached.append(w.cached)
+                sizes.append(len(ids))
                 pc = warm.prefix_cache
-                assert pc is not None and pc.nbytes <= budget and len(pc) <= 3
+                assert pc is not None and pc.nbytes <= budget
                 msgs += [
                     {"role": "assistant", "content": w.text},
                     {"role": "user", "content": "Go on."},
                 ]
-        assert warm.stats()["prompt_cache_misses"] > 1  # entries really were evicted
+        stats = warm.stats()
+    # Later turns reuse their own conversation's previous turn...
+    for i in range(4):
+        assert cached[3 * i + 1] > sizes[3 * i] and cached[3 * i + 2] > sizes[3 * i + 1]
+    # ...but by the time the first conversation comes back, its entries were evicted for
+    # bytes: only the system prompt shared with the others is still found.
+    assert 0 < cached[12] < sizes[2]
+    assert stats["prompt_cache_entries"] <= 3
 
 
 def test_system_prompt_prefix_stays_cached_after_its_conversations_age_out(lm):

@@ -149,7 +149,11 @@ class Engine:
             "next_prefill_tokens": self._prefill_load(active),
             "queued": self.queue_depth,
             "kv_in_use_bytes": self._kv_in_use,
-            **(self._prompt_cache.stats() if self._prompt_cache else {"prompt_cache_entries": 0}),
+            **(
+                self._prompt_cache.stats()
+                if self._prompt_cache is not None
+                else {"prompt_cache_entries": 0}
+            ),
         }
 
     def shutdown(self, timeout: float = 3.0) -> None:
@@ -224,7 +228,7 @@ class Engine:
             return True
         if seq.uncached < 0:
             prompt = seq.req.prompt_tokens
-            hit = self._prompt_cache.cached_length(prompt) if self._prompt_cache else 0
+            hit = self._prompt_cache.cached_length(prompt) if self._prompt_cache is not None else 0
             seq.uncached = len(prompt) - hit
         return load + min(seq.uncached, step) <= 2 * step
 
