@@ -123,24 +123,27 @@ LOREM = (
 )
 
 
-def chat(servers: dict[str, Server], label: str, turns: int, max_tokens: int) -> None:
+def chat(servers: dict[str, Server], label: str, reps: int, turns: int, max_tokens: int) -> None:
     """A conversation growing past 1,000 tokens. Warm: the real history, whose prefix the
     server cached on the previous turn. Cold: the same history with a different first
-    token, so nothing is reused."""
-    for name, srv in servers.items():
-        msgs: list[dict[str, Any]] = [{"role": "system", "content": "You are a storyteller."}]
+    token, so nothing is reused. The servers take turns, each with its own history."""
+    for rep in range(reps):
+        system = f"You are storyteller number {rep}."
+        history = {name: [{"role": "system", "content": system}] for name in servers}
         for turn in range(turns):
-            msgs.append({"role": "user", "content": f"Turn {turn}. {LOREM * 2} What happens next?"})
-            warm = stream_chat(srv.base, msgs, max_tokens)
-            nonce = [{"role": "system", "content": f"[{time.time_ns()}] You are a storyteller."}]
-            cold = stream_chat(srv.base, nonce + msgs[1:], max_tokens)
-            emit(
-                scenario="chat", config=label, system=name, turn=turn,
-                prompt_tokens=warm["prompt_tokens"], cached_tokens=warm["cached_tokens"],
-                warm_ttft_s=warm["ttft"], cold_ttft_s=cold["ttft"],
-                warm_over_cold=warm["ttft"] / cold["ttft"] if cold["ttft"] else None,
-            )  # fmt: skip
-            msgs.append({"role": "assistant", "content": warm["text"]})
+            for name, srv in servers.items():
+                msgs = history[name]
+                msgs.append({"role": "user", "content": f"Turn {turn}. {LOREM * 2} What next?"})
+                warm = stream_chat(srv.base, msgs, max_tokens)
+                nonce = [{"role": "system", "content": f"[{time.time_ns()}] {system}"}]
+                cold = stream_chat(srv.base, nonce + msgs[1:], max_tokens)
+                emit(
+                    scenario="chat", config=label, system=name, rep=rep, turn=turn,
+                    prompt_tokens=warm["prompt_tokens"], cached_tokens=warm["cached_tokens"],
+                    warm_ttft_s=warm["ttft"], cold_ttft_s=cold["ttft"],
+                    warm_over_cold=warm["ttft"] / cold["ttft"] if cold["ttft"] else None,
+                )  # fmt: skip
+                msgs.append({"role": "assistant", "content": warm["text"]})
 
 
 def health(servers: dict[str, Server], label: str, max_tokens: int) -> None:
@@ -163,8 +166,8 @@ def levers(reps: int, max_tokens: int) -> None:
         if blas and not openblas_path():
             print(f"# skipping {label}: OpenBLAS is not installed")
             continue
-        with running(label, model, blas, mlx_lm=False) as (systems, _):
-            single(systems, label, reps, max_tokens)
+        with running(f"lever {label}", model, blas, mlx_lm=False) as (systems, _):
+            single(systems, f"lever {label}", reps, max_tokens)
 
 
 class running:
@@ -249,20 +252,33 @@ def summary(main: str) -> None:
             {k: p50[k] for k in p50},
             "p95: " + ", ".join(f"{k} {v:.2f}" for k, v in p95.items()),
         )
-    for r in rows(scenario="chat"):
+    for turn in sorted({r["turn"] for r in rows(scenario="chat")}):
+        by = {s: rows(scenario="chat", turn=turn, system=s) for s in ("ours", "mlx_lm")}
+        warm = {s: med(v, "warm_ttft_s") for s, v in by.items()}
+        cold = {s: med(v, "cold_ttft_s") for s, v in by.items()}
+        ratio = {s: med(v, "warm_over_cold") for s, v in by.items()}
+        first = by["ours"][0] if by["ours"] else by["mlx_lm"][0]
         line(
-            f"{r['config']}: chat turn {r['turn']} ({r['prompt_tokens']} tok, {r['cached_tokens']} cached) warm/cold TTFT s",
-            {r["system"]: r["warm_ttft_s"]},
-            f"{r['system']}: cold {r['cold_ttft_s']:.2f}, warm/cold {r['warm_over_cold']:.2f} (target <= 0.2 at >= 1000 cached)",
+            f"chat turn {turn} ({first['prompt_tokens']} tok, {first['cached_tokens']} cached): warm TTFT s",
+            warm,
+            "cold "
+            + ", ".join(f"{k} {v:.2f}" for k, v in cold.items())
+            + "; warm/cold "
+            + ", ".join(f"{k} {v:.2f}" for k, v in ratio.items())
+            + " (target <= 0.2 at >= 1000 cached)",
         )
-    for r in rows(scenario="health"):
+    for cfg in sorted({r["config"] for r in rows(scenario="health")}):
+        by = {r["system"]: r for r in rows(scenario="health", config=cfg)}
         line(
-            f"{r['config']}: /health p50 ms under 8 streams",
-            {r["system"]: r["p50_ms"]},
-            f"p99 {r['p99_ms']:.1f} ms (target < 50)",
+            f"{cfg}: /health p50 ms under 8 streams",
+            {k: v["p50_ms"] for k, v in by.items()},
+            "p99 "
+            + ", ".join(f"{k} {v['p99_ms']:.1f}" for k, v in by.items())
+            + " ms (target < 50)",
         )
-    for r in rows(scenario="memory"):
-        line(f"{r['config']}: peak RSS MB", {r["system"]: r["peak_rss_mb"]})
+    for cfg in sorted({r["config"] for r in rows(scenario="memory")}):
+        rss = {r["system"]: r["peak_rss_mb"] for r in rows(scenario="memory", config=cfg)}
+        line(f"{cfg}: peak RSS MB", rss)
 
 
 def main() -> None:
@@ -302,7 +318,7 @@ def main() -> None:
             if "batch" in parts:
                 batch(servers, args.config, args.reps, args.max_tokens, ns)
             if "chat" in parts:
-                chat(servers, args.config, args.turns, 16)
+                chat(servers, args.config, args.reps, args.turns, 16)
             if "health" in parts:
                 health(servers, args.config, args.max_tokens)
     if "levers" in parts:
