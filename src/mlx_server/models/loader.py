@@ -35,18 +35,32 @@ class LoadedModel:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        return kv_bytes_per_token(self.config)
+        return kv_bytes_per_token(self.config, activation_bytes(self.model))
 
 
-def kv_bytes_per_token(config: dict[str, Any]) -> int:
-    """KV-cache bytes one token costs, estimated from the model config (float16/bfloat16 cache)."""
+def activation_bytes(model: Any) -> int:
+    """Bytes per element of the model's activations (and so of its KV cache): the dtype of
+    its norm weights, which stay in float when the linear layers are quantized."""
+    try:
+        from mlx.utils import tree_flatten
+
+        for name, value in tree_flatten(model.parameters()):
+            if name.endswith("norm.weight"):
+                return int(value.dtype.size)
+    except Exception:
+        pass
+    return 2
+
+
+def kv_bytes_per_token(config: dict[str, Any], elem_bytes: int = 2) -> int:
+    """KV-cache bytes one token costs, estimated from the model config."""
     cfg = config.get("text_config", config)
     layers = int(cfg.get("num_hidden_layers", 0) or 0)
     heads = int(cfg.get("num_attention_heads", 1) or 1)
     kv_heads = int(cfg.get("num_key_value_heads", heads) or heads)
     hidden = int(cfg.get("hidden_size", 0) or 0)
     head_dim = int(cfg.get("head_dim", 0) or (hidden // heads if heads else 0))
-    return max(1, 2 * layers * kv_heads * head_dim * 2)
+    return max(1, 2 * layers * kv_heads * head_dim * elem_bytes)
 
 
 def default_model_id(model: str) -> str:
