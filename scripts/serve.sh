@@ -7,4 +7,9 @@ bash scripts/setup.sh
 .venv/bin/mlx-server-demo
 # shellcheck source=/dev/null
 source scripts/openblas.sh
-exec .venv/bin/mlx-server -m models/smollm2-135m-instruct --model-id smollm2-135m-instruct --port 8080 "$@"
+# On Linux CPU, float32 weights with OpenBLAS are the fast configuration (docs/benchmarks.md).
+extra=()
+if [ "$(uname -s)" = "Linux" ] && [ -n "${LD_PRELOAD:-}" ] && [ -z "${MLX_SERVER_KEEP_DTYPE:-}" ]; then
+  extra=(--dtype float32)
+fi
+exec .venv/bin/mlx-server -m models/smollm2-135m-instruct --model-id smollm2-135m-instruct --port 8080 "${extra[@]}" "$@"
