@@ -44,7 +44,8 @@ def activation_bytes(model: Any) -> int:
     try:
         from mlx.utils import tree_flatten
 
-        for name, value in tree_flatten(model.parameters()):
+        params: Any = tree_flatten(model.parameters())
+        for name, value in params:
             if name.endswith("norm.weight"):
                 return int(value.dtype.size)
     except Exception:
