@@ -7,9 +7,11 @@ import signal
 import socket
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import openai
+import pytest
 from conftest import free_port, schema_validator
 
 CHUNK = schema_validator("CreateChatCompletionStreamResponse")
@@ -248,3 +250,43 @@ def test_hf_repo_id_offline_fails_clearly(server_factory, tmp_path):
     assert sp.proc.wait(60) == 1
     err = sp.proc.stderr.read()
     assert "some-org/some-model" in err and "offline" in err.lower()
+
+
+@pytest.mark.demo
+def test_serves_a_gguf_file_directly(server_factory, tmp_path):
+    gguf = Path(__file__).resolve().parents[1] / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert gguf.is_file(), "run mlx-server-demo first"
+    env = {"MLX_SERVER_CACHE": str(tmp_path / "cache")}
+    sp = server_factory(
+        ["-m", str(gguf), "--port", str(free_port()), "--dtype", "float32"], env=env
+    )
+    assert (
+        httpx.get(sp.base_url + "/v1/models").json()["data"][0]["id"]
+        == "SmolLM2-135M-Instruct.Q4_1"
+    )
+    r = httpx.post(
+        sp.base_url + "/v1/chat/completions",
+        json={
+            "model": "m",
+            "messages": [{"role": "user", "content": "What is the capital of France?"}],
+            "temperature": 0,
+            "max_tokens": 20,
+        },
+        timeout=120,
+    )
+    assert "Paris" in r.json()["choices"][0]["message"]["content"]
+    assert any((tmp_path / "cache").rglob("model.safetensors"))
+
+
+def test_non_gguf_file_named_gguf_fails_clearly(server_factory, tmp_path):
+    bad = tmp_path / "model.gguf"
+    bad.write_bytes(b"this is not a gguf file at all" * 100)
+    sp = server_factory(
+        ["-m", str(bad), "--port", str(free_port())],
+        wait=False,
+        env={"MLX_SERVER_CACHE": str(tmp_path / "c")},
+    )
+    assert sp.proc.wait(60) == 1
+    time.sleep(0.1)
+    assert any(line.startswith("[mlx] Failed to load model:") for line in sp.lines)
+    assert "gguf" in sp.proc.stderr.read().lower()
