@@ -50,7 +50,6 @@ class ScriptedEngine:
         loop = loop or asyncio.get_running_loop()
         script = self.scripts.popleft() if self.scripts else self.default
         handle = GenerationHandle(req.request_id, loop)
-        handle.prompt_tokens = len(req.prompt_tokens)
         self.requests.append(req)
         self._active[req.request_id] = handle
         task = loop.create_task(self._play(req, handle, script))

@@ -36,7 +36,7 @@ CORPUS = [
 ]
 
 
-def build_tokenizer(path: Path, template: str = CHATML) -> None:
+def build_tokenizer(path: Path, template: str = CHATML, specials: list[str] = SPECIALS) -> None:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -44,7 +44,7 @@ def build_tokenizer(path: Path, template: str = CHATML) -> None:
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=400,
-        special_tokens=SPECIALS,
+        special_tokens=specials,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tiny_model import CORPUS
+from tiny_model import build_tokenizer
 
 SPECIALS = [
     "<|endoftext|>",
@@ -44,29 +44,7 @@ MERGE = 2
 def _tokenizer(
     path: Path, specials: list[str] = SPECIALS, template: str = TEMPLATE
 ) -> dict[str, int]:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=400,
-        special_tokens=specials,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(CORPUS * 20, trainer)
-    tok.save(str(path / "tokenizer.json"))
-    cfg = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": None,
-        "eos_token": "<|im_end|>",
-        "pad_token": "<|endoftext|>",
-        "unk_token": None,
-        "chat_template": template,
-        "model_max_length": 4096,
-    }
-    (path / "tokenizer_config.json").write_text(json.dumps(cfg))
+    build_tokenizer(path, template, specials)
     (path / "chat_template.jinja").write_text(template)
     return json.loads((path / "tokenizer.json").read_text())["model"]["vocab"]
 

@@ -7,7 +7,7 @@ knows about OpenAI or Anthropic.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
@@ -114,7 +114,6 @@ class Finished:
     error: str | None = None
     # True when generation ended while still inside a reasoning block.
     in_reasoning: bool = False
-    extra: dict[str, object] = field(default_factory=dict)
 
 
 OutputEvent = TextDelta | ReasoningDelta | ToolCallStart | ToolCallArgsDelta | ToolCallEnd

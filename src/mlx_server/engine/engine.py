@@ -101,7 +101,6 @@ class Engine:
                 code="kv_budget_exceeded",
             )
         handle = GenerationHandle(req.request_id, loop)
-        handle.prompt_tokens = len(req.prompt_tokens)
         seq = _Seq(req=req, handle=handle, t_submit=time.perf_counter(), kv_bytes=need)
         with self._wake:
             if self._stopping:

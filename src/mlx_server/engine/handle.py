@@ -33,7 +33,6 @@ class GenerationHandle:
         self._queue: asyncio.Queue[EngineEvent] = asyncio.Queue()
         self.cancelled = False
         self.done = False
-        self.prompt_tokens = 0
         self.cached_tokens = 0
 
     def cancel(self) -> None:
