@@ -191,8 +191,7 @@ class ChatService:
         top_k = chat.sampling.top_k
         if top_k and self.vocab_size and top_k >= self.vocab_size:
             raise InvalidRequest(
-                f"top_k must be below the model's vocabulary size ({self.vocab_size}); "
-                f"got {top_k}",
+                f"top_k must be below the model's vocabulary size ({self.vocab_size}); got {top_k}",
                 param="top_k",
             )
 
