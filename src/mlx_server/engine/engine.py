@@ -464,6 +464,16 @@ class Engine:
                 f"{timings.predicted_n} generated at {timings.predicted_per_second:.1f} tokens/sec "
                 f"(cached {seq.cached}, finish={reason})"
             )
+        elif reason == "cancelled" and not self._stopping:
+            log(f"Generation {seq.req.request_id} cancelled {self._progress(seq)}")
+
+    def _progress(self, seq: _Seq) -> str:
+        """Where a generation stood, for the log."""
+        if seq.uid < 0:
+            return "while queued"
+        todo = len(seq.req.prompt_tokens) - seq.cached
+        done = todo - seq.prefill_left if not seq.t_first else todo
+        return f"after {done} of {todo} prompt tokens prefilled, {seq.n_generated} generated"
 
     def _fail_active(self, message: str) -> None:
         with self._wake:

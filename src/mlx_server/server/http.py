@@ -115,9 +115,10 @@ def describe_validation_error(e: ValidationError) -> str:
 class EventStreamResponse(StreamingResponse):
     """A streaming response that notices a client leaving even while nothing is written.
 
-    Starlette's response (ASGI 2.4 servers) only finds out when a write fails, and a stream
-    may write nothing for a long time (a long prompt's prefill). Here a disconnect cancels
-    the body iterator at once, and the generation's own cleanup frees its slot."""
+    Starlette's own listens for the disconnect only under servers older than ASGI 2.4
+    (newer ones make it wait for a write to fail), and a stream may write nothing for a
+    long time (a long prompt's prefill). Here a disconnect always cancels the body
+    iterator at once, and the generation's own cleanup frees its slot."""
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         async with anyio.create_task_group() as group:
