@@ -10,7 +10,7 @@ import asyncio
 from collections import deque
 from dataclasses import dataclass, field
 
-from mlx_server.engine.handle import GenerationHandle, TokenPiece
+from mlx_server.engine.handle import GenerationHandle, Started, TokenPiece
 from mlx_server.errors import Overloaded
 from mlx_server.events import Finished, Timings, Usage
 from mlx_server.parsing.stops import StopMatcher
@@ -61,6 +61,7 @@ class ScriptedEngine:
         stops = StopMatcher(req.stop)
         n = 0
         reason = script.finish
+        handle.push(Started(0))
         try:
             for piece in script.pieces:
                 if handle.cancelled:

@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 from typing import Any
 
-from mlx_server.engine.handle import GenerationHandle, TokenPiece
+from mlx_server.engine.handle import EngineEvent, GenerationHandle, Started, TokenPiece
 from mlx_server.errors import ContextLengthExceeded, InvalidRequest
 from mlx_server.events import Finished, Logprobs, OutputEvent, ToolCallStart
 from mlx_server.logs import log
@@ -236,10 +236,35 @@ class Generation:
         self.handle = handle
         self.pipeline = pipeline
         self.prompt_tokens = prompt_tokens
+        self._start: Started | None = None
+        self._early: list[EngineEvent] = []  # read while waiting for the start, not yet used
 
     @property
     def cached_tokens(self) -> int:
-        return self.handle.cached_tokens
+        """Prompt tokens the prefix cache covered (known once the generation started)."""
+        return self._start.cached_tokens if self._start else self.handle.cached_tokens
+
+    async def started(self) -> Started | None:
+        """Wait until the engine takes the request up (it may queue first) and return its
+        announcement, with the real cache split; None if it ended without starting."""
+        while self._start is None and not self._early:
+            try:
+                ev = await self.handle.next_event()
+            except BaseException:  # the consumer went away while the request waited
+                self.handle.cancel()
+                raise
+            if isinstance(ev, Started):
+                self._start = ev
+            else:
+                self._early.append(ev)
+        return self._start
+
+    async def _engine_events(self) -> AsyncIterator[EngineEvent]:
+        while self._early:
+            yield self._early.pop(0)
+        if not self.handle.done:
+            async for ev in self.handle:
+                yield ev
 
     def cancel(self) -> None:
         self.handle.cancel()
@@ -247,7 +272,10 @@ class Generation:
     async def events(self) -> AsyncIterator[StreamEvent]:
         saw_tools = False
         try:
-            async for ev in self.handle:
+            async for ev in self._engine_events():
+                if isinstance(ev, Started):
+                    self._start = self._start or ev
+                    continue
                 if isinstance(ev, TokenPiece):
                     if ev.logprobs:
                         yield Logprobs(ev.logprobs)
