@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from mlx_server.engine.handle import EngineEvent, GenerationHandle, Started, TokenPiece
+from mlx_server.engine.protocol import EngineLike
 from mlx_server.errors import ContextLengthExceeded, InvalidRequest
 from mlx_server.events import Finished, Logprobs, OutputEvent, ToolCallStart
 from mlx_server.logs import log
@@ -42,11 +43,17 @@ class ChatService:
         self,
         model_id: str,
         tokenizer: Any,
-        engine: Any,
+        engine: EngineLike,
         *,
         ctx_size: int,
         tool_call_parser: str | None = None,
+        constraints: Any = None,
+        vision: Any = None,
+        capabilities: list[str] | None = None,
     ):
+        """``constraints``: a ConstraintCompiler when structured output is available;
+        ``vision``: a VisionPromptBuilder for vision-language models (media parts in,
+        image tokens out); ``capabilities``: what ``/v1/models`` lists (``["vision"]``)."""
         self.model_id = model_id
         self.tokenizer = tokenizer
         self.engine = engine
@@ -59,10 +66,9 @@ class ChatService:
             self.tool_format = resolve_tool_parser("json_tools", tokenizer)
         self.template = template_text(tokenizer)
         self.vocab_size = _vocab_size(tokenizer)
-        self.constraints: Any = None  # a ConstraintCompiler, when structured output is available
-        self.capabilities: list[str] = []
-        # A VisionPromptBuilder for vision-language models: media parts in, image tokens out.
-        self.vision: Any = None
+        self.constraints = constraints
+        self.capabilities = list(capabilities or [])
+        self.vision = vision
 
     # ---- prompt ------------------------------------------------------------------------
 

@@ -61,11 +61,10 @@ def build(settings: Settings) -> tuple[Any, Any]:
         engine,
         ctx_size=settings.ctx_size,
         tool_call_parser=settings.tool_call_parser,
+        constraints=_constraint_compiler(loaded.tokenizer),
+        vision=_vision_prompt_builder(loaded, settings) if vision else None,
+        capabilities=loaded.capabilities,
     )
-    service.capabilities = loaded.capabilities
-    if vision:
-        service.vision = _vision_prompt_builder(loaded, settings)
-    service.constraints = _constraint_compiler(loaded.tokenizer)
     log(f"KV budget: {kv_budget // (1 << 20)}MB, max batch size {settings.max_batch_size}")
     engine.start()
     max_body = MAX_BODY_BYTES
