@@ -225,7 +225,11 @@ def schema_validator(name: str):
     import jsonschema
 
     for base in (SPECS, LOCAL_SPECS):
-        for fname in ("openai-chat.schema.json", "anthropic-messages.schema.json"):
+        for fname in (
+            "openai-chat.schema.json",
+            "anthropic-messages.schema.json",
+            "openai-completions.schema.json",
+        ):
             p = base / fname
             if not p.exists():
                 continue

@@ -15,6 +15,7 @@ from starlette.requests import ClientDisconnect
 from mlx_server.errors import InvalidRequest, MethodNotAllowed, NotFound, Overloaded, ServerError
 from mlx_server.logs import log
 from mlx_server.protocols.anthropic.routes import make_router as anthropic_router
+from mlx_server.protocols.openai.completions import make_router as completions_router
 from mlx_server.protocols.openai.routes import make_router as openai_router
 from mlx_server.server.http import parse_body
 from mlx_server.server.middleware import MAX_BODY_BYTES, GuardMiddleware, error_body
@@ -52,6 +53,7 @@ def create_app(
 
     app.include_router(openai_router(service, vision=vision))
     app.include_router(anthropic_router(service, vision=vision))
+    app.include_router(completions_router(service))
 
     _install_error_handlers(app)
     app.add_middleware(GuardMiddleware, api_key=api_key, max_body=max_body)
