@@ -17,6 +17,7 @@ from mlx_server.logs import log
 from mlx_server.protocols.anthropic.routes import make_router as anthropic_router
 from mlx_server.protocols.openai.completions import make_router as completions_router
 from mlx_server.protocols.openai.routes import make_router as openai_router
+from mlx_server.server.browser_guard import BrowserGuard, BrowserPolicy
 from mlx_server.server.http import parse_body
 from mlx_server.server.middleware import MAX_BODY_BYTES, GuardMiddleware, error_body
 from mlx_server.service import ChatService
@@ -27,7 +28,12 @@ class CancelRequest(BaseModel):
 
 
 def create_app(
-    service: ChatService, *, api_key: str = "", vision: bool = False, max_body: int = MAX_BODY_BYTES
+    service: ChatService,
+    *,
+    api_key: str = "",
+    vision: bool = False,
+    max_body: int = MAX_BODY_BYTES,
+    browser: BrowserPolicy | None = None,
 ) -> FastAPI:
     """Build the ASGI app around a ChatService (whose engine may be real or scripted)."""
     app = FastAPI(title="mlx-server", docs_url=None, redoc_url=None, openapi_url=None)
@@ -57,6 +63,7 @@ def create_app(
 
     _install_error_handlers(app)
     app.add_middleware(GuardMiddleware, api_key=api_key, max_body=max_body)
+    app.add_middleware(BrowserGuard, policy=browser)  # outside auth: preflights carry no key
     return app
 
 
