@@ -76,7 +76,12 @@ def build(settings: Settings) -> tuple[Any, Any]:
         settings.host, settings.allowed_hosts, settings.allowed_origins
     )
     app = create_app(
-        service, api_key=settings.api_key, vision=vision, max_body=max_body, browser=browser
+        service,
+        api_key=settings.api_key,
+        vision=vision,
+        max_body=max_body,
+        browser=browser,
+        metrics_open=settings.metrics_open,
     )
     return app, engine
 
