@@ -15,7 +15,9 @@ from starlette.requests import ClientDisconnect
 from mlx_server.errors import InvalidRequest, MethodNotAllowed, NotFound, Overloaded, ServerError
 from mlx_server.logs import log
 from mlx_server.protocols.anthropic.routes import make_router as anthropic_router
+from mlx_server.protocols.llamacpp import make_router as tokenizer_router
 from mlx_server.protocols.openai.completions import make_router as completions_router
+from mlx_server.protocols.openai.count_tokens import make_router as count_tokens_router
 from mlx_server.protocols.openai.routes import make_router as openai_router
 from mlx_server.server.browser_guard import BrowserGuard, BrowserPolicy
 from mlx_server.server.http import parse_body
@@ -63,6 +65,8 @@ def create_app(
     app.include_router(openai_router(service, vision=vision))
     app.include_router(anthropic_router(service, vision=vision))
     app.include_router(completions_router(service))
+    app.include_router(count_tokens_router(service, vision=vision))
+    app.include_router(tokenizer_router(service))
 
     _install_error_handlers(app)
     keyed = frozenset({"/tokenize", "/detokenize"} | (set() if metrics_open else {"/metrics"}))
