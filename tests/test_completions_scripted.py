@@ -237,7 +237,7 @@ def test_fim_prompt_is_prefix_suffix_middle(fim_server, fim_tokenizer):
     pre, suf, mid = (vocab[t] for t in ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"))
     fim_server.engine.push("a + b")
     r = client(fim_server).completions.create(
-        model="m", prompt="def add(a, b):\n    return ", suffix="\n", max_tokens=8
+        model="m", prompt="def add(a, b):\n    return ", suffix="\n", max_tokens=8, stop=["\n\n"]
     )
     assert r.choices[0].text == "a + b"
     enc = lambda s: fim_tokenizer.encode(s, add_special_tokens=False)  # noqa: E731
@@ -248,6 +248,8 @@ def test_fim_prompt_is_prefix_suffix_middle(fim_server, fim_tokenizer):
         *enc("\n"),
         mid,
     ]
+    # The model's FIM end tokens stop it, besides the request's own stops.
+    assert fim_server.engine.requests[-1].stop == ("\n\n", "<|fim_pad|>", "<|file_sep|>")
     # Token-id prefixes work too, and each prompt of a batch gets the suffix.
     fim_server.engine.push("1")
     fim_server.engine.push("2")

@@ -92,10 +92,21 @@ def tiny_metrics_server(tmp_path_factory):
     model = build_tiny_model(tmp_path_factory.mktemp("srv") / "tiny-model")
     port = free_port()
     args = ["-m", str(model), "--port", str(port), "--ctx-size", "512"]
-    sp = launch([*args, "--api-key", "k", "--metrics-open", "--max-batch-size", "2"])
+    flags = ["--api-key", "k", "--metrics-open", "--max-batch-size", "2"]
+    flags += ["--allowed-hosts", "box.lan", "--allowed-origins", "https://app.example"]
+    sp = launch([*args, *flags])
     assert sp.wait_ready(), sp.lines
     yield sp
     sp.stop()
+
+
+def test_browser_flags_reach_the_process(tiny_metrics_server):
+    url = tiny_metrics_server.base_url + "/metrics"
+    ok = httpx.get(url, headers={"Host": "box.lan:80", "Origin": "https://app.example"})
+    assert ok.status_code == 200
+    assert ok.headers["access-control-allow-origin"] == "https://app.example"
+    assert httpx.get(url, headers={"Host": "other.lan"}).status_code == 403
+    assert httpx.get(url, headers={"Origin": "https://other.example"}).status_code == 403
 
 
 def test_counters_move_under_load(tiny_metrics_server):

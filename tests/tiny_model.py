@@ -28,7 +28,14 @@ SPECIALS = [
 ]
 
 # A variant's extra special tokens: Qwen2.5-Coder's fill-in-the-middle spelling.
-FIM_SPECIALS = [*SPECIALS, "<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"]
+FIM_SPECIALS = [
+    *SPECIALS,
+    "<|fim_prefix|>",
+    "<|fim_suffix|>",
+    "<|fim_middle|>",
+    "<|fim_pad|>",
+    "<|file_sep|>",
+]
 
 CORPUS = [
     "The quick brown fox jumps over the lazy dog.",

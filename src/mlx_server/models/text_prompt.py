@@ -32,6 +32,25 @@ FIM_SPELLINGS: tuple[tuple[str, str, str], ...] = (
 )
 
 
+# Tokens after which a FIM model has left the hole it was filling (llama.cpp ends generation
+# on them too): padding, and the start of another file or repository.
+FIM_END_SPELLINGS = (
+    "<|fim_pad|>",
+    "<|file_sep|>",
+    "<|repo_name|>",
+    "<fim_pad>",
+    "<file_sep>",
+    "<EOT>",
+    "▁<EOT>",
+)
+
+
+def fim_stop_strings(tokenizer: Any) -> tuple[str, ...]:
+    """The FIM end tokens this vocabulary has, as stop strings."""
+    vocab = token_vocab(tokenizer)
+    return tuple(s for s in FIM_END_SPELLINGS if s in vocab)
+
+
 def token_vocab(tokenizer: Any) -> dict[str, int]:
     """The tokenizer's vocabulary, added tokens included (string → id)."""
     cached = getattr(tokenizer, "_mlx_server_vocab", None)

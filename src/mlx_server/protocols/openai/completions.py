@@ -5,6 +5,7 @@ from __future__ import annotations
 import traceback
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -13,6 +14,7 @@ from fastapi.responses import JSONResponse, Response
 from mlx_server.errors import InvalidRequest, ServerError
 from mlx_server.events import Finished, Usage
 from mlx_server.logs import log
+from mlx_server.models.text_prompt import fim_stop_strings
 from mlx_server.protocols.openai.completions_encoder import CompletionEncoder
 from mlx_server.protocols.openai.completions_schema import CompletionRequest
 from mlx_server.protocols.openai.encoder import sse
@@ -64,6 +66,8 @@ def make_router(service: ChatService) -> APIRouter:
                 param="logprobs",
             )
         opts = options(body)
+        if body.suffix is not None:  # stop where the model leaves the hole it fills
+            opts = replace(opts, stop=opts.stop + fim_stop_strings(service.tokenizer))
         prompts = await completions.prepare(body.prompts(), body.suffix, opts.max_tokens)
         log(
             f"Request: completions, model={body.model}, prompts={len(prompts)}, "
