@@ -157,6 +157,7 @@ def test_counters_move_under_load(tiny_metrics_server):
     cached = sum(u["prompt_tokens_details"]["cached_tokens"] for u in usages)
     assert moved("mlx_server_prompt_tokens_cached_total") == cached
     assert moved("mlx_server_time_to_first_token_seconds_count") == 4
+    assert moved("mlx_server_client_disconnects_total") == 0  # every stream was read to the end
     assert moved("mlx_server_e2e_request_latency_seconds_count") == 4
     assert (
         moved("mlx_server_requests_total", route="/v1/completions", method="POST", status="200")

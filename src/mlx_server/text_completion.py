@@ -24,7 +24,7 @@ from mlx_server.models.text_prompt import (
 )
 from mlx_server.parsing.pipeline import OutputPipeline
 from mlx_server.service import ChatService, Generation, StreamEvent
-from mlx_server.types import GenerationRequest, SamplingParams
+from mlx_server.types import ChatRequest, GenerationRequest, SamplingParams
 
 PromptInput = str | list[int]
 
@@ -109,6 +109,7 @@ class CompletionService:
         self, prompts: list[TextPrompt], opts: CompletionOptions, request_id: str
     ) -> list[Generation]:
         """Submit every prompt; if one is refused (queue full), cancel the others and raise."""
+        self.chat.check_sampling(ChatRequest(messages=[], sampling=opts.sampling))
         loop = asyncio.get_running_loop()
         gens: list[Generation] = []
         try:

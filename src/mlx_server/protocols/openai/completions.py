@@ -127,7 +127,7 @@ async def _stream(
                     yield error_frames(ev.error or "generation failed")
                     return
                 left -= 1
-                yield sse(enc.final_chunk(i, ev, last=left == 0))
+                yield sse(enc.final_chunk(i, ev, last=left == 0, with_usage=not include_usage))
                 continue
             piece = enc.chunk(i, ev)
             if piece is not None:

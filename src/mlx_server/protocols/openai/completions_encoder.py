@@ -134,12 +134,15 @@ class CompletionEncoder:
             return self._chunk(i, ev.text, logprobs=self._pending.pop(i, None))
         return None
 
-    def final_chunk(self, i: int, fin: Finished, last: bool) -> dict[str, Any]:
-        """A choice's last chunk; the request's last one also carries the usage."""
+    def final_chunk(self, i: int, fin: Finished, last: bool, with_usage: bool) -> dict[str, Any]:
+        """A choice's last chunk; the request's last one also carries the usage (unless the
+        spec's own usage chunk follows) and, for a single prompt, the timings."""
         self.finals[i] = fin
         chunk = self._chunk(i, "", finish_reason(fin), self._pending.pop(i, None))
         if last:
             chunk.update(self._usage_fields())
+            if not with_usage:
+                del chunk["usage"]
         return chunk
 
     def usage_chunk(self) -> dict[str, Any]:

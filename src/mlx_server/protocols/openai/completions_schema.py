@@ -26,7 +26,7 @@ class CompletionRequest(BaseModel):
     repetition_penalty: float | None = Field(default=None, gt=0)
     presence_penalty: float | None = Field(default=None, ge=-2, le=2)
     frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=-(1 << 63), lt=1 << 64)  # int64 or uint64
     n: int | None = Field(default=None, ge=1, le=1)
     best_of: int | None = Field(default=None, ge=1, le=1)
     stop: str | list[str] | None = None
