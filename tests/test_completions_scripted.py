@@ -305,3 +305,28 @@ def test_cancel_by_id_stops_every_choice(scripted):
     assert cancelled == 2
     assert finishes == {0: "stop", 1: "stop"}
     assert len(texts[0]) < 400 and len(texts[1]) < 400
+
+
+def test_key_and_body_limits_apply(scripted_factory):
+    srv = scripted_factory(api_key="k")
+    r = post(srv, {"prompt": "x"})
+    assert r.status_code == 401
+    r = httpx.post(
+        srv.base_url + "/v1/completions",
+        json={"prompt": "a" * (11 * 1024 * 1024)},
+        headers={"x-api-key": "k"},
+    )
+    assert r.status_code == 413
+    ERROR.validate(r.json())
+    assert srv.engine.requests == []
+
+
+def test_client_leaving_a_stream_frees_its_slots(scripted):
+    scripted.engine.push(*(["w"] * 1000), delay=0.02)
+    scripted.engine.push(*(["v"] * 1000), delay=0.02)
+    body = {"prompt": ["p", "q"], "stream": True, "max_tokens": 500}
+    with httpx.stream("POST", scripted.base_url + "/v1/completions", json=body) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                break  # leave after the first chunk
+    assert wait_for(lambda: httpx.get(scripted.base_url + "/health").json()["active"] == 0)
