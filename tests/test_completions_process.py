@@ -7,7 +7,7 @@ import json
 import httpx
 import openai
 import pytest
-from conftest import free_port, launch, schema_validator
+from conftest import demo_model_dir, free_port, launch, schema_validator
 from tiny_model import FIM_SPECIALS, build_tiny_model
 
 RESPONSE = schema_validator("CreateCompletionResponse")
@@ -104,3 +104,28 @@ def test_context_and_bad_ids_are_400(fim_server):
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
     r = post(fim_server, {"prompt": [1, 2, 99999]})
     assert r.status_code == 400 and "prompt[0]" in r.json()["error"]["message"]
+
+
+@pytest.fixture(scope="module")
+def demo_server():
+    model = demo_model_dir()
+    port = free_port()
+    sp = launch(["-m", str(model), "--port", str(port), "--ctx-size", "512"])
+    assert sp.wait_ready(300), sp.lines
+    yield sp
+    sp.stop()
+
+
+@pytest.mark.demo
+def test_demo_model_completes_text_and_has_no_fim(demo_server):
+    r = post(
+        demo_server,
+        {"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0, "echo": True},
+    )
+    assert r.status_code == 200, r.text
+    text = r.json()["choices"][0]["text"]
+    assert text.startswith("The capital of France is") and "Paris" in text
+    # SmolLM2's vocabulary has StarCoder's <file_sep> family but no FIM tokens.
+    r = post(demo_server, {"prompt": "def f(", "suffix": "):\n    pass\n"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "suffix"
+    assert "<fim_prefix>" in r.json()["error"]["message"]
