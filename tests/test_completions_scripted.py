@@ -330,3 +330,17 @@ def test_client_leaving_a_stream_frees_its_slots(scripted):
             if line.startswith("data: {"):
                 break  # leave after the first chunk
     assert wait_for(lambda: httpx.get(scripted.base_url + "/health").json()["active"] == 0)
+
+
+def test_generation_failure_is_500_or_an_error_event(scripted):
+    scripted.engine.push("partial", finish="error")
+    r = post(scripted, {"prompt": "x"})
+    assert r.status_code == 500
+    ERROR.validate(r.json())
+    scripted.engine.push("partial", finish="error")
+    body = {"prompt": "x", "stream": True}
+    with httpx.stream("POST", scripted.base_url + "/v1/completions", json=body) as resp:
+        lines = [x for x in resp.iter_lines() if x]
+    assert lines[0].startswith("data: {") and "partial" in lines[0]
+    assert any(x.startswith("error: ") for x in lines)
+    assert "data: [DONE]" not in lines

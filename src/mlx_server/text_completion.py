@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from mlx_server.errors import ContextLengthExceeded, InvalidRequest
-from mlx_server.events import Finished
 from mlx_server.models.text_prompt import (
     check_token_ids,
     encode_text,
@@ -161,7 +160,3 @@ async def merged_events(gens: list[Generation]) -> AsyncIterator[tuple[int, Stre
             g.cancel()
         for t in tasks:
             t.cancel()
-
-
-def is_finished(ev: Any) -> bool:
-    return isinstance(ev, Finished)
