@@ -8,7 +8,7 @@ sends ``Origin: tauri://localhost``; SDKs, curl and editors send no Origin) work
   ``--allowed-hosts``): a page that rebinds its own DNS name to 127.0.0.1 (DNS rebinding)
   sends its own name as Host and gets 403, so it can neither read answers nor make the
   server work. An IP literal cannot be rebound, so with a wildcard bind any IP is accepted.
-- **Origin**, when present (browsers send it on every cross-origin request and every POST),
+- **Origin**, when present (browsers send it on every POST and every CORS request),
   must be allowed: by default Tauri's origins and http(s) pages on localhost. Others get
   403 before any work is done, and no CORS headers, so the browser hides every answer.
 - a **POST with an Origin** must carry a JSON body (``Content-Type: application/json``),
