@@ -184,3 +184,43 @@ def test_counters_move_under_load(tiny_metrics_server):
         value(again, "mlx_server_prefix_cache_hits_total")
         == value(after, "mlx_server_prefix_cache_hits_total") + 1
     )
+
+
+def test_prefix_cache_evictions_reach_the_scrape():
+    import mlx.core as mx
+    from mlx_lm.models.cache import KVCache
+    from prometheus_client import generate_latest
+
+    from mlx_server.engine.prefix_cache import PrefixCache
+    from mlx_server.server.metrics import Metrics
+
+    def kv(n: int) -> list[KVCache]:
+        c = KVCache()
+        pos = mx.arange(n, dtype=mx.float32).reshape(1, 1, n, 1)
+        c.keys, c.values, c.offset = pos, pos, n
+        return [c]
+
+    pc = PrefixCache(2, 1 << 30)
+    for start in (0, 100, 200):  # three unrelated prompts, room for two
+        pc.insert(list(range(start, start + 8)), kv(8))
+    pc.fetch(list(range(200, 208)))
+    pc.fetch([999])
+
+    class Engine:
+        active_count = 0
+        queue_depth = 0
+
+        def stats(self) -> dict:
+            return {"kv_in_use_bytes": 0, **pc.stats()}
+
+    text = generate_latest(Metrics(Engine()).registry).decode()
+    m = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+    }
+    assert value(m, "mlx_server_prefix_cache_evictions_total") == 1
+    assert value(m, "mlx_server_prefix_cache_entries") == 2
+    assert value(m, "mlx_server_prefix_cache_hits_total") == 1
+    assert value(m, "mlx_server_prefix_cache_misses_total") == 1
+    assert value(m, "mlx_server_prefix_cache_bytes") == pc.nbytes > 0
