@@ -192,6 +192,12 @@ def test_max_tokens_zero_echoes_without_generating(scripted):
     RESPONSE.validate(r.json())
     assert r.json()["choices"][0]["text"] == "Just this"
     assert r.json()["usage"]["completion_tokens"] == 0
+    body = {"prompt": "Just", "max_tokens": 0, "echo": True, "stream": True}
+    chunks = stream_chunks(scripted, {**body, "stream_options": {"include_usage": True}})
+    for c in chunks:
+        RESPONSE.validate(c)
+    assert chunks[0]["choices"][0]["text"] == "Just" and "usage" not in chunks[0]
+    assert chunks[1]["choices"] == [] and chunks[1]["usage"]["completion_tokens"] == 0
     assert len(scripted.engine.requests) == before
 
 

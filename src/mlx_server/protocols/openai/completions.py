@@ -78,11 +78,16 @@ def make_router(service: ChatService) -> APIRouter:
         enc = CompletionEncoder(
             request_id, body.model or service.model_id, echoes, body.logprobs is not None
         )
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
         if opts.max_tokens == 0:  # nothing to generate: the prompt (echo) and its usage
-            return JSONResponse(_empty(enc, prompts))
+            whole = _empty(enc, prompts)
+            return (
+                sse_response(_one_chunk(whole, include_usage))
+                if body.stream
+                else JSONResponse(whole)
+            )
         gens = completions.start(prompts, opts, request_id)
         if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return sse_response(_stream(gens, enc, include_usage))
         result = await until_disconnect(request, _collect(gens, enc), lambda: _cancel(gens))
         if result is None:
@@ -102,6 +107,15 @@ def _empty(enc: CompletionEncoder, prompts: list[TextPrompt]) -> dict[str, Any]:
     for i, p in enumerate(prompts):
         enc.add(i, Finished("length", Usage(len(p.tokens), 0)))
     return enc.response()
+
+
+async def _one_chunk(whole: dict[str, Any], include_usage: bool) -> AsyncIterator[bytes]:
+    """A whole response as a stream: completions chunks have the response's own shape."""
+    usage = whole.pop("usage")
+    yield sse(whole if include_usage else {**whole, "usage": usage})
+    if include_usage:
+        yield sse({**whole, "choices": [], "usage": usage})
+    yield b"data: [DONE]\n\n"
 
 
 async def _collect(gens: list[Generation], enc: CompletionEncoder) -> dict[str, Any]:
