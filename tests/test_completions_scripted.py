@@ -350,3 +350,21 @@ def test_generation_failure_is_500_or_an_error_event(scripted):
     assert lines[0].startswith("data: {") and "partial" in lines[0]
     assert any(x.startswith("error: ") for x in lines)
     assert "data: [DONE]" not in lines
+
+
+def test_fim_prompt_keeps_the_tokenizers_bos():
+    from mlx_server.models.text_prompt import fim_prompt, find_fim_tokens
+
+    class BosTokenizer:  # a Llama-style tokenizer: BOS (1) first; CodeLlama's FIM spelling
+        def get_vocab(self) -> dict[str, int]:
+            return {"<s>": 1, "▁<PRE>": 5, "▁<SUF>": 6, "▁<MID>": 7, "a": 10, "b": 11}
+
+        def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+            ids = [10 if ch == "a" else 11 for ch in text]
+            return [1, *ids] if add_special_tokens else ids
+
+    tok = BosTokenizer()
+    fim = find_fim_tokens(tok)
+    assert fim is not None and fim.spelling == ("▁<PRE>", "▁<SUF>", "▁<MID>")
+    assert fim_prompt(tok, fim, "ab", "b") == [1, 5, 10, 11, 6, 11, 7]
+    assert fim_prompt(tok, fim, [10], "") == [5, 10, 6, 7]  # token ids: exactly as given
