@@ -112,6 +112,21 @@ class Settings:
         min=1,
     )
     max_video_mb: float = _opt(100.0, "Largest video accepted, in MB", "--max-video-mb", above=0)
+    allowed_hosts: str = _opt(
+        "",
+        "Extra Host names the server answers, comma-separated (default: loopback names and the "
+        "bound address; '*': any). Other Hosts get 403, which stops DNS rebinding",
+        "--allowed-hosts",
+    )
+    allowed_origins: str = _opt(
+        "",
+        "Extra browser origins allowed (CORS), comma-separated, e.g. http://example.test:3000 "
+        "(default: Tauri's and http(s)://localhost pages; '*': any). Other origins get 403",
+        "--allowed-origins",
+    )
+    metrics_open: bool = _opt(
+        False, "Serve GET /metrics without the API key (for a local scraper)", "--metrics-open"
+    )
     log_level: str = _opt("warning", "Log level for the HTTP layer (uvicorn)", "--log-level")
 
 

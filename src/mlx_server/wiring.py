@@ -28,6 +28,7 @@ def build(settings: Settings) -> tuple[Any, Any]:
     from mlx_server.engine.engine import Engine, EngineConfig
     from mlx_server.models.loader import device_memory_bytes, load_model
     from mlx_server.server.app import create_app
+    from mlx_server.server.browser_guard import BrowserPolicy
     from mlx_server.server.middleware import MAX_BODY_BYTES
     from mlx_server.service import ChatService
 
@@ -70,7 +71,18 @@ def build(settings: Settings) -> tuple[Any, Any]:
     max_body = MAX_BODY_BYTES
     if vision:  # room for at least one base64 image of the largest size allowed
         max_body = max(max_body, int(settings.max_image_mb * (1 << 20) * 4 / 3) + (1 << 20))
-    return create_app(service, api_key=settings.api_key, vision=vision, max_body=max_body), engine
+    browser = BrowserPolicy.from_flags(
+        settings.host, settings.allowed_hosts, settings.allowed_origins
+    )
+    app = create_app(
+        service,
+        api_key=settings.api_key,
+        vision=vision,
+        max_body=max_body,
+        browser=browser,
+        metrics_open=settings.metrics_open,
+    )
+    return app, engine
 
 
 def _vision_prompt_builder(loaded: Any, settings: Settings) -> Any:
