@@ -16,6 +16,7 @@ from mlx_server.engine.handle import GenerationHandle, TokenPiece
 from mlx_server.errors import ContextLengthExceeded, InvalidRequest
 from mlx_server.events import Finished, Logprobs, OutputEvent, ToolCallStart
 from mlx_server.logs import log
+from mlx_server.models.chat_template import load_chat_template
 from mlx_server.models.prompt import encode_prompt, inline_tools, render_prompt, template_text
 from mlx_server.parsing.pipeline import OutputPipeline
 from mlx_server.parsing.reasoning import prompt_opens_reasoning, reasoning_tags
@@ -57,7 +58,8 @@ class ChatService:
             # No format detected: Hermes-style <tool_call> JSON, the most common one, which
             # the prompt builder also describes to templates that don't render tools.
             self.tool_format = resolve_tool_parser("json_tools", tokenizer)
-        self.template = template_text(tokenizer)
+        self.chat_template = load_chat_template(tokenizer)
+        self.template = self.chat_template.text if self.chat_template else template_text(tokenizer)
         self.constraints: Any = None  # a ConstraintCompiler, when structured output is available
         self.capabilities: list[str] = []
         # A VisionPromptBuilder for vision-language models: media parts in, image tokens out.
@@ -74,7 +76,11 @@ class ChatService:
         if self.vision is not None:
             messages = self.vision.template_messages(messages)
         return render_prompt(
-            self.tokenizer, messages, tools=tools, template_kwargs=chat.template_kwargs
+            self.tokenizer,
+            messages,
+            tools=tools,
+            template_kwargs=chat.template_kwargs,
+            template=self.chat_template,
         )
 
     def count_tokens(self, chat: ChatRequest) -> int:

@@ -6,6 +6,7 @@ import json
 from typing import Any
 
 from mlx_server.errors import InvalidRequest
+from mlx_server.models.chat_template import ChatTemplate, TemplateError
 
 
 def render_prompt(
@@ -14,13 +15,23 @@ def render_prompt(
     *,
     tools: list[dict[str, Any]] | None = None,
     template_kwargs: dict[str, Any] | None = None,
+    template: ChatTemplate | None = None,
 ) -> str:
     """Render the whole conversation with the chat template, ending with the generation prompt.
 
+    ``template``: the model's probed Jinja template (see ``chat_template``); without it the
+    tokenizer renders (a model that mlx-lm renders with Python code).
     Template errors (a template that rejects the conversation, e.g. roles that must
     alternate) are the caller's input problem: they become InvalidRequest.
     """
     kwargs = dict(template_kwargs or {})
+    if template is not None:
+        try:
+            return template.render(messages, tools=tools, template_kwargs=kwargs)
+        except TemplateError as e:
+            raise InvalidRequest(
+                f"the chat template could not render these messages: {e}", param="messages"
+            ) from e
     try:
         text = tokenizer.apply_chat_template(
             messages,
