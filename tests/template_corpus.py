@@ -13,7 +13,7 @@ import shutil
 from functools import cache
 from pathlib import Path
 
-from tiny_model import SPECIALS, build_tokenizer
+from tiny_model import SPECIALS, build_tiny_model, build_tokenizer
 
 TEMPLATES = Path(__file__).parent / "data" / "templates"
 
@@ -61,6 +61,22 @@ def tokenizer_dir(root: Path, template: Path) -> Path:
     out = root / template.stem
     out.mkdir(parents=True, exist_ok=True)
     shutil.copy(_base_tokenizer(root) / "tokenizer.json", out / "tokenizer.json")
+    _write_config(out, template)
+    return out
+
+
+def model_dir(root: Path, template: Path) -> Path:
+    """A tiny random-weight model whose tokenizer carries ``template``."""
+    out = build_tiny_model(
+        root / f"model-{template.stem}",
+        template=template.read_text(encoding="utf-8"),
+        specials=CORPUS_SPECIALS,
+    )
+    _write_config(out, template)
+    return out
+
+
+def _write_config(out: Path, template: Path) -> None:
     special = next(
         (v for k, v in SPECIAL_TOKENS.items() if template.name.startswith(k)),
         {"bos_token": "<s>", "eos_token": "</s>"},
@@ -74,7 +90,6 @@ def tokenizer_dir(root: Path, template: Path) -> Path:
         **special,
     }
     (out / "tokenizer_config.json").write_text(json.dumps(config))
-    return out
 
 
 def load_tokenizer(path: Path):

@@ -29,7 +29,7 @@ WEATHER = {
         "description": "Weather forecast for a city.",
         "parameters": {
             "type": "object",
-            "properties": {"city": {"type": "string", "description": "City name"}},
+            "properties": {"city": {"type": "string"}},
             "required": ["city"],
         },
     },

@@ -18,6 +18,7 @@ from mlx_server.events import Finished, Logprobs, OutputEvent, ToolCallStart
 from mlx_server.logs import log
 from mlx_server.models.chat_template import load_chat_template
 from mlx_server.models.prompt import encode_prompt, inline_tools, render_prompt, template_text
+from mlx_server.parsing.harmony import is_harmony
 from mlx_server.parsing.pipeline import OutputPipeline
 from mlx_server.parsing.reasoning import prompt_opens_reasoning, reasoning_tags
 from mlx_server.parsing.tools import resolve_tool_parser
@@ -60,6 +61,10 @@ class ChatService:
             self.tool_format = resolve_tool_parser("json_tools", tokenizer)
         self.chat_template = load_chat_template(tokenizer)
         self.template = self.chat_template.text if self.chat_template else template_text(tokenizer)
+        # gpt-oss: reasoning and tool calls come in Harmony channels, not in tagged text.
+        self.harmony = is_harmony(self.template, _vocab(tokenizer))
+        if self.harmony and tool_call_parser in (None, "auto"):
+            self.tool_format = None
         self.constraints: Any = None  # a ConstraintCompiler, when structured output is available
         self.capabilities: list[str] = []
         # A VisionPromptBuilder for vision-language models: media parts in, image tokens out.
@@ -178,8 +183,11 @@ class ChatService:
     ) -> Generation:
         """Queue a built request on the engine and attach the output parsers."""
         handle = self.engine.submit(req, asyncio.get_running_loop())
+        harmony = self.harmony and chat.reasoning_format != "none"
         parse_tools = (
-            bool(chat.tools) and chat.tool_choice != "none" and self.tool_format is not None
+            bool(chat.tools)
+            and chat.tool_choice != "none"
+            and (self.tool_format is not None or harmony)
         )
         pipeline = OutputPipeline(
             reasoning=self.reasoning_tags if chat.reasoning_format != "none" else None,
@@ -187,6 +195,7 @@ class ChatService:
             tool_format=self.tool_format if parse_tools else None,
             tools=chat.tools if parse_tools else None,
             max_calls=None if chat.parallel_tool_calls else 1,
+            harmony=harmony,
         )
         return Generation(req.request_id, handle, pipeline, len(prepared.tokens))
 
@@ -260,3 +269,10 @@ class Generation:
         if ev.error:
             log(f"Error during generation: {ev.error}")
         return replace(ev, reason=reason, in_reasoning=in_reasoning)
+
+
+def _vocab(tokenizer: Any) -> Any:
+    try:
+        return tokenizer.get_vocab()
+    except Exception:  # a tokenizer without a vocabulary to show: trust the template
+        return None

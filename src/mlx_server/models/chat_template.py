@@ -34,7 +34,7 @@ import jinja2
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from mlx_server.models.template_probe import TemplateCaps, probe_template
+from mlx_server.models.template_probe import TemplateCaps, fill_descriptions, probe_template
 
 
 class TemplateError(Exception):
@@ -141,6 +141,8 @@ class ChatTemplate:
     ) -> str:
         """The rendered conversation; ``TemplateError`` when the template fails on it."""
         prepared = prepare_messages(messages, self.caps)
+        if tools and self.caps.tool_descriptions:
+            tools = [fill_descriptions(t) for t in tools]
         if tools and self.caps.flat_tools:
             tools = [t.get("function", t) for t in tools]
         return self._render_raw(
@@ -215,6 +217,9 @@ def prepare_messages(messages: list[dict[str, Any]], caps: TemplateCaps) -> list
         if caps.short_call_ids and isinstance(m.get("tool_call_id"), str):
             m["tool_call_id"] = short_call_id(m["tool_call_id"])
         reasoning = next((message[k] for k in _REASONING_KEYS if message.get(k)), None)
+        text = m.get("content")
+        if caps.text_into_reasoning and reasoning and calls and isinstance(text, str) and text:
+            reasoning, m["content"] = f"{reasoning}\n\n{text}", ""
         if reasoning is not None:
             m["reasoning_content"] = m["thinking"] = reasoning
         out.append(m)

@@ -58,6 +58,12 @@ class TemplateCaps:
     # Call ids must be 9 letters and digits (Mistral): longer ones are shortened, the same
     # way in the call and in its result.
     short_call_ids: bool = False
+    # A tool-calling turn may carry text or reasoning, not both (gpt-oss): the text is
+    # appended to the reasoning.
+    text_into_reasoning: bool = False
+    # Tools and their parameters need a description (gpt-oss, Command R+ concatenate it):
+    # missing ones are given as empty text.
+    tool_descriptions: bool = False
 
 
 Render = Callable[..., str]
@@ -118,7 +124,51 @@ def probe_template(render: Render) -> TemplateCaps:
         flat_tools=flat,
         merge_system=_refuses_system(render),
         tool_results_as_user=not shows_reply,
+        text_into_reasoning=_refuses_text_with_reasoning(render, reply, tools),
+        tool_descriptions=_needs_descriptions(render, flat),
     )
+
+
+def _needs_descriptions(render: Render, flat: bool) -> bool:
+    user = [{"role": "user", "content": "Probe question"}]
+    bare = [
+        {
+            "type": "function",
+            "function": {
+                "name": _NAME,
+                "parameters": {"type": "object", "properties": {_KEY: {"type": "string"}}},
+            },
+        }
+    ]
+    described = [fill_descriptions(t) for t in bare]
+    if flat:
+        bare, described = [t["function"] for t in bare], [t["function"] for t in described]
+    return _try(render, user, bare) is None and _try(render, user, described) is not None
+
+
+def fill_descriptions(tool: dict[str, Any]) -> dict[str, Any]:
+    """The tool with an empty ``description`` wherever the function or a parameter lacks one."""
+    function = tool.get("function")
+    if not isinstance(function, dict):
+        return tool
+    function = {"description": "", **function}
+    params = function.get("parameters")
+    if isinstance(params, dict) and isinstance(params.get("properties"), dict):
+        props = {
+            k: {"description": "", **v} if isinstance(v, dict) else v
+            for k, v in params["properties"].items()
+        }
+        function["parameters"] = {**params, "properties": props}
+    return {**tool, "function": function}
+
+
+def _refuses_text_with_reasoning(
+    render: Render, reply: list[dict[str, Any]], tools: list[dict[str, Any]]
+) -> bool:
+    thought = {"reasoning_content": "Probe thought", "thinking": "Probe thought"}
+    alone = [reply[0], {**reply[1], **thought}, *reply[2:]]
+    both = [reply[0], {**reply[1], **thought, "content": "Probe text"}, *reply[2:]]
+    return _try(render, alone, tools) is not None and _try(render, both, tools) is None
 
 
 def _needs_flat_tools(render: Render) -> bool:

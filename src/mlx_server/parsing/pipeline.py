@@ -17,6 +17,7 @@ from mlx_server.events import (
     ToolCallEnd,
     ToolCallStart,
 )
+from mlx_server.parsing.harmony import HarmonyParser
 from mlx_server.parsing.reasoning import ReasoningSplitter
 from mlx_server.parsing.tool_formats import ToolFormat
 from mlx_server.parsing.tools import ToolCallParser, new_call_id
@@ -34,14 +35,20 @@ class OutputPipeline:
         tools: list[dict[str, Any]] | None,
         max_calls: int | None = None,
         id_factory: Callable[[], str] = new_call_id,
+        harmony: bool = False,
     ) -> None:
         """
         ``reasoning``: the think tags, or None to pass reasoning through as text (for
         ``reasoning_format: none`` or a model without them). ``start_in_reasoning``: the
         prompt already opened a block (see ``prompt_opens_reasoning``). Tool calls are
         parsed only when both ``tool_format`` and a non-empty ``tools`` are given;
-        ``max_calls=1`` implements ``parallel_tool_calls: false``.
+        ``max_calls=1`` implements ``parallel_tool_calls: false``. ``harmony``: the model
+        writes OpenAI's Harmony format (gpt-oss), which carries reasoning and tool calls in
+        its own channels (``tools`` alone then says which calls to parse).
         """
+        self._harmony = (
+            HarmonyParser(tools, id_factory=id_factory, max_calls=max_calls) if harmony else None
+        )
         self._tools = (
             ToolCallParser(tool_format, tools, id_factory=id_factory, max_calls=max_calls)
             if tool_format is not None and tools
@@ -62,15 +69,21 @@ class OutputPipeline:
     @property
     def in_reasoning(self) -> bool:
         """True while inside a reasoning block (after ``flush``: it was never closed)."""
+        if self._harmony is not None:
+            return self._harmony.in_reasoning
         return self._splitter is not None and self._splitter.in_reasoning
 
     @property
     def saw_tool_calls(self) -> bool:
         """True once a tool call has been emitted."""
+        if self._harmony is not None:
+            return self._harmony.saw_tool_calls
         return self._tools is not None and self._tools.saw_tool_calls
 
     def feed(self, text: str) -> list[OutputEvent]:
         """Consume a piece of generated text; return the events that are now certain."""
+        if self._harmony is not None:
+            return merge_events(self._harmony.feed(text))
         if self._splitter is None:
             split: list[TextDelta | ReasoningDelta] = [TextDelta(text)] if text else []
         else:
@@ -79,6 +92,8 @@ class OutputPipeline:
 
     def flush(self) -> list[OutputEvent]:
         """End of generation: everything still held back, as final events."""
+        if self._harmony is not None:
+            return merge_events(self._harmony.flush())
         events = self._route(self._splitter.flush() if self._splitter else [])
         if self._tools is not None:
             events.extend(self._tools.flush())
