@@ -131,7 +131,7 @@ def probe_template(render: Render) -> TemplateCaps:
 
 def _needs_descriptions(render: Render, flat: bool) -> bool:
     user = [{"role": "user", "content": "Probe question"}]
-    bare = [
+    bare: list[dict[str, Any]] = [
         {
             "type": "function",
             "function": {
