@@ -76,8 +76,10 @@ class ChatService:
         tools = chat.tools if chat.tool_choice != "none" else None
         messages = chat.messages
         fmt = self.tool_format
-        if fmt is not None and fmt.name == "json_tools":
-            messages = inline_tools(messages, tools, self.template, (fmt.start, fmt.end))
+        if fmt is not None and (fmt.name == "json_tools" or fmt.call_syntax):
+            messages = inline_tools(
+                messages, tools, self.template, (fmt.start, fmt.end), fmt.call_syntax
+            )
         if self.vision is not None:
             messages = self.vision.template_messages(messages)
         return render_prompt(

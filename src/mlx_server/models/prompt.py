@@ -66,13 +66,18 @@ def template_text(tokenizer: Any) -> str:
     return tpl if isinstance(tpl, str) else ""
 
 
-def _describe_tools(tools: list[dict[str, Any]], start: str, end: str) -> str:
+def _describe_tools(tools: list[dict[str, Any]], start: str, end: str, syntax: str = "") -> str:
     specs = "\n".join(json.dumps(t.get("function", t), ensure_ascii=False) for t in tools)
-    return (
-        "You can call functions to help answer. These are the available functions, one JSON "
-        f"signature per line:\n{specs}\n\nTo call a function, write {start} then a JSON object "
+    how = (
+        f"To call a function, write exactly: {syntax}"
+        if syntax
+        else f"To call a function, write {start} then a JSON object "
         f'{{"name": <function name>, "arguments": <arguments object>}} then {end}. '
         "Write one such block per call."
+    )
+    return (
+        "You can call functions to help answer. These are the available functions, one JSON "
+        f"signature per line:\n{specs}\n\n{how}"
     )
 
 
@@ -81,6 +86,7 @@ def inline_tools(
     tools: list[dict[str, Any]] | None,
     template: str,
     markers: tuple[str, str] = ("<tool_call>", "</tool_call>"),
+    syntax: str = "",
 ) -> list[dict[str, Any]]:
     """For chat templates that know nothing of tools: describe the tools in the system
     message and write earlier tool calls into the assistant text, in the Hermes format the
@@ -97,7 +103,7 @@ def inline_tools(
                 ]
                 m["content"] = "\n".join(([m["content"]] if m.get("content") else []) + blocks)
     if tools and "tools" not in template:
-        note = _describe_tools(tools, start, end)
+        note = _describe_tools(tools, start, end, syntax)
         if out and out[0]["role"] == "system":
             out[0]["content"] = f"{out[0]['content']}\n\n{note}" if out[0].get("content") else note
         else:
