@@ -53,7 +53,6 @@ class ChatService:
         self.tokenizer = tokenizer
         self.engine = engine
         self.ctx_size = ctx_size
-        self.reasoning_tags = reasoning_tags(tokenizer) or ("<think>", "</think>")
         self.tool_format = resolve_tool_parser(tool_call_parser, tokenizer)
         if self.tool_format is None and tool_call_parser in (None, "auto"):
             # No format detected: Hermes-style <tool_call> JSON, the most common one, which
@@ -61,6 +60,7 @@ class ChatService:
             self.tool_format = resolve_tool_parser("json_tools", tokenizer)
         self.chat_template = load_chat_template(tokenizer)
         self.template = self.chat_template.text if self.chat_template else template_text(tokenizer)
+        self.reasoning_tags = reasoning_tags(tokenizer, self.template) or ("<think>", "</think>")
         # gpt-oss: reasoning and tool calls come in Harmony channels, not in tagged text.
         self.harmony = is_harmony(self.template, _vocab(tokenizer))
         if self.harmony and tool_call_parser in (None, "auto"):

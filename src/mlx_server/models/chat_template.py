@@ -164,6 +164,7 @@ class ChatTemplate:
         context: dict[str, Any] = dict(self.special_tokens)
         context.update(_caller_variables(source, tools))
         context.update(template_kwargs or {})
+        context.update(_thinking_switch(source, template_kwargs or {}))
         context.update(messages=messages, add_generation_prompt=add_generation_prompt)
         if tools:  # absent, not None: templates test ``tools is defined`` or loop over it
             context["tools"] = tools
@@ -177,7 +178,8 @@ class ChatTemplate:
 
 def _uses(source: str, name: str) -> bool:
     """Whether the template reads ``name`` as a variable (not a string or an attribute)."""
-    return re.search(rf"(?:{{{{|[+~(,]|\bif|\bnot)\s*{name}\b(?!\s*=)", source) is not None
+    pattern = rf"(?:{{{{|[+~(,]|\b(?:el)?if|\bnot)\s*{name}\b(?!\s*=)"
+    return re.search(pattern, source) is not None
 
 
 def _caller_variables(source: str, tools: list[dict[str, Any]] | None) -> dict[str, Any]:
@@ -192,6 +194,21 @@ def _caller_variables(source: str, tools: list[dict[str, Any]] | None) -> dict[s
         out["datetime"] = now.strftime("%b %d %Y %H:%M:%S GMT")
     if _uses(source, "functions"):
         out["functions"] = json.dumps(tools, indent=2, ensure_ascii=False) if tools else ""
+    return out
+
+
+def _thinking_switch(source: str, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``enable_thinking`` (what the APIs set) under the name the template reads:
+    ``thinking`` (Granite 3.x, DeepSeek V3.1), or ``thinking_budget: 0`` to turn Seed-OSS's
+    thinking off. A name the caller set itself is left alone."""
+    enable = kwargs.get("enable_thinking")
+    if not isinstance(enable, bool) or _uses(source, "enable_thinking"):
+        return {}
+    out: dict[str, Any] = {}
+    if "thinking" not in kwargs and _uses(source, "thinking"):
+        out["thinking"] = enable
+    if not enable and "thinking_budget" not in kwargs and _uses(source, "thinking_budget"):
+        out["thinking_budget"] = 0
     return out
 
 
