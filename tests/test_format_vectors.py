@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from mlx_server.parsing.pipeline import OutputPipeline, collect
+from mlx_server.parsing.pipeline import MESSAGE_FORMATS, OutputPipeline, collect
 from mlx_server.parsing.tool_formats import available_tool_parsers, tool_format
 
 VECTORS = json.loads(
@@ -27,15 +27,15 @@ def _tools(case: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def _parse(case: dict[str, Any], pieces: list[str]) -> dict[str, Any]:
-    harmony = case["format"] == "harmony"
+    messages = case["format"] if case["format"] in MESSAGE_FORMATS else None
     ids = iter(f"call_{i}" for i in range(100))
     pipeline = OutputPipeline(
         reasoning=tuple(case.get("reasoning_tags", ("<think>", "</think>"))),  # type: ignore[arg-type]
         start_in_reasoning=case.get("start_in_reasoning", False),
-        tool_format=None if harmony else tool_format(case["format"]),
+        tool_format=None if messages else tool_format(case["format"]),
         tools=_tools(case),
         id_factory=lambda: next(ids),
-        harmony=harmony,
+        message_format=messages,
     )
     events = [e for p in pieces for e in pipeline.feed(p)] + pipeline.flush()
     return collect(events)
@@ -62,7 +62,7 @@ def test_every_format_has_vectors():
     expected = {
         "json_tools", "qwen3_coder", "mistral", "llama3_json", "pythonic", "deepseek",
         "glm47", "kimi_k2", "minimax_m2", "granite", "command_r7b", "nemotron_v2",
-        "seed_oss", "phi4_mini", "firefunction_v2", "gemma4", "function_gemma", "harmony",
+        "seed_oss", "phi4_mini", "firefunction_v2", "gemma4", "function_gemma", "harmony", "functionary_v3_2",
     }  # fmt: skip
     assert expected <= covered
-    assert covered - {"harmony"} <= set(available_tool_parsers())
+    assert covered - set(MESSAGE_FORMATS) <= set(available_tool_parsers())

@@ -18,6 +18,7 @@ from mlx_server.events import Finished, Logprobs, OutputEvent, ToolCallStart
 from mlx_server.logs import log
 from mlx_server.models.chat_template import load_chat_template
 from mlx_server.models.prompt import encode_prompt, inline_tools, render_prompt, template_text
+from mlx_server.parsing.functionary import is_functionary_v3_2
 from mlx_server.parsing.harmony import is_harmony
 from mlx_server.parsing.pipeline import OutputPipeline
 from mlx_server.parsing.reasoning import prompt_opens_reasoning, reasoning_tags
@@ -61,14 +62,23 @@ class ChatService:
         self.chat_template = load_chat_template(tokenizer)
         self.template = self.chat_template.text if self.chat_template else template_text(tokenizer)
         self.reasoning_tags = reasoning_tags(tokenizer, self.template) or ("<think>", "</think>")
-        # gpt-oss: reasoning and tool calls come in Harmony channels, not in tagged text.
-        self.harmony = is_harmony(self.template, _vocab(tokenizer))
-        if self.harmony and tool_call_parser in (None, "auto"):
+        # gpt-oss (Harmony) and functionary v3.2 write addressed messages, not tagged text.
+        self.message_format: str | None = None
+        if is_harmony(self.template, _vocab(tokenizer)):
+            self.message_format = "harmony"
+        elif is_functionary_v3_2(self.template):
+            self.message_format = "functionary_v3_2"
+        if self.message_format and tool_call_parser in (None, "auto"):
             self.tool_format = None
         self.constraints: Any = None  # a ConstraintCompiler, when structured output is available
         self.capabilities: list[str] = []
         # A VisionPromptBuilder for vision-language models: media parts in, image tokens out.
         self.vision: Any = None
+
+    @property
+    def harmony(self) -> bool:
+        """The model writes OpenAI's Harmony format (gpt-oss)."""
+        return self.message_format == "harmony"
 
     # ---- prompt ------------------------------------------------------------------------
 
@@ -185,11 +195,13 @@ class ChatService:
     ) -> Generation:
         """Queue a built request on the engine and attach the output parsers."""
         handle = self.engine.submit(req, asyncio.get_running_loop())
-        harmony = self.harmony and chat.reasoning_format != "none"
+        messages = self.message_format
+        if messages == "harmony" and chat.reasoning_format == "none":
+            messages = None  # the raw text, channels and all
         parse_tools = (
             bool(chat.tools)
             and chat.tool_choice != "none"
-            and (self.tool_format is not None or harmony)
+            and (self.tool_format is not None or messages is not None)
         )
         pipeline = OutputPipeline(
             reasoning=self.reasoning_tags if chat.reasoning_format != "none" else None,
@@ -197,7 +209,7 @@ class ChatService:
             tool_format=self.tool_format if parse_tools else None,
             tools=chat.tools if parse_tools else None,
             max_calls=None if chat.parallel_tool_calls else 1,
-            harmony=harmony,
+            message_format=messages,
         )
         return Generation(req.request_id, handle, pipeline, len(prepared.tokens))
 

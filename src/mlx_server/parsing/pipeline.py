@@ -17,10 +17,17 @@ from mlx_server.events import (
     ToolCallEnd,
     ToolCallStart,
 )
+from mlx_server.parsing.functionary import FunctionaryParser
 from mlx_server.parsing.harmony import HarmonyParser
 from mlx_server.parsing.reasoning import ReasoningSplitter
 from mlx_server.parsing.tool_formats import ToolFormat
 from mlx_server.parsing.tools import ToolCallParser, new_call_id
+
+# Formats of addressed messages, parsed whole by one decoder.
+MESSAGE_FORMATS: dict[str, type[HarmonyParser] | type[FunctionaryParser]] = {
+    "harmony": HarmonyParser,
+    "functionary_v3_2": FunctionaryParser,
+}
 
 
 class OutputPipeline:
@@ -35,20 +42,23 @@ class OutputPipeline:
         tools: list[dict[str, Any]] | None,
         max_calls: int | None = None,
         id_factory: Callable[[], str] = new_call_id,
-        harmony: bool = False,
+        message_format: str | None = None,
     ) -> None:
         """
         ``reasoning``: the think tags, or None to pass reasoning through as text (for
         ``reasoning_format: none`` or a model without them). ``start_in_reasoning``: the
         prompt already opened a block (see ``prompt_opens_reasoning``). Tool calls are
         parsed only when both ``tool_format`` and a non-empty ``tools`` are given;
-        ``max_calls=1`` implements ``parallel_tool_calls: false``. ``harmony``: the model
-        writes OpenAI's Harmony format (gpt-oss), which carries reasoning and tool calls in
-        its own channels (``tools`` alone then says which calls to parse).
+        ``max_calls=1`` implements ``parallel_tool_calls: false``. ``message_format``:
+        ``"harmony"`` (gpt-oss) or ``"functionary_v3_2"``, formats that carry the answer,
+        reasoning and tool calls as addressed messages (``tools`` alone then says which calls
+        to parse; ``tool_format`` and ``reasoning`` are not used).
         """
-        self._harmony = (
-            HarmonyParser(tools, id_factory=id_factory, max_calls=max_calls) if harmony else None
-        )
+        self._harmony: HarmonyParser | FunctionaryParser | None = None
+        if message_format in MESSAGE_FORMATS:
+            self._harmony = MESSAGE_FORMATS[message_format](
+                tools, id_factory=id_factory, max_calls=max_calls
+            )
         self._tools = (
             ToolCallParser(tool_format, tools, id_factory=id_factory, max_calls=max_calls)
             if tool_format is not None and tools
