@@ -29,13 +29,15 @@ def _tools(case: dict[str, Any]) -> list[dict[str, Any]]:
 def _parse(case: dict[str, Any], pieces: list[str]) -> dict[str, Any]:
     messages = case["format"] if case["format"] in MESSAGE_FORMATS else None
     ids = iter(f"call_{i}" for i in range(100))
+    fmt = None if messages else tool_format(case["format"])
     pipeline = OutputPipeline(
         reasoning=tuple(case.get("reasoning_tags", ("<think>", "</think>"))),  # type: ignore[arg-type]
         start_in_reasoning=case.get("start_in_reasoning", False),
-        tool_format=None if messages else tool_format(case["format"]),
+        tool_format=fmt,
         tools=_tools(case),
         id_factory=lambda: next(ids),
         message_format=messages,
+        content_markers=fmt.content_markers if fmt else (),
     )
     events = [e for p in pieces for e in pipeline.feed(p)] + pipeline.flush()
     return collect(events)

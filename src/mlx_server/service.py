@@ -210,6 +210,7 @@ class ChatService:
             tools=chat.tools if parse_tools else None,
             max_calls=None if chat.parallel_tool_calls else 1,
             message_format=messages,
+            content_markers=self.tool_format.content_markers if self.tool_format else (),
         )
         return Generation(req.request_id, handle, pipeline, len(prepared.tokens))
 

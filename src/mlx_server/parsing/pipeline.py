@@ -20,6 +20,7 @@ from mlx_server.events import (
 from mlx_server.parsing.functionary import FunctionaryParser
 from mlx_server.parsing.harmony import HarmonyParser
 from mlx_server.parsing.reasoning import ReasoningSplitter
+from mlx_server.parsing.tags import MarkerStripper
 from mlx_server.parsing.tool_formats import ToolFormat
 from mlx_server.parsing.tools import ToolCallParser, new_call_id
 
@@ -43,6 +44,7 @@ class OutputPipeline:
         max_calls: int | None = None,
         id_factory: Callable[[], str] = new_call_id,
         message_format: str | None = None,
+        content_markers: tuple[str, ...] = (),
     ) -> None:
         """
         ``reasoning``: the think tags, or None to pass reasoning through as text (for
@@ -52,8 +54,10 @@ class OutputPipeline:
         ``max_calls=1`` implements ``parallel_tool_calls: false``. ``message_format``:
         ``"harmony"`` (gpt-oss) or ``"functionary_v3_2"``, formats that carry the answer,
         reasoning and tool calls as addressed messages (``tools`` alone then says which calls
-        to parse; ``tool_format`` and ``reasoning`` are not used).
+        to parse; ``tool_format`` and ``reasoning`` are not used). ``content_markers``:
+        literal wrappers removed from the answer text (``<|START_RESPONSE|>``).
         """
+        self._stripper = MarkerStripper(content_markers) if content_markers else None
         self._harmony: HarmonyParser | FunctionaryParser | None = None
         if message_format in MESSAGE_FORMATS:
             self._harmony = MESSAGE_FORMATS[message_format](
@@ -98,7 +102,7 @@ class OutputPipeline:
             split: list[TextDelta | ReasoningDelta] = [TextDelta(text)] if text else []
         else:
             split = self._splitter.feed(text)
-        return merge_events(self._route(split))
+        return merge_events(self._strip(self._route(split)))
 
     def flush(self) -> list[OutputEvent]:
         """End of generation: everything still held back, as final events."""
@@ -107,7 +111,22 @@ class OutputPipeline:
         events = self._route(self._splitter.flush() if self._splitter else [])
         if self._tools is not None:
             events.extend(self._tools.flush())
+        events = self._strip(events)
+        if self._stripper is not None:
+            events.append(TextDelta(self._stripper.flush()))
         return merge_events(events)
+
+    def _strip(self, events: list[OutputEvent]) -> list[OutputEvent]:
+        if self._stripper is None:
+            return events
+        out: list[OutputEvent] = []
+        for event in events:
+            if isinstance(event, TextDelta):
+                out.append(TextDelta(self._stripper.feed(event.text)))
+            else:  # a held partial marker did not continue: it is text
+                out.append(TextDelta(self._stripper.flush()))
+                out.append(event)
+        return out
 
     def _route(self, events: Iterable[TextDelta | ReasoningDelta]) -> list[OutputEvent]:
         out: list[OutputEvent] = []

@@ -95,6 +95,8 @@ class ToolFormat:
     # How to write a call, for describing tools to templates that do not show them; empty:
     # a {"name", "arguments"} JSON object between the start and end markers.
     call_syntax: str = ""
+    # Literal wrappers the model puts around its answer text, removed from the content.
+    content_markers: tuple[str, ...] = ()
 
     @property
     def streams_arguments(self) -> bool:
@@ -128,6 +130,7 @@ def tool_format(name: str) -> ToolFormat:
         stream_closer=closer,
         bare_start=name in _BARE_START,
         call_syntax=getattr(module, "call_syntax", ""),
+        content_markers=tuple(getattr(module, "content_markers", ())),
     )
 
 

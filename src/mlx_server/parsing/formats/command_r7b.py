@@ -7,6 +7,8 @@ from typing import Any
 from mlx_server.parsing.formats import json_calls
 
 tool_call_start = "<|START_ACTION|>"
+# The answer comes wrapped in these (Granite: when thinking).
+content_markers = ("<|START_RESPONSE|>", "<|END_RESPONSE|>")
 tool_call_end = "<|END_ACTION|>"
 
 

@@ -7,6 +7,8 @@ from typing import Any
 from mlx_server.parsing.formats import json_calls
 
 tool_call_start = "<|tool_call|>"
+# The answer comes wrapped in these (Granite: when thinking).
+content_markers = ("<response>", "</response>")
 tool_call_end = ""
 
 
