@@ -258,3 +258,33 @@ def test_plain_text_output_is_the_answer(harmony):
 def test_template_file_is_the_real_one():
     source = Path(TEMPLATES / "openai-gpt-oss-120b.jinja").read_text()
     assert "<|channel|>analysis<|message|>" in source and "reasoning_effort" in source
+
+
+def test_reasoning_format_none_returns_the_raw_channels(harmony):
+    client, engine, _, _ = harmony
+    engine.push(*pieces(ANSWER_OUTPUT))
+    r = client.post(
+        "/v1/chat/completions",
+        json={
+            "model": "gpt-oss",
+            "reasoning_format": "none",
+            "messages": [{"role": "user", "content": "Hi"}],
+        },
+    )
+    message = r.json()["choices"][0]["message"]
+    assert message["content"] == ANSWER_OUTPUT
+    assert not message.get("reasoning_content")
+
+
+def test_unknown_reasoning_effort_is_a_400(harmony):
+    client, _, _, _ = harmony
+    r = client.post(
+        "/v1/chat/completions",
+        json={
+            "model": "gpt-oss",
+            "reasoning_effort": "extreme",
+            "messages": [{"role": "user", "content": "Hi"}],
+        },
+    )
+    assert r.status_code == 400
+    assert r.json()["error"]["param"] == "reasoning_effort"
