@@ -99,3 +99,26 @@ def test_named_templates_pick_tool_use_when_tools_are_offered(tmp_path: Path):
     assert "<tools>" in with_tools and "get_weather" in with_tools
     without = service.render(ChatRequest(messages=TURNS[:1]))
     assert "<tools>" not in without and without.endswith("<|im_start|>assistant\n")
+
+
+def test_caller_variables_are_given_as_the_reference_code_gives_them():
+    from datetime import datetime
+
+    from mlx_server.models.chat_template import TemplateError
+
+    user = [{"role": "user", "content": "Hi"}]
+    llama = ChatTemplate(
+        {"default": (TEMPLATES / "meta-llama-Llama-3.1-8B-Instruct.jinja").read_text()},
+        {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>"},
+    ).render(user)
+    assert llama.startswith("<|begin_of_text|>")
+    assert f"Today Date: {datetime.now().strftime('%d %b %Y')}" in llama
+    gpt_oss = ChatTemplate(
+        {"default": (TEMPLATES / "openai-gpt-oss-120b.jinja").read_text()}, {}
+    ).render(user, template_kwargs={"reasoning_effort": "low"})
+    assert f"Current date: {datetime.now().strftime('%Y-%m-%d')}" in gpt_oss
+    assert "Reasoning: low" in gpt_oss
+    gemma = ChatTemplate({"default": (TEMPLATES / "google-gemma-2-2b-it.jinja").read_text()}, {})
+    with pytest.raises(TemplateError, match="roles must alternate"):
+        two = [{"role": "assistant", "content": "a"}, {"role": "assistant", "content": "b"}]
+        gemma.render([*user, *two])
