@@ -288,3 +288,29 @@ def test_unknown_reasoning_effort_is_a_400(harmony):
     )
     assert r.status_code == 400
     assert r.json()["error"]["param"] == "reasoning_effort"
+
+
+def test_anthropic_stream_tool_use_arguments_arrive_as_input_json_deltas(harmony):
+    client, engine, _, _ = harmony
+    engine.push(*pieces(CALL_OUTPUT, 2))
+    r = client.post(
+        "/v1/messages",
+        json={
+            "model": "gpt-oss",
+            "max_tokens": 200,
+            "stream": True,
+            "tools": [ANTHROPIC_TOOL],
+            "messages": [{"role": "user", "content": "Weather in Paris?"}],
+        },
+    )
+    events = sse(r.text)
+    starts = [e["content_block"]["type"] for e in events if e["type"] == "content_block_start"]
+    assert starts == ["thinking", "tool_use"]
+    parts = [
+        e["delta"]["partial_json"]
+        for e in events
+        if e["type"] == "content_block_delta" and e["delta"]["type"] == "input_json_delta"
+    ]
+    assert len(parts) > 1 and json.loads("".join(parts)) == {"city": "Paris"}
+    stop = next(e for e in events if e["type"] == "message_delta")
+    assert stop["delta"]["stop_reason"] == "tool_use"
