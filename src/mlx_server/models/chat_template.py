@@ -8,13 +8,12 @@ request's ``chat_template_kwargs``. Llama 3.x templates also read ``date_string`
 today's date, as Meta's reference code and llama.cpp give it (the template's own default is a
 fixed day in 2024).
 
-Two things differ from ``apply_chat_template`` on purpose, both decided per template by
-probing it once (``template_probe``):
-
-- tool-call ``arguments`` go in as an object or as a JSON string, whichever the template
-  renders (some concatenate the string, others iterate the object);
-- an assistant message that only calls tools keeps ``content: None`` where the template
-  renders the calls only then (DeepSeek R1), instead of losing the key.
+Where templates disagree on a shape a request leaves open, each template is probed once at
+load (``template_probe``) and given what it renders: tool-call ``arguments`` as an object
+or as a JSON string (some concatenate the string, others iterate the object); the null
+``content`` of an assistant turn that only calls tools where the template renders the calls
+only then (DeepSeek R1); and polyfills for templates without a system or tool role, with
+9-character call ids, bare tool objects or required descriptions.
 
 A tokenizer with several named templates (``default``, ``tool_use``) gets ``tool_use`` when the
 request offers tools, as ``transformers`` chooses.

@@ -11,7 +11,10 @@ same facts with probe renders, in its template capabilities):
   when it is an empty string.
 
 The probes render a short conversation with a tool call in each shape and look for the
-call's name and argument in the output.
+call's name and argument in the output. Others find templates that refuse a system message,
+ignore tool results, need 9-character call ids (Mistral), bare tool objects (Apertus),
+descriptions on every tool and parameter, or a calling turn with text or reasoning but not
+both (gpt-oss).
 """
 
 from __future__ import annotations
