@@ -64,7 +64,8 @@ def test_every_format_has_vectors():
     expected = {
         "json_tools", "qwen3_coder", "mistral", "llama3_json", "pythonic", "deepseek",
         "glm47", "kimi_k2", "minimax_m2", "granite", "command_r7b", "nemotron_v2",
-        "seed_oss", "phi4_mini", "firefunction_v2", "gemma4", "function_gemma", "harmony", "functionary_v3_2",
+        "seed_oss", "phi4_mini", "firefunction_v2", "gemma4", "function_gemma", "harmony", "functionary_v3_2", "apertus", "command_r_plus",
+        "functionary_v3_1",
     }  # fmt: skip
     assert expected <= covered
     assert covered - set(MESSAGE_FORMATS) <= set(available_tool_parsers())

@@ -206,6 +206,25 @@ SAMPLES: dict[str, tuple[str, str | None, list[tuple[str, dict]]]] = {
         "Let me look that up.",
         [PARIS, TOKYO],
     ),
+    "apertus": (
+        'Let me look that up.<|tools_prefix|>[{"get_weather": {"city": "Paris", "days": 3}}, '
+        '{"get_time": {"tz": "Asia/Tokyo"}}]<|tools_suffix|>',
+        "Let me look that up.",
+        [PARIS, TOKYO],
+    ),
+    "command_r_plus": (
+        'Let me look that up.\nAction:\n```json\n[{"tool_name": "get_weather", "parameters": '
+        '{"city": "Paris", "days": 3}}, {"tool_name": "get_time", "parameters": {"tz": '
+        '"Asia/Tokyo"}}]\n```\n',
+        "Let me look that up.",
+        [PARIS, TOKYO],
+    ),
+    "functionary_v3_1": (
+        'Let me look that up.<function=get_weather>{"city": "Paris", "days": 3}</function>'
+        '<function=get_time>{"tz": "Asia/Tokyo"}</function>',
+        "Let me look that up.",
+        [PARIS, TOKYO],
+    ),
     "seed_oss": (
         "Let me look that up.<seed:tool_call>\n<function=get_weather>\n<parameter=city>Paris"
         "</parameter>\n<parameter=days>3</parameter>\n</function>\n</seed:tool_call>"

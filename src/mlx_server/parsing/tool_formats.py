@@ -46,9 +46,12 @@ _OWN_FORMATS = {
     **{
         name: f"mlx_server.parsing.formats.{name}"
         for name in (
+            "apertus",
+            "command_r_plus",
             "command_r7b",
             "deepseek",
             "firefunction_v2",
+            "functionary_v3_1",
             "granite",
             "nemotron_v2",
             "phi4_mini",
@@ -69,6 +72,9 @@ _TEMPLATE_MARKERS = (
     ("<|/tool_call|>", "phi4_mini"),
     ("<|tool_call|>", "granite"),
     ("functools[", "firefunction_v2"),
+    ("<|tools_prefix|>", "apertus"),
+    (r"Action:\n```json", "command_r_plus"),  # as written in the Jinja string
+    ("start with <function= and end with </function>", "functionary_v3_1"),
 )
 
 # Parser names accepted besides the module names.
