@@ -15,6 +15,8 @@ from mlx_server.errors import InvalidRequest, MethodNotAllowed, NotFound, Overlo
 from mlx_server.logs import log
 from mlx_server.protocols.anthropic.routes import make_router as anthropic_router
 from mlx_server.protocols.openai.routes import make_router as openai_router
+from mlx_server.protocols.responses.routes import make_router as responses_router
+from mlx_server.protocols.responses.store import ResponseStore
 from mlx_server.server.http import parse_body
 from mlx_server.server.middleware import MAX_BODY_BYTES, GuardMiddleware, error_body
 from mlx_server.service import ChatService
@@ -25,7 +27,12 @@ class CancelRequest(BaseModel):
 
 
 def create_app(
-    service: ChatService, *, api_key: str = "", vision: bool = False, max_body: int = MAX_BODY_BYTES
+    service: ChatService,
+    *,
+    api_key: str = "",
+    vision: bool = False,
+    max_body: int = MAX_BODY_BYTES,
+    responses_store: ResponseStore | None = None,
 ) -> FastAPI:
     """Build the ASGI app around a ChatService (whose engine may be real or scripted)."""
     app = FastAPI(title="mlx-server", docs_url=None, redoc_url=None, openapi_url=None)
@@ -49,6 +56,7 @@ def create_app(
 
     app.include_router(openai_router(service, vision=vision))
     app.include_router(anthropic_router(service, vision=vision))
+    app.include_router(responses_router(service, vision=vision, store=responses_store))
 
     _install_error_handlers(app)
     app.add_middleware(GuardMiddleware, api_key=api_key, max_body=max_body)
