@@ -73,6 +73,14 @@ class Settings:
     )
     max_video_mb: float = _opt(100.0, "Largest video accepted, in MB", "--max-video-mb")
     log_level: str = _opt("warning", "Log level for the HTTP layer (uvicorn)", "--log-level")
+    responses_store_size: int = _opt(
+        500,
+        "Responses API: stored responses kept in memory (least recently used out first; 0 keeps none)",
+        "--responses-store-size",
+    )
+    responses_store_mb: float = _opt(
+        256.0, "Responses API: memory limit of the stored responses, in MB", "--responses-store-mb"
+    )
 
 
 def settings_fields() -> list[Any]:

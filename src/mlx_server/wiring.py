@@ -27,6 +27,7 @@ def build(settings: Settings) -> tuple[Any, Any]:
     """Load the model and return (app, engine); the engine thread is started."""
     from mlx_server.engine.engine import Engine, EngineConfig
     from mlx_server.models.loader import device_memory_bytes, load_model
+    from mlx_server.protocols.responses.store import ResponseStore
     from mlx_server.server.app import create_app
     from mlx_server.server.middleware import MAX_BODY_BYTES
     from mlx_server.service import ChatService
@@ -71,7 +72,17 @@ def build(settings: Settings) -> tuple[Any, Any]:
     max_body = MAX_BODY_BYTES
     if vision:  # room for at least one base64 image of the largest size allowed
         max_body = max(max_body, int(settings.max_image_mb * (1 << 20) * 4 / 3) + (1 << 20))
-    return create_app(service, api_key=settings.api_key, vision=vision, max_body=max_body), engine
+    store = ResponseStore(
+        settings.responses_store_size, int(settings.responses_store_mb * (1 << 20))
+    )
+    app = create_app(
+        service,
+        api_key=settings.api_key,
+        vision=vision,
+        max_body=max_body,
+        responses_store=store,
+    )
+    return app, engine
 
 
 def _vision_prompt_builder(loaded: Any, settings: Settings) -> Any:
