@@ -192,6 +192,18 @@ def test_generation_error_stream_ends_failed(scripted):
     assert httpx.get(scripted.base_url + "/health").status_code == 200
 
 
+def test_generation_error_non_streaming_is_500_and_stored_failed(scripted):
+    scripted.engine.push("partial", finish="error")
+    r = post(scripted, {"model": "m", "input": "hi"})
+    assert r.status_code == 500
+    validate_error(r.json())
+    assert r.json()["error"]["type"] == "server_error"
+    rid = scripted.engine.requests[-1].request_id
+    stored = httpx.get(f"{scripted.base_url}/v1/responses/{rid}").json()
+    validate_response(stored)
+    assert stored["status"] == "failed" and stored["error"]["message"] == "scripted failure"
+
+
 # ---- tools -------------------------------------------------------------------------------
 
 

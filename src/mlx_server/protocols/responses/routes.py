@@ -17,7 +17,13 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from mlx_server.errors import ContextLengthExceeded, InvalidRequest, NotFound, UnsupportedFeature
+from mlx_server.errors import (
+    ContextLengthExceeded,
+    InvalidRequest,
+    NotFound,
+    ServerError,
+    UnsupportedFeature,
+)
 from mlx_server.events import Finished
 from mlx_server.logs import log
 from mlx_server.protocols.responses.adapter import Adapted, new_id, to_chat_request
@@ -173,8 +179,8 @@ class Responses:
             async for ev in run.gen.events():
                 if isinstance(ev, Finished):
                     run.enc.finish(ev)
-                    if ev.reason == "error":
-                        log(f"Error during generation: {ev.error}")
+                    if ev.reason == "error":  # as on the chat route: a 500 (stored as failed)
+                        raise ServerError(ev.error or "generation failed")
                     break
                 run.enc.event(ev)
             return run.enc.response()
