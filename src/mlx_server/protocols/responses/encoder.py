@@ -42,6 +42,7 @@ class ResponseEncoder:
         self.seq = 0
         self.output: list[dict[str, Any]] = []
         self.open: dict[str, Any] | None = None  # the item being generated
+        self.call_index: int | None = None  # the neutral index of the open function call
         self.status = "in_progress"
         self.usage: dict[str, Any] | None = None
         self.error: dict[str, Any] | None = None
@@ -99,14 +100,16 @@ class ResponseEncoder:
                 "name": ev.name,
                 "arguments": "",
             }
-            return events + self._add(item)
-        if isinstance(ev, ToolCallArgsDelta) and ev.text and self._is_open("function_call"):
+            events += self._add(item)
+            self.call_index = ev.index
+            return events
+        if isinstance(ev, ToolCallArgsDelta) and ev.text and self._is_call(ev.index):
             assert self.open is not None
             self.open["arguments"] += ev.text
             return [
                 self._event("response.function_call_arguments.delta", **self._at(), delta=ev.text)
             ]
-        if isinstance(ev, ToolCallEnd) and self._is_open("function_call"):
+        if isinstance(ev, ToolCallEnd) and self._is_call(ev.index):
             assert self.open is not None
             self.open["arguments"] = ev.arguments
             return self._close()
@@ -161,6 +164,9 @@ class ResponseEncoder:
 
     def _is_open(self, kind: str) -> bool:
         return self.open is not None and self.open["type"] == kind
+
+    def _is_call(self, index: int) -> bool:
+        return self._is_open("function_call") and self.call_index == index
 
     def _at(self) -> dict[str, Any]:
         assert self.open is not None
