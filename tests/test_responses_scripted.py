@@ -192,6 +192,25 @@ def test_generation_error_stream_ends_failed(scripted):
     assert httpx.get(scripted.base_url + "/health").status_code == 200
 
 
+def test_internal_fault_mid_stream_sends_error_then_failed(scripted, monkeypatch):
+    from mlx_server.protocols.responses.encoder import ResponseEncoder
+
+    real = ResponseEncoder.event
+
+    def faulty(self, ev):
+        if "boom" in getattr(ev, "text", ""):
+            raise RuntimeError("encoder fault")
+        return real(self, ev)
+
+    monkeypatch.setattr(ResponseEncoder, "event", faulty)
+    scripted.engine.push("fine ", "boom", " never")
+    events = stream_events(scripted, {"model": "m", "input": "hi"})
+    assert [e["type"] for e in events[-2:]] == ["error", "response.failed"]
+    assert events[-2]["code"] == "server_error" and "RuntimeError" in events[-2]["message"]
+    assert events[-1]["response"]["status"] == "failed"
+    wait_for(lambda: scripted.engine.active_count == 0)
+
+
 def test_generation_error_non_streaming_is_500_and_stored_failed(scripted):
     scripted.engine.push("partial", finish="error")
     r = post(scripted, {"model": "m", "input": "hi"})
@@ -576,6 +595,25 @@ def test_cancel_endpoint_stops_a_stream(scripted):
     assert httpx.get(f"{scripted.base_url}/v1/responses/{rid}").json()["status"] == "cancelled"
     again = httpx.post(f"{scripted.base_url}/v1/responses/{rid}/cancel").json()
     assert again["status"] == "cancelled"
+
+
+def test_delete_a_running_response_stops_it_and_keeps_nothing(scripted):
+    scripted.engine.push(*["x"] * 1000, delay=0.01)
+    with httpx.stream(
+        "POST",
+        scripted.base_url + "/v1/responses",
+        json={"model": "m", "input": "go", "stream": True},
+        timeout=30,
+    ) as resp:
+        lines = resp.iter_lines()
+        first = [next(lines) for _ in range(2)]
+        rid = parse_sse(first)[0]["response"]["id"]
+        d = httpx.delete(f"{scripted.base_url}/v1/responses/{rid}")
+        assert d.json() == {"id": rid, "object": "response.deleted", "deleted": True}
+        events = parse_sse(first + list(lines))
+    assert events[-1]["type"] == "response.incomplete"
+    assert events[-1]["response"]["status"] == "cancelled"
+    assert httpx.get(f"{scripted.base_url}/v1/responses/{rid}").status_code == 404
 
 
 def test_cancel_non_streaming(scripted):

@@ -210,6 +210,8 @@ class Responses:
         """Forget the live run; store it (a run cut short by its client as cancelled)."""
         enc = run.enc
         enc.abandon()
+        kinds = ", ".join(item["type"] for item in enc.output) or "none"
+        log(f"Response: {enc.id} {enc.status}, output [{kinds}]")
         self.live.pop(enc.id, None)
         run.done.set()
         if not run.keep:
