@@ -21,7 +21,7 @@ from mlx_server.events import (
     ToolCallEnd,
     ToolCallStart,
 )
-from mlx_server.protocols.responses.adapter import new_id
+from mlx_server.protocols.responses.items import new_id
 
 Event = dict[str, Any]
 

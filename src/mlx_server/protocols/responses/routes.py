@@ -26,8 +26,9 @@ from mlx_server.errors import (
 )
 from mlx_server.events import Finished
 from mlx_server.logs import log
-from mlx_server.protocols.responses.adapter import Adapted, new_id, to_chat_request
+from mlx_server.protocols.responses.adapter import Adapted, to_chat_request
 from mlx_server.protocols.responses.encoder import Event, ResponseEncoder
+from mlx_server.protocols.responses.items import new_id
 from mlx_server.protocols.responses.schemas import CreateResponseRequest
 from mlx_server.protocols.responses.store import ResponseStore, StoredResponse
 from mlx_server.server.http import parse_body, sse_response, until_disconnect
