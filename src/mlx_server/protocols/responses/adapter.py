@@ -48,7 +48,7 @@ def to_chat_request(
         messages = merge_into([{"role": "system", "content": body.instructions}], messages)
     if not messages:
         raise InvalidRequest("input is empty: send a string or at least one item", param="input")
-    tool_choice = _tool_choice(body.tool_choice, chat_tools)
+    tool_choice = _tool_choice(body.tool_choice)
     chat = ChatRequest(
         messages=messages,
         sampling=SamplingParams(
@@ -146,7 +146,7 @@ def _tools(tools: list[Any] | None) -> tuple[list[dict[str, Any]], list[dict[str
     return echo, chat
 
 
-def _tool_choice(choice: str | dict[str, Any] | None, tools: list[dict[str, Any]]) -> Any:
+def _tool_choice(choice: str | dict[str, Any] | None) -> Any:
     """``ChatRequest.tool_choice``: "auto", "none", "required" or a named function."""
     if choice is None or isinstance(choice, str):
         return choice or "auto"
