@@ -1,4 +1,4 @@
-"""The Codex CLI (``@openai/codex``) completes a turn against the server's Responses API.
+"""The Codex CLI (``@openai/codex``) completes two turns against the server's Responses API.
 
 Codex runs non-interactively (``codex exec --json``) with a custom model provider on the
 Responses wire API, in a temporary ``CODEX_HOME``. The model is the tiny random-weight one:
@@ -59,12 +59,46 @@ wire_api = "responses"
 """
 
 
+def run_codex(args: list[str], work: Path, env: dict[str, str]) -> list[dict]:
+    """Run ``codex exec`` with ``args``; its JSONL events (it must exit 0)."""
+    assert CODEX is not None
+    proc = subprocess.run(
+        [CODEX, "exec", *args],
+        cwd=work,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
+    assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-2000:])
+    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+
+
+def assert_turn_completed(events: list[dict]) -> None:
+    kinds = [e["type"] for e in events]
+    assert "turn.completed" in kinds and "turn.failed" not in kinds and "error" not in kinds, kinds
+    assert any(
+        e["type"] == "item.completed" and e["item"]["type"] == "agent_message" for e in events
+    ), kinds
+    usage = next(e["usage"] for e in events if e["type"] == "turn.completed")
+    assert usage["input_tokens"] > 0 and usage["output_tokens"] > 0
+
+
+def item_counts(lines: list[str]) -> list[int]:
+    """The number of input items of each Responses request the server logged."""
+    return [
+        int(line.split("items=")[1].split(",")[0])
+        for line in lines
+        if "responses, items=" in line and "stream=true" in line
+    ]
+
+
 @pytest.mark.skipif(
     CODEX is None,
     reason="Codex CLI not installed (npm install --prefix .cache/npm @openai/codex)",
 )
-def test_codex_exec_completes_a_turn(tiny_model_dir: Path, tmp_path: Path):
-    assert CODEX is not None
+def test_codex_exec_completes_two_turns(tiny_model_dir: Path, tmp_path: Path):
     port = free_port()
     server = launch(
         ["-m", str(tiny_model_dir), "--port", str(port)]
@@ -87,27 +121,15 @@ def test_codex_exec_completes_a_turn(tiny_model_dir: Path, tmp_path: Path):
             "HOME": str(tmp_path),
             "MLX_SERVER_KEY": API_KEY,
         }
-        proc = subprocess.run(
-            [CODEX, "exec", "--json", "--skip-git-repo-check", "Say hello."],
-            cwd=work,
-            env=env,
-            stdin=subprocess.DEVNULL,
-            capture_output=True,
-            text=True,
-            timeout=540,
+        first = run_codex(["--json", "--skip-git-repo-check", "Say hello."], work, env)
+        assert_turn_completed(first)
+        thread = next(e["thread_id"] for e in first if e["type"] == "thread.started")
+        # The second turn sends the whole conversation back, the first answer included.
+        second = run_codex(
+            ["resume", "--json", "--skip-git-repo-check", thread, "Say goodbye."], work, env
         )
+        assert_turn_completed(second)
     finally:
         server.stop()
-    events = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    kinds = [e["type"] for e in events]
-    assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-2000:])
-    assert "turn.completed" in kinds and "turn.failed" not in kinds and "error" not in kinds, kinds
-    messages = [
-        e["item"]
-        for e in events
-        if e["type"] == "item.completed" and e["item"]["type"] == "agent_message"
-    ]
-    assert messages, kinds
-    usage = next(e["usage"] for e in events if e["type"] == "turn.completed")
-    assert usage["input_tokens"] > 0 and usage["output_tokens"] > 0
-    assert any("responses" in line and "stream=true" in line for line in server.lines)
+    counts = item_counts(server.lines)
+    assert len(counts) == 2 and counts[1] >= counts[0] + 2, server.lines
