@@ -77,9 +77,13 @@ class Settings:
         500,
         "Responses API: stored responses kept in memory (least recently used out first; 0 keeps none)",
         "--responses-store-size",
+        min=0,
     )
     responses_store_mb: float = _opt(
-        256.0, "Responses API: memory limit of the stored responses, in MB", "--responses-store-mb"
+        256.0,
+        "Responses API: memory limit of the stored responses, in MB",
+        "--responses-store-mb",
+        min=0,
     )
 
 
