@@ -183,6 +183,22 @@ def test_max_output_tokens_is_incomplete(scripted, stream):
     assert final["output"][0]["status"] == "incomplete"
 
 
+def test_stopping_inside_the_reasoning_completes_with_the_reasoning_incomplete(scripted):
+    scripted.engine.push("<think>", "still", " thinking")
+    events = stream_events(scripted, {"model": "m", "input": "hi"})
+    assert events[-1]["type"] == "response.completed"
+    final = events[-1]["response"]
+    assert final["status"] == "completed" and final["incomplete_details"] is None
+    [reasoning] = final["output"]
+    assert reasoning["type"] == "reasoning" and reasoning["status"] == "incomplete"
+    assert reasoning["content"][0]["text"] == "still thinking"
+    scripted.engine.push("<think>", "a", " b", " c")
+    cut = post(scripted, {"model": "m", "input": "hi", "max_output_tokens": 2}).json()
+    validate_response(cut)
+    assert cut["status"] == "incomplete"
+    assert cut["incomplete_details"] == {"reason": "max_output_tokens"}
+
+
 def test_generation_error_stream_ends_failed(scripted):
     scripted.engine.push("partial", finish="error")
     events = stream_events(scripted, {"model": "m", "input": "hi"})

@@ -117,8 +117,11 @@ class ResponseEncoder:
 
     def finish(self, fin: Finished) -> list[Event]:
         """Close the open item and end the response: completed, incomplete, cancelled or failed."""
-        cut = fin.reason == "length" or (fin.in_reasoning and fin.reason != "cancelled")
-        ended = "incomplete" if cut or fin.reason == "cancelled" else "completed"
+        # Only a token limit makes the response incomplete (the spec's one reason for it); a
+        # model that stops inside its reasoning completes, its reasoning item incomplete.
+        cut = fin.reason == "length"
+        unfinished = cut or fin.reason == "cancelled" or fin.in_reasoning
+        ended = "incomplete" if unfinished else "completed"
         events = self._close(ended)
         u = fin.usage
         reasoning = "".join(self.reasoning_text)
