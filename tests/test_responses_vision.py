@@ -79,6 +79,13 @@ def test_bad_image_names_its_part(vlm_server):
     assert r.status_code == 400, r.text
     validate_error(r.json())
     assert r.json()["error"]["param"] == "input[0].content[1]"
+    # after a stored conversation, the part is still named by its place in this input
+    first = {"model": "tiny-vlm", "input": "Hello", "max_output_tokens": 2}
+    prev = httpx.post(vlm_server.base_url + "/v1/responses", json=first, timeout=60).json()
+    body["previous_response_id"] = prev["id"]
+    r = httpx.post(vlm_server.base_url + "/v1/responses", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "input[0].content[1]"
 
 
 def test_file_id_images_are_refused(vlm_server):

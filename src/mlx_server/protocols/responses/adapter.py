@@ -43,7 +43,7 @@ def to_chat_request(
     """Map a validated request (after ``history``, a stored conversation) to the neutral one."""
     items = normalize_input(body.input, vision)
     echo_tools, chat_tools = _tools(body.tools)
-    messages = to_messages([*history, *items])
+    messages = to_messages([*history, *items], history=len(history))
     if body.instructions:
         messages = merge_into([{"role": "system", "content": body.instructions}], messages)
     if not messages:

@@ -173,21 +173,27 @@ def _parse_arguments(text: str, where: str) -> dict[str, Any]:
 # ---- items → chat-template messages ------------------------------------------------------
 
 
-def to_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """A conversation of stored items as chat-template messages."""
+def to_messages(items: list[dict[str, Any]], history: int = 0) -> list[dict[str, Any]]:
+    """A conversation of stored items as chat-template messages. The first ``history`` items
+    come from a stored conversation; error locations name the others as ``input[i]``."""
     out: list[dict[str, Any]] = []
     turn: dict[str, Any] | None = None  # the open assistant turn
     names: dict[str, str] = {}  # call_id → function name, for tool messages
-    for i, item in enumerate(items):
+    for n, item in enumerate(items):
+        where = f"input[{n - history}]" if n >= history else "previous_response_id"
         kind = item["type"]
         if kind == "message" and item["role"] != "assistant":
             turn = None
             role = "system" if item["role"] == "developer" else item["role"]
-            out = merge_into(out, [{"role": role, "content": _content(item, i)}])
+            out = merge_into(out, [{"role": role, "content": _content(item, where)}])
             continue
         if kind == "function_call_output":
             turn = None
-            msg = {"role": "tool", "content": _content(item, i), "tool_call_id": item["call_id"]}
+            msg = {
+                "role": "tool",
+                "content": _content(item, where),
+                "tool_call_id": item["call_id"],
+            }
             if item["call_id"] in names:
                 msg["name"] = names[item["call_id"]]
             out.append(msg)
@@ -209,14 +215,14 @@ def to_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "type": "function",
                 "function": {
                     "name": item["name"],
-                    "arguments": _parse_arguments(item["arguments"], f"input[{i}].arguments"),
+                    "arguments": _parse_arguments(item["arguments"], f"{where}.arguments"),
                 },
             }
             turn.setdefault("tool_calls", []).append(call)
     return out
 
 
-def _content(item: dict[str, Any], i: int) -> str | list[dict[str, Any]]:
+def _content(item: dict[str, Any], where: str) -> str | list[dict[str, Any]]:
     """Text, or Hugging Face style parts when there are images (vision models only)."""
     raw = item.get("content", item.get("output"))
     if isinstance(raw, str):
@@ -225,7 +231,7 @@ def _content(item: dict[str, Any], i: int) -> str | list[dict[str, Any]]:
     key = "content" if "content" in item else "output"
     for j, p in enumerate(raw or []):
         if p["type"] == "input_image":
-            part = {"type": "image", "image": p["image_url"], "param": f"input[{i}].{key}[{j}]"}
+            part = {"type": "image", "image": p["image_url"], "param": f"{where}.{key}[{j}]"}
             if p.get("detail") in ("low", "high"):
                 part["detail"] = p["detail"]
             parts.append(part)
