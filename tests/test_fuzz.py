@@ -348,7 +348,7 @@ def check_stream(path: str, text: str) -> None:
     frames = [f for f in text.split("\n\n") if f.strip()]
     assert frames, "empty stream"
     datas = [line[6:] for f in frames for line in f.split("\n") if line.startswith("data: ")]
-    if path == "/v1/chat/completions":
+    if path in ("/v1/chat/completions", "/v1/completions"):
         assert datas[-1] == "[DONE]" or "error" in strict_json(datas[-1]), datas[-3:]
         for d in datas[:-1] if datas[-1] == "[DONE]" else datas:
             strict_json(d)
@@ -399,9 +399,47 @@ FUZZ = settings(
 
 
 @FUZZ
-@given(body=openai_bodies)
-def test_chat_completions_requests(fuzz_server, body):
-    send(fuzz_server, "/v1/chat/completions", json.dumps(body).encode(), bool(body.get("stream")))
+@given(body=openai_bodies, count=st.integers(0, 5))
+def test_chat_completions_requests(fuzz_server, body, count):
+    path = "/v1/chat/completions/count_tokens" if count == 0 else "/v1/chat/completions"
+    stream = bool(body.get("stream")) and count != 0
+    send(fuzz_server, path, json.dumps(body).encode(), stream)
+
+
+completion_bodies = mutated(
+    st.fixed_dictionaries(
+        {
+            "model": st.just("m"),
+            "prompt": st.one_of(clean, st.lists(clean, min_size=1, max_size=3)),
+        },
+        optional={
+            "max_tokens": st.integers(0, 8),
+            "stream": st.booleans(),
+            "echo": st.booleans(),
+            "logprobs": st.integers(0, 5),
+            "stop": st.lists(clean, max_size=2),
+            "seed": st.integers(0, 1 << 40),
+            "temperature": st.floats(0, 2),
+        },
+    ),
+    {
+        "prompt": st.one_of(json_values, st.lists(st.integers(-5, 1 << 20), max_size=5)),
+        "suffix": maybe(texts),
+        "max_tokens": maybe(small_ints),
+        "n": maybe(small_ints),
+        "logprobs": maybe(st.integers(-2, 30)),
+        "top_k": maybe(st.integers(0, 1 << 20)),
+        "seed": maybe(numbers),
+        "echo": maybe(st.booleans()),
+        "stream_options": maybe(st.fixed_dictionaries({"include_usage": st.booleans()})),
+    },
+)
+
+
+@settings(FUZZ, max_examples=200)
+@given(body=completion_bodies)
+def test_completions_requests(fuzz_server, body):
+    send(fuzz_server, "/v1/completions", json.dumps(body).encode(), bool(body.get("stream")))
 
 
 @FUZZ
@@ -411,7 +449,16 @@ def test_messages_requests(fuzz_server, body, count):
     send(fuzz_server, path, json.dumps(body).encode(), bool(body.get("stream")) and not count)
 
 
-ROUTES = ["/v1/chat/completions", "/v1/messages", "/v1/messages/count_tokens", "/v1/cancel"]
+ROUTES = [
+    "/v1/chat/completions",
+    "/v1/chat/completions/count_tokens",
+    "/v1/completions",
+    "/v1/messages",
+    "/v1/messages/count_tokens",
+    "/tokenize",
+    "/detokenize",
+    "/v1/cancel",
+]
 
 
 @settings(FUZZ, max_examples=300)

@@ -128,6 +128,18 @@ class Settings:
         False, "Serve GET /metrics without the API key (for a local scraper)", "--metrics-open"
     )
     log_level: str = _opt("warning", "Log level for the HTTP layer (uvicorn)", "--log-level")
+    responses_store_size: int = _opt(
+        500,
+        "Responses API: stored responses kept in memory (least recently used out first; 0 keeps none)",
+        "--responses-store-size",
+        min=0,
+    )
+    responses_store_mb: float = _opt(
+        256.0,
+        "Responses API: memory limit of the stored responses, in MB",
+        "--responses-store-mb",
+        min=0,
+    )
 
 
 def settings_fields() -> list[Any]:

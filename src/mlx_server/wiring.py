@@ -27,6 +27,7 @@ def build(settings: Settings) -> tuple[Any, Any]:
     """Load the model and return (app, engine); the engine thread is started."""
     from mlx_server.engine.engine import Engine, EngineConfig
     from mlx_server.models.loader import device_memory_bytes, load_model
+    from mlx_server.protocols.responses.store import ResponseStore
     from mlx_server.server.app import create_app
     from mlx_server.server.browser_guard import BrowserPolicy
     from mlx_server.server.middleware import MAX_BODY_BYTES
@@ -74,6 +75,9 @@ def build(settings: Settings) -> tuple[Any, Any]:
     browser = BrowserPolicy.from_flags(
         settings.host, settings.allowed_hosts, settings.allowed_origins
     )
+    store = ResponseStore(
+        settings.responses_store_size, int(settings.responses_store_mb * (1 << 20))
+    )
     app = create_app(
         service,
         api_key=settings.api_key,
@@ -81,6 +85,7 @@ def build(settings: Settings) -> tuple[Any, Any]:
         max_body=max_body,
         browser=browser,
         metrics_open=settings.metrics_open,
+        responses_store=store,
     )
     return app, engine
 

@@ -19,6 +19,8 @@ from mlx_server.protocols.llamacpp import make_router as tokenizer_router
 from mlx_server.protocols.openai.completions import make_router as completions_router
 from mlx_server.protocols.openai.count_tokens import make_router as count_tokens_router
 from mlx_server.protocols.openai.routes import make_router as openai_router
+from mlx_server.protocols.responses.routes import make_router as responses_router
+from mlx_server.protocols.responses.store import ResponseStore
 from mlx_server.server.browser_guard import BrowserGuard, BrowserPolicy
 from mlx_server.server.http import parse_body
 from mlx_server.server.metrics import MetricsMiddleware, install_metrics, route_paths
@@ -38,6 +40,7 @@ def create_app(
     max_body: int = MAX_BODY_BYTES,
     browser: BrowserPolicy | None = None,
     metrics_open: bool = False,
+    responses_store: ResponseStore | None = None,
 ) -> FastAPI:
     """Build the ASGI app around a ChatService (whose engine may be real or scripted)."""
     app = FastAPI(title="mlx-server", docs_url=None, redoc_url=None, openapi_url=None)
@@ -67,6 +70,7 @@ def create_app(
     app.include_router(completions_router(service))
     app.include_router(count_tokens_router(service, vision=vision))
     app.include_router(tokenizer_router(service))
+    app.include_router(responses_router(service, vision=vision, store=responses_store))
 
     _install_error_handlers(app)
     keyed = frozenset({"/tokenize", "/detokenize"} | (set() if metrics_open else {"/metrics"}))
