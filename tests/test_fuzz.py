@@ -352,6 +352,10 @@ def check_stream(path: str, text: str) -> None:
         assert datas[-1] == "[DONE]" or "error" in strict_json(datas[-1]), datas[-3:]
         for d in datas[:-1] if datas[-1] == "[DONE]" else datas:
             strict_json(d)
+    elif path == "/v1/responses":
+        events = [strict_json(d) for d in datas]
+        ends = ("response.completed", "response.incomplete", "response.failed")
+        assert events[-1]["type"] in ends, events[-3:]
     else:
         events = [strict_json(d) for d in datas]
         assert events[-1]["type"] in ("message_stop", "error"), events[-3:]
@@ -455,6 +459,7 @@ ROUTES = [
     "/v1/completions",
     "/v1/messages",
     "/v1/messages/count_tokens",
+    "/v1/responses",
     "/tokenize",
     "/detokenize",
     "/v1/cancel",
