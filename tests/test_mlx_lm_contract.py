@@ -1,0 +1,73 @@
+"""What the server relies on in mlx-lm beyond its documented API. pyproject bounds mlx-lm to
+the versions tested; when a new release changes one of these, this file says which."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+
+
+def test_the_installed_version_is_within_the_tested_bounds():
+    from importlib.metadata import version
+
+    major, minor, *_ = (int(x) for x in version("mlx-lm").split(".")[:2] + ["0"])
+    assert (major, minor) == (0, 32), (
+        f"mlx-lm {version('mlx-lm')} is untested: run this file and widen pyproject's bound"
+    )
+
+
+def test_lru_prompt_cache_internals_the_prefix_cache_extends():
+    from mlx_lm.models.cache import LRUPromptCache
+
+    cache = LRUPromptCache(4, 1 << 20)
+    for name in ("_trie", "_lru", "_n_bytes", "max_size", "max_bytes"):
+        assert hasattr(cache, name), f"LRUPromptCache lost {name}: PrefixCache needs it"
+    for name in ("search", "get", "add", "pop", "pop_prefixes"):
+        assert callable(getattr(cache._trie, name, None)), f"the prompt trie lost {name}()"
+    order = LRUPromptCache.CacheOrder()
+    assert set(order._lrus) >= {"assistant", "user", "system"}, "cache kinds changed"
+    for name in ("push", "remove", "pop", "__len__"):
+        assert callable(getattr(order, name, None)), f"CacheOrder lost {name}()"
+    res = cache._trie.search("model", [1, 2, 3])
+    for name in ("exact", "shorter", "longer", "common_prefix"):
+        assert hasattr(res, name), f"the trie's search result lost {name}"
+
+
+def test_tokenizer_inference_helpers():
+    from mlx_lm import tokenizer_utils
+
+    for name in ("_infer_thinking", "_infer_tool_parser"):
+        fn = getattr(tokenizer_utils, name, None)
+        assert callable(fn), f"mlx_lm.tokenizer_utils.{name} is gone: parsing/ imports it"
+        assert len(inspect.signature(fn).parameters) >= 1
+
+
+def test_batch_generator_surface_the_engine_drives():
+    from mlx_lm.generate import BatchGenerator, GenerationBatch, PromptProcessingBatch
+
+    params = inspect.signature(BatchGenerator.insert_segments).parameters
+    for name in (
+        "segments",
+        "max_tokens",
+        "caches",
+        "all_tokens",
+        "samplers",
+        "logits_processors",
+        "stop_sequences",
+    ):
+        assert name in params, f"BatchGenerator.insert_segments lost {name}="
+    assert "return_prompt_caches" in inspect.signature(BatchGenerator.remove).parameters
+    for name in ("extract_cache", "next", "close"):
+        assert callable(getattr(BatchGenerator, name, None)), f"BatchGenerator lost {name}()"
+    gen_fields = set(GenerationBatch.Response.__dataclass_fields__)
+    assert gen_fields >= {"uid", "token", "logprobs", "finish_reason", "prompt_cache", "all_tokens"}
+    prompt_fields = set(PromptProcessingBatch.Response.__dataclass_fields__)
+    assert prompt_fields >= {"uid", "progress", "end_of_segment", "end_of_prompt"}
+
+
+@pytest.mark.parametrize("name", ["apply_top_k", "apply_top_p", "apply_min_p"])
+def test_sampling_helpers(name):
+    from mlx_lm import sample_utils
+
+    assert callable(getattr(sample_utils, name, None)), f"mlx_lm.sample_utils.{name} is gone"
