@@ -137,6 +137,28 @@ class ServerProcess:
                 return True
         return False
 
+    def wait_exit(self, timeout: float = 60) -> int:
+        """Wait for the process to exit and for everything it printed to be read."""
+        code = self.proc.wait(timeout)
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            try:
+                if self._q.get(timeout=0.5) is None:
+                    break
+            except queue.Empty:
+                continue
+        return code
+
+    def wait_for_line(self, text: str, since: int = 0, timeout: float = 30) -> str:
+        """The first line from ``since`` on that contains ``text`` (waits for it)."""
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            for line in self.lines[since:]:
+                if text in line:
+                    return line
+            time.sleep(0.02)
+        raise AssertionError(f"no line with {text!r}: {self.lines[since:]}")
+
     def stop(self) -> None:
         if self.proc.poll() is None:
             self.proc.terminate()

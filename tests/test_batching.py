@@ -174,7 +174,8 @@ def test_cancelling_one_sequence_leaves_the_others_unharmed(lm):
         # The engine-level cancel by id works the same way.
         other = engine.submit(request(prompts[0], 200))
         task = asyncio.ensure_future(collect(other))
-        await asyncio.sleep(0.05)
+        while engine.active_count == 0:  # running, not just queued
+            await asyncio.sleep(0.001)
         assert engine.cancel(other.request_id) == 1
         return [results[i] for i in range(4)], await task
 

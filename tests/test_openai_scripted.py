@@ -217,7 +217,9 @@ def test_cancel_all_and_by_id(scripted):
     first_id = eng.requests[0].request_id
     r = httpx.post(scripted.base_url + "/v1/cancel", json={"id": first_id})
     assert r.json() == {"status": "cancelled", "cancelled_count": 1}
-    time.sleep(0.1)
+    deadline = time.time() + 5
+    while eng.active_count != 1 and time.time() < deadline:
+        time.sleep(0.01)
     assert eng.active_count == 1
     r = httpx.post(scripted.base_url + "/v1/cancel", json={})
     assert r.json() == {"status": "cancelled", "cancelled_count": 1}

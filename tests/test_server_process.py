@@ -78,6 +78,7 @@ def test_length_and_context_limit(e2e_server):
         model="m", messages=[{"role": "user", "content": "x"}], max_tokens=3, temperature=0
     )
     assert r.usage.completion_tokens <= 3
+    assert r.choices[0].finish_reason == ("length" if r.usage.completion_tokens == 3 else "stop")
     r = httpx.post(
         e2e_server.base_url + "/v1/chat/completions",
         json={"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 300},
@@ -87,7 +88,9 @@ def test_length_and_context_limit(e2e_server):
     r = c.chat.completions.create(
         model="m", messages=[{"role": "user", "content": "x"}], temperature=0
     )
-    assert r.usage.prompt_tokens + r.usage.completion_tokens <= 256
+    total = r.usage.prompt_tokens + r.usage.completion_tokens
+    assert total <= 256
+    assert r.choices[0].finish_reason == ("length" if total == 256 else "stop")
 
 
 def test_logprobs(e2e_server):
@@ -101,6 +104,7 @@ def test_logprobs(e2e_server):
             "logprobs": True,
             "top_logprobs": 3,
         },
+        timeout=120,
     ).json()
     COMPLETION.validate(r)
     content = r["choices"][0]["logprobs"]["content"]
@@ -119,23 +123,28 @@ def test_health_answers_during_generation(e2e_server):
             json={
                 "model": "m",
                 "messages": [{"role": "user", "content": "x"}],
-                "max_tokens": 200,
+                "max_tokens": 60,
                 "temperature": 0,
                 "ignore_eos": True,
             },
-            timeout=120,
+            timeout=600,
         )
 
     t = threading.Thread(target=gen)
     t.start()
-    time.sleep(0.3)
-    for _ in range(5):
+    during = []  # health answers while the generation ran
+    while t.is_alive():
         r = httpx.get(e2e_server.base_url + "/health", timeout=5)
         assert r.status_code == 200 and r.json()["status"] == "ok"
-    t.join(120)
+        if r.json()["active"] == 1:
+            during.append(r.json())
+        time.sleep(0.05)
+    t.join(600)
+    assert during, "no health answer came while the generation was running"
 
 
 def test_disconnect_frees_the_slot(e2e_server):
+    since = len(e2e_server.lines)
     body = {
         "model": "m",
         "messages": [{"role": "user", "content": "x"}],
@@ -152,6 +161,10 @@ def test_disconnect_frees_the_slot(e2e_server):
     while time.time() < deadline and httpx.get(e2e_server.base_url + "/health").json()["active"]:
         time.sleep(0.05)
     assert httpx.get(e2e_server.base_url + "/health").json()["active"] == 0
+    # The generation was cut short, not run to its end.
+    line = e2e_server.wait_for_line(" cancelled ", since)
+    generated = int(line.rsplit(", ", 1)[1].split()[0])
+    assert generated < 200, line
 
 
 def test_readiness_only_after_bind_and_sigterm(tiny_model_dir, server_factory):
@@ -183,7 +196,10 @@ def test_readiness_only_after_bind_and_sigterm(tiny_model_dir, server_factory):
         )
     )
     t.start()
-    time.sleep(0.5)
+    deadline = time.time() + 30
+    while time.time() < deadline and not httpx.get(sp.base_url + "/health").json()["active"]:
+        time.sleep(0.02)
+    assert httpx.get(sp.base_url + "/health").json()["active"] == 1
     t0 = time.time()
     sp.proc.send_signal(signal.SIGTERM)
     sp.proc.wait(10)
@@ -205,8 +221,7 @@ def test_port_in_use(tiny_model_dir, server_factory):
 
 def test_load_failure(tmp_path, server_factory):
     sp = server_factory(["-m", str(tmp_path / "missing"), "--port", str(free_port())], wait=False)
-    assert sp.proc.wait(60) == 1
-    time.sleep(0.1)
+    assert sp.wait_exit(60) == 1
     assert any(line.startswith("[mlx] Failed to load model:") for line in sp.lines)
     assert not any("listening" in line for line in sp.lines)
     assert sp.proc.stderr.read().strip()
@@ -286,7 +301,19 @@ def test_non_gguf_file_named_gguf_fails_clearly(server_factory, tmp_path):
         wait=False,
         env={"MLX_SERVER_CACHE": str(tmp_path / "c")},
     )
-    assert sp.proc.wait(60) == 1
-    time.sleep(0.1)
+    assert sp.wait_exit(60) == 1
     assert any(line.startswith("[mlx] Failed to load model:") for line in sp.lines)
     assert "gguf" in sp.proc.stderr.read().lower()
+
+
+def test_ignore_eos_generates_max_tokens(e2e_server):
+    body = {
+        "model": "m",
+        "messages": [{"role": "user", "content": "Say hi."}],
+        "max_tokens": 40,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
+    r = httpx.post(e2e_server.base_url + "/v1/chat/completions", json=body, timeout=120).json()
+    assert r["usage"]["completion_tokens"] == 40
+    assert r["choices"][0]["finish_reason"] == "length"

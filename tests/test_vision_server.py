@@ -230,6 +230,7 @@ def test_video_file_and_legacy_videos(vlm_server, tmp_path):
 
 
 def test_cancelled_stream_frees_the_engine(vlm_server):
+    since = len(vlm_server.lines)
     body = {
         "messages": [user(image_part(data_url(png(56, 56))))],
         "max_tokens": CTX - 100,
@@ -254,6 +255,8 @@ def test_cancelled_stream_frees_the_engine(vlm_server):
         "active": 0,
         "queued": 0,
     }
+    line = vlm_server.wait_for_line(" cancelled ", since)  # cut short, not run to its end
+    assert int(line.rsplit(", ", 1)[1].split()[0]) < CTX - 100, line
     still_answers(vlm_server)
 
 

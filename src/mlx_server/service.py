@@ -197,6 +197,7 @@ class ChatService:
             logits_processors=tuple(processors),
             vision_inputs=prepared.vision_inputs,
             system_prefix_tokens=self.system_prefix_tokens(chat, prepared.tokens),
+            ignore_eos=chat.ignore_eos,
         )
         return req, prepared
 

@@ -39,6 +39,8 @@ class ChatRequest:
     template_kwargs: dict[str, Any] = field(default_factory=dict)
     # "auto": split reasoning out of the answer; "none": raw text.
     reasoning_format: str = "auto"
+    # Never end at the end-of-sequence token (llama.cpp's ignore_eos; for benchmarks).
+    ignore_eos: bool = False
     # Structured output, protocol-neutral: None (free text), {"type": "json_object"} or
     # {"type": "json_schema", "schema": {...}}. Enforced with a grammar, like a
     # tool_choice of "required" or a named function.
@@ -61,6 +63,7 @@ class GenerationRequest:
     # A vision model's inputs besides the token ids (the processor's pixel_values,
     # attention_mask, image_grid_thw, ...), or None for a text-only prompt.
     vision_inputs: dict[str, Any] | None = None
+    ignore_eos: bool = False
     # Leading prompt tokens that render the system prompt (and tools): the engine keeps the
     # KV state of that prefix in its prefix cache longest. 0 when unknown.
     system_prefix_tokens: int = 0

@@ -28,6 +28,7 @@ from mlx_server.engine.sampling import (
     guard_sampler,
     make_processors,
     make_sampler,
+    mask_tokens,
     reset_random_state,
 )
 from mlx_server.errors import InvalidRequest, Overloaded
@@ -277,9 +278,10 @@ class Engine:
     def _insert(self, gen: BatchGenerator, seq: _Seq) -> None:
         req = seq.req
         sampler = self._checked_sampler(seq)
+        extra = [mask_tokens(self._eos)] if req.ignore_eos else []
         processors = [
             guard_processor(seq, p)
-            for p in list(make_processors(req.sampling)) + list(req.logits_processors)
+            for p in list(make_processors(req.sampling)) + list(req.logits_processors) + extra
         ]
         prompt = list(req.prompt_tokens)
         cache, rest = None, prompt

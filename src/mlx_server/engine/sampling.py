@@ -97,6 +97,17 @@ def guard_processor(owner: _Faultable, processor: Any) -> Any:
     return process
 
 
+def mask_tokens(token_ids: list[int]) -> Callable[[mx.array, mx.array], mx.array]:
+    """A logits processor that never lets ``token_ids`` be chosen (``ignore_eos``)."""
+    ids = mx.array(token_ids)
+
+    def process(tokens: mx.array, logits: mx.array) -> mx.array:
+        logits[..., ids] = -float("inf")
+        return logits
+
+    return process
+
+
 def reset_random_state() -> None:
     """Give MLX's global generator a fresh key. A step that failed half-built can leave
     the global key pointing at an array that will never be computed, and every unseeded

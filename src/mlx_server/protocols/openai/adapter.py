@@ -62,6 +62,7 @@ def to_chat_request(body: ChatCompletionRequest, *, vision: bool = False) -> Cha
         template_kwargs=kwargs,
         reasoning_format="none" if body.reasoning_format == "none" else "auto",
         response_format=_response_format(body),
+        ignore_eos=bool(body.ignore_eos),
     )
 
 

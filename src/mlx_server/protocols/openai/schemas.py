@@ -85,6 +85,7 @@ class ChatCompletionRequest(_Model):
     reasoning_format: str | None = None
     reasoning_effort: str | None = None
     user: str | None = None
+    ignore_eos: bool | None = None  # llama.cpp's: generate max_tokens whatever the model says
 
     @field_validator("stop")
     @classmethod
