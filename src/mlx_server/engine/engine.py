@@ -39,6 +39,7 @@ class EngineConfig:
     prompt_cache_bytes: int = 2 << 30
     kv_budget_bytes: int = 4 << 30
     kv_bytes_per_token: int = 1
+    prompt_cache_disk: Any = None  # disk_cache.DiskPromptCache: the prefix cache's disk tier
 
 
 @dataclass
@@ -75,7 +76,11 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._kv_in_use = 0
         self._prompt_cache = (
-            PrefixCache(self.config.prompt_cache_size, self.config.prompt_cache_bytes)
+            PrefixCache(
+                self.config.prompt_cache_size,
+                self.config.prompt_cache_bytes,
+                disk=self.config.prompt_cache_disk,
+            )
             if self.config.prompt_cache_size > 0
             else None
         )
@@ -187,6 +192,8 @@ class Engine:
                 gen = self._new_generator()
         self._fail_all("cancelled", reason="cancelled")
         gen.close()
+        if self._prompt_cache is not None:
+            self._prompt_cache.close()  # RAM entries to the disk tier, within a deadline
 
     def _new_generator(self) -> BatchGenerator:
         return BatchGenerator(
