@@ -144,7 +144,9 @@ class DiskPromptCache:
         self._queue: queue.Queue[_Job | None] = queue.Queue()
         self.directory.mkdir(parents=True, exist_ok=True)
         self._entries: dict[str, _Entry] = self._read_index()
-        self._writer = threading.Thread(target=self._write_loop, name="prompt-cache-disk", daemon=True)
+        self._writer = threading.Thread(
+            target=self._write_loop, name="prompt-cache-disk", daemon=True
+        )
         self._writer.start()
 
     # ---- start-up ----------------------------------------------------------------------
@@ -164,9 +166,7 @@ class DiskPromptCache:
             log(f"Prompt cache: ignoring an unreadable manifest in {self.directory} ({e})")
         on_disk = {}
         for f in self.directory.iterdir():
-            if f.name.startswith(_TMP_PREFIX) or (
-                f.suffix == _SUFFIX and f.stem not in entries
-            ):
+            if f.name.startswith(_TMP_PREFIX) or (f.suffix == _SUFFIX and f.stem not in entries):
                 f.unlink(missing_ok=True)
             elif f.suffix == _SUFFIX:
                 on_disk[f.stem] = f.stat().st_size
@@ -216,7 +216,8 @@ class DiskPromptCache:
                 raise ValueError("checksum mismatch")
             import mlx.core as mx
 
-            arrays, metadata = mx.load(str(path), return_metadata=True)  # type: ignore[misc]
+            contents: Any = mx.load(str(path), return_metadata=True)
+            arrays, metadata = contents
             tokens = np.asarray(arrays.pop("tokens"), dtype=np.int32)
             if not np.array_equal(tokens, entry.tokens):
                 raise ValueError("tokens differ from the manifest")
@@ -381,7 +382,9 @@ class DiskPromptCache:
 # ---- (de)serialization -------------------------------------------------------------------
 
 
-def _serialize(cache: list[Any], n_tokens: int) -> tuple[dict[str, Any], dict[str, str], bool] | None:
+def _serialize(
+    cache: list[Any], n_tokens: int
+) -> tuple[dict[str, Any], dict[str, str], bool] | None:
     """Arrays and metadata for a KV state of plain or quantized KV layers, each cut to
     ``n_tokens``; None for other cache kinds (recurrent or rotating layers)."""
     import mlx.core as mx
@@ -396,7 +399,7 @@ def _serialize(cache: list[Any], n_tokens: int) -> tuple[dict[str, Any], dict[st
             parts = {"k": [c.keys], "v": [c.values]}
             layers.append({"type": "kv"})
         elif isinstance(c, QuantizedKVCache):
-            parts = {"k": list(c.keys), "v": list(c.values)}
+            parts = {"k": list(c.keys or ()), "v": list(c.values or ())}
             layers.append({"type": "quantized", "group_size": c.group_size, "bits": c.bits})
         else:
             return None

@@ -21,13 +21,19 @@ from typing import Any
 
 import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
-from mlx_lm.models.cache import KVCache, QuantizedKVCache, _BaseCache, dynamic_roll, make_prompt_cache
+from mlx_lm.models.cache import (
+    KVCache,
+    QuantizedKVCache,
+    _BaseCache,
+    dynamic_roll,
+    make_prompt_cache,
+)
 
 Triple = tuple[Any, Any, Any]
 
 
 def _tmap(fn: Any, *xs: Triple) -> Triple:
-    return tuple(fn(*parts) for parts in zip(*xs))  # type: ignore[return-value]
+    return tuple(fn(*parts) for parts in zip(*xs, strict=True))  # type: ignore[return-value]
 
 
 class BatchableQuantizedKVCache(QuantizedKVCache):
@@ -46,8 +52,8 @@ class BatchQuantizedKVCache(_BaseCache):
     def __init__(self, left_padding: list[int], group_size: int = 64, bits: int = 8):
         self.keys: Triple | None = None
         self.values: Triple | None = None
-        self.left_padding = mx.array(left_padding)
-        self.offset = mx.array([-p for p in left_padding])
+        self.left_padding: Any = mx.array(left_padding)
+        self.offset: Any = mx.array([-p for p in left_padding])
         self._idx = 0
         self._right_padding: Any = None
         self.group_size = group_size
@@ -76,7 +82,7 @@ class BatchQuantizedKVCache(_BaseCache):
         self.offset = self.offset + n
         self._idx += n
         assert self.keys is not None and self.values is not None
-        for buf, new in zip(self.keys + self.values, qk + qv):
+        for buf, new in zip(self.keys + self.values, qk + qv, strict=True):
             buf[..., prev : self._idx, :] = new
         return self.keys_and_values()
 
@@ -87,7 +93,9 @@ class BatchQuantizedKVCache(_BaseCache):
             lambda x: x[..., :cut, :], self.values
         )
 
-    def prepare(self, *, left_padding: Any = None, lengths: Any = None, right_padding: Any = None) -> None:
+    def prepare(
+        self, *, left_padding: Any = None, lengths: Any = None, right_padding: Any = None
+    ) -> None:
         if left_padding is not None:
             if self.keys is not None:
                 raise ValueError("left padding can only be added to an empty cache")
@@ -132,7 +140,7 @@ class BatchQuantizedKVCache(_BaseCache):
             self.values = _tmap(lambda x: x[batch_indices], self.values)
         self.offset = self.offset[batch_indices]
         self.left_padding = self.left_padding[batch_indices]
-        shift = min(self.left_padding.tolist())
+        shift = int(min(self.left_padding.tolist()))
         if shift > 0:
             if self.keys is not None and self.values is not None:
                 self.keys = _tmap(lambda x: x[..., shift:, :], self.keys)
@@ -179,13 +187,13 @@ class BatchQuantizedKVCache(_BaseCache):
 
     def extract(self, idx: int) -> BatchableQuantizedKVCache:
         assert self.keys is not None and self.values is not None
-        pad = self.left_padding.tolist()[idx]
+        pad = int(self.left_padding.tolist()[idx])
         cut = self._idx
 
         def take(x: Any) -> Any:
             return mx.contiguous(x[idx : idx + 1, :, pad:cut])
 
-        c = BatchableQuantizedKVCache(group_size=self.group_size, bits=self.bits)
+        c: Any = BatchableQuantizedKVCache(group_size=self.group_size, bits=self.bits)
         c.keys, c.values = _tmap(take, self.keys), _tmap(take, self.values)
         c.offset = cut - pad
         return c
@@ -207,10 +215,10 @@ class BatchQuantizedKVCache(_BaseCache):
             return mx.zeros((B, x.shape[1], longest, x.shape[3]), dtype=x.dtype)
 
         keys, values = _tmap(blank, like_k), _tmap(blank, like_v)
-        for i, (p, n, c) in enumerate(zip(padding, lengths, caches)):
+        for i, (p, n, c) in enumerate(zip(padding, lengths, caches, strict=True)):
             if not n:
                 continue
-            for buf, src in zip(keys + values, tuple(c.keys) + tuple(c.values)):
+            for buf, src in zip(keys + values, tuple(c.keys) + tuple(c.values), strict=True):
                 buf[i : i + 1, :, p : p + n] = src[..., :n, :]
         out.keys, out.values = keys, values
         out.offset = out.offset + longest
