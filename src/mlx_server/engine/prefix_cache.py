@@ -91,9 +91,11 @@ class PrefixCache(LRUPromptCache):
         """Serve ``tokens`` from the disk tier when it covers more than ``floor`` tokens; the
         entry is loaded into RAM as well. None on a disk miss or an unreadable entry."""
         assert self.disk is not None
-        found = self.disk.lookup(tokens, floor)
-        loaded = self.disk.load(found[0]) if found is not None else None
-        if found is None or loaded is None:
+        while (found := self.disk.lookup(tokens, floor)) is not None:
+            loaded = self.disk.load(found[0])  # None: unreadable, and gone; try the next
+            if loaded is not None:
+                break
+        else:
             self.disk.misses += 1
             return None
         cache, entry_tokens, kind = loaded
