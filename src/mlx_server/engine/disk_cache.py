@@ -140,6 +140,7 @@ class DiskPromptCache:
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
         self._pending = 0
+        self.pending_bytes = 0  # arrays held by queued writes
         self._dirty = False
         self._queue: queue.Queue[_Job | None] = queue.Queue()
         self.directory.mkdir(parents=True, exist_ok=True)
@@ -266,6 +267,8 @@ class DiskPromptCache:
 
         arrays["tokens"] = mx.array(tokens, dtype=mx.int32)
         mx.eval(list(arrays.values()))
+        with self._lock:
+            self.pending_bytes += sum(a.nbytes for a in arrays.values())
         self._queue.put(_Job(np.asarray(tokens, dtype=np.int32), arrays, metadata, kind, trimmable))
         return True
 
@@ -313,6 +316,8 @@ class DiskPromptCache:
             with self._idle:
                 if job is not None:
                     self._pending -= 1
+                    self.pending_bytes -= sum(a.nbytes for a in job.arrays.values())
+                    job = None  # the arrays go now, not at the next job
                 if self._queue.empty() and self._dirty:
                     self._write_manifest_locked()
                 self._idle.notify_all()

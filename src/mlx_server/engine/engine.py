@@ -21,6 +21,7 @@ from mlx_lm.generate import BatchGenerator, StopSequences
 
 from mlx_server.engine.handle import GenerationHandle, TokenPiece
 from mlx_server.engine.logprobs import logprob_entry
+from mlx_server.engine.memory import MemoryBudget
 from mlx_server.engine.prefix_cache import SYSTEM, PrefixCache
 from mlx_server.engine.sampling import make_processors, make_sampler
 from mlx_server.errors import InvalidRequest, Overloaded
@@ -83,6 +84,9 @@ class Engine:
             )
             if self.config.prompt_cache_size > 0
             else None
+        )
+        self._memory = MemoryBudget(
+            self.config.kv_budget_bytes, self._prompt_cache, lambda: self._kv_in_use
         )
         self._eos = sorted(int(t) for t in tokenizer.eos_token_ids)
 
@@ -153,6 +157,7 @@ class Engine:
             "next_prefill_tokens": self._prefill_load(active),
             "queued": self.queue_depth,
             "kv_in_use_bytes": self._kv_in_use,
+            **self._memory.stats(),
             **(
                 self._prompt_cache.stats()
                 if self._prompt_cache is not None
@@ -216,7 +221,10 @@ class Engine:
                     self._pending.popleft()
                     self._finish(seq, "cancelled")
                     continue
-                if self._active and self._kv_in_use + seq.kv_bytes > self.config.kv_budget_bytes:
+                # The budget counts the prefix cache and MLX's buffer cache too; they give
+                # memory back before a request waits.
+                fits = self._memory.fits(self._kv_in_use + seq.kv_bytes)
+                if self._active and not fits:
                     return  # wait for memory to free up
                 if not self._may_start_prefill(seq):
                     return  # wait for the prefills ahead of it to make room

@@ -67,6 +67,7 @@ class PrefixCache(LRUPromptCache):
         self.hits = 0
         self.misses = 0
         self.disk = disk
+        self.on_insert: Any = None  # called after each insert (the memory budget's check)
 
     def fetch(self, tokens: list[int]) -> tuple[list[Any] | None, list[int]]:
         """A private copy of the KV state for the longest usable prefix of ``tokens`` and the
@@ -162,6 +163,8 @@ class PrefixCache(LRUPromptCache):
         if to_disk and cache_type == SYSTEM and self.disk is not None:
             self.disk.save(tokens, prompt_cache, cache_type)  # the prefix that never changes
         self._enforce_limits()
+        if self.on_insert is not None:
+            self.on_insert()
 
     def _drop_prefixes(self, model: Any, tokens: list[int]) -> None:
         """A trimmable entry also serves all its prefixes, so shorter ones only take space;
@@ -188,11 +191,12 @@ class PrefixCache(LRUPromptCache):
         if self.disk is not None:
             self.disk.save(tokens, entry.prompt_cache, entry.cache_type)
 
-    def evict_bytes(self, n_bytes: int) -> int:
+    def evict_bytes(self, n_bytes: int, keep_newest: bool = False) -> int:
         """Give back at least ``n_bytes`` of RAM (to the disk tier if there is one), least
-        valuable entries first. Returns the bytes freed."""
+        valuable entries first (all but the one stored last with ``keep_newest``). Returns
+        the bytes freed."""
         before = self._n_bytes
-        while len(self._lru) and before - self._n_bytes < n_bytes:
+        while len(self._lru) > int(keep_newest) and before - self._n_bytes < n_bytes:
             self._evict(*self._lru.pop())
         return before - self._n_bytes
 
