@@ -13,7 +13,7 @@ changes the server needs:
 
 With a disk tier (``disk_cache.DiskPromptCache``), entries that leave RAM and system-prompt
 entries are also written to disk, a lookup that the disk serves better than RAM loads the
-entry back (into RAM too), and ``close`` writes what RAM still holds.
+entry from there, and ``close`` writes what RAM still holds.
 """
 
 from __future__ import annotations
@@ -89,8 +89,8 @@ class PrefixCache(LRUPromptCache):
         return cache, tokens[keep:]
 
     def _fetch_from_disk(self, tokens: list[int], floor: int) -> tuple[list[Any], list[int]] | None:
-        """Serve ``tokens`` from the disk tier when it covers more than ``floor`` tokens; the
-        entry is loaded into RAM as well. None on a disk miss or an unreadable entry."""
+        """Serve ``tokens`` from the disk tier when it covers more than ``floor`` tokens.
+        None on a disk miss or an unreadable entry."""
         assert self.disk is not None
         while (found := self.disk.lookup(tokens, floor)) is not None:
             loaded = self.disk.load(found[0])  # None: unreadable, and gone; try the next
@@ -99,14 +99,13 @@ class PrefixCache(LRUPromptCache):
         else:
             self.disk.misses += 1
             return None
-        cache, entry_tokens, kind = loaded
-        self.insert_cache(_KEY, entry_tokens, cache, cache_type=kind, to_disk=False)
-        out = copy.deepcopy(cache)
+        # Not copied into RAM as well: the request's own state is stored when it ends.
+        cache, entry_tokens, _ = loaded
         keep = found[1]
         if len(entry_tokens) > keep:
-            trim_prompt_cache(out, len(entry_tokens) - keep)
+            trim_prompt_cache(cache, len(entry_tokens) - keep)
         self.hits += 1
-        return out, tokens[keep:]
+        return cache, tokens[keep:]
 
     def cached_length(self, tokens: list[int]) -> int:
         """How many leading tokens ``fetch`` would serve from the cache (no copy, no hit
@@ -145,7 +144,6 @@ class PrefixCache(LRUPromptCache):
         prompt_cache: list[Any],
         *,
         cache_type: str = CONVERSATION,
-        to_disk: bool = True,
     ) -> None:
         if self._lru.kind_of(model, tokens) == SYSTEM:
             cache_type = SYSTEM  # keep a system prompt's priority when it is stored again
@@ -160,7 +158,7 @@ class PrefixCache(LRUPromptCache):
         self._lru.push(model, tokens, cache_type)
         if can_trim_prompt_cache(prompt_cache):
             self._drop_prefixes(model, tokens)
-        if to_disk and cache_type == SYSTEM and self.disk is not None:
+        if cache_type == SYSTEM and self.disk is not None:
             self.disk.save(tokens, prompt_cache, cache_type)  # the prefix that never changes
         self._enforce_limits()
         if self.on_insert is not None:
