@@ -228,3 +228,29 @@ def test_a_restarted_engine_serves_the_prompt_from_disk_with_the_same_output(lm,
         assert res.text == plain.text
     assert res.cached == len(prompt) - 1
     assert stats["prompt_cache_disk_hits"] == 1 and stats["prompt_cache_disk_read_bytes"] > 0
+
+
+def test_the_default_directory_follows_the_environment(monkeypatch, tmp_path):
+    from mlx_server.engine.disk_cache import default_root
+
+    monkeypatch.delenv("MLX_SERVER_PROMPT_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert default_root() == tmp_path / "xdg" / "mlx-server" / "prompt-cache"
+    monkeypatch.setenv("MLX_SERVER_PROMPT_CACHE_DIR", str(tmp_path / "explicit"))
+    assert default_root() == tmp_path / "explicit"
+
+
+def test_an_empty_prompt_cache_dir_turns_the_disk_tier_off(lm, tmp_path):
+    from types import SimpleNamespace
+
+    from mlx_server.config import Settings
+    from mlx_server.wiring import _disk_tier
+
+    model, _, path = lm
+    loaded = SimpleNamespace(
+        model=model, path=path, config=json.loads((path / "config.json").read_text())
+    )
+    assert _disk_tier(loaded, Settings(model=str(path), prompt_cache_dir="")) is None
+    disk = _disk_tier(loaded, Settings(model=str(path), prompt_cache_dir=str(tmp_path)))
+    assert disk is not None and disk.directory.parent == tmp_path
+    assert disk.directory.name.startswith(path.name + "-")
