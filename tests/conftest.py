@@ -3,11 +3,14 @@ and a real ``mlx-server`` process."""
 
 from __future__ import annotations
 
+import atexit
 import os
 import queue
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -20,6 +23,12 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from scripted_engine import ScriptedEngine  # noqa: E402
 from tiny_model import build_tiny_model  # noqa: E402
+
+# Servers and engines started by tests keep their prefix cache's disk tier here, never in the
+# user's cache directory (tests that check the disk tier pass --prompt-cache-dir themselves).
+_PROMPT_CACHE_ROOT = tempfile.mkdtemp(prefix="mlx-server-test-prompt-cache-")
+os.environ["MLX_SERVER_PROMPT_CACHE_DIR"] = _PROMPT_CACHE_ROOT
+atexit.register(shutil.rmtree, _PROMPT_CACHE_ROOT, True)
 
 SPECS = Path(__file__).resolve().parents[2] / "shared" / "specs"
 LOCAL_SPECS = Path(__file__).parent / "specs"

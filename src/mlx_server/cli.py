@@ -29,7 +29,9 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
         meta = f.metadata
         env = env_name(f.name)
         kwargs: dict[str, Any] = {"help": f"{meta['help']} [env: {env}]", "dest": f.name}
-        convert: Any = {"int": int, "float": float, "float | None": float}.get(str(f.type), str)
+        convert: Any = {"int": int, "int | None": int, "float": float, "float | None": float}.get(
+            str(f.type), str
+        )
         if f.type in ("bool", bool):
             kwargs["action"] = "store_true"
             convert = _flag

@@ -80,6 +80,27 @@ class Settings:
         min=0,
     )
     prompt_cache_gb: float = _opt(2.0, "Prefix-cache size limit in GB", "--prompt-cache-gb", min=0)
+    prompt_cache_dir: str | None = _opt(
+        None,
+        "Directory of the prefix cache's disk tier (default: per model under the user cache "
+        "directory, e.g. ~/.cache/mlx-server/prompt-cache; '' turns the disk tier off)",
+        "--prompt-cache-dir",
+    )
+    prompt_cache_disk_gb: float = _opt(
+        10.0,
+        "Disk-tier size limit in GB (least recently used entries go first)",
+        "--prompt-cache-disk-gb",
+        min=0,
+    )
+    kv_bits: int | None = _opt(
+        None,
+        "Quantize the KV cache to 8 or 4 bits (default: the model's activation dtype)",
+        "--kv-bits",
+        choices=(4, 8),
+    )
+    kv_group_size: int = _opt(
+        64, "Group size of the quantized KV cache", "--kv-group-size", choices=(32, 64, 128)
+    )
     kv_budget_gb: float | None = _opt(
         None,
         "KV-cache memory budget for admitted requests in GB (default: a quarter of device memory)",

@@ -44,8 +44,13 @@ def build(settings: Settings) -> tuple[Any, Any]:
         from mlx_server.engine.vision_engine import VisionEngine
 
         engine_class = VisionEngine
+    model, kv_per_token = loaded.model, loaded.kv_bytes_per_token
+    disk = None
+    if not vision:
+        model, kv_per_token = _quantized_kv(loaded, settings, model, kv_per_token)
+        disk = _disk_tier(loaded, settings)
     engine = engine_class(
-        loaded.model,
+        model,
         loaded.tokenizer,
         EngineConfig(
             max_batch_size=settings.max_batch_size,
@@ -54,7 +59,8 @@ def build(settings: Settings) -> tuple[Any, Any]:
             prompt_cache_size=settings.prompt_cache_size,
             prompt_cache_bytes=int(settings.prompt_cache_gb * (1 << 30)),
             kv_budget_bytes=kv_budget,
-            kv_bytes_per_token=loaded.kv_bytes_per_token,
+            kv_bytes_per_token=kv_per_token,
+            prompt_cache_disk=disk,
         ),
     )
     service = ChatService(
@@ -88,6 +94,61 @@ def build(settings: Settings) -> tuple[Any, Any]:
         responses_store=store,
     )
     return app, engine
+
+
+def _quantized_kv(loaded: Any, settings: Settings, model: Any, per_token: int) -> tuple[Any, int]:
+    """The model wrapped to quantize its KV cache (``--kv-bits``), and the KV bytes per token."""
+    if not settings.kv_bits:
+        return model, per_token
+    from mlx_server.engine.kv_quant import QuantizedKVModel
+    from mlx_server.models.loader import activation_bytes, kv_bytes_per_token
+
+    per_token = kv_bytes_per_token(
+        loaded.config, activation_bytes(loaded.model), settings.kv_bits, settings.kv_group_size
+    )
+    log(
+        f"KV cache: {settings.kv_bits}-bit, group size {settings.kv_group_size} "
+        f"({per_token} bytes per token)"
+    )
+    return QuantizedKVModel(model, settings.kv_bits, settings.kv_group_size), per_token
+
+
+def _disk_tier(loaded: Any, settings: Settings) -> Any:
+    """The prefix cache's disk tier (``--prompt-cache-dir``), or None when it is off."""
+    if settings.prompt_cache_dir == "" or settings.prompt_cache_size <= 0:
+        return None
+    from pathlib import Path
+
+    from mlx_server.engine.disk_cache import DiskPromptCache, default_root, model_cache_dir
+    from mlx_server.models.loader import activation_bytes
+
+    cfg = loaded.config.get("text_config", loaded.config)
+    layout = {
+        "activation_bytes": activation_bytes(loaded.model),
+        "dtype": settings.dtype,
+        "kv_bits": settings.kv_bits,
+        "kv_group_size": settings.kv_group_size if settings.kv_bits else None,
+        "layers": cfg.get("num_hidden_layers"),
+        "kv_heads": cfg.get("num_key_value_heads", cfg.get("num_attention_heads")),
+        "head_dim": cfg.get("head_dim"),
+    }
+    root = (
+        Path(settings.prompt_cache_dir).expanduser()
+        if settings.prompt_cache_dir
+        else default_root()
+    )
+    directory = model_cache_dir(root, Path(loaded.path), layout)
+    try:
+        disk = DiskPromptCache(directory, int(settings.prompt_cache_disk_gb * (1 << 30)))
+    except OSError as e:
+        log(f"Prompt cache: disk tier off, cannot use {directory}: {e}")
+        return None
+    stats = disk.stats()
+    log(
+        f"Prompt cache disk tier: {directory} ({stats['prompt_cache_disk_entries']} entries, "
+        f"{stats['prompt_cache_disk_bytes'] >> 20}MB, limit {settings.prompt_cache_disk_gb:g}GB)"
+    )
+    return disk
 
 
 def _vision_prompt_builder(loaded: Any, settings: Settings) -> Any:

@@ -22,6 +22,7 @@ from mlx_lm.generate import BatchGenerator, StopSequences
 
 from mlx_server.engine.handle import GenerationHandle, Started, TokenPiece
 from mlx_server.engine.logprobs import logprob_entry
+from mlx_server.engine.memory import MemoryBudget
 from mlx_server.engine.prefix_cache import SYSTEM, PrefixCache
 from mlx_server.engine.sampling import (
     guard_processor,
@@ -47,6 +48,7 @@ class EngineConfig:
     prompt_cache_bytes: int = 2 << 30
     kv_budget_bytes: int = 4 << 30
     kv_bytes_per_token: int = 1
+    prompt_cache_disk: Any = None  # disk_cache.DiskPromptCache: the prefix cache's disk tier
 
 
 @dataclass
@@ -84,9 +86,16 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._kv_in_use = 0
         self._prompt_cache = (
-            PrefixCache(self.config.prompt_cache_size, self.config.prompt_cache_bytes)
+            PrefixCache(
+                self.config.prompt_cache_size,
+                self.config.prompt_cache_bytes,
+                disk=self.config.prompt_cache_disk,
+            )
             if self.config.prompt_cache_size > 0
             else None
+        )
+        self._memory = MemoryBudget(
+            self.config.kv_budget_bytes, self._prompt_cache, lambda: self._kv_in_use
         )
         self._eos = sorted(int(t) for t in tokenizer.eos_token_ids)
         # Width of the model's logits, to try each request's sampler before it joins a batch.
@@ -160,6 +169,7 @@ class Engine:
             "next_prefill_tokens": self._prefill_load(active),
             "queued": self.queue_depth,
             "kv_in_use_bytes": self._kv_in_use,
+            **self._memory.stats(),
             **(
                 self._prompt_cache.stats()
                 if self._prompt_cache is not None
@@ -203,6 +213,8 @@ class Engine:
                 reset_random_state()
         self._fail_all("cancelled", reason="cancelled")
         gen.close()
+        if self._prompt_cache is not None:
+            self._prompt_cache.close()  # RAM entries to the disk tier, within a deadline
 
     def _new_generator(self) -> BatchGenerator:
         return BatchGenerator(
@@ -244,9 +256,9 @@ class Engine:
             short = self._uncached(seq) <= self.config.prefill_step_size
             if blocked and not short:
                 continue
-            fits = not self._active or (
-                self._kv_in_use + seq.kv_bytes <= self.config.kv_budget_bytes
-            )
+            # The budget counts the prefix cache and MLX's buffer cache too; they give
+            # memory back before a request waits.
+            fits = not self._active or self._memory.fits(self._kv_in_use + seq.kv_bytes)
             if fits and (short or self._may_start_prefill(seq)):
                 return seq
             blocked = True

@@ -10,18 +10,26 @@ changes the server needs:
   left (or when they would take more than half the slots), and a longer conversation
   inserted on top of one does not replace it. A shared system prompt therefore stays warm
   for new conversations after their turns age out.
+
+With a disk tier (``disk_cache.DiskPromptCache``), entries that leave RAM and system-prompt
+entries are also written to disk, a lookup that the disk serves better than RAM loads the
+entry from there, and ``close`` writes what RAM still holds.
 """
 
 from __future__ import annotations
 
 import copy
-from typing import Any
+import time
+from typing import TYPE_CHECKING, Any
 
 from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, trim_prompt_cache
 
 _KEY = "model"  # one model per engine: a constant trie namespace
 SYSTEM = "system"
 CONVERSATION = "assistant"
+
+if TYPE_CHECKING:
+    from mlx_server.engine.disk_cache import DiskPromptCache
 
 
 class _SystemLast(LRUPromptCache.CacheOrder):
@@ -53,18 +61,24 @@ class _SystemLast(LRUPromptCache.CacheOrder):
 class PrefixCache(LRUPromptCache):
     """Prompt KV states bounded by entry count and bytes; see the module docstring."""
 
-    def __init__(self, max_entries: int, max_bytes: int):
+    def __init__(self, max_entries: int, max_bytes: int, disk: DiskPromptCache | None = None):
         super().__init__(max_entries, max_bytes)
         self._lru: _SystemLast = _SystemLast()
         self.hits = 0
         self.misses = 0
         self.evictions = 0
+        self.disk = disk
+        self.on_insert: Any = None  # called after each insert (the memory budget's check)
 
     def fetch(self, tokens: list[int]) -> tuple[list[Any] | None, list[int]]:
         """A private copy of the KV state for the longest usable prefix of ``tokens`` and the
         tokens still to prefill (never empty); ``(None, tokens)`` on a miss."""
         res = self._trie.search(_KEY, tokens)
         key, keep = self._choose(res, tokens)
+        if self.disk is not None and keep < len(tokens) - 1:
+            loaded = self._fetch_from_disk(tokens, keep if key is not None else 0)
+            if loaded is not None:
+                return loaded
         if key is None or keep <= 0:
             self.misses += 1
             return None, tokens
@@ -75,11 +89,34 @@ class PrefixCache(LRUPromptCache):
         self.hits += 1
         return cache, tokens[keep:]
 
+    def _fetch_from_disk(self, tokens: list[int], floor: int) -> tuple[list[Any], list[int]] | None:
+        """Serve ``tokens`` from the disk tier when it covers more than ``floor`` tokens.
+        None on a disk miss or an unreadable entry."""
+        assert self.disk is not None
+        while (found := self.disk.lookup(tokens, floor)) is not None:
+            loaded = self.disk.load(found[0])  # None: unreadable, and gone; try the next
+            if loaded is not None:
+                break
+        else:
+            self.disk.misses += 1
+            return None
+        # Not copied into RAM as well: the request's own state is stored when it ends.
+        cache, entry_tokens, _ = loaded
+        keep = found[1]
+        if len(entry_tokens) > keep:
+            trim_prompt_cache(cache, len(entry_tokens) - keep)
+        self.hits += 1
+        return cache, tokens[keep:]
+
     def cached_length(self, tokens: list[int]) -> int:
         """How many leading tokens ``fetch`` would serve from the cache (no copy, no hit
         counted)."""
         key, keep = self._choose(self._trie.search(_KEY, tokens), tokens)
-        return keep if key is not None else 0
+        keep = keep if key is not None else 0
+        if self.disk is not None and keep < len(tokens) - 1:
+            found = self.disk.lookup(tokens, keep)
+            keep = found[1] if found is not None else keep
+        return keep
 
     def _choose(self, res: Any, tokens: list[int]) -> tuple[list[int] | None, int]:
         """Which entry to use and how many of its tokens to keep."""
@@ -122,7 +159,11 @@ class PrefixCache(LRUPromptCache):
         self._lru.push(model, tokens, cache_type)
         if can_trim_prompt_cache(prompt_cache):
             self._drop_prefixes(model, tokens)
+        if cache_type == SYSTEM and self.disk is not None:
+            self.disk.save(tokens, prompt_cache, cache_type)  # the prefix that never changes
         self._enforce_limits()
+        if self.on_insert is not None:
+            self.on_insert()
 
     def _drop_prefixes(self, model: Any, tokens: list[int]) -> None:
         """A trimmable entry also serves all its prefixes, so shorter ones only take space;
@@ -144,8 +185,37 @@ class PrefixCache(LRUPromptCache):
             self._evict(*self._lru.pop())
 
     def _evict(self, model: Any, tokens: list[int]) -> None:
-        self._account(self._trie.pop(model, tokens), -1)
+        entry = self._trie.pop(model, tokens)
+        self._account(entry, -1)
         self.evictions += 1
+        if self.disk is not None:
+            self.disk.save(tokens, entry.prompt_cache, entry.cache_type)
+
+    def evict_bytes(self, n_bytes: int, keep_newest: bool = False) -> int:
+        """Give back at least ``n_bytes`` of RAM (to the disk tier if there is one), least
+        valuable entries first (all but the one stored last with ``keep_newest``). Returns
+        the bytes freed."""
+        before = self._n_bytes
+        while len(self._lru) > int(keep_newest) and before - self._n_bytes < n_bytes:
+            self._evict(*self._lru.pop())
+        return before - self._n_bytes
+
+    def close(self, timeout: float = 2.0) -> None:
+        """Write the entries RAM still holds to the disk tier (most recently used first) and
+        wait, at most ``timeout`` seconds, for the writes to finish."""
+        if self.disk is None:
+            return
+        deadline = time.monotonic() + timeout
+        kinds = (SYSTEM, "user", CONVERSATION)
+        for model, tokens in reversed([k for kind in kinds for k in self._lru._lrus[kind]]):
+            if time.monotonic() >= deadline:
+                break
+            entry = self._trie.get(model, tokens)
+            while not self.disk.save(tokens, entry.prompt_cache, entry.cache_type):
+                if not self.disk.busy or time.monotonic() >= deadline:
+                    break
+                time.sleep(0.01)  # the writer queue is full: wait for a slot
+        self.disk.flush(max(0.0, deadline - time.monotonic()))
 
     def _account(self, entry: Any, sign: int) -> None:
         self._n_bytes += sign * entry.nbytes
@@ -165,4 +235,5 @@ class PrefixCache(LRUPromptCache):
             "prompt_cache_hits": self.hits,
             "prompt_cache_misses": self.misses,
             "prompt_cache_evictions": self.evictions,
+            **(self.disk.stats() if self.disk is not None else {}),
         }

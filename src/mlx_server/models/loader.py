@@ -53,15 +53,21 @@ def activation_bytes(model: Any) -> int:
     return 2
 
 
-def kv_bytes_per_token(config: dict[str, Any], elem_bytes: int = 2) -> int:
-    """KV-cache bytes one token costs, estimated from the model config."""
+def kv_bytes_per_token(
+    config: dict[str, Any], elem_bytes: int = 2, bits: int | None = None, group_size: int = 64
+) -> int:
+    """KV-cache bytes one token costs, estimated from the model config; with ``bits``, for a
+    quantized KV cache (packed values plus a scale and a bias per group)."""
     cfg = config.get("text_config", config)
     layers = int(cfg.get("num_hidden_layers", 0) or 0)
     heads = int(cfg.get("num_attention_heads", 1) or 1)
     kv_heads = int(cfg.get("num_key_value_heads", heads) or heads)
     hidden = int(cfg.get("hidden_size", 0) or 0)
     head_dim = int(cfg.get("head_dim", 0) or (hidden // heads if heads else 0))
-    return max(1, 2 * layers * kv_heads * head_dim * elem_bytes)
+    elements = 2 * layers * kv_heads * head_dim
+    if bits:
+        return max(1, round(elements * (bits / 8 + 2 * elem_bytes / group_size)))
+    return max(1, elements * elem_bytes)
 
 
 def default_model_id(model: str) -> str:

@@ -32,6 +32,9 @@ class CancelRequest(BaseModel):
     id: str | None = None
 
 
+_HEALTH_STATS = ("prompt_cache_", "kv_in_use_bytes", "memory_")
+
+
 def create_app(
     service: ChatService,
     *,
@@ -53,7 +56,11 @@ def create_app(
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
-        return {"status": "ok", "active": engine.active_count, "queued": engine.queue_depth}
+        body = {"status": "ok", "active": engine.active_count, "queued": engine.queue_depth}
+        stats = getattr(engine, "stats", None)
+        if stats is not None:  # prefix-cache counters (RAM and disk tiers), memory in use
+            body.update({k: v for k, v in stats().items() if k.startswith(_HEALTH_STATS)})
+        return body
 
     @app.post("/v1/cancel")
     async def cancel(request: Request) -> dict[str, Any]:

@@ -56,6 +56,13 @@ class _Server(uvicorn.Server):
         self.engine.shutdown(timeout=0)  # streams end now instead of holding shutdown open
         super().handle_exit(sig, frame)
 
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().shutdown(sockets)
+        # Wait for the engine thread to end (it writes the prefix cache's RAM entries to the
+        # disk tier, bounded in time): uvicorn re-raises SIGTERM/SIGINT once serve() returns,
+        # which ends the process at once.
+        await asyncio.to_thread(self.engine.shutdown, 3.0)
+
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets)
         if self.started and not self.should_exit:

@@ -1,0 +1,384 @@
+"""The disk tier of the prefix cache: KV states kept in files across restarts.
+
+Each entry is one safetensors file (MLX's own format, ``mx.save_safetensors``) holding the
+KV arrays of every layer, cut to the tokens they cover, and those tokens. A manifest
+(``index.json``) lists the entries with their tokens, size, CRC-32 and last use, so start-up
+reads one file, not every entry.
+
+Threads: the engine (MLX) thread looks entries up, loads them and hands new ones over with
+``save`` after evaluating their arrays; a writer thread writes the files (to a temporary name,
+then renamed: a crash never leaves a half-written entry under a real name), enforces the size
+bound (least recently used first) and rewrites the manifest. A file whose size or CRC does
+not match the manifest, or that fails to parse, is logged, deleted and treated as a miss.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import os
+import queue
+import sys
+import threading
+import time
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from mlx_server.engine.kv_serialize import FORMAT_VERSION, deserialize, serialize
+from mlx_server.logs import log
+
+MANIFEST = "index.json"
+_SUFFIX = ".safetensors"
+_TMP_PREFIX = ".tmp-"
+_CHUNK = 8 << 20
+
+
+def default_root() -> Path:
+    """``$MLX_SERVER_PROMPT_CACHE_DIR``, else ``<user cache dir>/mlx-server/prompt-cache``
+    (``$XDG_CACHE_HOME``, ``~/Library/Caches`` on macOS, else ``~/.cache``)."""
+    env = os.environ.get("MLX_SERVER_PROMPT_CACHE_DIR")
+    if env:
+        return Path(env).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    if xdg:
+        base = Path(xdg)
+    elif sys.platform == "darwin":
+        base = Path.home() / "Library" / "Caches"
+    else:
+        base = Path.home() / ".cache"
+    return base / "mlx-server" / "prompt-cache"
+
+
+def model_cache_dir(root: Path, model_dir: Path, layout: dict[str, Any]) -> Path:
+    """The directory for one model and KV layout: named after the model, keyed by a hash of
+    its config.json, its weight files' names, sizes and mtimes, and the KV layout (dtype,
+    bits, layers, heads), so another model or dtype never reads these entries."""
+    h = hashlib.sha256()
+    h.update(f"format {FORMAT_VERSION}\n".encode())
+    config = model_dir / "config.json"
+    h.update(config.read_bytes() if config.is_file() else str(model_dir.resolve()).encode())
+    for f in sorted(model_dir.glob("*.safetensors")):
+        st = f.stat()
+        h.update(f"{f.name} {st.st_size} {st.st_mtime_ns}\n".encode())
+    h.update(json.dumps(layout, sort_keys=True).encode())
+    return root / f"{model_dir.resolve().name}-{h.hexdigest()[:16]}"
+
+
+@dataclass
+class _Entry:
+    name: str
+    tokens: np.ndarray  # int32
+    nbytes: int
+    crc: int
+    kind: str
+    trimmable: bool
+    used: float
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "tokens": base64.b64encode(self.tokens.astype("<i4").tobytes()).decode(),
+            "bytes": self.nbytes,
+            "crc": self.crc,
+            "kind": self.kind,
+            "trimmable": self.trimmable,
+            "used": self.used,
+        }
+
+    @classmethod
+    def from_json(cls, name: str, d: dict[str, Any]) -> _Entry:
+        tokens = np.frombuffer(base64.b64decode(d["tokens"]), dtype="<i4").astype(np.int32)
+        return cls(
+            name, tokens, int(d["bytes"]), int(d["crc"]), str(d["kind"]), bool(d["trimmable"]),
+            float(d["used"]),
+        )  # fmt: skip
+
+
+@dataclass
+class _Job:
+    tokens: np.ndarray
+    arrays: dict[str, Any]
+    metadata: dict[str, str]
+    kind: str
+    trimmable: bool
+
+
+def _file_crc(path: Path) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+    n = min(len(a), len(b))
+    diff = np.flatnonzero(a[:n] != b[:n])
+    return int(diff[0]) if len(diff) else n
+
+
+class DiskPromptCache:
+    """KV states on disk, bounded by ``max_bytes``; see the module docstring.
+
+    ``min_tokens``: shorter states are not worth a file. ``max_pending``: writes waiting for
+    the writer thread (each holds its arrays in memory); beyond it new ones are dropped.
+    """
+
+    def __init__(
+        self, directory: Path, max_bytes: int, *, min_tokens: int = 256, max_pending: int = 4
+    ):
+        self.directory = Path(directory)
+        self.max_bytes = max_bytes
+        self.min_tokens = min_tokens
+        self.max_pending = max_pending
+        self.hits = self.misses = self.corrupt = self.dropped = 0
+        self.read_bytes = self.written_bytes = 0
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+        self._pending = 0
+        self.pending_bytes = 0  # arrays held by queued writes
+        self._dirty = False
+        self._queue: queue.Queue[_Job | None] = queue.Queue()
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self._entries: dict[str, _Entry] = self._read_index()
+        self._writer = threading.Thread(
+            target=self._write_loop, name="prompt-cache-disk", daemon=True
+        )
+        self._writer.start()
+
+    # ---- start-up ----------------------------------------------------------------------
+
+    def _read_index(self) -> dict[str, _Entry]:
+        """The manifest's entries whose file exists with the listed size; temporary and
+        unlisted files (left by a crash) are deleted."""
+        entries: dict[str, _Entry] = {}
+        try:
+            doc = json.loads((self.directory / MANIFEST).read_text())
+            if doc.get("version") == FORMAT_VERSION:
+                for name, d in doc.get("entries", {}).items():
+                    entries[name] = _Entry.from_json(name, d)
+        except FileNotFoundError:
+            pass
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            log(f"Prompt cache: ignoring an unreadable manifest in {self.directory} ({e})")
+        on_disk = {}
+        for f in self.directory.iterdir():
+            if f.name.startswith(_TMP_PREFIX) or (f.suffix == _SUFFIX and f.stem not in entries):
+                f.unlink(missing_ok=True)
+            elif f.suffix == _SUFFIX:
+                on_disk[f.stem] = f.stat().st_size
+        kept = {n: e for n, e in entries.items() if on_disk.get(n) == e.nbytes}
+        for name in on_disk.keys() - kept.keys():
+            (self.directory / f"{name}{_SUFFIX}").unlink(missing_ok=True)
+        if len(kept) != len(entries):
+            self._dirty = True
+        return kept
+
+    # ---- engine thread -----------------------------------------------------------------
+
+    def lookup(self, tokens: list[int], floor: int = 0) -> tuple[str, int] | None:
+        """The entry covering the longest prefix of ``tokens`` beyond ``floor`` tokens (at
+        most all but the last token) and how many of its tokens to keep; None if none."""
+        if not tokens:
+            return None
+        p = np.asarray(tokens, dtype=np.int32)
+        best: tuple[str, int] | None = None
+        with self._lock:
+            entries = list(self._entries.values())
+        for e in entries:
+            common = _common_prefix(e.tokens, p)
+            if common == len(e.tokens) and len(e.tokens) < len(p):
+                keep = common  # the whole entry, then the rest of the prompt
+            elif e.trimmable:
+                keep = min(common, len(p) - 1)
+            else:
+                continue
+            if keep > floor and keep >= self.min_tokens and (best is None or keep > best[1]):
+                best = (e.name, keep)
+        return best
+
+    def load(self, name: str) -> tuple[list[Any], list[int], str] | None:
+        """The KV state, tokens and kind of an entry; None (and the file deleted) if it is
+        missing, truncated or corrupt."""
+        with self._lock:
+            entry = self._entries.get(name)
+        if entry is None:
+            return None
+        path = self.directory / f"{name}{_SUFFIX}"
+        try:
+            size = path.stat().st_size
+            if size != entry.nbytes:
+                raise ValueError(f"size {size} bytes, expected {entry.nbytes}")
+            if _file_crc(path) != entry.crc:
+                raise ValueError("checksum mismatch")
+            import mlx.core as mx
+
+            contents: Any = mx.load(str(path), return_metadata=True)
+            arrays, metadata = contents
+            tokens = np.asarray(arrays.pop("tokens"), dtype=np.int32)
+            if not np.array_equal(tokens, entry.tokens):
+                raise ValueError("tokens differ from the manifest")
+            cache = deserialize(arrays, metadata)
+        except Exception as e:
+            log(f"Prompt cache: dropping unreadable entry {path.name}: {type(e).__name__}: {e}")
+            self.corrupt += 1
+            self._remove(name)
+            return None
+        with self._lock:
+            entry.used = time.time()
+            self._dirty = True
+        self.hits += 1
+        self.read_bytes += entry.nbytes
+        return cache, entry.tokens.tolist(), entry.kind
+
+    def covers(self, tokens: list[int]) -> bool:
+        """Whether an entry already serves every token of ``tokens``."""
+        p = np.asarray(tokens, dtype=np.int32)
+        with self._lock:
+            entries = list(self._entries.values())
+        for e in entries:
+            if len(e.tokens) >= len(p) and (e.trimmable or len(e.tokens) == len(p)):
+                if _common_prefix(e.tokens, p) == len(p):
+                    return True
+        return False
+
+    def save(self, tokens: list[int], cache: list[Any], kind: str) -> bool:
+        """Hand a KV state to the writer. Its arrays are cut to ``len(tokens)`` and evaluated
+        here (on the MLX thread); the file is written in the background. Returns whether it
+        was queued (not: too short, already covered, unsupported, too large, or queue full)."""
+        if len(tokens) < self.min_tokens or self.covers(tokens):
+            return False
+        packed = serialize(cache, len(tokens))
+        if packed is None:
+            return False
+        arrays, metadata, trimmable = packed
+        if sum(a.nbytes for a in arrays.values()) > self.max_bytes:
+            return False
+        with self._lock:
+            if self._pending >= self.max_pending:
+                self.dropped += 1
+                return False
+            self._pending += 1
+        import mlx.core as mx
+
+        arrays["tokens"] = mx.array(tokens, dtype=mx.int32)
+        mx.eval(list(arrays.values()))
+        with self._lock:
+            self.pending_bytes += sum(a.nbytes for a in arrays.values())
+        self._queue.put(_Job(np.asarray(tokens, dtype=np.int32), arrays, metadata, kind, trimmable))
+        return True
+
+    @property
+    def busy(self) -> bool:
+        """Whether the writer queue is full (``save`` would drop a new entry)."""
+        return self._pending >= self.max_pending
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every queued write is on disk and the manifest is current."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._idle:
+            while self._pending or self._dirty:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                if not self._pending and self._dirty:
+                    self._queue.put(None)  # ask the writer for a manifest
+                self._idle.wait(left if left is None else min(left, 0.5))
+        return True
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            n, size = len(self._entries), sum(e.nbytes for e in self._entries.values())
+        return {
+            "prompt_cache_disk_entries": n,
+            "prompt_cache_disk_bytes": size,
+            "prompt_cache_disk_hits": self.hits,
+            "prompt_cache_disk_misses": self.misses,
+            "prompt_cache_disk_read_bytes": self.read_bytes,
+            "prompt_cache_disk_written_bytes": self.written_bytes,
+            "prompt_cache_disk_corrupt": self.corrupt,
+        }
+
+    # ---- writer thread -----------------------------------------------------------------
+
+    def _write_loop(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is not None:
+                try:
+                    self._write(job)
+                except Exception as e:  # a full or read-only disk: skip the entry, go on
+                    log(f"Prompt cache: could not write an entry: {type(e).__name__}: {e}")
+            with self._idle:
+                if job is not None:
+                    self._pending -= 1
+                    self.pending_bytes -= sum(a.nbytes for a in job.arrays.values())
+                    job = None  # the arrays go now, not at the next job
+                if self._queue.empty() and self._dirty:
+                    self._write_manifest_locked()
+                self._idle.notify_all()
+
+    def _write(self, job: _Job) -> None:
+        import mlx.core as mx
+
+        name = hashlib.sha256(job.tokens.tobytes()).hexdigest()[:32]
+        tmp = self.directory / f"{_TMP_PREFIX}{name}-{os.getpid()}-{threading.get_ident()}"
+        mx.save_safetensors(str(tmp), job.arrays, job.metadata)
+        tmp = tmp.with_name(tmp.name + _SUFFIX)
+        size, crc = tmp.stat().st_size, _file_crc(tmp)
+        entry = _Entry(name, job.tokens, size, crc, job.kind, job.trimmable, time.time())
+        with self._lock:
+            os.replace(tmp, self.directory / f"{name}{_SUFFIX}")
+            self._entries[name] = entry
+            self.written_bytes += size
+            self._dirty = True
+            self._drop_covered_locked(entry)
+            self._enforce_bound_locked()
+
+    def _drop_covered_locked(self, new: _Entry) -> None:
+        """A trimmable entry serves all its prefixes: shorter conversation entries go
+        (system-prompt entries stay, as in the RAM tier)."""
+        if not new.trimmable:
+            return
+        for e in list(self._entries.values()):
+            if (
+                e is not new
+                and e.kind != "system"
+                and len(e.tokens) < len(new.tokens)
+                and _common_prefix(e.tokens, new.tokens) == len(e.tokens)
+            ):
+                self._delete_locked(e.name)
+
+    def _enforce_bound_locked(self) -> None:
+        total = sum(e.nbytes for e in self._entries.values())
+        for e in sorted(self._entries.values(), key=lambda e: e.used):
+            if total <= self.max_bytes:
+                break
+            total -= e.nbytes
+            self._delete_locked(e.name)
+
+    def _delete_locked(self, name: str) -> None:
+        self._entries.pop(name, None)
+        (self.directory / f"{name}{_SUFFIX}").unlink(missing_ok=True)
+        self._dirty = True
+
+    def _remove(self, name: str) -> None:
+        with self._lock:
+            self._delete_locked(name)
+
+    def _write_manifest_locked(self) -> None:
+        doc = {
+            "version": FORMAT_VERSION,
+            "entries": {n: e.to_json() for n, e in self._entries.items()},
+        }
+        tmp = self.directory / f"{_TMP_PREFIX}{MANIFEST}"
+        try:
+            tmp.write_text(json.dumps(doc))
+            os.replace(tmp, self.directory / MANIFEST)
+            self._dirty = False
+        except OSError as e:
+            log(f"Prompt cache: could not write the manifest: {e}")

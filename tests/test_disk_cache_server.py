@@ -1,0 +1,184 @@
+"""The disk tier with the real server process: a restart serves a long prompt from disk,
+``kill -9`` during writes leaves a directory the next start cleans and serves from, and a
+corrupt entry is deleted and logged, never used."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+import zlib
+from pathlib import Path
+
+import httpx
+import mlx.core as mx
+import pytest
+from conftest import free_port
+from tiny_model import build_tiny_model
+
+from mlx_server.engine.disk_cache import MANIFEST
+
+SYSTEM = "You are a terse assistant who answers questions about the capital of France. " * 25
+
+
+def build_wide_model(path: Path, layers: int = 8) -> Path:
+    """The tiny model with 64-wide heads and more layers: real-sized KV rows (quantizable,
+    and big enough that an entry takes a moment to write)."""
+    from mlx.utils import tree_flatten
+    from mlx_lm.models import llama
+
+    path = build_tiny_model(path)
+    config = json.loads((path / "config.json").read_text())
+    config.update(
+        hidden_size=256,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        num_hidden_layers=layers,
+        intermediate_size=256,
+    )
+    mx.random.seed(2)
+    net = llama.Model(llama.ModelArgs.from_dict(config))
+    mx.save_safetensors(str(path / "model.safetensors"), dict(tree_flatten(net.parameters())))
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+@pytest.fixture(scope="module")
+def wide_model(tmp_path_factory) -> Path:
+    return build_wide_model(tmp_path_factory.mktemp("wide") / "tiny-wide")
+
+
+def chat(srv, user: str, system: str = SYSTEM, max_tokens: int = 4) -> dict:
+    r = httpx.post(
+        srv.base_url + "/v1/chat/completions",
+        json={
+            "model": "m",
+            "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}],
+            "max_tokens": max_tokens,
+            "temperature": 0,
+        },
+        timeout=120,
+    )
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def health(srv) -> dict:
+    return httpx.get(srv.base_url + "/health", timeout=10).json()
+
+
+def model_dirs(root: Path) -> list[Path]:
+    return [d for d in root.iterdir() if d.is_dir()]
+
+
+def args(model: Path, root: Path, port: int, *extra: str) -> list[str]:
+    return [
+        "-m", str(model), "--port", str(port), "--ctx-size", "4096",
+        "--prompt-cache-dir", str(root), *extra,
+    ]  # fmt: skip
+
+
+def test_a_restarted_server_serves_the_long_prompt_from_disk(server_factory, wide_model, tmp_path):
+    port = free_port()
+    first = server_factory(args(wide_model, tmp_path, port))
+    cold = chat(first, "What is the capital of France?")
+    assert cold["usage"]["prompt_tokens"] > 300
+    assert cold["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    first.stop()  # SIGTERM: what RAM holds is written before exit
+    assert first.proc.returncode is not None
+    second = server_factory(args(wide_model, tmp_path, port))
+    warm = chat(second, "What is the capital of France?")
+    assert warm["choices"][0]["message"] == cold["choices"][0]["message"]
+    assert (
+        warm["usage"]["prompt_tokens_details"]["cached_tokens"]
+        == cold["usage"]["prompt_tokens"] - 1
+    )
+    h = health(second)
+    assert h["prompt_cache_disk_hits"] == 1 and h["prompt_cache_disk_read_bytes"] > 0
+    assert h["prompt_cache_disk_entries"] >= 1
+    # A different question still reuses the system prompt written at its first prefill.
+    other = chat(second, "Name a river.")
+    assert other["usage"]["prompt_tokens_details"]["cached_tokens"] > 300
+
+
+def _entries_are_intact(d: Path) -> dict:
+    path = d / MANIFEST
+    manifest = json.loads(path.read_text())["entries"] if path.exists() else {}
+    for name, e in manifest.items():
+        data = (d / f"{name}.safetensors").read_bytes()
+        assert len(data) == e["bytes"] and zlib.crc32(data) == e["crc"], name
+    return manifest
+
+
+def test_kill_9_during_writes_then_restart_serves_and_never_uses_a_bad_entry(
+    server_factory, wide_model, tmp_path
+):
+    port = free_port()
+    # One RAM entry: each new conversation evicts the previous one to disk.
+    flags = ("--prompt-cache-size", "1")
+    srv = server_factory(args(wide_model, tmp_path, port, *flags))
+    stop = threading.Event()
+
+    def load() -> None:
+        i = 0
+        while not stop.is_set():
+            try:
+                chat(srv, f"Question number {i}?", system=f"Session {i}. " + SYSTEM)
+            except (httpx.HTTPError, AssertionError):
+                return  # the server was killed
+            i += 1
+
+    worker = threading.Thread(target=load, daemon=True)
+    worker.start()
+    (cache_dir,) = _wait_for(lambda: model_dirs(tmp_path) or None, 120)
+    # Kill the moment a write is in flight (a temporary file exists).
+    _wait_for(lambda: any(f.name.startswith(".tmp-") for f in cache_dir.iterdir()), 120)
+    os.kill(srv.proc.pid, signal.SIGKILL)
+    srv.proc.wait(10)
+    stop.set()
+    worker.join(30)
+
+    again = server_factory(args(wide_model, tmp_path, port, *flags))
+    assert not [f for f in cache_dir.iterdir() if f.name.startswith(".tmp-")]
+    listed = set(_entries_are_intact(cache_dir))
+    assert {f.stem for f in cache_dir.glob("*.safetensors")} == listed
+    for i in range(3):
+        chat(again, f"Question number {i}?", system=f"Session {i}. " + SYSTEM)
+    assert health(again)["prompt_cache_disk_corrupt"] == 0
+    again.stop()
+    assert len(_entries_are_intact(cache_dir)) >= 2
+
+
+def test_a_corrupt_entry_is_deleted_logged_and_not_used(server_factory, wide_model, tmp_path):
+    port = free_port()
+    first = server_factory(args(wide_model, tmp_path, port))
+    cold = chat(first, "What is the capital of France?")
+    first.stop()
+    (cache_dir,) = model_dirs(tmp_path)
+    entries = list(cache_dir.glob("*.safetensors"))
+    assert len(entries) == 2  # the system prompt and the conversation
+    for f in entries:  # same size, other bytes: only the checksum can tell
+        data = bytearray(f.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        f.write_bytes(bytes(data))
+    second = server_factory(args(wide_model, tmp_path, port))
+    warm = chat(second, "What is the capital of France?")
+    assert warm["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert warm["choices"][0]["message"] == cold["choices"][0]["message"]
+    h = health(second)
+    assert h["prompt_cache_disk_corrupt"] == 2 and h["prompt_cache_disk_hits"] == 0
+    assert sum("dropping unreadable entry" in line for line in second.lines) == 2
+    second.stop()  # the same prompts were stored again: fresh, intact files
+    assert set(_entries_are_intact(cache_dir)) == {f.stem for f in entries}
+
+
+def _wait_for(cond, timeout: float):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        value = cond()
+        if value:
+            return value
+        time.sleep(0.002)
+    raise AssertionError("condition not reached in time")
