@@ -81,6 +81,18 @@ def test_stream_chunks_are_valid_and_ordered(scripted):
     ):
         assert k in t
     assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 3
+    # With include_usage the spec's usage chunk alone carries usage.
+    assert [e for e in events if e.get("usage")] == [events[-1]]
+
+
+def test_stream_without_include_usage_puts_usage_on_the_final_chunk(scripted):
+    scripted.engine.push("A", "B")
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+    with httpx.stream("POST", scripted.base_url + "/v1/chat/completions", json=body) as resp:
+        events = [json.loads(x[6:]) for x in resp.iter_lines() if x.startswith("data: {")]
+    with_usage = [e for e in events if e.get("usage")]
+    assert len(with_usage) == 1 and with_usage[0]["choices"][0]["finish_reason"] == "stop"
+    assert with_usage[0]["usage"]["completion_tokens"] == 2
 
 
 def test_sdk_stream(scripted):

@@ -58,6 +58,7 @@ class ChatService:
             # the prompt builder also describes to templates that don't render tools.
             self.tool_format = resolve_tool_parser("json_tools", tokenizer)
         self.template = template_text(tokenizer)
+        self.vocab_size = _vocab_size(tokenizer)
         self.constraints: Any = None  # a ConstraintCompiler, when structured output is available
         self.capabilities: list[str] = []
         # A VisionPromptBuilder for vision-language models: media parts in, image tokens out.
@@ -151,6 +152,7 @@ class ChatService:
         self, chat: ChatRequest, request_id: str
     ) -> tuple[GenerationRequest, PreparedPrompt]:
         """Everything before the engine: prompt, context check, constraint, cache hints."""
+        self.check_sampling(chat)
         prepared = self.prepare(chat)
         processors = self._constraint_processors(chat, prepared)
         req = GenerationRequest(
@@ -184,6 +186,15 @@ class ChatService:
         )
         return Generation(req.request_id, handle, pipeline, len(prepared.tokens))
 
+    def check_sampling(self, chat: ChatRequest) -> None:
+        """Parameters that are valid in the protocol but not for this model."""
+        top_k = chat.sampling.top_k
+        if top_k and self.vocab_size and top_k >= self.vocab_size:
+            raise InvalidRequest(
+                f"top_k must be below the model's vocabulary size ({self.vocab_size}); got {top_k}",
+                param="top_k",
+            )
+
     def _constraint_processors(self, chat: ChatRequest, prepared: PreparedPrompt) -> list[Any]:
         spec = constraint_spec(chat, self.tool_format if chat.tools else None)
         if spec is None:
@@ -201,6 +212,14 @@ class ChatService:
             raise InvalidRequest(
                 f"cannot enforce this request's constraint: {e}", param="response_format"
             ) from e
+
+
+def _vocab_size(tokenizer: Any) -> int:
+    """The tokenizer's vocabulary size (added tokens included), or 0 if it can't say."""
+    try:
+        return len(tokenizer.vocab)
+    except Exception:  # a tokenizer without a vocabulary mapping: no check
+        return 0
 
 
 class Generation:

@@ -17,12 +17,19 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, StopSequences
 
 from mlx_server.engine.handle import GenerationHandle, TokenPiece
 from mlx_server.engine.logprobs import logprob_entry
 from mlx_server.engine.prefix_cache import SYSTEM, PrefixCache
-from mlx_server.engine.sampling import make_processors, make_sampler
+from mlx_server.engine.sampling import (
+    guard_processor,
+    guard_sampler,
+    make_processors,
+    make_sampler,
+    reset_random_state,
+)
 from mlx_server.errors import InvalidRequest, Overloaded
 from mlx_server.events import Finished, LogprobEntry, Timings, Usage
 from mlx_server.logs import log
@@ -58,6 +65,7 @@ class _Seq:
     prefill_left: int = 0  # prompt tokens still to prefill once inserted (0: decoding)
     uncached: int = -1  # estimate, while queued, of the tokens it will have to prefill
     logprobs: list[LogprobEntry] = field(default_factory=list)
+    fault: str | None = None  # set when this sequence's own sampler or processors failed
 
 
 class Engine:
@@ -80,6 +88,9 @@ class Engine:
             else None
         )
         self._eos = sorted(int(t) for t in tokenizer.eos_token_ids)
+        # Width of the model's logits, to try each request's sampler before it joins a batch.
+        args = getattr(model, "args", None)
+        self._vocab = int(getattr(args, "vocab_size", 0) or len(tokenizer.vocab))
 
     # ---- public API (any thread) -------------------------------------------------------
 
@@ -180,11 +191,15 @@ class Engine:
                 self._admit(gen)
                 if self._active:
                     self._step(gen)
-            except Exception as e:  # a real internal fault: fail the batch, keep serving
+            except Exception as e:
+                # A fault no single sequence could be blamed for: end the running ones with
+                # an error, start over with a fresh generator and random state; queued
+                # requests keep their place.
                 traceback.print_exc()
                 log(f"Error during generation: {type(e).__name__}: {e}")
-                self._fail_all(f"internal error during generation: {type(e).__name__}")
+                self._fail_active(f"internal error during generation: {type(e).__name__}: {e}")
                 gen = self._new_generator()
+                reset_random_state()
         self._fail_all("cancelled", reason="cancelled")
         gen.close()
 
@@ -200,21 +215,49 @@ class Engine:
         )
 
     def _admit(self, gen: BatchGenerator) -> None:
+        """Start queued requests, in order, while the batch has room. A long request that
+        must wait (for memory, or for the prefills ahead of it) keeps later long ones
+        waiting behind it, but a short one may pass: it needs little memory and prefills
+        in one step, so it starts within a step or two of arriving."""
         while True:
             with self._wake:
-                if not self._pending or len(self._active) >= self.config.max_batch_size:
+                seq = self._next_admissible()
+                if seq is None:
                     return
-                seq = self._pending[0]
-                if seq.handle.cancelled:
-                    self._pending.popleft()
-                    self._finish(seq, "cancelled")
-                    continue
-                if self._active and self._kv_in_use + seq.kv_bytes > self.config.kv_budget_bytes:
-                    return  # wait for memory to free up
-                if not self._may_start_prefill(seq):
-                    return  # wait for the prefills ahead of it to make room
-                self._pending.popleft()
-            self._insert(gen, seq)
+                self._pending.remove(seq)
+            try:
+                self._insert(gen, seq)
+            except Exception as e:  # this request's own fault (e.g. its sampler): its error
+                self._fault(seq, e)
+
+    def _next_admissible(self) -> _Seq | None:
+        """The first queued request that may start now (call with the lock held)."""
+        blocked = False
+        for seq in list(self._pending):
+            if len(self._active) >= self.config.max_batch_size:
+                return None
+            if seq.handle.cancelled:
+                self._pending.remove(seq)
+                self._finish(seq, "cancelled")
+                continue
+            short = self._uncached(seq) <= self.config.prefill_step_size
+            if blocked and not short:
+                continue
+            fits = not self._active or (
+                self._kv_in_use + seq.kv_bytes <= self.config.kv_budget_bytes
+            )
+            if fits and (short or self._may_start_prefill(seq)):
+                return seq
+            blocked = True
+        return None
+
+    def _uncached(self, seq: _Seq) -> int:
+        """Prompt tokens this queued request will prefill (prefix-cache hits excluded)."""
+        if seq.uncached < 0:
+            prompt = seq.req.prompt_tokens
+            hit = self._prompt_cache.cached_length(prompt) if self._prompt_cache is not None else 0
+            seq.uncached = len(prompt) - hit
+        return seq.uncached
 
     def _may_start_prefill(self, seq: _Seq) -> bool:
         """Pace prefill so that running streams keep producing: BatchGenerator prefills one
@@ -225,11 +268,7 @@ class Engine:
         load = self._prefill_load(self._active.values())
         if load == 0:
             return True
-        if seq.uncached < 0:
-            prompt = seq.req.prompt_tokens
-            hit = self._prompt_cache.cached_length(prompt) if self._prompt_cache is not None else 0
-            seq.uncached = len(prompt) - hit
-        return load + min(seq.uncached, step) <= 2 * step
+        return load + min(self._uncached(seq), step) <= 2 * step
 
     def _prefill_load(self, seqs: Any) -> int:
         """Prompt tokens the next step prefills (at most): one chunk per prompt in flight."""
@@ -237,6 +276,11 @@ class Engine:
 
     def _insert(self, gen: BatchGenerator, seq: _Seq) -> None:
         req = seq.req
+        sampler = self._checked_sampler(seq)
+        processors = [
+            guard_processor(seq, p)
+            for p in list(make_processors(req.sampling)) + list(req.logits_processors)
+        ]
         prompt = list(req.prompt_tokens)
         cache, rest = None, prompt
         if self._prompt_cache is not None:
@@ -244,13 +288,12 @@ class Engine:
         seq.cached = len(prompt) - len(rest)
         seq.prefill_left = len(rest)
         seq.handle.cached_tokens = seq.cached
-        processors = list(make_processors(req.sampling)) + list(req.logits_processors)
         (uid,) = gen.insert_segments(
             segments=[self._segments(seq, prompt)],
             max_tokens=[req.max_tokens],
             caches=[cache] if cache is not None else None,
             all_tokens=[prompt[: seq.cached]],
-            samplers=[make_sampler(req.sampling)],
+            samplers=[sampler],
             logits_processors=[processors],
             stop_sequences=[StopSequences([[t] for t in self._eos])],
         )
@@ -260,6 +303,13 @@ class Engine:
         seq.t_start = time.perf_counter()
         self._kv_in_use += seq.kv_bytes
         self._active[uid] = seq
+
+    def _checked_sampler(self, seq: _Seq) -> Any:
+        """The request's sampler, tried once on a row of the model's logits width: a sampler
+        that cannot work fails its own request here, before it joins (and breaks) a batch."""
+        sampler = make_sampler(seq.req.sampling)
+        mx.eval(sampler(mx.zeros((1, self._vocab), dtype=mx.float32)))
+        return guard_sampler(seq, sampler)
 
     def _segments(self, seq: _Seq, prompt: list[int]) -> list[list[int]]:
         """The uncached prompt, split where the system prompt ends when that prefix is not
@@ -302,11 +352,18 @@ class Engine:
             seq = self._active.get(r.uid)
             if seq is None:
                 continue
+            if seq.fault is not None:
+                continue  # ends below, without the token its broken step produced
             if not seq.t_first:
                 seq.t_first = time.perf_counter()
                 seq.prefill_left = 0
             seq.n_generated += 1
-            reason = self._on_token(seq, r)
+            try:
+                reason = self._on_token(seq, r)
+            except Exception as e:  # this sequence's output handling: its own error
+                traceback.print_exc()
+                seq.fault = f"{type(e).__name__}: {e}"
+                continue
             if reason is None:
                 continue
             self._active.pop(r.uid)
@@ -315,12 +372,33 @@ class Engine:
             else:
                 self._keep_state(seq, r.prompt_cache, r.all_tokens)
             self._finish(seq, reason)
+        self._end_faulted(gen)
         if done:
             saved = gen.remove(
                 [s.uid for s in done], return_prompt_caches=self._prompt_cache is not None
             )
             for seq in done:
                 self._keep_state(seq, *saved.get(seq.uid, (None, ())))
+
+    def _end_faulted(self, gen: BatchGenerator) -> None:
+        """Take sequences whose own sampler, processors or output failed out of the batch
+        and end each with its error; the rest of the batch goes on."""
+        faulted = [s for s in self._active.values() if s.fault is not None]
+        if not faulted:
+            return
+        gen.remove([s.uid for s in faulted])
+        for seq in faulted:
+            self._active.pop(seq.uid, None)
+            log(f"Error during generation of {seq.req.request_id}: {seq.fault}")
+            self._finish(seq, "error", error=f"generation failed: {seq.fault}")
+        reset_random_state()
+
+    def _fault(self, seq: _Seq, e: Exception) -> None:
+        """A request that failed before it joined the batch ends with its error."""
+        traceback.print_exc()
+        log(f"Error starting generation of {seq.req.request_id}: {type(e).__name__}: {e}")
+        self._finish(seq, "error", error=f"generation failed: {type(e).__name__}: {e}")
+        reset_random_state()
 
     def _save_system_prefixes(self, gen: BatchGenerator, progress: list[Any]) -> None:
         """At the end of a system-prompt segment, cache its KV state as a system entry."""
@@ -386,6 +464,24 @@ class Engine:
                 f"{timings.predicted_n} generated at {timings.predicted_per_second:.1f} tokens/sec "
                 f"(cached {seq.cached}, finish={reason})"
             )
+        elif reason == "cancelled" and not self._stopping:
+            log(f"Generation {seq.req.request_id} cancelled {self._progress(seq)}")
+
+    def _progress(self, seq: _Seq) -> str:
+        """Where a generation stood, for the log."""
+        if seq.uid < 0:
+            return "while queued"
+        todo = len(seq.req.prompt_tokens) - seq.cached
+        done = todo - seq.prefill_left if not seq.t_first else todo
+        return f"after {done} of {todo} prompt tokens prefilled, {seq.n_generated} generated"
+
+    def _fail_active(self, message: str) -> None:
+        with self._wake:
+            seqs = list(self._active.values())
+            self._active.clear()
+        for seq in seqs:
+            self._finish(seq, "error", error=message)
+        self._kv_in_use = 0
 
     def _fail_all(self, message: str, reason: str = "error") -> None:
         with self._wake:

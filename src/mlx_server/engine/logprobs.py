@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import mlx.core as mx
 
 from mlx_server.events import LogprobEntry, TokenLogprob
+
+# The chosen token's log-probability is finite in practice (it was sampled); should a
+# processor have masked it anyway, it is reported as this floor rather than -inf.
+LOGPROB_FLOOR = -9999.0
 
 
 def logprob_entry(tokenizer: Any, token: int, logprobs: mx.array, k: int) -> LogprobEntry:
@@ -20,11 +25,15 @@ def logprob_entry(tokenizer: Any, token: int, logprobs: mx.array, k: int) -> Log
         order = mx.argsort(-vals)
         ids: list[Any] = idx[order].tolist()  # type: ignore[assignment]
         lps: list[Any] = vals[order].tolist()  # type: ignore[assignment]
+        # Tokens a constraint masked out have probability 0 (-inf): they are no
+        # alternatives, and -inf is not JSON. The list may then be shorter than asked.
         top = tuple(
-            _alternative(tokenizer, int(i), float(v)) for i, v in zip(ids, lps, strict=True)
+            _alternative(tokenizer, int(i), float(v))
+            for i, v in zip(ids, lps, strict=True)
+            if math.isfinite(v)
         )
-    chosen: Any = logprobs[token].item()
-    return LogprobEntry(text, float(chosen), list(text.encode()), top)
+    chosen = float(logprobs[token].item())  # type: ignore[arg-type]
+    return LogprobEntry(text, max(chosen, LOGPROB_FLOOR), list(text.encode()), top)
 
 
 def _alternative(tokenizer: Any, token: int, logprob: float) -> TokenLogprob:

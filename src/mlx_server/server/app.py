@@ -7,9 +7,10 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from mlx_server.errors import InvalidRequest, MethodNotAllowed, NotFound, Overloaded, ServerError
 from mlx_server.logs import log
@@ -29,6 +30,8 @@ def create_app(
 ) -> FastAPI:
     """Build the ASGI app around a ChatService (whose engine may be real or scripted)."""
     app = FastAPI(title="mlx-server", docs_url=None, redoc_url=None, openapi_url=None)
+    # Paths match exactly: no redirect from "/v1/chat/completions/" to the route.
+    app.router.redirect_slashes = False
     app.state.service = service
     app.state.shutting_down = False
     engine = service.engine
@@ -83,9 +86,19 @@ def _install_error_handlers(app: FastAPI) -> None:
             err.status = exc.status_code
         return JSONResponse(error_body(request.url.path, err), status_code=err.status)
 
+    @app.exception_handler(ClientDisconnect)
+    async def on_client_gone(request: Request, exc: ClientDisconnect) -> Response:
+        # The client hung up before its body arrived: nobody reads this answer.
+        log(f"Request to {request.url.path} abandoned by the client before its body arrived")
+        return Response(status_code=499)
+
     @app.exception_handler(Exception)
     async def on_crash(request: Request, exc: Exception) -> JSONResponse:
         traceback.print_exc()
         log(f"Error processing request: {type(exc).__name__}: {exc}")
         err = ServerError(f"internal server error ({type(exc).__name__})")
-        return JSONResponse(error_body(request.url.path, err), status_code=500)
+        # Starlette re-raises the exception after this answer and the server then drops the
+        # connection: say so, so keep-alive clients don't reuse it.
+        return JSONResponse(
+            error_body(request.url.path, err), status_code=500, headers={"Connection": "close"}
+        )

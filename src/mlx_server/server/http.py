@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any, TypeVar
 
+import anyio
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ValidationError
@@ -29,12 +31,51 @@ async def parse_body(request: Request, schema: type[M]) -> M:
         ctype = request.headers.get("content-type", "")
         hint = f" (Content-Type was '{ctype}')" if ctype and "json" not in ctype else ""
         raise InvalidRequest(f"the request body is not valid JSON{hint}: {e}") from e
+    except RecursionError as e:
+        raise InvalidRequest(_TOO_DEEP) from e
     if not isinstance(obj, dict):
         raise InvalidRequest("the request body must be a JSON object")
+    check_json_values(obj)
     try:
         return schema.model_validate(obj)
     except ValidationError as e:
         raise InvalidRequest(describe_validation_error(e), param=_first_loc(e)) from e
+
+
+# Deeper bodies than this are refused before anything recurses over them (validation, chat
+# templates, JSON-schema compilers): no real request nests anywhere near it.
+MAX_JSON_DEPTH = 100
+_TOO_DEEP = f"the request body nests JSON deeper than {MAX_JSON_DEPTH} levels"
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def check_json_values(obj: Any) -> None:
+    """Refuse bodies nested deeper than MAX_JSON_DEPTH and strings holding lone UTF-16
+    surrogates (``"\\ud800"`` is valid JSON, but no text encoding can carry it), naming the
+    field. Iterative, so a hostile body cannot exhaust the stack."""
+    stack: list[tuple[Any, tuple[Any, ...]]] = [(obj, ())]
+    while stack:
+        value, path = stack.pop()
+        if len(path) > MAX_JSON_DEPTH:
+            raise InvalidRequest(_TOO_DEEP)
+        if isinstance(value, str):
+            if _SURROGATE.search(value):
+                where = _loc(path) or "body"
+                raise InvalidRequest(
+                    f"{where}: the string holds a lone UTF-16 surrogate, which is not valid text",
+                    param=where,
+                )
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                if _SURROGATE.search(k):
+                    where = _loc(path) or "body"
+                    raise InvalidRequest(
+                        f"{where}: a key holds a lone UTF-16 surrogate, which is not valid text",
+                        param=where,
+                    )
+                stack.append((v, (*path, k)))
+        elif isinstance(value, list):
+            stack.extend((v, (*path, i)) for i, v in enumerate(value))
 
 
 def _loc(loc: tuple[Any, ...]) -> str:
@@ -71,8 +112,31 @@ def describe_validation_error(e: ValidationError) -> str:
     return "invalid request: " + "; ".join(seen[:5])
 
 
+class EventStreamResponse(StreamingResponse):
+    """A streaming response that notices a client leaving even while nothing is written.
+
+    Starlette's own listens for the disconnect only under servers older than ASGI 2.4
+    (newer ones make it wait for a write to fail), and a stream may write nothing for a
+    long time (a long prompt's prefill). Here a disconnect always cancels the body
+    iterator at once, and the generation's own cleanup frees its slot."""
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        async with anyio.create_task_group() as group:
+
+            async def stream() -> None:
+                try:
+                    await self.stream_response(send)
+                except OSError:
+                    pass  # the client went away while a frame was written
+                group.cancel_scope.cancel()
+
+            group.start_soon(stream)
+            await self.listen_for_disconnect(receive)
+            group.cancel_scope.cancel()
+
+
 def sse_response(body: AsyncIterator[bytes]) -> StreamingResponse:
-    return StreamingResponse(body, media_type="text/event-stream", headers=SSE_HEADERS)
+    return EventStreamResponse(body, media_type="text/event-stream", headers=SSE_HEADERS)
 
 
 T = TypeVar("T")

@@ -11,7 +11,7 @@ import json
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from mlx_server.errors import AuthenticationFailed, RequestTooLarge, ServerError
+from mlx_server.errors import AuthenticationFailed, NotFound, RequestTooLarge, ServerError
 
 MAX_BODY_BYTES = 10 * 1024 * 1024
 
@@ -75,6 +75,12 @@ class GuardMiddleware:
             await self.app(scope, receive, send)
             return
         path: str = scope.get("path", "")
+        if b"%" in scope.get("raw_path", b""):
+            # No route has an escaped character: "/v1/chat%2Fcompletions" must not reach
+            # "/v1/chat/completions" once decoded.
+            missing = NotFound(f"no route for {scope.get('method', '')} {path}")
+            await send_json(send, 404, error_body(path, missing))
+            return
         headers = {k.decode("latin-1").lower(): v for k, v in scope.get("headers", [])}
         if self.key and path.startswith("/v1") and not self._authorized(headers):
             err = AuthenticationFailed(

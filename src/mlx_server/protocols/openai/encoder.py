@@ -178,9 +178,12 @@ class ChunkEncoder:
             return self._chunk({}, logprobs=lp)
         return None  # ToolCallEnd: the arguments were already streamed
 
-    def final(self, fin: Finished) -> dict[str, Any]:
+    def final(self, fin: Finished, *, with_usage: bool = True) -> dict[str, Any]:
+        """The chunk with ``finish_reason``. Usage rides on it (as Jan's clients expect)
+        unless the spec's own usage chunk follows (``stream_options.include_usage``)."""
         chunk = self._chunk({}, finish_reason(fin))
-        chunk["usage"] = usage_json(fin.usage)
+        if with_usage:
+            chunk["usage"] = usage_json(fin.usage)
         if fin.timings:
             chunk["timings"] = timings_json(fin.timings)
         return chunk

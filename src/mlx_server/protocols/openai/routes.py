@@ -96,7 +96,7 @@ async def _stream(gen: Generation, model: str, include_usage: bool) -> AsyncIter
                     return
                 if ev.reason == "cancelled":
                     log("Stream generation cancelled")
-                yield sse(enc.final(ev))
+                yield sse(enc.final(ev, with_usage=not include_usage))
                 if include_usage:
                     yield sse(enc.usage_chunk(ev))
                 yield b"data: [DONE]\n\n"

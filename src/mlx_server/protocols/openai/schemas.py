@@ -66,7 +66,8 @@ class ChatCompletionRequest(_Model):
     repetition_penalty: float | None = Field(default=None, gt=0)
     presence_penalty: float | None = Field(default=None, ge=-2, le=2)
     frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
-    seed: int | None = None
+    # A signed or unsigned 64-bit integer (OpenAI documents int64).
+    seed: int | None = Field(default=None, ge=-(1 << 63), lt=1 << 64)
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     n_predict: int | None = None
