@@ -175,6 +175,12 @@ async def engine_layer(model: Any, tok: Any, a: argparse.Namespace) -> None:
     from mlx_server.engine.engine import Engine, EngineConfig
 
     kw: dict[str, Any] = {"max_batch_size": max(a.levels), "kv_budget_bytes": 64 << 30}
+    try:  # the server's device-sized defaults, where this version of the engine has them
+        from mlx_server.engine.tuning import default_prefill_step
+
+        kw.update(prefill_step_size=default_prefill_step(), warm_up=True)
+    except ImportError:
+        pass
     engine = Engine(model, tok, EngineConfig(**kw))
     engine.start()
     t_ready = time.perf_counter()

@@ -23,9 +23,12 @@ def build_parser() -> argparse.ArgumentParser:
         if f.type in ("bool", bool):
             kwargs["action"] = "store_true"
         else:
-            kwargs["type"] = {"int": int, "float": float, "float | None": float}.get(
-                str(f.type), str
-            )
+            kwargs["type"] = {
+                "int": int,
+                "int | None": int,
+                "float": float,
+                "float | None": float,
+            }.get(str(f.type), str)
             if "choices" in meta:
                 kwargs["choices"] = meta["choices"]
             if meta.get("required"):

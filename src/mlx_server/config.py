@@ -33,13 +33,19 @@ class Settings:
         "MLX buffer-cache limit in GB (default: a quarter of the device memory, at most 20)",
         "--cache-limit-gb",
     )
-    max_batch_size: int = _opt(8, "Sequences decoded together in one batch", "--max-batch-size")
+    max_batch_size: int | None = _opt(
+        None,
+        "Sequences decoded together in one batch (default: 8 on a CPU; on a GPU as many "
+        "full-context sequences as the KV budget holds, 8 to 32)",
+        "--max-batch-size",
+    )
     max_queue: int = _opt(
         64, "Requests allowed to wait for a batch slot before new ones get 503", "--max-queue"
     )
-    prefill_step_size: int = _opt(
-        512,
-        "Prompt tokens processed per step (long prompts are prefilled in chunks)",
+    prefill_step_size: int | None = _opt(
+        None,
+        "Prompt tokens processed per step (long prompts are prefilled in chunks; default: "
+        "512 on a CPU, 2048 on a GPU)",
         "--prefill-step-size",
     )
     prompt_cache_size: int = _opt(
