@@ -7,12 +7,14 @@
 # Env: MODELS="1b:4 1b:0 8b:4" (preset:bits), LEVELS=1,8,32, SERVERS="ours mlxlm",
 #      OURS_ARGS="" (extra flags for our server), SRC (the project's src; default ./src),
 #      BENCH (these scripts; default the kit's copy), PROFILE=1b-0 (py-spy the server on this model at N=32),
-#      LAYERS=1 (0: skip layers.py).
+#      LAYERS=1 (0: skip layers.py), LAYERS_ARGS (e.g. "--skip batch,engine"), LAYERS_ONLY (model names, e.g. "1b-0").
+#      A server named ours512 is ours with --prefill-step-size 512.
 set -u
 K=/tmp/kit/a; S=/tmp/site; OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; R=$OUT/results.jsonl; L=$OUT/log.txt
 T=/tmp/benchlogs; mkdir -p $T
 MODELS=${MODELS:-"1b:4 1b:0 8b:4"}; LEVELS=${LEVELS:-1,8,32}; SERVERS=${SERVERS:-"ours mlxlm"}
 SRC=${SRC:-$PWD/src}; OURS_ARGS=${OURS_ARGS:-}; BENCH=${BENCH:-$K}; PROFILE=${PROFILE:-1b-0}; LAYERS=${LAYERS:-1}
+LAYERS_ARGS=${LAYERS_ARGS:-}; LAYERS_ONLY=${LAYERS_ONLY:-}
 exec > >(tee -a "$L") 2>&1
 if [ ! -d $S/mlx ]; then
   W=$K/$(cat $K/mlx_cuda.name)
@@ -41,11 +43,14 @@ for spec in $MODELS; do
   [ -f $M/config.json ] || python3 $BENCH/make_random_model.py $M $preset $bits $K/tok || continue
   echo "== $preset bits=$bits $(date +%T)"
   timeout 120 python3 $BENCH/raw_engine.py --model $M --label "raw $preset-$bits" --ignore-eos --max-tokens 256 --repeats 3 --out "$R" >/dev/null
-  [ "$LAYERS" = 1 ] && timeout 240 python3 $BENCH/layers.py --model $M --label "layers $preset-$bits" --levels "$LEVELS" --out "$R" > $T/layers-$preset-$bits.log 2>&1
+  if [ "$LAYERS" = 1 ] && { [ -z "$LAYERS_ONLY" ] || [[ " $LAYERS_ONLY " == *" $preset-$bits "* ]]; }; then
+    timeout 240 python3 $BENCH/layers.py --model $M --label "layers $preset-$bits" --levels "$LEVELS" $LAYERS_ARGS --out "$R" > $T/layers-$preset-$bits.log 2>&1
+  fi
   for srv in $SERVERS; do
     P=$(port); name=m; t0=$(date +%s.%N)
-    if [ $srv = ours ]; then
-      setsid python3 -m mlx_server -m $M --port $P --model-id m --ctx-size 8192 $OURS_ARGS > $T/ours-$preset-$bits.log 2>&1 &
+    if [ $srv = ours ] || [ $srv = ours512 ]; then
+      extra=""; [ $srv = ours512 ] && extra="--prefill-step-size 512"
+      setsid python3 -m mlx_server -m $M --port $P --model-id m --ctx-size 8192 $OURS_ARGS $extra > $T/$srv-$preset-$bits.log 2>&1 &
     else
       name=default_model  # mlx_lm.server loads the model named in the request; this is its loaded one
       setsid python3 -m mlx_lm server --model $M --port $P > $T/mlxlm-$preset-$bits.log 2>&1 &
@@ -64,6 +69,6 @@ for spec in $MODELS; do
     else echo "$srv did not start"; tail -5 $T/$srv-$preset-$bits.log; fi
     kill $SP; sleep 2; kill -9 $SP 2>/dev/null
   done
+  tar czf $OUT/logs.tgz -C $T .
 done
-tar czf $OUT/logs.tgz -C $T .
 python3 $BENCH/summary.py "$R"

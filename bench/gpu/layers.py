@@ -81,6 +81,26 @@ def stream_once(model: Any, tok: Any, ids: list[int], max_tokens: int) -> dict[s
     }
 
 
+def compile_probe(model: Any, tok: Any) -> None:
+    """Time to first token for prompts of lengths not seen before, then of one seen before:
+    MLX's CUDA backend builds some kernels per shape on first use."""
+    base = chat_ids(tok, LONG_PROMPT)
+    for path in ("stream_generate", "batch_generator"):
+        fresh = []
+        for extra in range(8):
+            ids = base + [base[-1]] * (extra + 3 + (17 if path == "batch_generator" else 0))
+            if path == "stream_generate":
+                fresh.append(stream_once(model, tok, ids, 2)["ttft_s"])
+            else:
+                fresh.append(batch_once(model, tok, [ids], 2)["ttft_p95_s"])
+        again = (
+            stream_once(model, tok, ids, 2)["ttft_s"]
+            if path == "stream_generate"
+            else batch_once(model, tok, [ids], 2)["ttft_p95_s"]
+        )
+        emit(layer=path, what="new_lengths", ttft_new_s=fresh, ttft_seen_s=again)
+
+
 # ---- layer 2: BatchGenerator alone --------------------------------------------------------
 
 
@@ -270,6 +290,9 @@ def main() -> int:
             ttft_s=sorted(r["ttft_s"] for r in pre)[1],
         )
 
+    if "compile" not in skip:
+        compile_probe(model, tok)
+
     if "batch" not in skip:
         for n in a.levels:
             batch_once(model, tok, burst_prompts(tok, n, "warm"), 16)
@@ -279,7 +302,8 @@ def main() -> int:
     if "engine" not in skip:
         asyncio.run(engine_layer(model, tok, a))
     mx.synchronize()
-    return 0
+    sys.stdout.flush()
+    os._exit(0)  # no interpreter teardown while the engine thread's MLX state is alive
 
 
 if __name__ == "__main__":

@@ -28,7 +28,12 @@ def main(path: str) -> None:
                 )
             elif sc == "layer":
                 layer, n, what = r.get("layer"), r.get("n"), r.get("what")
-                if layer == "stream_generate" and what == "prefill":
+                if what == "new_lengths":
+                    new = ", ".join(f"{x * 1000:.0f}" for x in r["ttft_new_s"])
+                    print(
+                        f"  {layer:16} ttft ms, new prompt lengths: {new}; a seen one: {r['ttft_seen_s'] * 1000:.0f}"
+                    )
+                elif layer == "stream_generate" and what == "prefill":
                     f["raw_prefill"] = r["ttft_s"]
                     print(
                         f"  stream_generate  prefill {r['prompt_tokens']} tok: ttft {r['ttft_s']:.3f} s"

@@ -26,7 +26,11 @@ def set_cache_limit(settings: Settings) -> int:
 def build(settings: Settings) -> tuple[Any, Any]:
     """Load the model and return (app, engine); the engine thread is started."""
     from mlx_server.engine.engine import Engine, EngineConfig
-    from mlx_server.engine.tuning import default_batch_size, default_prefill_step, on_gpu
+    from mlx_server.engine.tuning import (
+        builds_kernels_on_first_use,
+        default_batch_size,
+        default_prefill_step,
+    )
     from mlx_server.models.loader import device_memory_bytes, load_model
     from mlx_server.server.app import create_app
     from mlx_server.server.middleware import MAX_BODY_BYTES
@@ -58,7 +62,7 @@ def build(settings: Settings) -> tuple[Any, Any]:
             prompt_cache_bytes=int(settings.prompt_cache_gb * (1 << 30)),
             kv_budget_bytes=kv_budget,
             kv_bytes_per_token=kv_per_token,
-            warm_up=not vision and on_gpu(),  # kernels built on first use: a GPU's cost
+            warm_up=not vision and builds_kernels_on_first_use(),
         ),
     )
     service = ChatService(

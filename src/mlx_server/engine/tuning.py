@@ -25,6 +25,12 @@ def on_gpu() -> bool:
     return bool(mx.default_device().type == mx.DeviceType.gpu)
 
 
+def builds_kernels_on_first_use() -> bool:
+    """MLX's CUDA backend compiles kernels for each new shape (Metal's are prebuilt)."""
+    cuda = getattr(mx, "cuda", None)
+    return bool(on_gpu() and cuda is not None and cuda.is_available())
+
+
 def default_batch_size(kv_budget_bytes: int, kv_bytes_per_token: int, ctx_size: int) -> int:
     """Sequences decoded together: 8 on a CPU; on a GPU as many full-context sequences as the
     KV budget holds, between 8 and 32 (admission still queues by actual KV use)."""
@@ -40,7 +46,7 @@ def default_prefill_step() -> int:
 
 
 def warm_up(
-    model: Any, max_batch_size: int, prefill_step_size: int, budget_s: float = 60.0
+    model: Any, max_batch_size: int, prefill_step_size: int, budget_s: float = 30.0
 ) -> float:
     """Run one full prefill chunk and a few decode steps at every batch size up to
     ``max_batch_size``, with a generator of its own (nothing reaches the prefix cache).
