@@ -9,6 +9,7 @@ alternating between them to spread the noise of a shared machine:
 3. a multi-turn chat whose history grows past 1,000 tokens: TTFT per turn, warm (prefix
    cached) against cold (the same history behind a different first token);
 4. /health latency while 8 streams run;
+4b. fairness: a short request's TTFT while two long prompts prefill, against idle;
 5. the Linux-CPU levers: 4-bit against float32 weights, with and without OpenBLAS preloaded
    (single stream, raw and ours).
 
@@ -158,6 +159,34 @@ def health(servers: dict[str, Server], label: str, max_tokens: int) -> None:
         )  # fmt: skip
 
 
+def fair(servers: dict[str, Server], label: str, reps: int) -> None:
+    """A short request arriving while two long prompts (~2,900 tokens each) prefill: its
+    TTFT against the same short request on an idle server, and the long ones' TTFT."""
+    short = [{"role": "user", "content": "Say hello."}]
+    for rep in range(reps):
+        for name, srv in servers.items():
+            idle = stream_chat(srv.base, short, 8)["ttft"]
+            longs: list[dict[str, Any]] = []
+
+            def long_one(i: int, base: str = srv.base, out: list = longs) -> None:
+                msgs = [{"role": "user", "content": f"[{time.time_ns()} {i}] {LOREM * 40}"}]
+                out.append(stream_chat(base, msgs, 8))
+
+            threads = [threading.Thread(target=long_one, args=(i,)) for i in range(2)]
+            for t in threads:
+                t.start()
+            time.sleep(0.5)  # both long prompts are in and prefilling
+            busy = stream_chat(srv.base, short, 8)
+            for t in threads:
+                t.join()
+            emit(
+                scenario="fair", config=label, system=name, rep=rep, short_idle_ttft_s=idle,
+                short_busy_ttft_s=busy["ttft"], busy_over_idle=busy["ttft"] / idle,
+                long_ttft_s=max(r["ttft"] for r in longs),
+                short_done_before_longs=busy["t_last"] < min(r["t_first"] for r in longs),
+            )  # fmt: skip
+
+
 def levers(reps: int, max_tokens: int) -> None:
     """4-bit vs float32 weights, with and without OpenBLAS: single stream, raw and ours."""
     configs = [("q4", Q4, False), ("f32", F32, False), ("q4+openblas", Q4, True)]
@@ -276,6 +305,26 @@ def summary(main: str) -> None:
             + ", ".join(f"{k} {v['p99_ms']:.1f}" for k, v in by.items())
             + " ms (target < 50)",
         )
+    for cfg in sorted({r["config"] for r in rows(scenario="fair")}):
+        fair_rows = rows(scenario="fair", config=cfg)
+        systems = sorted({r["system"] for r in fair_rows})
+        line(
+            f"{cfg}: short request TTFT s while 2 long prompts prefill",
+            {
+                k: med([r for r in fair_rows if r["system"] == k], "short_busy_ttft_s")
+                for k in systems
+            },
+            "idle "
+            + ", ".join(
+                f"{k} {med([r for r in fair_rows if r['system'] == k], 'short_idle_ttft_s'):.2f}"
+                for k in systems
+            )
+            + "; long TTFT "
+            + ", ".join(
+                f"{k} {med([r for r in fair_rows if r['system'] == k], 'long_ttft_s'):.2f}"
+                for k in systems
+            ),
+        )
     for cfg in sorted({r["config"] for r in rows(scenario="memory")}):
         rss = {r["system"]: r["peak_rss_mb"] for r in rows(scenario="memory", config=cfg)}
         line(f"{cfg}: peak RSS MB", rss)
@@ -295,7 +344,9 @@ def main() -> None:
         default="f32+openblas",
         help="main configuration: q4, f32, q4+openblas, f32+openblas",
     )
-    ap.add_argument("--only", default="", help="comma list of: single,batch,chat,health,levers")
+    ap.add_argument(
+        "--only", default="", help="comma list of: single,batch,chat,health,fair,levers"
+    )
     ap.add_argument("--json", default="", help="also write all rows to this file")
     ap.add_argument(
         "--ours-launcher", default="", help="run this Python file instead of -m mlx_server"
@@ -305,13 +356,15 @@ def main() -> None:
     if args.quick:
         args.max_tokens, args.reps, args.turns = 32, 1, 7
     parts = (
-        set(args.only.split(",")) if args.only else {"single", "batch", "chat", "health", "levers"}
+        set(args.only.split(","))
+        if args.only
+        else {"single", "batch", "chat", "health", "fair", "levers"}
     )
     ns = [int(x) for x in args.streams.split(",")]
     model = F32 if args.config.startswith("f32") else Q4
     blas = args.config.endswith("openblas") and openblas_path() is not None
     print(f"# main configuration {args.config} ({model}, OpenBLAS {'on' if blas else 'off'})")
-    if parts & {"single", "batch", "chat", "health"}:
+    if parts & {"single", "batch", "chat", "health", "fair"}:
         with running(args.config, model, blas) as (systems, servers):
             if "single" in parts:
                 single(systems, args.config, args.reps, args.max_tokens)
@@ -321,6 +374,8 @@ def main() -> None:
                 chat(servers, args.config, args.reps, args.turns, 16)
             if "health" in parts:
                 health(servers, args.config, args.max_tokens)
+            if "fair" in parts:
+                fair(servers, args.config, args.reps)
     if "levers" in parts:
         levers(args.reps, max(16, args.max_tokens // 2))
     summary(args.config)

@@ -57,7 +57,13 @@ class InProcessServer:
 
 
 def start_in_process(
-    tokenizer, *, api_key: str = "", ctx_size: int = 512, engine=None, **service_kw
+    tokenizer,
+    *,
+    api_key: str = "",
+    ctx_size: int = 512,
+    engine=None,
+    app_kw: dict | None = None,
+    **service_kw,
 ) -> InProcessServer:
     import uvicorn
 
@@ -66,7 +72,7 @@ def start_in_process(
 
     engine = engine or ScriptedEngine()
     service = ChatService("scripted-model", tokenizer, engine, ctx_size=ctx_size, **service_kw)
-    app = create_app(service, api_key=api_key)
+    app = create_app(service, api_key=api_key, **(app_kw or {}))
     port = free_port()
     config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error", lifespan="off")
     server = uvicorn.Server(config)
@@ -225,7 +231,11 @@ def schema_validator(name: str):
     import jsonschema
 
     for base in (SPECS, LOCAL_SPECS):
-        for fname in ("openai-chat.schema.json", "anthropic-messages.schema.json"):
+        for fname in (
+            "openai-chat.schema.json",
+            "anthropic-messages.schema.json",
+            "openai-completions.schema.json",
+        ):
             p = base / fname
             if not p.exists():
                 continue

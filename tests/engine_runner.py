@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mlx_server.engine.engine import Engine, EngineConfig
-from mlx_server.engine.handle import GenerationHandle, TokenPiece
+from mlx_server.engine.handle import GenerationHandle, Started, TokenPiece
 from mlx_server.events import Finished, LogprobEntry
 from mlx_server.types import GenerationRequest, SamplingParams
 
@@ -43,6 +43,8 @@ def request(tokens: list[int], max_tokens: int = 24, **kw: Any) -> GenerationReq
 async def collect(handle: GenerationHandle) -> Result:
     text, logprobs, pieces = "", [], 0
     async for ev in handle:
+        if isinstance(ev, Started):
+            continue
         if isinstance(ev, TokenPiece):
             text += ev.text
             logprobs.extend(ev.logprobs)

@@ -10,7 +10,7 @@ import asyncio
 from collections import deque
 from dataclasses import dataclass, field
 
-from mlx_server.engine.handle import GenerationHandle, TokenPiece
+from mlx_server.engine.handle import GenerationHandle, Started, TokenPiece
 from mlx_server.errors import Overloaded
 from mlx_server.events import Finished, Timings, Usage
 from mlx_server.parsing.stops import StopMatcher
@@ -30,7 +30,7 @@ class ScriptedEngine:
     scripts: deque[Script] = field(default_factory=deque)
     requests: list[GenerationRequest] = field(default_factory=list)
     max_queue: int = 64
-    _active: dict[str, GenerationHandle] = field(default_factory=dict)
+    _active: dict[tuple[str, int], GenerationHandle] = field(default_factory=dict)
     _tasks: set[asyncio.Task] = field(default_factory=set)
     stopping: bool = False
 
@@ -51,7 +51,7 @@ class ScriptedEngine:
         script = self.scripts.popleft() if self.scripts else self.default
         handle = GenerationHandle(req.request_id, loop)
         self.requests.append(req)
-        self._active[req.request_id] = handle
+        self._active[(req.request_id, id(handle))] = handle
         task = loop.create_task(self._play(req, handle, script))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -61,6 +61,7 @@ class ScriptedEngine:
         stops = StopMatcher(req.stop)
         n = 0
         reason = script.finish
+        handle.push(Started(0))
         try:
             for piece in script.pieces:
                 if handle.cancelled:
@@ -85,7 +86,7 @@ class ScriptedEngine:
                 if tail:
                     handle.push(TokenPiece(tail))
         finally:
-            self._active.pop(req.request_id, None)
+            self._active.pop((req.request_id, id(handle)), None)
             usage = Usage(len(req.prompt_tokens), n)
             timings = Timings(len(req.prompt_tokens), 1.0, n, 1.0 + n)
             err = "scripted failure" if reason == "error" else None
@@ -93,7 +94,7 @@ class ScriptedEngine:
 
     def cancel(self, request_id: str | None = None) -> int:
         n = 0
-        for rid, h in list(self._active.items()):
+        for (rid, _), h in list(self._active.items()):
             if not h.cancelled and (request_id is None or rid == request_id):
                 h.cancel()
                 n += 1

@@ -217,12 +217,19 @@ def test_tools_and_tool_choice_mapping():
     assert typed.tools is not None and typed.tools[0]["function"]["name"] == "f"
 
 
-def test_thinking_sets_enable_thinking():
+def test_thinking_sets_enable_thinking_and_reasoning_effort():
     assert chat().template_kwargs == {}
     on = chat(thinking={"type": "enabled", "budget_tokens": 1024})
-    assert on.template_kwargs == {"enable_thinking": True}
-    assert chat(thinking={"type": "adaptive"}).template_kwargs == {"enable_thinking": True}
-    assert chat(thinking={"type": "disabled"}).template_kwargs == {"enable_thinking": False}
+    assert on.template_kwargs == {"enable_thinking": True, "reasoning_effort": "low"}
+    big = chat(thinking={"type": "enabled", "budget_tokens": 20000})
+    assert big.template_kwargs["reasoning_effort"] == "high"
+    adaptive = chat(thinking={"type": "adaptive"}).template_kwargs
+    assert adaptive == {"enable_thinking": True, "reasoning_effort": "medium"}
+    off = chat(thinking={"type": "disabled"}).template_kwargs
+    assert off == {"enable_thinking": False, "reasoning_effort": "low"}
+    effort = chat(thinking={"type": "adaptive"}, output_config={"effort": "high"})
+    assert effort.template_kwargs["reasoning_effort"] == "high"
+    assert chat(output_config={"effort": "low"}).template_kwargs == {"reasoning_effort": "low"}
 
 
 def test_output_config_format_is_structured_output():

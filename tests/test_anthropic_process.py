@@ -124,3 +124,21 @@ def test_demo_model_structured_output(demo):
     )
     text = "".join(b.text for b in msg.content if b.type == "text")
     assert list(json.loads(text)) == ["capital"]
+
+
+def test_message_start_reports_the_real_cache_split(tiny_server):
+    """The second identical request reuses the first one's prefix: message_start (sent
+    before any text) already says so, and agrees with the final usage."""
+    history = [
+        {"role": "user", "content": "tell me about the sea " * 8},
+        {"role": "assistant", "content": "the sea is wide"},
+        {"role": "user", "content": "and the sky?"},
+    ]
+    raw = {"model": "tiny", "max_tokens": 4, "messages": history, "temperature": 0, "stream": True}
+    stream_events(tiny_server, raw)  # fills the prefix cache
+    events = [data for _, data in stream_events(tiny_server, raw)]
+    start = events[0]["message"]["usage"]
+    final = [e for e in events if e["type"] == "message_delta"][-1]["usage"]
+    assert start["cache_read_input_tokens"] > 10
+    assert start["cache_read_input_tokens"] == final.get("cache_read_input_tokens")
+    assert start["input_tokens"] == final.get("input_tokens", start["input_tokens"])

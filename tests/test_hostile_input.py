@@ -199,3 +199,52 @@ def test_a_client_hanging_up_mid_upload_is_quiet(scripted, capfd):
     assert "before its body arrived" in seen
     assert "Traceback" not in seen and "Error processing request" not in seen
     still_serves(scripted)
+
+
+def _no_constants(name: str):
+    raise ValueError(f"{name} is not JSON")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize(
+    "constraint",
+    [
+        {"response_format": {"type": "json_object"}},
+        {
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
+            "tool_choice": "required",
+        },
+    ],
+)
+def test_logprobs_of_constrained_output_are_valid_json(tiny_server, stream, constraint):
+    """A grammar masks most of the vocabulary (-inf): masked tokens are left out of
+    top_logprobs rather than written as -Infinity, which is not JSON."""
+    body = {
+        "model": "m",
+        "messages": USER,
+        "max_tokens": 6,
+        "logprobs": True,
+        "top_logprobs": 20,
+        "stream": stream,
+        **constraint,
+    }
+    r = httpx.post(tiny_server.base_url + CHAT, json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    if stream:
+        frames = [x[6:] for x in r.text.split("\n") if x.startswith("data: {")]
+        chunks = [json.loads(f, parse_constant=_no_constants) for f in frames]
+        entries = [
+            e
+            for c in chunks
+            if c["choices"]
+            for e in (c["choices"][0].get("logprobs") or {}).get("content") or []
+        ]
+    else:
+        out = json.loads(r.text, parse_constant=_no_constants)
+        entries = out["choices"][0]["logprobs"]["content"]
+    assert entries
+    for e in entries:
+        assert len(e["top_logprobs"]) <= 20
+        assert all(t["logprob"] > -1e30 for t in e["top_logprobs"])
+    # Only a few tokens may start a JSON value or a tool call: the lists were cut short.
+    assert min(len(e["top_logprobs"]) for e in entries) < 20

@@ -166,6 +166,73 @@ SAMPLES: dict[str, tuple[str, str | None, list[tuple[str, dict]]]] = {
         "Let me look that up.",
         [PARIS, TOKYO],
     ),
+    # Formats of this package (parsing/formats).
+    "deepseek": (
+        "Let me look that up.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>"
+        '{"city": "Paris", "days": 3}<｜tool▁call▁end｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>'
+        'get_time\n```json\n{"tz": "Asia/Tokyo"}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>',
+        "Let me look that up.",
+        [PARIS, TOKYO],
+    ),
+    "granite": (
+        'Let me look that up.<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Paris", '
+        '"days": 3}}, {"name": "get_time", "arguments": {"tz": "Asia/Tokyo"}}]',
+        "Let me look that up.",
+        [PARIS, TOKYO],
+    ),
+    "phi4_mini": (
+        'Let me look that up.<|tool_call|>{"name": "get_weather", "arguments": {"city": "Paris", '
+        '"days": 3}}<|/tool_call|><|tool_call|>{"name": "get_time", "arguments": {"tz": '
+        '"Asia/Tokyo"}}<|/tool_call|>',
+        "Let me look that up.",
+        [PARIS, TOKYO],
+    ),
+    "command_r7b": (
+        'Let me look that up.<|START_ACTION|>[{"tool_call_id": "0", "tool_name": "get_weather", '
+        '"parameters": {"city": "Paris", "days": 3}}, {"tool_call_id": "1", "tool_name": '
+        '"get_time", "parameters": {"tz": "Asia/Tokyo"}}]<|END_ACTION|>',
+        "Let me look that up.",
+        [PARIS, TOKYO],
+    ),
+    "nemotron_v2": (
+        'Let me look that up.<TOOLCALL>[{"name": "get_weather", "arguments": {"city": "Paris", '
+        '"days": 3}}, {"name": "get_time", "arguments": {"tz": "Asia/Tokyo"}}]</TOOLCALL>',
+        "Let me look that up.",
+        [PARIS, TOKYO],
+    ),
+    "firefunction_v2": (
+        'Let me look that up. functools[{"name": "get_weather", "arguments": {"city": "Paris", '
+        '"days": 3}}, {"name": "get_time", "arguments": {"tz": "Asia/Tokyo"}}]',
+        "Let me look that up.",
+        [PARIS, TOKYO],
+    ),
+    "apertus": (
+        'Let me look that up.<|tools_prefix|>[{"get_weather": {"city": "Paris", "days": 3}}, '
+        '{"get_time": {"tz": "Asia/Tokyo"}}]<|tools_suffix|>',
+        "Let me look that up.",
+        [PARIS, TOKYO],
+    ),
+    "command_r_plus": (
+        'Let me look that up.\nAction:\n```json\n[{"tool_name": "get_weather", "parameters": '
+        '{"city": "Paris", "days": 3}}, {"tool_name": "get_time", "parameters": {"tz": '
+        '"Asia/Tokyo"}}]\n```\n',
+        "Let me look that up.",
+        [PARIS, TOKYO],
+    ),
+    "functionary_v3_1": (
+        'Let me look that up.<function=get_weather>{"city": "Paris", "days": 3}</function>'
+        '<function=get_time>{"tz": "Asia/Tokyo"}</function>',
+        "Let me look that up.",
+        [PARIS, TOKYO],
+    ),
+    "seed_oss": (
+        "Let me look that up.<seed:tool_call>\n<function=get_weather>\n<parameter=city>Paris"
+        "</parameter>\n<parameter=days>3</parameter>\n</function>\n</seed:tool_call>"
+        "<seed:tool_call>\n<function=get_time>\n<parameter=tz>Asia/Tokyo</parameter>\n"
+        "</function>\n</seed:tool_call>",
+        "Let me look that up.",
+        [PARIS, TOKYO],
+    ),
 }
 
 

@@ -31,8 +31,8 @@ def service(tmp_path_factory) -> Any:
     loaded = load_model(str(build_tiny_idefics3(tmp_path_factory.mktemp("vlm") / "idefics3")))
     assert loaded.capabilities == ["vision"]
     engine = VisionEngine(loaded.model, loaded.tokenizer, EngineConfig(kv_bytes_per_token=256))
-    svc = ChatService(loaded.model_id, loaded.tokenizer, engine, ctx_size=400)
-    svc.vision = VisionPromptBuilder(loaded.processor, loaded.config, MediaLimits())
+    vision = VisionPromptBuilder(loaded.processor, loaded.config, MediaLimits())
+    svc = ChatService(loaded.model_id, loaded.tokenizer, engine, ctx_size=400, vision=vision)
     engine.start()
     yield svc
     engine.shutdown(timeout=10)

@@ -27,6 +27,16 @@ SPECIALS = [
     "</tool_call>",
 ]
 
+# A variant's extra special tokens: Qwen2.5-Coder's fill-in-the-middle spelling.
+FIM_SPECIALS = [
+    *SPECIALS,
+    "<|fim_prefix|>",
+    "<|fim_suffix|>",
+    "<|fim_middle|>",
+    "<|fim_pad|>",
+    "<|file_sep|>",
+]
+
 CORPUS = [
     "The quick brown fox jumps over the lazy dog.",
     "Hello world! What is the capital of France? Paris is the capital.",
@@ -62,16 +72,18 @@ def build_tokenizer(path: Path, template: str = CHATML, specials: list[str] = SP
     (path / "tokenizer_config.json").write_text(json.dumps(cfg))
 
 
-def build_tiny_model(path: Path, *, template: str = CHATML, seed: int = 0) -> Path:
+def build_tiny_model(
+    path: Path, *, template: str = CHATML, seed: int = 0, specials: list[str] = SPECIALS
+) -> Path:
     """Write config.json, model.safetensors and the tokenizer files into ``path``."""
     import mlx.core as mx
     from mlx.utils import tree_flatten
     from mlx_lm.models import llama
 
     path.mkdir(parents=True, exist_ok=True)
-    build_tokenizer(path, template)
+    build_tokenizer(path, template, specials)
     vocab = json.loads((path / "tokenizer.json").read_text())["model"]["vocab"]
-    vocab_size = max(len(vocab) + len(SPECIALS), 64)
+    vocab_size = max(len(vocab) + len(specials), 64)
     config = {
         "model_type": "llama",
         "hidden_size": 64,

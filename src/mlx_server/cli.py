@@ -3,45 +3,77 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import MISSING
 from typing import Any
 
-from mlx_server.config import Settings, settings_fields
+from mlx_server.config import Settings, check_bounds, env_name, settings_fields
 from mlx_server.logs import log
 
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off", ""}
 
-def build_parser() -> argparse.ArgumentParser:
+
+def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentParser:
+    """The flags, each defaulting to its ``MLX_SERVER_<NAME>`` environment variable."""
+    environ = os.environ if environ is None else environ
     parser = argparse.ArgumentParser(
         prog="mlx-server",
-        description="MLX inference server with OpenAI- and Anthropic-compatible APIs",
+        description="MLX inference server with OpenAI- and Anthropic-compatible APIs. Every "
+        "flag can also be set with its environment variable, MLX_SERVER_<NAME>.",
     )
     for f in settings_fields():
         meta = f.metadata
-        kwargs: dict[str, Any] = {"help": meta["help"], "dest": f.name}
+        env = env_name(f.name)
+        kwargs: dict[str, Any] = {"help": f"{meta['help']} [env: {env}]", "dest": f.name}
+        convert: Any = {"int": int, "int | None": int, "float": float, "float | None": float}.get(
+            str(f.type), str
+        )
         if f.type in ("bool", bool):
             kwargs["action"] = "store_true"
+            convert = _flag
         else:
-            kwargs["type"] = {
-                "int": int,
-                "int | None": int,
-                "float": float,
-                "float | None": float,
-            }.get(str(f.type), str)
+            kwargs["type"] = convert
             if "choices" in meta:
                 kwargs["choices"] = meta["choices"]
-            if meta.get("required"):
-                kwargs["required"] = True
-            elif f.default is not MISSING:
-                kwargs["default"] = f.default
+        if f.default is not MISSING:
+            kwargs["default"] = f.default
+        if env in environ:
+            try:
+                kwargs["default"] = convert(environ[env])
+            except ValueError:
+                parser.error(f"{env}: invalid value {environ[env]!r}")
+        elif meta.get("required"):
+            kwargs["required"] = True
         parser.add_argument(*meta["flags"], **kwargs)
     return parser
 
 
-def parse_settings(argv: list[str] | None = None) -> Settings:
-    parser = build_parser()
+def _flag(value: str) -> bool:
+    v = value.strip().lower()
+    if v not in _TRUE | _FALSE:
+        raise ValueError(value)
+    return v in _TRUE
+
+
+def parse_settings(
+    argv: list[str] | None = None, environ: Mapping[str, str] | None = None
+) -> Settings:
+    """Flags (over ``MLX_SERVER_*`` environment variables) to checked Settings; a bad value
+    prints usage and exits 2."""
+    parser = build_parser(environ)
     ns = parser.parse_args(argv)  # unknown flags: usage on stderr, exit 2
+    for f in settings_fields():
+        problem = check_bounds(f.name, getattr(ns, f.name), f.metadata)
+        if problem:
+            parser.error(f"{f.metadata['flags'][-1]} {problem}")
+    for f in settings_fields():  # choices given through the environment skip argparse's check
+        value, choices = getattr(ns, f.name), f.metadata.get("choices")
+        if choices and value is not None and value not in choices:
+            parser.error(f"{f.metadata['flags'][-1]}: {value!r} is not one of {', '.join(choices)}")
     if ns.tool_call_parser is not None:
         from mlx_server.parsing.tool_formats import available_tool_parsers
 
@@ -65,9 +97,6 @@ def main(argv: list[str] | None = None) -> int:
     log(f"Model path: {settings.model}")
     log(f"Port: {settings.port}")
     log(f"Context size: {settings.ctx_size}")
-    if settings.ctx_size <= 0:
-        print("Error: --ctx-size must be positive", file=sys.stderr)
-        return 2
 
     from mlx_server.server.run import PortInUse, bind_socket, is_loopback
 

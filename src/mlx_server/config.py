@@ -1,4 +1,6 @@
-"""Settings: every server option, declared once (default, help); the CLI is built from this."""
+"""Settings: every server option, declared once (default, help, bounds); the CLI is built from
+this, and each option can also come from the environment as ``MLX_SERVER_<NAME>`` (for
+example ``MLX_SERVER_PORT=9000``); a flag on the command line wins."""
 
 from __future__ import annotations
 
@@ -7,7 +9,26 @@ from typing import Any
 
 
 def _opt(default: Any, help: str, *flags: str, **extra: Any) -> Any:
+    """One option. ``extra``: ``required``, ``choices``, and bounds ``min`` / ``max``
+    (inclusive) or ``above`` (exclusive), checked at start."""
     return field(default=default, metadata={"help": help, "flags": flags, **extra})
+
+
+def env_name(name: str) -> str:
+    return f"MLX_SERVER_{name.upper()}"
+
+
+def check_bounds(name: str, value: Any, meta: Any) -> str | None:
+    """Why ``value`` is out of the option's bounds, or None."""
+    if value is None or isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    if "min" in meta and value < meta["min"]:
+        return f"must be at least {meta['min']} (got {value})"
+    if "max" in meta and value > meta["max"]:
+        return f"must be at most {meta['max']} (got {value})"
+    if "above" in meta and value <= meta["above"]:
+        return f"must be greater than {meta['above']} (got {value})"
+    return None
 
 
 @dataclass(frozen=True)
@@ -19,9 +40,12 @@ class Settings:
         "--model",
         required=True,
     )
-    port: int = _opt(8080, "Port to listen on", "--port")
+    port: int = _opt(8080, "Port to listen on", "--port", min=0, max=65535)
     ctx_size: int = _opt(
-        4096, "Context size: prompt plus generated tokens per request (enforced)", "--ctx-size"
+        4096,
+        "Context size: prompt plus generated tokens per request (enforced)",
+        "--ctx-size",
+        min=1,
     )
     api_key: str = _opt("", "API key required on every /v1 route (empty: no auth)", "--api-key")
     model_id: str = _opt(
@@ -32,30 +56,40 @@ class Settings:
         None,
         "MLX buffer-cache limit in GB (default: a quarter of the device memory, at most 20)",
         "--cache-limit-gb",
+        min=0,
     )
     max_batch_size: int | None = _opt(
         None,
         "Sequences decoded together in one batch (default: 8 on a CPU; on a GPU as many "
         "full-context sequences as the KV budget holds, 8 to 32)",
         "--max-batch-size",
+        min=1,
     )
     max_queue: int = _opt(
-        64, "Requests allowed to wait for a batch slot before new ones get 503", "--max-queue"
+        64,
+        "Requests allowed to wait for a batch slot before new ones get 503",
+        "--max-queue",
+        min=0,
     )
     prefill_step_size: int | None = _opt(
         None,
         "Prompt tokens processed per step (long prompts are prefilled in chunks; default: "
         "512 on a CPU, 2048 on a GPU)",
         "--prefill-step-size",
+        min=1,
     )
     prompt_cache_size: int = _opt(
-        16, "Prefix-cache entries kept (0 disables the prefix cache)", "--prompt-cache-size"
+        16,
+        "Prefix-cache entries kept (0 disables the prefix cache)",
+        "--prompt-cache-size",
+        min=0,
     )
-    prompt_cache_gb: float = _opt(2.0, "Prefix-cache size limit in GB", "--prompt-cache-gb")
+    prompt_cache_gb: float = _opt(2.0, "Prefix-cache size limit in GB", "--prompt-cache-gb", min=0)
     kv_budget_gb: float | None = _opt(
         None,
         "KV-cache memory budget for admitted requests in GB (default: a quarter of device memory)",
         "--kv-budget-gb",
+        above=0,
     )
     tool_call_parser: str | None = _opt(
         None, "Tool-call format (default: detected from the chat template)", "--tool-call-parser"
@@ -72,12 +106,32 @@ class Settings:
         "make it request URLs on your network)",
         "--allow-remote-images",
     )
-    max_images: int = _opt(16, "Images and videos allowed in one request", "--max-images")
-    max_image_mb: float = _opt(20.0, "Largest image accepted, in MB (encoded)", "--max-image-mb")
-    max_image_pixels: int = _opt(
-        50_000_000, "Largest image accepted, in pixels (width x height)", "--max-image-pixels"
+    max_images: int = _opt(16, "Images and videos allowed in one request", "--max-images", min=0)
+    max_image_mb: float = _opt(
+        20.0, "Largest image accepted, in MB (encoded)", "--max-image-mb", above=0
     )
-    max_video_mb: float = _opt(100.0, "Largest video accepted, in MB", "--max-video-mb")
+    max_image_pixels: int = _opt(
+        50_000_000,
+        "Largest image accepted, in pixels (width x height)",
+        "--max-image-pixels",
+        min=1,
+    )
+    max_video_mb: float = _opt(100.0, "Largest video accepted, in MB", "--max-video-mb", above=0)
+    allowed_hosts: str = _opt(
+        "",
+        "Extra Host names the server answers, comma-separated (default: loopback names and the "
+        "bound address; '*': any). Other Hosts get 403, which stops DNS rebinding",
+        "--allowed-hosts",
+    )
+    allowed_origins: str = _opt(
+        "",
+        "Extra browser origins allowed (CORS), comma-separated, e.g. http://example.test:3000 "
+        "(default: Tauri's and http(s)://localhost pages; '*': any). Other origins get 403",
+        "--allowed-origins",
+    )
+    metrics_open: bool = _opt(
+        False, "Serve GET /metrics without the API key (for a local scraper)", "--metrics-open"
+    )
     log_level: str = _opt("warning", "Log level for the HTTP layer (uvicorn)", "--log-level")
 
 

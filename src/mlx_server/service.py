@@ -12,11 +12,15 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 from typing import Any
 
-from mlx_server.engine.handle import GenerationHandle, TokenPiece
+from mlx_server.engine.handle import EngineEvent, GenerationHandle, Started, TokenPiece
+from mlx_server.engine.protocol import EngineLike
 from mlx_server.errors import ContextLengthExceeded, InvalidRequest
 from mlx_server.events import Finished, Logprobs, OutputEvent, ToolCallStart
 from mlx_server.logs import log
+from mlx_server.models.chat_template import load_chat_template
 from mlx_server.models.prompt import encode_prompt, inline_tools, render_prompt, template_text
+from mlx_server.parsing.functionary import is_functionary_v3_2
+from mlx_server.parsing.harmony import is_harmony
 from mlx_server.parsing.pipeline import OutputPipeline
 from mlx_server.parsing.reasoning import prompt_opens_reasoning, reasoning_tags
 from mlx_server.parsing.tools import resolve_tool_parser
@@ -42,27 +46,48 @@ class ChatService:
         self,
         model_id: str,
         tokenizer: Any,
-        engine: Any,
+        engine: EngineLike,
         *,
         ctx_size: int,
         tool_call_parser: str | None = None,
+        constraints: Any = None,
+        vision: Any = None,
+        capabilities: list[str] | None = None,
     ):
+        """``constraints``: a ConstraintCompiler when structured output is available;
+        ``vision``: a VisionPromptBuilder for vision-language models (media parts in,
+        image tokens out); ``capabilities``: what ``/v1/models`` lists (``["vision"]``)."""
         self.model_id = model_id
         self.tokenizer = tokenizer
         self.engine = engine
         self.ctx_size = ctx_size
-        self.reasoning_tags = reasoning_tags(tokenizer) or ("<think>", "</think>")
         self.tool_format = resolve_tool_parser(tool_call_parser, tokenizer)
         if self.tool_format is None and tool_call_parser in (None, "auto"):
             # No format detected: Hermes-style <tool_call> JSON, the most common one, which
             # the prompt builder also describes to templates that don't render tools.
             self.tool_format = resolve_tool_parser("json_tools", tokenizer)
-        self.template = template_text(tokenizer)
-        self.vocab_size = _vocab_size(tokenizer)
-        self.constraints: Any = None  # a ConstraintCompiler, when structured output is available
-        self.capabilities: list[str] = []
-        # A VisionPromptBuilder for vision-language models: media parts in, image tokens out.
-        self.vision: Any = None
+        self.chat_template = load_chat_template(tokenizer)
+        self.template = self.chat_template.text if self.chat_template else template_text(tokenizer)
+        self.reasoning_tags = reasoning_tags(tokenizer, self.template) or ("<think>", "</think>")
+        # gpt-oss (Harmony) and functionary v3.2 write addressed messages, not tagged text.
+        self.message_format: str | None = None
+        vocab = _vocab(tokenizer)
+        # Added tokens included; 0 (no top_k check) for a tokenizer that can't say.
+        self.vocab_size = len(vocab) if vocab else 0
+        if is_harmony(self.template, vocab):
+            self.message_format = "harmony"
+        elif is_functionary_v3_2(self.template):
+            self.message_format = "functionary_v3_2"
+        if self.message_format and tool_call_parser in (None, "auto"):
+            self.tool_format = None
+        self.constraints = constraints
+        self.capabilities = list(capabilities or [])
+        self.vision = vision
+
+    @property
+    def harmony(self) -> bool:
+        """The model writes OpenAI's Harmony format (gpt-oss)."""
+        return self.message_format == "harmony"
 
     # ---- prompt ------------------------------------------------------------------------
 
@@ -70,12 +95,18 @@ class ChatService:
         tools = chat.tools if chat.tool_choice != "none" else None
         messages = chat.messages
         fmt = self.tool_format
-        if fmt is not None and fmt.name == "json_tools":
-            messages = inline_tools(messages, tools, self.template, (fmt.start, fmt.end))
+        if fmt is not None and (fmt.name == "json_tools" or fmt.call_syntax):
+            messages = inline_tools(
+                messages, tools, self.template, (fmt.start, fmt.end), fmt.call_syntax
+            )
         if self.vision is not None:
             messages = self.vision.template_messages(messages)
         return render_prompt(
-            self.tokenizer, messages, tools=tools, template_kwargs=chat.template_kwargs
+            self.tokenizer,
+            messages,
+            tools=tools,
+            template_kwargs=chat.template_kwargs,
+            template=self.chat_template,
         )
 
     def count_tokens(self, chat: ChatRequest) -> int:
@@ -174,8 +205,13 @@ class ChatService:
     ) -> Generation:
         """Queue a built request on the engine and attach the output parsers."""
         handle = self.engine.submit(req, asyncio.get_running_loop())
+        messages = self.message_format
+        if messages == "harmony" and chat.reasoning_format == "none":
+            messages = None  # the raw text, channels and all
         parse_tools = (
-            bool(chat.tools) and chat.tool_choice != "none" and self.tool_format is not None
+            bool(chat.tools)
+            and chat.tool_choice != "none"
+            and (self.tool_format is not None or messages is not None)
         )
         pipeline = OutputPipeline(
             reasoning=self.reasoning_tags if chat.reasoning_format != "none" else None,
@@ -183,6 +219,8 @@ class ChatService:
             tool_format=self.tool_format if parse_tools else None,
             tools=chat.tools if parse_tools else None,
             max_calls=None if chat.parallel_tool_calls else 1,
+            message_format=messages,
+            content_markers=self.tool_format.content_markers if self.tool_format else (),
         )
         return Generation(req.request_id, handle, pipeline, len(prepared.tokens))
 
@@ -214,14 +252,6 @@ class ChatService:
             ) from e
 
 
-def _vocab_size(tokenizer: Any) -> int:
-    """The tokenizer's vocabulary size (added tokens included), or 0 if it can't say."""
-    try:
-        return len(tokenizer.vocab)
-    except Exception:  # a tokenizer without a vocabulary mapping: no check
-        return 0
-
-
 class Generation:
     """One running generation: iterate ``events()`` for neutral events, ending with Finished."""
 
@@ -236,10 +266,35 @@ class Generation:
         self.handle = handle
         self.pipeline = pipeline
         self.prompt_tokens = prompt_tokens
+        self._start: Started | None = None
+        self._early: list[EngineEvent] = []  # read while waiting for the start, not yet used
 
     @property
     def cached_tokens(self) -> int:
-        return self.handle.cached_tokens
+        """Prompt tokens the prefix cache covered (known once the generation started)."""
+        return self._start.cached_tokens if self._start else self.handle.cached_tokens
+
+    async def started(self) -> Started | None:
+        """Wait until the engine takes the request up (it may queue first) and return its
+        announcement, with the real cache split; None if it ended without starting."""
+        while self._start is None and not self._early:
+            try:
+                ev = await self.handle.next_event()
+            except BaseException:  # the consumer went away while the request waited
+                self.handle.cancel()
+                raise
+            if isinstance(ev, Started):
+                self._start = ev
+            else:
+                self._early.append(ev)
+        return self._start
+
+    async def _engine_events(self) -> AsyncIterator[EngineEvent]:
+        while self._early:
+            yield self._early.pop(0)
+        if not self.handle.done:
+            async for ev in self.handle:
+                yield ev
 
     def cancel(self) -> None:
         self.handle.cancel()
@@ -247,7 +302,10 @@ class Generation:
     async def events(self) -> AsyncIterator[StreamEvent]:
         saw_tools = False
         try:
-            async for ev in self.handle:
+            async for ev in self._engine_events():
+                if isinstance(ev, Started):
+                    self._start = self._start or ev
+                    continue
                 if isinstance(ev, TokenPiece):
                     if ev.logprobs:
                         yield Logprobs(ev.logprobs)
@@ -273,3 +331,10 @@ class Generation:
         if ev.error:
             log(f"Error during generation: {ev.error}")
         return replace(ev, reason=reason, in_reasoning=in_reasoning)
+
+
+def _vocab(tokenizer: Any) -> Any:
+    try:
+        return tokenizer.get_vocab()
+    except Exception:  # a tokenizer without a vocabulary to show: trust the template
+        return None

@@ -33,6 +33,7 @@ def build(settings: Settings) -> tuple[Any, Any]:
     )
     from mlx_server.models.loader import device_memory_bytes, load_model
     from mlx_server.server.app import create_app
+    from mlx_server.server.browser_guard import BrowserPolicy
     from mlx_server.server.middleware import MAX_BODY_BYTES
     from mlx_server.service import ChatService
 
@@ -71,18 +72,28 @@ def build(settings: Settings) -> tuple[Any, Any]:
         engine,
         ctx_size=settings.ctx_size,
         tool_call_parser=settings.tool_call_parser,
+        constraints=_constraint_compiler(loaded.tokenizer),
+        vision=_vision_prompt_builder(loaded, settings) if vision else None,
+        capabilities=loaded.capabilities,
     )
-    service.capabilities = loaded.capabilities
-    if vision:
-        service.vision = _vision_prompt_builder(loaded, settings)
-    service.constraints = _constraint_compiler(loaded.tokenizer)
     log(f"KV budget: {kv_budget // (1 << 20)}MB, max batch size {batch}")
     engine.start()
     engine.wait_ready()  # kernels for every batch shape are built before the readiness line
     max_body = MAX_BODY_BYTES
     if vision:  # room for at least one base64 image of the largest size allowed
         max_body = max(max_body, int(settings.max_image_mb * (1 << 20) * 4 / 3) + (1 << 20))
-    return create_app(service, api_key=settings.api_key, vision=vision, max_body=max_body), engine
+    browser = BrowserPolicy.from_flags(
+        settings.host, settings.allowed_hosts, settings.allowed_origins
+    )
+    app = create_app(
+        service,
+        api_key=settings.api_key,
+        vision=vision,
+        max_body=max_body,
+        browser=browser,
+        metrics_open=settings.metrics_open,
+    )
+    return app, engine
 
 
 def _vision_prompt_builder(loaded: Any, settings: Settings) -> Any:

@@ -20,7 +20,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, StopSequences
 
-from mlx_server.engine.handle import GenerationHandle, Outbox, TokenPiece
+from mlx_server.engine.handle import GenerationHandle, Outbox, Started, TokenPiece
 from mlx_server.engine.logprobs import logprob_entry
 from mlx_server.engine.prefix_cache import SYSTEM, PrefixCache
 from mlx_server.engine.sampling import (
@@ -324,6 +324,7 @@ class Engine:
         seq.cached = len(prompt) - len(rest)
         seq.prefill_left = len(rest)
         seq.handle.cached_tokens = seq.cached
+        seq.handle.push(Started(seq.cached))
         segments = self._segments(seq, prompt)
         if self._runs_alone(processors):
             uid = next(self._solo_uids)

@@ -17,7 +17,15 @@ class TokenPiece:
     logprobs: tuple[LogprobEntry, ...] = ()
 
 
-EngineEvent = TokenPiece | Finished
+@dataclass(frozen=True)
+class Started:
+    """The engine took the request up: its first event. ``cached_tokens`` of the prompt's
+    tokens came from the prefix cache and will not be computed again."""
+
+    cached_tokens: int = 0
+
+
+EngineEvent = Started | TokenPiece | Finished
 
 
 class Outbox:
@@ -92,7 +100,16 @@ class GenerationHandle:
         except RuntimeError:
             pass  # the event loop is closed: nobody is listening any more
 
+    async def next_event(self) -> EngineEvent:
+        """The next event (for a consumer that reads the first one on its own)."""
+        event = await self._queue.get()
+        if isinstance(event, Finished):
+            self.done = True
+        return event
+
     async def __aiter__(self) -> AsyncIterator[EngineEvent]:
+        if self.done:
+            return
         held: EngineEvent | None = None
         while True:
             event = held if held is not None else await self._queue.get()

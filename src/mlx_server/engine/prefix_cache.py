@@ -58,6 +58,7 @@ class PrefixCache(LRUPromptCache):
         self._lru: _SystemLast = _SystemLast()
         self.hits = 0
         self.misses = 0
+        self.evictions = 0
 
     def fetch(self, tokens: list[int]) -> tuple[list[Any] | None, list[int]]:
         """A private copy of the KV state for the longest usable prefix of ``tokens`` and the
@@ -144,6 +145,7 @@ class PrefixCache(LRUPromptCache):
 
     def _evict(self, model: Any, tokens: list[int]) -> None:
         self._account(self._trie.pop(model, tokens), -1)
+        self.evictions += 1
 
     def _account(self, entry: Any, sign: int) -> None:
         self._n_bytes += sign * entry.nbytes
@@ -162,4 +164,5 @@ class PrefixCache(LRUPromptCache):
             "prompt_cache_bytes": self.nbytes,
             "prompt_cache_hits": self.hits,
             "prompt_cache_misses": self.misses,
+            "prompt_cache_evictions": self.evictions,
         }

@@ -18,6 +18,7 @@ from typing import Any
 import mlx.core as mx
 
 from mlx_server.engine.engine import Engine, EngineConfig, _Seq
+from mlx_server.engine.handle import Started
 from mlx_server.engine.sampling import make_processors, make_sampler
 from mlx_server.parsing.stops import StopMatcher
 
@@ -86,6 +87,7 @@ class VisionEngine(Engine):
         seq.detok = self.tokenizer.detokenizer
         seq.stops = StopMatcher(req.stop)
         seq.t_start = time.perf_counter()
+        seq.handle.push(Started(0))  # no prefix cache for vision prompts
         inputs = dict(req.vision_inputs or {})
         pixel_values = inputs.pop("pixel_values", None)
         mask = inputs.pop("attention_mask", None)

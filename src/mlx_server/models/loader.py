@@ -135,8 +135,11 @@ def _download(repo_id: str) -> Path:
     return Path(path)
 
 
-def read_chat_template(model_dir: Path) -> str | None:
-    """Chat template: chat_template.jinja, else chat_template.json, else tokenizer_config.json."""
+def read_chat_template(model_dir: Path) -> str | dict[str, str] | None:
+    """Chat template: chat_template.jinja, else chat_template.json, else tokenizer_config.json.
+
+    Named templates (a list of ``{"name", "template"}``: Hermes 3, Command R ship ``default``
+    and ``tool_use``) come back as a dict, so the request's tools can choose between them."""
     jinja = model_dir / "chat_template.jinja"
     if jinja.is_file():
         return jinja.read_text(encoding="utf-8")
@@ -148,9 +151,14 @@ def read_chat_template(model_dir: Path) -> str | None:
             tpl = json.loads(f.read_text(encoding="utf-8")).get("chat_template")
         except (OSError, ValueError):
             continue
-        if isinstance(tpl, list):  # named templates: take "default", else the first
-            named = {t.get("name"): t.get("template") for t in tpl if isinstance(t, dict)}
-            tpl = named.get("default") or next(iter(named.values()), None)
+        if isinstance(tpl, list):
+            named = {
+                t["name"]: t["template"]
+                for t in tpl
+                if isinstance(t, dict) and isinstance(t.get("name"), str) and t.get("template")
+            }
+            if named:
+                return named
         if isinstance(tpl, str) and tpl:
             return tpl
     return None

@@ -6,6 +6,7 @@ import json
 from typing import Any
 
 from mlx_server.errors import InvalidRequest
+from mlx_server.models.chat_template import ChatTemplate, TemplateError
 
 
 def render_prompt(
@@ -14,13 +15,23 @@ def render_prompt(
     *,
     tools: list[dict[str, Any]] | None = None,
     template_kwargs: dict[str, Any] | None = None,
+    template: ChatTemplate | None = None,
 ) -> str:
     """Render the whole conversation with the chat template, ending with the generation prompt.
 
+    ``template``: the model's probed Jinja template (see ``chat_template``); without it the
+    tokenizer renders (a model that mlx-lm renders with Python code).
     Template errors (a template that rejects the conversation, e.g. roles that must
     alternate) are the caller's input problem: they become InvalidRequest.
     """
     kwargs = dict(template_kwargs or {})
+    if template is not None:
+        try:
+            return template.render(messages, tools=tools, template_kwargs=kwargs)
+        except TemplateError as e:
+            raise InvalidRequest(
+                f"the chat template could not render these messages: {e}", param="messages"
+            ) from e
     try:
         text = tokenizer.apply_chat_template(
             messages,
@@ -55,13 +66,18 @@ def template_text(tokenizer: Any) -> str:
     return tpl if isinstance(tpl, str) else ""
 
 
-def _describe_tools(tools: list[dict[str, Any]], start: str, end: str) -> str:
+def _describe_tools(tools: list[dict[str, Any]], start: str, end: str, syntax: str = "") -> str:
     specs = "\n".join(json.dumps(t.get("function", t), ensure_ascii=False) for t in tools)
-    return (
-        "You can call functions to help answer. These are the available functions, one JSON "
-        f"signature per line:\n{specs}\n\nTo call a function, write {start} then a JSON object "
+    how = (
+        f"To call a function, write exactly: {syntax}"
+        if syntax
+        else f"To call a function, write {start} then a JSON object "
         f'{{"name": <function name>, "arguments": <arguments object>}} then {end}. '
         "Write one such block per call."
+    )
+    return (
+        "You can call functions to help answer. These are the available functions, one JSON "
+        f"signature per line:\n{specs}\n\n{how}"
     )
 
 
@@ -70,6 +86,7 @@ def inline_tools(
     tools: list[dict[str, Any]] | None,
     template: str,
     markers: tuple[str, str] = ("<tool_call>", "</tool_call>"),
+    syntax: str = "",
 ) -> list[dict[str, Any]]:
     """For chat templates that know nothing of tools: describe the tools in the system
     message and write earlier tool calls into the assistant text, in the Hermes format the
@@ -86,7 +103,7 @@ def inline_tools(
                 ]
                 m["content"] = "\n".join(([m["content"]] if m.get("content") else []) + blocks)
     if tools and "tools" not in template:
-        note = _describe_tools(tools, start, end)
+        note = _describe_tools(tools, start, end, syntax)
         if out and out[0]["role"] == "system":
             out[0]["content"] = f"{out[0]['content']}\n\n{note}" if out[0].get("content") else note
         else:

@@ -17,9 +17,18 @@ from mlx_server.events import (
     ToolCallEnd,
     ToolCallStart,
 )
+from mlx_server.parsing.functionary import FunctionaryParser
+from mlx_server.parsing.harmony import HarmonyParser
 from mlx_server.parsing.reasoning import ReasoningSplitter
+from mlx_server.parsing.tags import MarkerStripper
 from mlx_server.parsing.tool_formats import ToolFormat
 from mlx_server.parsing.tools import ToolCallParser, new_call_id
+
+# Formats of addressed messages, parsed whole by one decoder.
+MESSAGE_FORMATS: dict[str, type[HarmonyParser] | type[FunctionaryParser]] = {
+    "harmony": HarmonyParser,
+    "functionary_v3_2": FunctionaryParser,
+}
 
 
 class OutputPipeline:
@@ -34,14 +43,26 @@ class OutputPipeline:
         tools: list[dict[str, Any]] | None,
         max_calls: int | None = None,
         id_factory: Callable[[], str] = new_call_id,
+        message_format: str | None = None,
+        content_markers: tuple[str, ...] = (),
     ) -> None:
         """
         ``reasoning``: the think tags, or None to pass reasoning through as text (for
         ``reasoning_format: none`` or a model without them). ``start_in_reasoning``: the
         prompt already opened a block (see ``prompt_opens_reasoning``). Tool calls are
         parsed only when both ``tool_format`` and a non-empty ``tools`` are given;
-        ``max_calls=1`` implements ``parallel_tool_calls: false``.
+        ``max_calls=1`` implements ``parallel_tool_calls: false``. ``message_format``:
+        ``"harmony"`` (gpt-oss) or ``"functionary_v3_2"``, formats that carry the answer,
+        reasoning and tool calls as addressed messages (``tools`` alone then says which calls
+        to parse; ``tool_format`` and ``reasoning`` are not used). ``content_markers``:
+        literal wrappers removed from the answer text (``<|START_RESPONSE|>``).
         """
+        self._stripper = MarkerStripper(content_markers) if content_markers else None
+        self._harmony: HarmonyParser | FunctionaryParser | None = None
+        if message_format in MESSAGE_FORMATS:
+            self._harmony = MESSAGE_FORMATS[message_format](
+                tools, id_factory=id_factory, max_calls=max_calls
+            )
         self._tools = (
             ToolCallParser(tool_format, tools, id_factory=id_factory, max_calls=max_calls)
             if tool_format is not None and tools
@@ -62,27 +83,50 @@ class OutputPipeline:
     @property
     def in_reasoning(self) -> bool:
         """True while inside a reasoning block (after ``flush``: it was never closed)."""
+        if self._harmony is not None:
+            return self._harmony.in_reasoning
         return self._splitter is not None and self._splitter.in_reasoning
 
     @property
     def saw_tool_calls(self) -> bool:
         """True once a tool call has been emitted."""
+        if self._harmony is not None:
+            return self._harmony.saw_tool_calls
         return self._tools is not None and self._tools.saw_tool_calls
 
     def feed(self, text: str) -> list[OutputEvent]:
         """Consume a piece of generated text; return the events that are now certain."""
+        if self._harmony is not None:
+            return merge_events(self._harmony.feed(text))
         if self._splitter is None:
             split: list[TextDelta | ReasoningDelta] = [TextDelta(text)] if text else []
         else:
             split = self._splitter.feed(text)
-        return merge_events(self._route(split))
+        return merge_events(self._strip(self._route(split)))
 
     def flush(self) -> list[OutputEvent]:
         """End of generation: everything still held back, as final events."""
+        if self._harmony is not None:
+            return merge_events(self._harmony.flush())
         events = self._route(self._splitter.flush() if self._splitter else [])
         if self._tools is not None:
             events.extend(self._tools.flush())
+        events = self._strip(events)
+        if self._stripper is not None:
+            events.append(TextDelta(self._stripper.flush()))
         return merge_events(events)
+
+    def _strip(self, events: list[OutputEvent]) -> list[OutputEvent]:
+        if self._stripper is None:
+            return events
+        out: list[OutputEvent] = []
+        for event in events:
+            if isinstance(event, TextDelta):
+                out.append(TextDelta(self._stripper.feed(event.text)))
+            else:  # a held partial marker did not continue: it is text
+                out.append(TextDelta(self._stripper.flush()))
+                out.append(event)
+        return out
 
     def _route(self, events: Iterable[TextDelta | ReasoningDelta]) -> list[OutputEvent]:
         out: list[OutputEvent] = []

@@ -200,16 +200,25 @@ def prompt_opens_reasoning(prompt_text: str, start_tag: str, end_tag: str) -> bo
 
 
 # Think tags mlx-lm does not infer (it knows <think>, <longcat_think>, <|think:start|>,
-# Gemma's channel and the XTML markers); looked up in the vocabulary as single tokens.
-_EXTRA_THINK_TAGS = (("[THINK]", "[/THINK]"),)  # Magistral
+# Gemma's channel and the XTML markers); looked up in the vocabulary as single tokens, then
+# in the chat template's text.
+_EXTRA_THINK_TAGS = (
+    ("[THINK]", "[/THINK]"),  # Magistral
+    ("<seed:think>", "</seed:think>"),  # ByteDance Seed-OSS
+    ("<|START_THINKING|>", "<|END_THINKING|>"),  # Cohere Command R7B / A
+)
+# Tags written as plain text (not special tokens), found in the template: Granite 3.3
+# asks for <think></think> in its system prompt.
+_TEMPLATE_THINK_TAGS = (*_EXTRA_THINK_TAGS, ("<think>", "</think>"))
 
 
-def reasoning_tags(tokenizer: object) -> tuple[str, str] | None:
+def reasoning_tags(tokenizer: object, template: str = "") -> tuple[str, str] | None:
     """The model's ``(think_start, think_end)`` strings, or None when it has none.
 
     Reads them from an mlx-lm ``TokenizerWrapper`` (which infers them from the vocabulary);
     for a bare Hugging Face tokenizer, runs the same inference on its vocabulary. Also knows
-    Magistral's ``[THINK]``/``[/THINK]``.
+    Magistral's ``[THINK]``, Seed-OSS's ``<seed:think>`` and Command R7B's
+    ``<|START_THINKING|>`` (in the vocabulary, else in the chat ``template``'s text).
     """
     if tokenizer is None:
         return None
@@ -225,7 +234,9 @@ def reasoning_tags(tokenizer: object) -> tuple[str, str] | None:
             pass
     if isinstance(start, str) and isinstance(end, str) and start and end:
         return start, end
-    return _extra_tags(tokenizer)
+    return _extra_tags(tokenizer) or next(
+        ((a, b) for a, b in _TEMPLATE_THINK_TAGS if a in template and b in template), None
+    )
 
 
 def _extra_tags(tokenizer: object) -> tuple[str, str] | None:

@@ -36,3 +36,30 @@ def held_tail_len(text: str, tags: Iterable[str]) -> int:
                 best = n
                 break
     return best
+
+
+class MarkerStripper:
+    """Removes literal markers from streamed text (Command R7B's ``<|START_RESPONSE|>``,
+    Granite's ``<response>``), holding back only a tail that could still become one."""
+
+    def __init__(self, markers: Iterable[str]) -> None:
+        self._markers = [m for m in markers if m]
+        self._buf = ""
+
+    def feed(self, text: str) -> str:
+        """The text that is certain, without markers."""
+        self._buf += text
+        out = []
+        while (hit := find_first(self._buf, self._markers)) is not None:
+            pos, tag = hit
+            out.append(self._buf[:pos])
+            self._buf = self._buf[pos + len(tag) :]
+        cut = len(self._buf) - held_tail_len(self._buf, self._markers)
+        out.append(self._buf[:cut])
+        self._buf = self._buf[cut:]
+        return "".join(out)
+
+    def flush(self) -> str:
+        """What was held back: it never became a marker."""
+        buf, self._buf = self._buf, ""
+        return buf

@@ -40,9 +40,42 @@ _STREAM_HEADERS = {
     "llama3_json": (r"\s*;?" + _JSON_HEADER.format(keys="parameters|arguments"), "}"),
 }
 
-# Formats of this package: name -> module. They may begin without their start marker, as
-# a bare JSON object at the start of the answer.
-_OWN_FORMATS = {"llama3_json": "mlx_server.parsing.llama3_json"}
+# Formats of this package: name -> module.
+_OWN_FORMATS = {
+    "llama3_json": "mlx_server.parsing.llama3_json",
+    **{
+        name: f"mlx_server.parsing.formats.{name}"
+        for name in (
+            "apertus",
+            "command_r_plus",
+            "command_r7b",
+            "deepseek",
+            "firefunction_v2",
+            "functionary_v3_1",
+            "granite",
+            "nemotron_v2",
+            "phi4_mini",
+            "seed_oss",
+        )
+    },
+}
+# Formats whose call may begin without its start marker, as a bare JSON object at the
+# start of the answer.
+_BARE_START = {"llama3_json"}
+
+# Template markers of this package's formats, checked in order after mlx-lm's detection.
+_TEMPLATE_MARKERS = (
+    ("<｜tool▁calls▁begin｜>", "deepseek"),
+    ("<|START_ACTION|>", "command_r7b"),
+    ("<TOOLCALL>", "nemotron_v2"),
+    ("<seed:tool_call>", "seed_oss"),
+    ("<|/tool_call|>", "phi4_mini"),
+    ("<|tool_call|>", "granite"),
+    ("functools[", "firefunction_v2"),
+    ("<|tools_prefix|>", "apertus"),
+    (r"Action:\n```json", "command_r_plus"),  # as written in the Jinja string
+    ("start with <function= and end with </function>", "functionary_v3_1"),
+)
 
 # Parser names accepted besides the module names.
 AUTO = "auto"
@@ -65,6 +98,11 @@ class ToolFormat:
     # A call may also begin, without the start marker, as a bare JSON object at the very
     # start of the answer.
     bare_start: bool = False
+    # How to write a call, for describing tools to templates that do not show them; empty:
+    # a {"name", "arguments"} JSON object between the start and end markers.
+    call_syntax: str = ""
+    # Literal wrappers the model puts around its answer text, removed from the content.
+    content_markers: tuple[str, ...] = ()
 
     @property
     def streams_arguments(self) -> bool:
@@ -96,7 +134,9 @@ def tool_format(name: str) -> ToolFormat:
         parse=module.parse_tool_call,
         stream_header=regex.compile(header, regex.DOTALL) if header else None,
         stream_closer=closer,
-        bare_start=name in _OWN_FORMATS,
+        bare_start=name in _BARE_START,
+        call_syntax=getattr(module, "call_syntax", ""),
+        content_markers=tuple(getattr(module, "content_markers", ())),
     )
 
 
@@ -147,10 +187,16 @@ def _infer_from_template(hf: Any) -> str | None:
     template = getattr(hf, "chat_template", None)
     if isinstance(template, dict):  # named templates, e.g. {"default": ..., "tool_use": ...}
         template = "\n".join(t for t in template.values() if isinstance(t, str))
+    for marker, fmt in _TEMPLATE_MARKERS:
+        if isinstance(template, str) and marker in template:
+            return fmt
     if isinstance(template, str) and "<tool_call>" in template:
         return "json_tools"
-    if isinstance(template, str) and "<|python_tag|>" in template:
-        return "llama3_json"
+    if isinstance(template, str) and (
+        "<|python_tag|>" in template
+        or ("<|start_header_id|>" in template and "ipython" in template)
+    ):
+        return "llama3_json"  # Llama 3.2 describes the JSON calls without <|python_tag|>
     return None
 
 

@@ -15,8 +15,13 @@ from starlette.requests import ClientDisconnect
 from mlx_server.errors import InvalidRequest, MethodNotAllowed, NotFound, Overloaded, ServerError
 from mlx_server.logs import log
 from mlx_server.protocols.anthropic.routes import make_router as anthropic_router
+from mlx_server.protocols.llamacpp import make_router as tokenizer_router
+from mlx_server.protocols.openai.completions import make_router as completions_router
+from mlx_server.protocols.openai.count_tokens import make_router as count_tokens_router
 from mlx_server.protocols.openai.routes import make_router as openai_router
+from mlx_server.server.browser_guard import BrowserGuard, BrowserPolicy
 from mlx_server.server.http import parse_body
+from mlx_server.server.metrics import MetricsMiddleware, install_metrics, route_paths
 from mlx_server.server.middleware import MAX_BODY_BYTES, GuardMiddleware, error_body
 from mlx_server.service import ChatService
 
@@ -26,7 +31,13 @@ class CancelRequest(BaseModel):
 
 
 def create_app(
-    service: ChatService, *, api_key: str = "", vision: bool = False, max_body: int = MAX_BODY_BYTES
+    service: ChatService,
+    *,
+    api_key: str = "",
+    vision: bool = False,
+    max_body: int = MAX_BODY_BYTES,
+    browser: BrowserPolicy | None = None,
+    metrics_open: bool = False,
 ) -> FastAPI:
     """Build the ASGI app around a ChatService (whose engine may be real or scripted)."""
     app = FastAPI(title="mlx-server", docs_url=None, redoc_url=None, openapi_url=None)
@@ -34,6 +45,7 @@ def create_app(
     app.router.redirect_slashes = False
     app.state.service = service
     app.state.shutting_down = False
+    app.state.metrics = metrics = install_metrics(app, service)
     engine = service.engine
 
     @app.get("/health")
@@ -52,9 +64,19 @@ def create_app(
 
     app.include_router(openai_router(service, vision=vision))
     app.include_router(anthropic_router(service, vision=vision))
+    app.include_router(completions_router(service))
+    app.include_router(count_tokens_router(service, vision=vision))
+    app.include_router(tokenizer_router(service))
 
     _install_error_handlers(app)
-    app.add_middleware(GuardMiddleware, api_key=api_key, max_body=max_body)
+    keyed = frozenset({"/tokenize", "/detokenize"} | (set() if metrics_open else {"/metrics"}))
+    app.add_middleware(GuardMiddleware, api_key=api_key, max_body=max_body, keyed_paths=keyed)
+    app.add_middleware(BrowserGuard, policy=browser)  # outside auth: preflights carry no key
+    app.add_middleware(
+        MetricsMiddleware,
+        metrics=metrics,
+        routes=lambda: route_paths(app.routes),
+    )
     return app
 
 

@@ -60,10 +60,17 @@ async def send_json(
 class GuardMiddleware:
     """Rejects unauthenticated /v1 requests (401) and bodies over the size limit (413)."""
 
-    def __init__(self, app: ASGIApp, api_key: str = "", max_body: int = MAX_BODY_BYTES):
+    def __init__(
+        self,
+        app: ASGIApp,
+        api_key: str = "",
+        max_body: int = MAX_BODY_BYTES,
+        keyed_paths: frozenset[str] = frozenset(),
+    ):
         self.app = app
         self.key = api_key.encode()
         self.max_body = max_body
+        self.keyed_paths = keyed_paths  # besides /v1: paths that need the key too
 
     async def __call__(
         self,
@@ -82,7 +89,8 @@ class GuardMiddleware:
             await send_json(send, 404, error_body(path, missing))
             return
         headers = {k.decode("latin-1").lower(): v for k, v in scope.get("headers", [])}
-        if self.key and path.startswith("/v1") and not self._authorized(headers):
+        keyed = path.startswith("/v1") or path in self.keyed_paths
+        if self.key and keyed and not self._authorized(headers):
             err = AuthenticationFailed(
                 "invalid or missing API key (send Authorization: Bearer <key> or x-api-key)"
             )

@@ -14,6 +14,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from mlx_server.errors import InvalidRequest, UnsupportedFeature
+from mlx_server.models.reasoning_effort import effort_from_budget, effort_level
 from mlx_server.parsing.tools import validate_tools
 from mlx_server.protocols.anthropic.schemas import (
     BLOCK_MODELS,
@@ -59,6 +60,14 @@ def to_chat_request(
     kwargs: dict[str, Any] = {}
     if body.thinking is not None:
         kwargs["enable_thinking"] = body.thinking.type != "disabled"
+        # gpt-oss cannot turn reasoning off: disabled asks for the least of it.
+        disabled = body.thinking.type == "disabled"
+        kwargs["reasoning_effort"] = (
+            "low" if disabled else effort_from_budget(body.thinking.budget_tokens)
+        )
+    effort = body.output_config.effort if body.output_config is not None else None
+    if effort and effort_level(effort):
+        kwargs["reasoning_effort"] = effort_level(effort)
     req = body if isinstance(body, MessagesRequest) else None
     return ChatRequest(
         messages=messages,

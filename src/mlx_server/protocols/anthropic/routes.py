@@ -74,6 +74,8 @@ async def _start(service: ChatService, chat: ChatRequest, message_id: str) -> Ge
 
 
 async def _collect(gen: Generation, enc: StreamEncoder) -> dict[str, Any]:
+    await gen.started()
+    enc.cached_tokens = gen.cached_tokens
     acc = MessageAccumulator()
     for event in enc.start():
         acc.add(event)
@@ -93,6 +95,9 @@ async def _collect(gen: Generation, enc: StreamEncoder) -> dict[str, Any]:
 
 
 async def _stream(gen: Generation, enc: StreamEncoder) -> AsyncIterator[bytes]:
+    # message_start reports the prompt's cache split, known once the engine starts it.
+    await gen.started()
+    enc.cached_tokens = gen.cached_tokens
     for event in enc.start():
         yield sse_frame(event)
     try:

@@ -6,6 +6,7 @@ import json
 from typing import Any
 
 from mlx_server.errors import InvalidRequest
+from mlx_server.models.reasoning_effort import effort_kwargs
 from mlx_server.parsing.tools import validate_tools
 from mlx_server.protocols.openai.schemas import ChatCompletionRequest, Message
 from mlx_server.types import ChatRequest, SamplingParams
@@ -33,6 +34,12 @@ def to_chat_request(body: ChatCompletionRequest, *, vision: bool = False) -> Cha
         max_tokens = body.n_predict
     stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
     kwargs = dict(body.chat_template_kwargs or {})
+    if body.reasoning_effort is not None:
+        try:
+            effort = effort_kwargs(body.reasoning_effort)
+        except ValueError as e:
+            raise InvalidRequest(str(e), param="reasoning_effort") from e
+        kwargs = {**effort, **kwargs}  # explicit chat_template_kwargs win
     return ChatRequest(
         messages=messages,
         sampling=SamplingParams(

@@ -83,6 +83,7 @@ class ChatCompletionRequest(_Model):
     response_format: ResponseFormat | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     reasoning_format: str | None = None
+    reasoning_effort: str | None = None
     user: str | None = None
 
     @field_validator("stop")

@@ -1,0 +1,44 @@
+"""What the chat service and the server need of an engine: the continuous-batching
+``Engine``, the one-at-a-time ``VisionEngine`` and the tests' scripted engine all provide it."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Protocol, runtime_checkable
+
+from mlx_server.engine.handle import GenerationHandle
+from mlx_server.types import GenerationRequest
+
+
+@runtime_checkable
+class EngineLike(Protocol):
+    def start(self) -> None:
+        """Start the engine's own thread (if it has one)."""
+
+    def submit(
+        self, req: GenerationRequest, loop: asyncio.AbstractEventLoop | None = None
+    ) -> GenerationHandle:
+        """Queue a request; raises ``Overloaded`` when full or shutting down, and
+        ``InvalidRequest`` for one that can never run."""
+        ...
+
+    def cancel(self, request_id: str | None = None) -> int:
+        """Cancel one request by id, or all of them; returns how many."""
+        ...
+
+    @property
+    def active_count(self) -> int: ...
+
+    @property
+    def queue_depth(self) -> int: ...
+
+    def shutdown(self, timeout: float = 3.0) -> None:
+        """Cancel everything and stop (bounded by ``timeout``)."""
+
+
+def engine_stats(engine: EngineLike) -> dict[str, Any]:
+    """The engine's monitoring counters, for engines that keep more than the basics."""
+    stats = getattr(engine, "stats", None)
+    if callable(stats):
+        return dict(stats())
+    return {"active": engine.active_count, "queued": engine.queue_depth}

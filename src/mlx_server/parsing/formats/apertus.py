@@ -1,0 +1,23 @@
+"""Apertus: ``<|tools_prefix|>[{"NAME": {...}}, ...]<|tools_suffix|>``."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+tool_call_start = "<|tools_prefix|>"
+tool_call_end = "<|tools_suffix|>"
+
+
+def parse_tool_call(text: str, tools: Any = None) -> list[dict[str, Any]]:
+    value = json.loads(text.strip())
+    items = value if isinstance(value, list) else [value]
+    calls = []
+    for item in items:
+        if not isinstance(item, dict) or len(item) != 1:
+            raise ValueError("not an Apertus tool call")
+        ((name, arguments),) = item.items()
+        calls.append({"name": name, "arguments": arguments})
+    if not calls:
+        raise ValueError("no tool call")
+    return calls

@@ -1,0 +1,16 @@
+"""IBM Granite 3.x: ``<|tool_call|>[{"name": ..., "arguments": {...}}, ...]`` to the end."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mlx_server.parsing.formats import json_calls
+
+tool_call_start = "<|tool_call|>"
+# The answer comes wrapped in these (Granite: when thinking).
+content_markers = ("<response>", "</response>")
+tool_call_end = ""
+
+
+def parse_tool_call(text: str, tools: Any = None) -> list[dict[str, Any]]:
+    return json_calls(text)

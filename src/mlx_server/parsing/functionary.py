@@ -1,0 +1,172 @@
+"""Incremental parsing of functionary v3.2 output: messages addressed with ``>>>``.
+
+The prompt ends with ``>>>``, so the output starts with a recipient line, then the message;
+later messages start with ``>>>`` again::
+
+    all
+    Let me look that up.>>>get_weather
+    {"city": "Paris"}
+
+``all`` addresses the user (content); a function name is a tool call whose body is its JSON
+arguments (streamed as they arrive); ``python`` is a call of an offered ``python`` tool with
+the code as ``{"code": ...}``. A recipient the request did not offer is text, written as the
+model wrote it. Output whose first line is not a plausible recipient is plain content.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+from typing import Any
+
+from mlx_server.events import OutputEvent, TextDelta, ToolCallArgsDelta, ToolCallEnd, ToolCallStart
+from mlx_server.parsing.tags import held_tail_len
+from mlx_server.parsing.tool_schema import tool_names
+
+SEPARATOR = ">>>"
+_RECIPIENT = re.compile(r"[A-Za-z_][\w.-]*")
+_MAX_RECIPIENT = 128
+
+_HEADER = "header"
+_BODY = "body"
+
+
+def is_functionary_v3_2(template: str) -> bool:
+    """Whether a chat template is functionary v3.2's (``>>>all`` messages)."""
+    return ">>>all" in template and "'>>>' + tool_call" in template.replace('"', "'")
+
+
+class FunctionaryParser:
+    """Incremental decoder of functionary v3.2 output into text and tool-call events."""
+
+    def __init__(
+        self,
+        tools: list[dict[str, Any]] | None,
+        *,
+        id_factory: Callable[[], str],
+        max_calls: int | None = None,
+    ) -> None:
+        self._names = tool_names(tools) if tools else set()
+        self._new_id = id_factory
+        self._max_calls = max_calls
+        self._state = _HEADER
+        self._buf = ""
+        self._recipient = "all"
+        self._call: int | None = None
+        self._code: list[str] | None = None  # a python call's code, sent at its end
+        self._args: list[str] = []
+        self._held = ""  # trailing whitespace of the body, dropped if the message ends
+        self._count = 0
+        self._texted = False  # content was emitted (a later text message is joined)
+
+    @property
+    def in_reasoning(self) -> bool:
+        return False
+
+    @property
+    def saw_tool_calls(self) -> bool:
+        return self._count > 0
+
+    def feed(self, text: str) -> list[OutputEvent]:
+        self._buf += text
+        out: list[OutputEvent] = []
+        while self._step(out):
+            pass
+        return out
+
+    def flush(self) -> list[OutputEvent]:
+        out: list[OutputEvent] = []
+        buf, self._buf = self._buf, ""
+        if self._state == _HEADER:
+            if buf.strip():
+                self._open("all")
+                self._body(out, buf)
+        else:
+            self._body(out, buf)
+        self._end(out)
+        return out
+
+    def _step(self, out: list[OutputEvent]) -> bool:
+        if self._state == _HEADER:
+            pos = self._buf.find("\n")
+            if pos < 0:
+                if len(self._buf) > _MAX_RECIPIENT or not _RECIPIENT.fullmatch(
+                    self._buf.strip() or "a"
+                ):
+                    self._open("all")  # not a recipient line: plain content
+                    return True
+                return False
+            recipient, rest = self._buf[:pos].strip(), self._buf[pos + 1 :]
+            if not _RECIPIENT.fullmatch(recipient):
+                self._open("all")
+                return True
+            self._buf = rest
+            self._open(recipient, out)
+            return True
+        pos = self._buf.find(SEPARATOR)
+        if pos < 0:
+            cut = len(self._buf) - held_tail_len(self._buf, [SEPARATOR])
+            self._body(out, self._buf[:cut])
+            self._buf = self._buf[cut:]
+            return False
+        self._body(out, self._buf[:pos])
+        self._buf = self._buf[pos + len(SEPARATOR) :]
+        self._end(out)
+        self._state = _HEADER
+        return True
+
+    def _open(self, recipient: str, out: list[OutputEvent] | None = None) -> None:
+        self._state = _BODY
+        self._recipient = recipient
+        self._held = ""
+        self._args = []
+        self._code = None
+        if recipient == "all" or recipient not in self._names or out is None:
+            if recipient != "all" and out is not None:  # not offered: keep what was written
+                out.append(TextDelta(f"{SEPARATOR if self._texted else ''}{recipient}\n"))
+                self._texted = True
+            self._call = None
+            return
+        if self._max_calls is not None and self._count >= self._max_calls:
+            self._call = -1  # dropped
+            return
+        self._call = self._count
+        self._count += 1
+        out.append(ToolCallStart(index=self._call, id=self._new_id(), name=recipient))
+        if recipient == "python":
+            self._code = []
+
+    def _body(self, out: list[OutputEvent], text: str) -> None:
+        if not text:
+            return
+        text = self._held + text
+        body = text.rstrip()
+        self._held = text[len(body) :]
+        if not body:
+            return
+        if self._call is None:
+            out.append(TextDelta(body))
+            self._texted = True
+        elif self._call < 0:
+            return
+        elif self._code is not None:
+            self._code.append(body)
+        else:
+            if not self._args:
+                body = body.lstrip()
+            self._args.append(body)
+            out.append(ToolCallArgsDelta(index=self._call, text=body))
+
+    def _end(self, out: list[OutputEvent]) -> None:
+        if self._call is not None and self._call >= 0:
+            if self._code is not None:
+                arguments = json.dumps({"code": "".join(self._code)}, ensure_ascii=False)
+                out.append(ToolCallArgsDelta(index=self._call, text=arguments))
+            else:
+                arguments = "".join(self._args)
+            out.append(ToolCallEnd(index=self._call, arguments=arguments))
+        self._call = None
+        self._code = None
+        self._args = []
+        self._held = ""

@@ -1,0 +1,155 @@
+"""OpenAI legacy Completions: ``POST /v1/completions`` (raw prompts, fill-in-the-middle)."""
+
+from __future__ import annotations
+
+import traceback
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import replace
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from mlx_server.errors import InvalidRequest, ServerError
+from mlx_server.events import Finished, Usage
+from mlx_server.logs import log
+from mlx_server.models.text_prompt import fim_stop_strings
+from mlx_server.protocols.openai.completions_encoder import CompletionEncoder
+from mlx_server.protocols.openai.completions_schema import CompletionRequest
+from mlx_server.protocols.openai.encoder import sse
+from mlx_server.protocols.openai.routes import error_frames
+from mlx_server.server.http import parse_body, sse_response, until_disconnect
+from mlx_server.service import ChatService, Generation
+from mlx_server.text_completion import (
+    CompletionOptions,
+    CompletionService,
+    TextPrompt,
+    merged_events,
+)
+from mlx_server.types import SamplingParams
+
+
+def options(body: CompletionRequest) -> CompletionOptions:
+    max_tokens = 16 if body.max_tokens is None else body.max_tokens
+    if "max_tokens" not in body.model_fields_set and body.n_predict is not None:
+        max_tokens = body.n_predict if body.n_predict >= 0 else max_tokens
+    stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
+    return CompletionOptions(
+        max_tokens=max_tokens,
+        sampling=SamplingParams(
+            temperature=0.7 if body.temperature is None else body.temperature,
+            top_p=1.0 if body.top_p is None else body.top_p,
+            top_k=body.top_k or 0,
+            min_p=body.min_p or 0.0,
+            repetition_penalty=body.repetition_penalty,
+            presence_penalty=body.presence_penalty,
+            frequency_penalty=body.frequency_penalty,
+            seed=body.seed,
+        ),
+        stop=stop,
+        top_logprobs=body.logprobs,
+    )
+
+
+def make_router(service: ChatService) -> APIRouter:
+    router = APIRouter()
+    completions = CompletionService(service)
+
+    @router.post("/v1/completions")
+    async def create_completion(request: Request) -> Response:
+        body = await parse_body(request, CompletionRequest)
+        if body.echo and body.logprobs is not None:
+            raise InvalidRequest(
+                "echo with logprobs is not supported: the prompt's log-probabilities are not "
+                "computed",
+                param="logprobs",
+            )
+        opts = options(body)
+        if body.suffix is not None:  # stop where the model leaves the hole it fills
+            opts = replace(opts, stop=opts.stop + fim_stop_strings(service.tokenizer))
+        prompts = await completions.prepare(body.prompts(), body.suffix, opts.max_tokens)
+        log(
+            f"Request: completions, model={body.model}, prompts={len(prompts)}, "
+            f"fim={body.suffix is not None}, stream={str(body.stream).lower()}"
+        )
+        request_id = f"cmpl-{uuid.uuid4().hex[:24]}"
+        echoes = [p.text if body.echo else "" for p in prompts]
+        enc = CompletionEncoder(
+            request_id, body.model or service.model_id, echoes, body.logprobs is not None
+        )
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        if opts.max_tokens == 0:  # nothing to generate: the prompt (echo) and its usage
+            whole = _empty(enc, prompts)
+            return (
+                sse_response(_one_chunk(whole, include_usage))
+                if body.stream
+                else JSONResponse(whole)
+            )
+        gens = completions.start(prompts, opts, request_id)
+        if body.stream:
+            return sse_response(_stream(gens, enc, include_usage))
+        result = await until_disconnect(request, _collect(gens, enc), lambda: _cancel(gens))
+        if result is None:
+            log("Generation cancelled by client")
+            return Response(status_code=499)
+        return JSONResponse(result)
+
+    return router
+
+
+def _cancel(gens: list[Generation]) -> None:
+    for g in gens:
+        g.cancel()
+
+
+def _empty(enc: CompletionEncoder, prompts: list[TextPrompt]) -> dict[str, Any]:
+    for i, p in enumerate(prompts):
+        enc.add(i, Finished("length", Usage(len(p.tokens), 0)))
+    return enc.response()
+
+
+async def _one_chunk(whole: dict[str, Any], include_usage: bool) -> AsyncIterator[bytes]:
+    """A whole response as a stream: completions chunks have the response's own shape."""
+    usage = whole.pop("usage")
+    yield sse(whole if include_usage else {**whole, "usage": usage})
+    if include_usage:
+        yield sse({**whole, "choices": [], "usage": usage})
+    yield b"data: [DONE]\n\n"
+
+
+async def _collect(gens: list[Generation], enc: CompletionEncoder) -> dict[str, Any]:
+    async for i, ev in merged_events(gens):
+        if isinstance(ev, Finished) and ev.reason == "error":
+            raise ServerError(ev.error or "generation failed")
+        enc.add(i, ev)
+    out = enc.response()
+    log(f"Response: completions, {len(out['choices'])} choice(s)")
+    return out
+
+
+async def _stream(
+    gens: list[Generation], enc: CompletionEncoder, include_usage: bool
+) -> AsyncIterator[bytes]:
+    for chunk in enc.echo_chunks():
+        yield sse(chunk)
+    left = len(gens)
+    try:
+        async for i, ev in merged_events(gens):
+            if isinstance(ev, Finished):
+                if ev.reason == "error":
+                    yield error_frames(ev.error or "generation failed")
+                    return
+                left -= 1
+                yield sse(enc.final_chunk(i, ev, last=left == 0, with_usage=not include_usage))
+                continue
+            piece = enc.chunk(i, ev)
+            if piece is not None:
+                yield sse(piece)
+        if include_usage:
+            yield sse(enc.usage_chunk())
+        yield b"data: [DONE]\n\n"
+    except Exception as e:  # an internal fault after the 200 went out
+        traceback.print_exc()
+        log(f"Error in SSE stream: {type(e).__name__}: {e}")
+        yield error_frames(f"internal error: {type(e).__name__}")

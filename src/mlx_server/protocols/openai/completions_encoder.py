@@ -1,0 +1,150 @@
+"""Neutral events → OpenAI ``text_completion`` objects (the same shape streamed and not)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from mlx_server.events import Finished, Logprobs, TextDelta, Usage
+from mlx_server.protocols.openai.encoder import finish_reason, timings_json, usage_json
+
+
+class LegacyLogprobs:
+    """The legacy ``logprobs`` object: ``tokens``, ``token_logprobs``, ``top_logprobs`` (the
+    ``k`` most likely tokens and the sampled one, token → logprob) and ``text_offset`` (where
+    each token starts in the choice's ``text``)."""
+
+    def __init__(self, offset: int):
+        self.offset = offset
+        self.tokens: list[str] = []
+        self.token_logprobs: list[float] = []
+        self.top_logprobs: list[dict[str, float]] = []
+        self.text_offset: list[int] = []
+
+    def add(self, ev: Logprobs) -> dict[str, Any]:
+        """Record the entries; return the logprobs object for just these (a stream chunk's)."""
+        part = LegacyLogprobs(self.offset)
+        for e in ev.entries:
+            top = {t.token: t.logprob for t in e.top}
+            top.setdefault(e.token, e.logprob)
+            for lp in (self, part):
+                lp.tokens.append(e.token)
+                lp.token_logprobs.append(e.logprob)
+                lp.top_logprobs.append(top)
+                lp.text_offset.append(self.offset)
+            self.offset += len(e.token)
+        return part.json()
+
+    def json(self) -> dict[str, Any]:
+        return {
+            "tokens": self.tokens,
+            "token_logprobs": self.token_logprobs,
+            "top_logprobs": self.top_logprobs,
+            "text_offset": self.text_offset,
+        }
+
+
+def total_usage(finals: list[Finished]) -> Usage:
+    return Usage(
+        sum(f.usage.prompt_tokens for f in finals),
+        sum(f.usage.completion_tokens for f in finals),
+        sum(f.usage.cached_tokens for f in finals),
+    )
+
+
+class CompletionEncoder:
+    """Builds ``text_completion`` objects for one request of one or more prompts."""
+
+    def __init__(self, request_id: str, model: str, echoes: list[str], want_logprobs: bool):
+        self.id = request_id
+        self.model = model
+        self.created = int(time.time())
+        self.echoes = echoes
+        self.logprobs = (
+            [LegacyLogprobs(len(e)) for e in echoes] if want_logprobs else [None] * len(echoes)
+        )
+        self.texts = [list([e]) if e else [] for e in echoes]
+        self.finals: dict[int, Finished] = {}
+        self._pending: dict[int, dict[str, Any]] = {}  # a stream's logprobs awaiting text
+
+    def object(self, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+        out = {
+            "id": self.id,
+            "object": "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
+        out.update(extra)
+        return out
+
+    # ---- whole responses -----------------------------------------------------------------
+
+    def add(self, i: int, ev: Any) -> None:
+        if isinstance(ev, TextDelta):
+            self.texts[i].append(ev.text)
+        elif isinstance(ev, Logprobs) and self.logprobs[i] is not None:
+            self.logprobs[i].add(ev)  # type: ignore[union-attr]
+        elif isinstance(ev, Finished):
+            self.finals[i] = ev
+
+    def response(self) -> dict[str, Any]:
+        choices = [
+            {
+                "text": "".join(self.texts[i]),
+                "index": i,
+                "logprobs": lp.json() if lp is not None else None,
+                "finish_reason": finish_reason(self.finals[i]),
+            }
+            for i, lp in enumerate(self.logprobs)
+        ]
+        return self.object(choices, **self._usage_fields())
+
+    def _usage_fields(self) -> dict[str, Any]:
+        finals = [self.finals[i] for i in sorted(self.finals)]
+        out: dict[str, Any] = {"usage": usage_json(total_usage(finals))}
+        if len(finals) == 1 and finals[0].timings is not None:
+            out["timings"] = timings_json(finals[0].timings)
+        return out
+
+    # ---- stream chunks -------------------------------------------------------------------
+
+    def echo_chunks(self) -> list[dict[str, Any]]:
+        return [self._chunk(i, e) for i, e in enumerate(self.echoes) if e]
+
+    def _chunk(
+        self, i: int, text: str, finish: str | None = None, logprobs: Any = None
+    ) -> dict[str, Any]:
+        choice = {"text": text, "index": i, "logprobs": logprobs, "finish_reason": finish}
+        return self.object([choice])
+
+    def chunk(self, i: int, ev: Any) -> dict[str, Any] | None:
+        """The chunk for one event, or None (logprobs wait for their text)."""
+        lp = self.logprobs[i]
+        if isinstance(ev, Logprobs) and lp is not None:
+            new = lp.add(ev)
+            held = self._pending.get(i)
+            if held is not None:
+                for k in held:
+                    held[k].extend(new[k])
+            else:
+                self._pending[i] = new
+            return None
+        if isinstance(ev, TextDelta) and ev.text:
+            return self._chunk(i, ev.text, logprobs=self._pending.pop(i, None))
+        return None
+
+    def final_chunk(self, i: int, fin: Finished, last: bool, with_usage: bool) -> dict[str, Any]:
+        """A choice's last chunk; the request's last one also carries the usage (unless the
+        spec's own usage chunk follows) and, for a single prompt, the timings."""
+        self.finals[i] = fin
+        chunk = self._chunk(i, "", finish_reason(fin), self._pending.pop(i, None))
+        if last:
+            chunk.update(self._usage_fields())
+            if not with_usage:
+                del chunk["usage"]
+        return chunk
+
+    def usage_chunk(self) -> dict[str, Any]:
+        finals = [self.finals[i] for i in sorted(self.finals)]
+        return self.object([], usage=usage_json(total_usage(finals)))

@@ -1,0 +1,263 @@
+"""Prometheus metrics (``GET /metrics``) through ``prometheus-client``, one registry per app.
+
+Three sources:
+
+- an ASGI middleware counts HTTP requests by route, method and status, and client
+  disconnects (the client went away before its response was complete);
+- the engine's generation handles are observed as the engine fills them: time to first
+  token (from submission, queueing included), the gaps between streamed pieces, the whole
+  generation's latency, token counts and finish reasons;
+- a collector reads ``engine.stats()`` at scrape time: queue depth, running sequences, KV
+  memory in use and its budget, prefix-cache entries, bytes, hits, misses and evictions.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any
+
+from fastapi.responses import Response
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    generate_latest,
+)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from mlx_server.engine.handle import TokenPiece
+from mlx_server.events import Finished
+
+Scope = dict[str, Any]
+Receive = Callable[[], Awaitable[Any]]
+Send = Callable[[Any], Awaitable[None]]
+
+PREFIX = "mlx_server"
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+ITL_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1, 2.5)
+E2E_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+
+
+class Metrics:
+    """The server's metrics in their own registry (tests build several apps side by side)."""
+
+    def __init__(self, engine: Any):
+        r = self.registry = CollectorRegistry(auto_describe=True)
+        self.requests = Counter(
+            f"{PREFIX}_requests",
+            "HTTP requests by route, method and status",
+            ["route", "method", "status"],
+            registry=r,
+        )
+        self.disconnects = Counter(
+            f"{PREFIX}_client_disconnects", "Clients gone before their response ended", registry=r
+        )
+        self.prompt_tokens = Counter(
+            f"{PREFIX}_prompt_tokens", "Prompt tokens of finished generations", registry=r
+        )
+        self.cached_tokens = Counter(
+            f"{PREFIX}_prompt_tokens_cached",
+            "Prompt tokens served from the prefix cache",
+            registry=r,
+        )
+        self.generation_tokens = Counter(
+            f"{PREFIX}_generation_tokens", "Generated tokens", registry=r
+        )
+        self.finished = Counter(
+            f"{PREFIX}_generations",
+            "Finished generations by finish reason (stop, stop_sequence, length, cancelled, error)",
+            ["reason"],
+            registry=r,
+        )
+        self.cancellations = Counter(
+            f"{PREFIX}_cancellations",
+            "Generations cancelled (client gone, /v1/cancel or shutdown)",
+            registry=r,
+        )
+        self.ttft = Histogram(
+            f"{PREFIX}_time_to_first_token_seconds",
+            "From submission (queueing included) to the first generated text",
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            f"{PREFIX}_inter_token_latency_seconds",
+            "Between consecutive pieces of generated text of one generation",
+            buckets=ITL_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            f"{PREFIX}_e2e_request_latency_seconds",
+            "From submission to the end of a generation",
+            buckets=E2E_BUCKETS,
+            registry=r,
+        )
+        r.register(EngineCollector(engine))
+
+    def watch(self, handle: Any) -> None:
+        """Observe a generation handle's events as the engine pushes them (any thread)."""
+        push = handle.push
+        t0 = time.perf_counter()
+        last: list[float] = []
+
+        def observed(event: Any) -> None:
+            now = time.perf_counter()
+            if isinstance(event, TokenPiece) and event.text:
+                if last:
+                    self.itl.observe(now - last[0])
+                else:
+                    self.ttft.observe(now - t0)
+                last[:] = [now]
+            elif isinstance(event, Finished):
+                self._finished(event, now - t0)
+            push(event)
+
+        setattr(handle, "push", observed)  # noqa: B010 (an instance attribute, on purpose)
+
+    def _finished(self, ev: Finished, elapsed: float) -> None:
+        self.e2e.observe(elapsed)
+        self.finished.labels(ev.reason).inc()
+        if ev.reason == "cancelled":
+            self.cancellations.inc()
+        self.prompt_tokens.inc(ev.usage.prompt_tokens)
+        self.cached_tokens.inc(ev.usage.cached_tokens)
+        self.generation_tokens.inc(ev.usage.completion_tokens)
+
+
+class EngineCollector(Collector):
+    """Reads the engine's live state at scrape time."""
+
+    def __init__(self, engine: Any):
+        self.engine = engine
+
+    def collect(self) -> Iterable[Metric]:
+        stats = self._stats()
+        yield _gauge("queue_depth", "Requests waiting for a batch slot", stats.get("queued", 0))
+        yield _gauge("running_sequences", "Sequences in the running batch", stats.get("active", 0))
+        yield _gauge(
+            "prefilling_sequences", "Running sequences still prefilling", stats.get("prefilling", 0)
+        )
+        yield _gauge(
+            "kv_bytes_in_use", "KV memory admitted for running requests", stats["kv_in_use_bytes"]
+        )
+        config = getattr(self.engine, "config", None)
+        budget = getattr(config, "kv_budget_bytes", 0)
+        yield _gauge("kv_budget_bytes", "KV memory budget (--kv-budget-gb)", budget)
+        yield _gauge(
+            "prefix_cache_entries", "Prefix-cache entries", stats.get("prompt_cache_entries", 0)
+        )
+        yield _gauge(
+            "prefix_cache_bytes", "Prefix-cache KV bytes", stats.get("prompt_cache_bytes", 0)
+        )
+        for key, help in (
+            ("hits", "Prefix-cache lookups that reused a cached prefix"),
+            ("misses", "Prefix-cache lookups that found nothing"),
+            ("evictions", "Prefix-cache entries evicted for room"),
+        ):
+            c = CounterMetricFamily(f"{PREFIX}_prefix_cache_{key}", help)
+            c.add_metric([], stats.get(f"prompt_cache_{key}", 0))
+            yield c
+
+    def _stats(self) -> dict[str, Any]:
+        stats = getattr(self.engine, "stats", None)
+        out: dict[str, Any] = dict(stats()) if callable(stats) else {}
+        out.setdefault("active", self.engine.active_count)
+        out.setdefault("queued", self.engine.queue_depth)
+        out.setdefault("kv_in_use_bytes", 0)
+        return out
+
+
+def _gauge(name: str, help: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(f"{PREFIX}_{name}", help, value=value)
+
+
+class InstrumentedEngine:
+    """The engine, with every submitted generation watched by ``metrics``."""
+
+    def __init__(self, engine: Any, metrics: Metrics):
+        self._engine = engine
+        self._metrics = metrics
+
+    def submit(self, req: Any, loop: Any = None) -> Any:
+        handle = self._engine.submit(req, loop)
+        self._metrics.watch(handle)
+        return handle
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine, name)
+
+
+class MetricsMiddleware:
+    """Counts requests by route (a known path, else ``other``), method and status, and
+    clients that disconnect before their response ends."""
+
+    def __init__(self, app: Any, metrics: Metrics, routes: Callable[[], set[str]]):
+        self.app = app
+        self.metrics = metrics
+        self.routes = routes
+        self._known: set[str] | None = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        if self._known is None:
+            self._known = self.routes()
+        path = scope.get("path", "")
+        route = path if path in self._known else "other"
+        method = scope.get("method", "")
+        state = {"started": False, "complete": False, "gone": False}
+
+        async def watched_send(message: Any) -> None:
+            if message["type"] == "http.response.start":
+                # Counted as the answer starts, so a client that reads it sees it counted.
+                state["started"] = True
+                matched = getattr(scope.get("route"), "path", None) or route
+                self.metrics.requests.labels(matched, method, str(message["status"])).inc()
+            elif message["type"] == "http.response.body" and not message.get("more_body"):
+                state["complete"] = True
+            await send(message)
+
+        async def watched_receive() -> Any:
+            message = await receive()
+            if message["type"] == "http.disconnect" and not state["complete"]:
+                if not state["gone"]:
+                    state["gone"] = True
+                    self.metrics.disconnects.inc()
+            return message
+
+        try:
+            await self.app(scope, watched_receive, watched_send)
+        finally:
+            if not state["started"]:  # the app failed before answering
+                self.metrics.requests.labels(route, method, "500").inc()
+
+
+def route_paths(routes: Iterable[Any]) -> set[str]:
+    """The paths of an app's routes, through included routers (which FastAPI may keep as
+    wrappers around the original router)."""
+    out: set[str] = set()
+    for r in routes:
+        path = getattr(r, "path", None)
+        if isinstance(path, str) and path:
+            out.add(path)
+        inner = getattr(r, "original_router", None)
+        if inner is not None:
+            out |= route_paths(inner.routes)
+    return out
+
+
+def install_metrics(app: Any, service: Any) -> Metrics:
+    """Watch the service's engine and serve ``GET /metrics``; add ``MetricsMiddleware``
+    last (outermost) so refused requests are counted too."""
+    metrics = Metrics(service.engine)
+    service.engine = InstrumentedEngine(service.engine, metrics)
+
+    @app.get("/metrics")
+    async def metrics_page() -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return metrics

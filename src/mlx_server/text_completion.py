@@ -1,0 +1,162 @@
+"""Text completion: raw prompts (no chat template) through the same engine as chat.
+
+A prompt is text, token ids, or text plus a suffix for fill-in-the-middle. Several prompts
+are a batch: each becomes its own engine request, and all of them decode together in the
+engine's continuous batch. The engine requests share one request id, so ``/v1/cancel`` with
+that id stops the whole batch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from mlx_server.errors import ContextLengthExceeded, InvalidRequest
+from mlx_server.models.text_prompt import (
+    check_token_ids,
+    encode_text,
+    fim_prompt,
+    find_fim_tokens,
+    missing_fim_message,
+)
+from mlx_server.parsing.pipeline import OutputPipeline
+from mlx_server.service import ChatService, Generation, StreamEvent
+from mlx_server.types import ChatRequest, GenerationRequest, SamplingParams
+
+PromptInput = str | list[int]
+
+
+@dataclass(frozen=True)
+class TextPrompt:
+    tokens: list[int]
+    text: str  # the prompt as text, for ``echo``
+
+
+@dataclass(frozen=True)
+class CompletionOptions:
+    max_tokens: int
+    sampling: SamplingParams
+    stop: tuple[str, ...] = ()
+    top_logprobs: int | None = None  # None: no logprobs
+
+
+class CompletionService:
+    """Raw-text generations on a chat service's engine, tokenizer and context size."""
+
+    def __init__(self, chat: ChatService):
+        self.chat = chat
+        self._fim: Any = False  # not looked up yet
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.chat.tokenizer
+
+    def fim_tokens(self) -> Any:
+        if self._fim is False:
+            self._fim = find_fim_tokens(self.tokenizer)
+        return self._fim
+
+    def build_prompt(self, i: int, prompt: PromptInput, suffix: str | None) -> TextPrompt:
+        """Token ids for one prompt (raises InvalidRequest naming it)."""
+        param = f"prompt[{i}]"
+        if isinstance(prompt, list):
+            ids = check_token_ids(self.tokenizer, prompt, param)
+            text = self.tokenizer.decode(ids)
+        else:
+            ids, text = [], prompt
+        if suffix is not None:
+            fim = self.fim_tokens()
+            if fim is None:
+                raise InvalidRequest(missing_fim_message(), param="suffix")
+            tokens = fim_prompt(
+                self.tokenizer, fim, ids if isinstance(prompt, list) else text, suffix
+            )
+        elif isinstance(prompt, list):
+            tokens = ids
+        else:
+            tokens = encode_text(self.tokenizer, text)
+        if not tokens:
+            raise InvalidRequest(f"{param} is empty: it encodes to no tokens", param="prompt")
+        return TextPrompt(tokens, text)
+
+    def check_context(self, prompts: list[TextPrompt], max_tokens: int) -> None:
+        ctx = self.chat.ctx_size
+        for i, p in enumerate(prompts):
+            n = len(p.tokens)
+            if n + max_tokens > ctx:
+                raise ContextLengthExceeded(
+                    f"prompt[{i}] needs {n + max_tokens} tokens ({n} in the prompt + {max_tokens} "
+                    f"max_tokens), more than the context size of {ctx} tokens",
+                    param="prompt",
+                )
+
+    async def prepare(
+        self, prompts: list[PromptInput], suffix: str | None, max_tokens: int
+    ) -> list[TextPrompt]:
+        """Tokenize (in a worker thread: long prompts take a while) and check the context."""
+
+        def build() -> list[TextPrompt]:
+            out = [self.build_prompt(i, p, suffix) for i, p in enumerate(prompts)]
+            self.check_context(out, max_tokens)
+            return out
+
+        return await asyncio.to_thread(build)
+
+    def start(
+        self, prompts: list[TextPrompt], opts: CompletionOptions, request_id: str
+    ) -> list[Generation]:
+        """Submit every prompt; if one is refused (queue full), cancel the others and raise."""
+        self.chat.check_sampling(ChatRequest(messages=[], sampling=opts.sampling))
+        loop = asyncio.get_running_loop()
+        gens: list[Generation] = []
+        try:
+            for p in prompts:
+                req = GenerationRequest(
+                    request_id=request_id,
+                    prompt_tokens=p.tokens,
+                    max_tokens=opts.max_tokens,
+                    sampling=opts.sampling,
+                    stop=opts.stop,
+                    logprobs=opts.top_logprobs is not None,
+                    top_logprobs=opts.top_logprobs or 0,
+                )
+                handle = self.chat.engine.submit(req, loop)
+                pipeline = OutputPipeline(
+                    reasoning=None, start_in_reasoning=False, tool_format=None, tools=None
+                )
+                gens.append(Generation(request_id, handle, pipeline, len(p.tokens)))
+        except BaseException:
+            for g in gens:
+                g.cancel()
+            raise
+        return gens
+
+
+async def merged_events(gens: list[Generation]) -> AsyncIterator[tuple[int, StreamEvent]]:
+    """Events of several generations as they come, tagged with the generation's index.
+    Closing the iterator early cancels every generation still running."""
+    queue: asyncio.Queue[tuple[int, StreamEvent | None]] = asyncio.Queue()
+
+    async def pump(i: int, gen: Generation) -> None:
+        try:
+            async for ev in gen.events():
+                queue.put_nowait((i, ev))
+        finally:
+            queue.put_nowait((i, None))
+
+    tasks = [asyncio.ensure_future(pump(i, g)) for i, g in enumerate(gens)]
+    left = len(gens)
+    try:
+        while left:
+            i, ev = await queue.get()
+            if ev is None:
+                left -= 1
+                continue
+            yield i, ev
+    finally:
+        for g in gens:
+            g.cancel()
+        for t in tasks:
+            t.cancel()

@@ -1,0 +1,59 @@
+"""The seams between layers: every engine is an EngineLike, and the layers import only
+what the design lets them import."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from engine_runner import load_varied_model
+from scripted_engine import ScriptedEngine
+
+from mlx_server.engine.engine import Engine, EngineConfig
+from mlx_server.engine.protocol import EngineLike, engine_stats
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "mlx_server"
+
+
+def test_every_engine_is_engine_like(tmp_path_factory):
+    from mlx_server.engine.vision_engine import VisionEngine
+
+    model, tokenizer, _ = load_varied_model(tmp_path_factory)
+    for engine in (
+        Engine(model, tokenizer, EngineConfig()),
+        VisionEngine(model, tokenizer, EngineConfig()),
+        ScriptedEngine(),
+    ):
+        assert isinstance(engine, EngineLike), type(engine)
+        stats = engine_stats(engine)
+        assert stats["active"] == 0 and stats["queued"] == 0
+
+
+def imports_of(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text())
+    out: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            out.add(node.module)
+        elif isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+    return out
+
+
+def test_layers_import_only_downwards():
+    """engine/, models/ and parsing/ know nothing of protocols or the server; the protocols
+    never import each other."""
+    protocols = sorted(p.name for p in (SRC / "protocols").iterdir() if p.is_dir())
+    assert {"openai", "anthropic"} <= set(protocols)
+    for path in SRC.rglob("*.py"):
+        rel = path.relative_to(SRC).parts
+        mods = imports_of(path)
+        if rel[0] in ("engine", "models", "parsing"):
+            bad = {m for m in mods if m.startswith(("mlx_server.protocols", "mlx_server.server"))}
+            assert not bad, (path, bad)
+        if rel[0] == "protocols" and len(rel) > 2:
+            others = [p for p in protocols if p != rel[1] and not p.startswith("_")]
+            bad = {
+                m for m in mods if any(m.startswith(f"mlx_server.protocols.{o}") for o in others)
+            }
+            assert not bad, (path, bad)
