@@ -17,7 +17,7 @@ from engine_runner import (
     solo,
 )
 
-from mlx_server.engine.handle import Started
+from mlx_server.engine.handle import Started, TokenPiece
 from mlx_server.types import SamplingParams
 
 WORDS = "the quick brown fox jumps over lazy dog hello world paris capital of france".split()
@@ -240,3 +240,57 @@ def test_prefill_is_paced_so_long_prompts_do_not_pile_up(lm):
     # Four long prompts in 16-token chunks: two share a step, never more than two chunks' worth.
     assert 16 < max(seen) <= 32
     assert [r.text for r in paced] == [a.text for a in alone]
+
+
+def test_a_lone_stream_keeps_its_text_when_others_join_it(lm):
+    """A request alone runs outside the batch; requests arriving while it prefills or
+    decodes move it into the batch, and every text (sampled with a seed or greedy) is what
+    the request gives alone."""
+    model, tokenizer = lm
+    first = prompt(tokenizer, 120, seed=300)
+    others = [prompt(tokenizer, 6 + 5 * i, seed=301 + i) for i in range(3)]
+    seeded = SamplingParams(temperature=0.8, top_p=0.95, seed=42)
+    with running_engine(
+        model, tokenizer, prompt_cache_size=0, prefill_step_size=16, max_batch_size=4
+    ) as engine:
+        (alone,) = solo(engine, [request(first, 40, sampling=seeded)])
+        rest = solo(engine, [request(p, 12) for p in others])
+
+        async def join(after_tokens: int):
+            lead = engine.submit(request(first, 40, sampling=seeded))
+            text, seen = "", 0
+            joined = []
+            async for ev in lead:
+                if isinstance(ev, Started):
+                    continue
+                if isinstance(ev, TokenPiece):
+                    text += ev.text
+                    seen += 1
+                    if seen == after_tokens:
+                        joined = [
+                            asyncio.ensure_future(collect(engine.submit(request(p, 12))))
+                            for p in others
+                        ]
+                else:
+                    return ev, text, await asyncio.gather(*joined)
+            raise AssertionError("no Finished")
+
+        for after in (1, 5):
+            fin, text, joined = asyncio.run(join(after))
+            assert fin.reason == alone.reason and text == alone.text
+            assert fin.usage.completion_tokens == alone.finished.usage.completion_tokens
+            assert [r.text for r in joined] == [r.text for r in rest]
+
+        # Joining while the lone prompt is still being prefilled (chunks of 16 tokens).
+        async def join_in_prefill():
+            lead = asyncio.ensure_future(
+                collect(engine.submit(request(first, 40, sampling=seeded)))
+            )
+            while engine.active_count == 0:  # admitted alone; its prefill takes 8+ steps
+                await asyncio.sleep(0.001)
+            more = [asyncio.ensure_future(collect(engine.submit(request(p, 12)))) for p in others]
+            return await lead, await asyncio.gather(*more)
+
+        lead, joined = asyncio.run(join_in_prefill())
+        assert lead.text == alone.text and [r.text for r in joined] == [r.text for r in rest]
+        assert engine.active_count == 0 and engine.queue_depth == 0

@@ -58,8 +58,12 @@ class Settings:
         "--cache-limit-gb",
         min=0,
     )
-    max_batch_size: int = _opt(
-        8, "Sequences decoded together in one batch", "--max-batch-size", min=1
+    max_batch_size: int | None = _opt(
+        None,
+        "Sequences decoded together in one batch (default: 8 on a CPU; on a GPU as many "
+        "full-context sequences as the KV budget holds, 8 to 32)",
+        "--max-batch-size",
+        min=1,
     )
     max_queue: int = _opt(
         64,
@@ -67,9 +71,10 @@ class Settings:
         "--max-queue",
         min=0,
     )
-    prefill_step_size: int = _opt(
-        512,
-        "Prompt tokens processed per step (long prompts are prefilled in chunks)",
+    prefill_step_size: int | None = _opt(
+        None,
+        "Prompt tokens processed per step (long prompts are prefilled in chunks; default: "
+        "512 on a CPU, 2048 on a GPU)",
         "--prefill-step-size",
         min=1,
     )

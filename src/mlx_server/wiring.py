@@ -26,6 +26,11 @@ def set_cache_limit(settings: Settings) -> int:
 def build(settings: Settings) -> tuple[Any, Any]:
     """Load the model and return (app, engine); the engine thread is started."""
     from mlx_server.engine.engine import Engine, EngineConfig
+    from mlx_server.engine.tuning import (
+        builds_kernels_on_first_use,
+        default_batch_size,
+        default_prefill_step,
+    )
     from mlx_server.models.loader import device_memory_bytes, load_model
     from mlx_server.protocols.responses.store import ResponseStore
     from mlx_server.server.app import create_app
@@ -49,18 +54,22 @@ def build(settings: Settings) -> tuple[Any, Any]:
     if not vision:
         model, kv_per_token = _quantized_kv(loaded, settings, model, kv_per_token)
         disk = _disk_tier(loaded, settings)
+    batch = settings.max_batch_size or default_batch_size(
+        kv_budget, kv_per_token, settings.ctx_size
+    )
     engine = engine_class(
         model,
         loaded.tokenizer,
         EngineConfig(
-            max_batch_size=settings.max_batch_size,
+            max_batch_size=batch,
             max_queue=settings.max_queue,
-            prefill_step_size=settings.prefill_step_size,
+            prefill_step_size=settings.prefill_step_size or default_prefill_step(),
             prompt_cache_size=settings.prompt_cache_size,
             prompt_cache_bytes=int(settings.prompt_cache_gb * (1 << 30)),
             kv_budget_bytes=kv_budget,
             kv_bytes_per_token=kv_per_token,
             prompt_cache_disk=disk,
+            warm_up=not vision and builds_kernels_on_first_use(),
         ),
     )
     service = ChatService(
@@ -73,8 +82,9 @@ def build(settings: Settings) -> tuple[Any, Any]:
         vision=_vision_prompt_builder(loaded, settings) if vision else None,
         capabilities=loaded.capabilities,
     )
-    log(f"KV budget: {kv_budget // (1 << 20)}MB, max batch size {settings.max_batch_size}")
+    log(f"KV budget: {kv_budget // (1 << 20)}MB, max batch size {batch}")
     engine.start()
+    engine.wait_ready()  # kernels for every batch shape are built before the readiness line
     max_body = MAX_BODY_BYTES
     if vision:  # room for at least one base64 image of the largest size allowed
         max_body = max(max_body, int(settings.max_image_mb * (1 << 20) * 4 / 3) + (1 << 20))

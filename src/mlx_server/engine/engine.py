@@ -20,11 +20,13 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, StopSequences
 
-from mlx_server.engine.handle import GenerationHandle, Started, TokenPiece
+from mlx_server.engine.handle import GenerationHandle, Outbox, Started, TokenPiece
 from mlx_server.engine.logprobs import logprob_entry
 from mlx_server.engine.memory import MemoryBudget
 from mlx_server.engine.prefix_cache import SYSTEM, PrefixCache
 from mlx_server.engine.sampling import (
+    SamplerPool,
+    SharedSampler,
     guard_processor,
     guard_sampler,
     make_processors,
@@ -32,6 +34,8 @@ from mlx_server.engine.sampling import (
     mask_tokens,
     reset_random_state,
 )
+from mlx_server.engine.solo import SoloSequence
+from mlx_server.engine.tuning import warm_up
 from mlx_server.errors import InvalidRequest, Overloaded
 from mlx_server.events import Finished, LogprobEntry, Timings, Usage
 from mlx_server.logs import log
@@ -49,6 +53,8 @@ class EngineConfig:
     kv_budget_bytes: int = 4 << 30
     kv_bytes_per_token: int = 1
     prompt_cache_disk: Any = None  # disk_cache.DiskPromptCache: the prefix cache's disk tier
+    warm_up: bool = False  # run every batch size once before serving (see tuning.warm_up)
+    solo: bool = True  # a lone request runs on a plain KV cache (see solo.py)
 
 
 @dataclass
@@ -69,6 +75,7 @@ class _Seq:
     uncached: int = -1  # estimate, while queued, of the tokens it will have to prefill
     logprobs: list[LogprobEntry] = field(default_factory=list)
     fault: str | None = None  # set when this sequence's own sampler or processors failed
+    shared: SharedSampler | None = None  # the sampler it shares with same-settings sequences
 
 
 class Engine:
@@ -101,6 +108,11 @@ class Engine:
         # Width of the model's logits, to try each request's sampler before it joins a batch.
         args = getattr(model, "args", None)
         self._vocab = int(getattr(args, "vocab_size", 0) or len(tokenizer.vocab))
+        self._samplers = SamplerPool()
+        self._outbox: Outbox | None = Outbox()  # events of one step, one wake-up per step
+        self._ready = threading.Event()
+        self._solo: SoloSequence | None = None  # the lone sequence running outside the batch
+        self._solo_uids = iter(range(1 << 40, 1 << 62))  # apart from BatchGenerator's uids
 
     # ---- public API (any thread) -------------------------------------------------------
 
@@ -121,7 +133,7 @@ class Engine:
                 f"{self.config.kv_budget_bytes >> 20} MiB; lower max_tokens or shorten the prompt",
                 code="kv_budget_exceeded",
             )
-        handle = GenerationHandle(req.request_id, loop)
+        handle = GenerationHandle(req.request_id, loop, self._outbox, coalesce=True)
         seq = _Seq(req=req, handle=handle, t_submit=time.perf_counter(), kv_bytes=need)
         with self._wake:
             if self._stopping:
@@ -146,6 +158,10 @@ class Engine:
                     n += 1
             self._wake.notify()
         return n
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        """Block until the engine thread has warmed up and serves (True), or ``timeout``."""
+        return self._ready.wait(timeout)
 
     @property
     def active_count(self) -> int:
@@ -190,6 +206,7 @@ class Engine:
     # ---- engine thread -----------------------------------------------------------------
 
     def _run(self) -> None:
+        self._warm_up()
         gen = self._new_generator()
         while True:
             with self._wake:
@@ -202,6 +219,7 @@ class Engine:
                 self._admit(gen)
                 if self._active:
                     self._step(gen)
+                self._flush()
             except Exception as e:
                 # A fault no single sequence could be blamed for: end the running ones with
                 # an error, start over with a fresh generator and random state; queued
@@ -211,10 +229,27 @@ class Engine:
                 self._fail_active(f"internal error during generation: {type(e).__name__}: {e}")
                 gen = self._new_generator()
                 reset_random_state()
+                self._flush()
         self._fail_all("cancelled", reason="cancelled")
+        self._flush()
         gen.close()
         if self._prompt_cache is not None:
             self._prompt_cache.close()  # RAM entries to the disk tier, within a deadline
+
+    def _flush(self) -> None:
+        """Hand this step's events to the consumers' event loops, one wake-up each."""
+        if self._outbox is not None:
+            self._outbox.flush()
+
+    def _warm_up(self) -> None:
+        if self.config.warm_up:
+            try:
+                n, step = self.config.max_batch_size, self.config.prefill_step_size
+                secs = warm_up(self.model, n, step)
+                log(f"Warm-up: batch sizes 1-{n} and a {step}-token prefill in {secs:.1f}s")
+            except Exception as e:  # serving without it is slower at first, not wrong
+                log(f"Warm-up failed: {type(e).__name__}: {e}")
+        self._ready.set()
 
     def _new_generator(self) -> BatchGenerator:
         return BatchGenerator(
@@ -238,6 +273,7 @@ class Engine:
                 if seq is None:
                     return
                 self._pending.remove(seq)
+            self._migrate(gen)  # a lone sequence joins the batch before another starts
             try:
                 self._insert(gen, seq)
             except Exception as e:  # this request's own fault (e.g. its sampler): its error
@@ -303,15 +339,32 @@ class Engine:
         seq.prefill_left = len(rest)
         seq.handle.cached_tokens = seq.cached
         seq.handle.push(Started(seq.cached))
-        (uid,) = gen.insert_segments(
-            segments=[self._segments(seq, prompt)],
-            max_tokens=[req.max_tokens],
-            caches=[cache] if cache is not None else None,
-            all_tokens=[prompt[: seq.cached]],
-            samplers=[sampler],
-            logits_processors=[processors],
-            stop_sequences=[StopSequences([[t] for t in self._eos])],
-        )
+        segments = self._segments(seq, prompt)
+        if self._runs_alone(processors):
+            uid = next(self._solo_uids)
+            self._solo = SoloSequence(
+                self.model,
+                uid,
+                prompt,
+                seq.cached,
+                cache,
+                sampler=sampler,
+                max_tokens=req.max_tokens,
+                eos=self._eos,
+                prefill_step_size=self.config.prefill_step_size,
+                system_end=seq.system_end,
+                on_system_prefix=self._save_system_state(seq),
+            )
+        else:
+            (uid,) = gen.insert_segments(
+                segments=[segments],
+                max_tokens=[req.max_tokens],
+                caches=[cache] if cache is not None else None,
+                all_tokens=[prompt[: seq.cached]],
+                samplers=[sampler],
+                logits_processors=[processors],
+                stop_sequences=[StopSequences([[t] for t in self._eos])],
+            )
         seq.uid = uid
         seq.detok = self.tokenizer.detokenizer
         seq.stops = StopMatcher(req.stop)
@@ -319,11 +372,73 @@ class Engine:
         self._kv_in_use += seq.kv_bytes
         self._active[uid] = seq
 
+    def _runs_alone(self, processors: list[Any]) -> bool:
+        """Whether a request starting now runs as the solo sequence: nothing else running
+        or waiting, and no logits processors (the batch applies those)."""
+        return (
+            self.config.solo
+            and self._solo is None
+            and not self._active
+            and not self._pending
+            and not processors
+        )
+
+    def _save_system_state(self, seq: _Seq) -> Any:
+        def save(tokens: list[int], cache: Any) -> None:
+            if self._prompt_cache is not None:
+                self._prompt_cache.insert(tokens, cache, SYSTEM)
+            seq.system_end = 0
+
+        return save
+
+    def _migrate(self, gen: BatchGenerator) -> None:
+        """Hand the solo sequence over to the batch: its pending token is emitted here,
+        then it joins the BatchGenerator with its cache, as a prefix-cache hit would."""
+        solo = self._solo
+        if solo is None:
+            return
+        pending = solo.take_pending()
+        if pending is not None:
+            self._handle_responses(gen, [pending])
+        self._solo = None
+        seq = self._active.pop(solo.uid, None)
+        if seq is None:  # it ended with that token
+            return
+        todo, cache, fed, left = solo.handover()
+        (seq.uid,) = gen.insert_segments(
+            segments=[[todo]],
+            max_tokens=[left],
+            caches=[cache],
+            all_tokens=[fed],
+            samplers=[solo.sampler],
+            logits_processors=[[]],
+            stop_sequences=[StopSequences([[t] for t in self._eos])],
+        )
+        self._active[seq.uid] = seq
+
+    def _remove(self, gen: BatchGenerator, uids: list[int]) -> dict[int, Any]:
+        """Take sequences out of the batch (or the solo one); their (cache, tokens)."""
+        saved = gen.remove(uids, return_prompt_caches=self._prompt_cache is not None)
+        solo = self._solo
+        if solo is not None and solo.uid in uids:
+            saved[solo.uid] = (solo.cache, solo.fed)
+            self._solo = None
+        return saved
+
     def _checked_sampler(self, seq: _Seq) -> Any:
         """The request's sampler, tried once on a row of the model's logits width: a sampler
-        that cannot work fails its own request here, before it joins (and breaks) a batch."""
+        that cannot work fails its own request here, before it joins (and breaks) a batch.
+        Unseeded requests with the same settings share one (tried when it is made), so the
+        batch samples in one call."""
+
+        def check(sampler: Any) -> None:
+            mx.eval(sampler(mx.zeros((1, self._vocab), dtype=mx.float32)))
+
+        seq.shared = self._samplers.get(seq.req.sampling, check)
+        if seq.shared is not None:
+            return seq.shared
         sampler = make_sampler(seq.req.sampling)
-        mx.eval(sampler(mx.zeros((1, self._vocab), dtype=mx.float32)))
+        check(sampler)
         return guard_sampler(seq, sampler)
 
     def _segments(self, seq: _Seq, prompt: list[int]) -> list[list[int]]:
@@ -344,7 +459,7 @@ class Engine:
             self._finish(seq, "cancelled")
         gone = [uid for uid, s in self._active.items() if s.handle.cancelled]
         if gone:
-            saved = gen.remove(gone, return_prompt_caches=self._prompt_cache is not None)
+            saved = self._remove(gen, gone)
             for uid in gone:
                 seq = self._active.pop(uid)
                 self._keep_state(seq, *saved.get(uid, (None, ())))
@@ -356,12 +471,20 @@ class Engine:
             self._prompt_cache.insert(list(tokens), cache)
 
     def _step(self, gen: BatchGenerator) -> None:
-        progress, responses = gen.next()
+        progress, responses = self._solo.next() if self._solo is not None else gen.next()
+        for running in self._active.values():
+            shared = running.shared
+            if running.fault is None and shared is not None and shared.fault is not None:
+                running.fault = shared.fault  # a shared sampler failed: all its users end
         for p in progress:
             if p.uid in self._active:
                 done_n, total = p.progress
                 self._active[p.uid].prefill_left = total - done_n
         self._save_system_prefixes(gen, progress)
+        self._handle_responses(gen, responses)
+
+    def _handle_responses(self, gen: BatchGenerator, responses: list[Any]) -> None:
+        """Each generated token to its sequence; sequences that finished leave."""
         done: list[_Seq] = []
         for r in responses:
             seq = self._active.get(r.uid)
@@ -388,10 +511,15 @@ class Engine:
                 self._keep_state(seq, r.prompt_cache, r.all_tokens)
             self._finish(seq, reason)
         self._end_faulted(gen)
+        solo = self._solo
+        if (
+            solo is not None
+            and solo.uid not in self._active
+            and not any(s.uid == solo.uid for s in done)
+        ):
+            self._solo = None  # it finished
         if done:
-            saved = gen.remove(
-                [s.uid for s in done], return_prompt_caches=self._prompt_cache is not None
-            )
+            saved = self._remove(gen, [s.uid for s in done])
             for seq in done:
                 self._keep_state(seq, *saved.get(seq.uid, (None, ())))
 
@@ -401,7 +529,7 @@ class Engine:
         faulted = [s for s in self._active.values() if s.fault is not None]
         if not faulted:
             return
-        gen.remove([s.uid for s in faulted])
+        self._remove(gen, [s.uid for s in faulted])
         for seq in faulted:
             self._active.pop(seq.uid, None)
             log(f"Error during generation of {seq.req.request_id}: {seq.fault}")
@@ -491,6 +619,7 @@ class Engine:
         return f"after {done} of {todo} prompt tokens prefilled, {seq.n_generated} generated"
 
     def _fail_active(self, message: str) -> None:
+        self._solo = None
         with self._wake:
             seqs = list(self._active.values())
             self._active.clear()
@@ -499,6 +628,7 @@ class Engine:
         self._kv_in_use = 0
 
     def _fail_all(self, message: str, reason: str = "error") -> None:
+        self._solo = None
         with self._wake:
             seqs = list(self._active.values()) + list(self._pending)
             self._active.clear()

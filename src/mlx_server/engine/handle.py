@@ -28,16 +28,60 @@ class Started:
 EngineEvent = Started | TokenPiece | Finished
 
 
+class Outbox:
+    """Events the engine thread produced during one step, handed to asyncio together.
+
+    Waking an event loop from another thread costs a system call, and the woken loop then
+    competes with the engine thread for the interpreter lock: one wake-up per loop per
+    step, not one per token per sequence. Used only from the engine thread.
+    """
+
+    def __init__(self) -> None:
+        self._events: list[tuple[GenerationHandle, EngineEvent]] = []
+
+    def put(self, handle: GenerationHandle, event: EngineEvent) -> None:
+        self._events.append((handle, event))
+
+    def flush(self) -> None:
+        if not self._events:
+            return
+        events, self._events = self._events, []
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[GenerationHandle, EngineEvent]]] = {}
+        for handle, event in events:
+            by_loop.setdefault(handle._loop, []).append((handle, event))
+        for loop, batch in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_deliver, batch)
+            except RuntimeError:
+                pass  # the event loop is closed: nobody is listening any more
+
+
+def _deliver(batch: list[tuple[GenerationHandle, EngineEvent]]) -> None:
+    for handle, event in batch:
+        handle._queue.put_nowait(event)
+
+
 class GenerationHandle:
     """One request's stream of engine events, consumed with ``async for``.
 
-    The engine thread pushes events with ``loop.call_soon_threadsafe``; ``cancel()`` may be
-    called from anywhere and takes effect at the engine's next step.
+    The engine thread pushes events with ``loop.call_soon_threadsafe`` (through ``outbox``,
+    once per step, when one is given); ``cancel()`` may be called from anywhere and takes
+    effect at the engine's next step. With ``coalesce``, a consumer that falls behind gets
+    the text pieces waiting for it merged into one (fewer, larger stream chunks under load,
+    the same text and logprobs).
     """
 
-    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop):
+    def __init__(
+        self,
+        request_id: str,
+        loop: asyncio.AbstractEventLoop,
+        outbox: Outbox | None = None,
+        coalesce: bool = False,
+    ):
         self.request_id = request_id
         self._loop = loop
+        self._outbox = outbox
+        self._coalesce = coalesce
         self._queue: asyncio.Queue[EngineEvent] = asyncio.Queue()
         self.cancelled = False
         self.done = False
@@ -48,6 +92,9 @@ class GenerationHandle:
 
     def push(self, event: EngineEvent) -> None:
         """Called from the engine thread."""
+        if self._outbox is not None:
+            self._outbox.put(self, event)
+            return
         try:
             self._loop.call_soon_threadsafe(self._queue.put_nowait, event)
         except RuntimeError:
@@ -63,9 +110,27 @@ class GenerationHandle:
     async def __aiter__(self) -> AsyncIterator[EngineEvent]:
         if self.done:
             return
+        held: EngineEvent | None = None
         while True:
-            event = await self._queue.get()
+            event = held if held is not None else await self._queue.get()
+            held = None
+            if self._coalesce and isinstance(event, TokenPiece):
+                event, held = self._merge_waiting(event)
             yield event
             if isinstance(event, Finished):
                 self.done = True
                 return
+
+    def _merge_waiting(self, first: TokenPiece) -> tuple[TokenPiece, EngineEvent | None]:
+        """``first`` and the text pieces queued behind it as one piece; also the event
+        that stopped the merge (a Finished), to be yielded next."""
+        if self._queue.empty():
+            return first, None
+        texts, logprobs = [first.text], list(first.logprobs)
+        while not self._queue.empty():
+            event = self._queue.get_nowait()
+            if not isinstance(event, TokenPiece):
+                return TokenPiece("".join(texts), tuple(logprobs)), event
+            texts.append(event.text)
+            logprobs.extend(event.logprobs)
+        return TokenPiece("".join(texts), tuple(logprobs)), None

@@ -1,14 +1,19 @@
-"""Per-sequence samplers and logits processors.
+"""Samplers and logits processors for the sequences of a batch.
 
-Each sequence gets its own sampler. A seeded sampler carries its own PRNG key, so the same
-seed gives the same tokens whether the request runs alone or inside a batch (mlx-lm's
-samplers draw from the global generator, which batching would interleave).
+A seeded sampler carries its own PRNG key, so the same seed gives the same tokens whether
+the request runs alone or inside a batch (mlx-lm's samplers draw from the global generator,
+which batching would interleave); each seeded sequence gets its own. Unseeded sequences
+with the same settings share one sampler object (``SamplerPool``): mlx-lm's BatchGenerator
+samples the whole batch in one call when every sequence has the same sampler, and row by
+row otherwise, which on a GPU costs a few kernels per sequence per step.
 """
 
 from __future__ import annotations
 
 import os
+from collections import OrderedDict
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any, Protocol
 
 import mlx.core as mx
@@ -51,6 +56,55 @@ def make_sampler(params: SamplingParams) -> Sampler:
         return mx.random.categorical(logprobs * inv_temp, key=sub)
 
     return sample
+
+
+class SharedSampler:
+    """One sampler used by every running sequence with the same unseeded settings. If it
+    raises, ``fault`` says why and every sequence using it is ended by the engine (the
+    step goes on with a greedy choice)."""
+
+    def __init__(self, sampler: Sampler):
+        self.sampler = sampler
+        self.fault: str | None = None
+
+    def __call__(self, logprobs: mx.array) -> mx.array:
+        if self.fault is None:
+            try:
+                return self.sampler(logprobs)
+            except Exception as e:
+                self.fault = f"sampling failed: {type(e).__name__}: {e}"
+        return _greedy(logprobs)
+
+
+class SamplerPool:
+    """Shared samplers by sampling settings, the most recently used ``size`` of them."""
+
+    def __init__(self, size: int = 64):
+        self.size = size
+        self._shared: OrderedDict[SamplingParams, SharedSampler] = OrderedDict()
+
+    def get(self, params: SamplingParams, check: Callable[[Sampler], None]) -> SharedSampler | None:
+        """The shared sampler for ``params``, or None when the request needs its own (a
+        seeded one). A new sampler is first run through ``check``; what it raises
+        propagates, and the settings get no shared sampler."""
+        if params.temperature <= 0:
+            params = SamplingParams(temperature=0.0)  # every greedy request: one argmax
+        elif params.seed is not None:
+            return None
+        params = replace(
+            params, repetition_penalty=None, presence_penalty=None, frequency_penalty=None
+        )
+        shared = self._shared.get(params)
+        if shared is not None and shared.fault is None:
+            self._shared.move_to_end(params)
+            return shared
+        sampler = make_sampler(params)
+        check(sampler)
+        shared = self._shared[params] = SharedSampler(sampler)
+        self._shared.move_to_end(params)
+        while len(self._shared) > self.size:
+            self._shared.popitem(last=False)
+        return shared
 
 
 def make_processors(params: SamplingParams) -> list[Callable[[mx.array, mx.array], mx.array]]:

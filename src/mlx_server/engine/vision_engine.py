@@ -39,6 +39,7 @@ class VisionEngine(Engine):
         # No prefix cache: a cached prefix would have to carry the image features with it.
         super().__init__(model, tokenizer, replace(config or EngineConfig(), prompt_cache_size=0))
         self._next_uid = 0
+        self._outbox = None  # one request at a time: each event wakes its consumer directly
 
     def stats(self) -> dict[str, Any]:
         return {**super().stats(), "mode": "sequential"}
@@ -46,6 +47,7 @@ class VisionEngine(Engine):
     # ---- engine thread -----------------------------------------------------------------
 
     def _run(self) -> None:
+        self._ready.set()
         while True:
             with self._wake:
                 while not self._stopping and not self._pending:

@@ -1,0 +1,74 @@
+#!/bin/bash
+# Second run on the GPU machine (.gpu/b along), right after the first (bash .gpu/a/lay.sh): installs MLX for CUDA and
+# the wheels into /tmp/site, makes random-weight models of real sizes, and measures, per model, the same work at each
+# layer: mlx_lm.stream_generate and mlx_lm's BatchGenerator alone and this project's Engine without HTTP (layers.py),
+# the raw engine as the kit has always timed it (raw_engine.py), this server over HTTP and mlx_lm.server
+# (bench_openai.py: first burst, single stream, N concurrent streams, prefix-cached chat). Results under $OUT.
+# Env: MODELS="1b:4 1b:0 8b:4" (preset:bits), LEVELS=1,8,32, SERVERS="ours mlxlm",
+#      OURS_ARGS="" (extra flags for our server), SRC (the project's src; default ./src),
+#      BENCH (these scripts; default the kit's copy), PROFILE=1b-0 (py-spy the server on this model at N=32),
+#      LAYERS=1 (0: skip layers.py), LAYERS_ARGS (e.g. "--skip batch,engine"), LAYERS_ONLY (model names, e.g. "1b-0").
+#      A server named ours512 is ours with --prefill-step-size 512.
+set -u
+K=/tmp/kit/a; S=/tmp/site; OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; R=$OUT/results.jsonl; L=$OUT/log.txt
+T=/tmp/benchlogs; mkdir -p $T
+MODELS=${MODELS:-"1b:4 1b:0 8b:4"}; LEVELS=${LEVELS:-1,8,32}; SERVERS=${SERVERS:-"ours mlxlm"}
+SRC=${SRC:-$PWD/src}; OURS_ARGS=${OURS_ARGS:-}; BENCH=${BENCH:-$K}; PROFILE=${PROFILE:-1b-0}; LAYERS=${LAYERS:-1}
+LAYERS_ARGS=${LAYERS_ARGS:-}; LAYERS_ONLY=${LAYERS_ONLY:-}
+exec > >(tee -a "$L") 2>&1
+if [ ! -d $S/mlx ]; then
+  W=$K/$(cat $K/mlx_cuda.name)
+  cat $K/mlx_cuda.part.* .gpu/b/mlx_cuda.part.* > "$W" || exit 1
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target $S $K/wheels/*.whl "$W" || exit 1
+  # libmlx.so looks for the CUDA libraries at ../../nvidia beside it: use the image's.
+  ln -sfn "$(python3 -c 'import nvidia; print(list(nvidia.__path__)[0])')" $S/nvidia
+fi
+export PYTHONPATH=$S:$SRC PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+python3 - <<'PY' || exit 1
+import time, mlx.core as mx
+print("mlx", mx.__version__, mx.default_device())
+a = mx.random.normal((8192, 8192)).astype(mx.bfloat16); mx.eval(a)
+for _ in range(3): mx.eval(a @ a)
+t = time.perf_counter(); n = 10
+for _ in range(n): mx.eval(a @ a)
+print(f"bf16 matmul 8192^3: {2 * 8192**3 * n / (time.perf_counter() - t) / 1e12:.0f} TFLOP/s")
+PY
+port() { python3 -c 'import socket;s=socket.socket();s.bind(("127.0.0.1",0));print(s.getsockname()[1])'; }
+wait_ready() { for _ in $(seq 1 480); do curl -s -m 2 -o /dev/null "http://127.0.0.1:$1/health" && return 0; sleep 0.25; done; return 1; }
+B() { timeout 300 python3 $BENCH/bench_openai.py --base-url "http://127.0.0.1:$1/v1" --model "$2" --label "$3" \
+        --scenario burst,single,concurrency,prefix --concurrency "$LEVELS" --conc-max-tokens 128 --max-tokens 256 --out "$R" >/dev/null; }
+for spec in $MODELS; do
+  preset=${spec%%:*}; bits=${spec##*:}; M=/tmp/models/$preset-$bits
+  [ -f $M/config.json ] || python3 $BENCH/make_random_model.py $M $preset $bits $K/tok || continue
+  echo "== $preset bits=$bits $(date +%T)"
+  timeout 120 python3 $BENCH/raw_engine.py --model $M --label "raw $preset-$bits" --ignore-eos --max-tokens 256 --repeats 3 --out "$R" >/dev/null
+  if [ "$LAYERS" = 1 ] && { [ -z "$LAYERS_ONLY" ] || [[ " $LAYERS_ONLY " == *" $preset-$bits "* ]]; }; then
+    timeout 240 python3 $BENCH/layers.py --model $M --label "layers $preset-$bits" --levels "$LEVELS" $LAYERS_ARGS --out "$R" > $T/layers-$preset-$bits.log 2>&1
+  fi
+  for srv in $SERVERS; do
+    P=$(port); name=m; t0=$(date +%s.%N)
+    if [ $srv = ours ] || [ $srv = ours512 ]; then
+      extra=""; [ $srv = ours512 ] && extra="--prefill-step-size 512"
+      setsid python3 -m mlx_server -m $M --port $P --model-id m --ctx-size 8192 $OURS_ARGS $extra > $T/$srv-$preset-$bits.log 2>&1 &
+    else
+      name=default_model  # mlx_lm.server loads the model named in the request; this is its loaded one
+      setsid python3 -m mlx_lm server --model $M --port $P > $T/mlxlm-$preset-$bits.log 2>&1 &
+    fi
+    SP=$!
+    if wait_ready $P; then
+      echo "$srv ready after $(python3 -c "print(round($(date +%s.%N)-$t0,1))") s"
+      B $P $name "$srv $preset-$bits"
+      if [ $srv = ours ] && [ "$preset-$bits" = "$PROFILE" ] && [ -x $S/bin/py-spy ]; then
+        $S/bin/py-spy record --pid $SP --duration 8 --rate 250 --threads --idle --format raw -o $T/pyspy-$preset-$bits.txt > /dev/null 2>&1 &
+        YP=$!
+        timeout 60 python3 $BENCH/bench_openai.py --base-url "http://127.0.0.1:$P/v1" --model m --label "profiled $preset-$bits" \
+          --scenario concurrency --concurrency 32,32 --conc-max-tokens 128 --warmup 0 > /dev/null 2>&1
+        wait $YP
+      fi
+    else echo "$srv did not start"; tail -5 $T/$srv-$preset-$bits.log; fi
+    kill $SP; sleep 2; kill -9 $SP 2>/dev/null
+  done
+  tar czf $OUT/logs.tgz -C $T .
+done
+python3 $BENCH/summary.py "$R"

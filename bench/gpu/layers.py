@@ -1,0 +1,310 @@
+#!/usr/bin/env python3
+"""The same work timed at each layer below HTTP, in one process on one model.
+
+Layers: ``mlx_lm.stream_generate`` (one stream); mlx-lm's ``BatchGenerator`` alone (insert N
+prompts, call ``next()`` until all are done); this project's ``Engine`` without HTTP (submit N
+requests, consume the handles on an asyncio loop, as the server does). Prompts are the ones
+``bench_openai.py`` sends (its concurrency and prefix scenarios), chat-templated, greedy.
+Each level runs once to warm up (fresh kernels for new shapes) and then timed. The engine's
+step-loop phases (``phases.py``) are recorded per level.
+
+Prints one JSON line per layer and level (scenario ``layer``) and appends them to --out.
+
+    python3 layers.py --model DIR --label "layers 1b-0" --levels 1,8,32 --out results.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import time
+import uuid
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import mlx.core as mx  # noqa: E402
+import phases  # noqa: E402
+from bench_openai import LONG_PROMPT, TOPICS, make_system_prompt  # noqa: E402
+from mlx_lm import load, stream_generate  # noqa: E402
+from mlx_lm.generate import BatchGenerator  # noqa: E402
+from mlx_lm.sample_utils import make_sampler  # noqa: E402
+
+OUT: str | None = None
+LABEL = ""
+
+
+def emit(**row: Any) -> None:
+    row = {"scenario": "layer", "label": LABEL, **row}
+    row = {k: (round(v, 5) if isinstance(v, float) else v) for k, v in row.items()}
+    line = json.dumps(row, separators=(",", ":"))
+    print(line, flush=True)
+    if OUT:
+        with open(OUT, "a") as f:
+            f.write(line + "\n")
+
+
+def chat_ids(tok: Any, content: str, system: str | None = None) -> list[int]:
+    msgs = [{"role": "system", "content": system}] if system else []
+    msgs.append({"role": "user", "content": content})
+    return list(tok.apply_chat_template(msgs, add_generation_prompt=True))
+
+
+def burst_prompts(tok: Any, n: int, tag: str) -> list[list[int]]:
+    return [
+        chat_ids(
+            tok,
+            f"[{tag} {n}-{i}] Write a long, detailed essay about "
+            f"{TOPICS[(i + 3 * n) % len(TOPICS)]}. Use many paragraphs and do not stop early.",
+        )
+        for i in range(n)
+    ]
+
+
+# ---- layer 1: stream_generate ---------------------------------------------------------------
+
+
+def stream_once(model: Any, tok: Any, ids: list[int], max_tokens: int) -> dict[str, float]:
+    t0 = time.perf_counter()
+    t_first = t_last = 0.0
+    n = 0
+    for _ in stream_generate(model, tok, ids, max_tokens=max_tokens, sampler=make_sampler(0.0)):
+        t_last = time.perf_counter()
+        t_first = t_first or t_last
+        n += 1
+    return {
+        "ttft_s": t_first - t0,
+        "tokens": n,
+        "decode_tok_s": (n - 1) / (t_last - t_first) if n > 1 else 0.0,
+    }
+
+
+def compile_probe(model: Any, tok: Any) -> None:
+    """Time to first token for prompts of lengths not seen before, then of one seen before:
+    MLX's CUDA backend builds some kernels per shape on first use."""
+    base = chat_ids(tok, LONG_PROMPT)
+    for path in ("stream_generate", "batch_generator"):
+        fresh = []
+        for extra in range(8):
+            ids = base + [base[-1]] * (extra + 3 + (17 if path == "batch_generator" else 0))
+            if path == "stream_generate":
+                fresh.append(stream_once(model, tok, ids, 2)["ttft_s"])
+            else:
+                fresh.append(batch_once(model, tok, [ids], 2)["ttft_p95_s"])
+        again = (
+            stream_once(model, tok, ids, 2)["ttft_s"]
+            if path == "stream_generate"
+            else batch_once(model, tok, [ids], 2)["ttft_p95_s"]
+        )
+        emit(layer=path, what="new_lengths", ttft_new_s=fresh, ttft_seen_s=again)
+
+
+# ---- layer 2: BatchGenerator alone --------------------------------------------------------
+
+
+def batch_once(model: Any, tok: Any, prompts: list[list[int]], max_tokens: int) -> dict[str, float]:
+    n = len(prompts)
+    gen = BatchGenerator(
+        model,
+        completion_batch_size=n,
+        prefill_batch_size=n,
+        stop_tokens=[[t] for t in tok.eos_token_ids],
+    )
+    t0 = time.perf_counter()
+    uids = gen.insert(prompts, max_tokens=[max_tokens] * n)
+    first: dict[int, float] = {}
+    tokens = 0
+    steps = 0
+    left = set(uids)
+    while left:
+        _, responses = gen.next()
+        steps += 1
+        now = time.perf_counter()
+        for r in responses:
+            first.setdefault(r.uid, now)
+            tokens += 1
+            if r.finish_reason is not None:
+                left.discard(r.uid)
+    t_end = time.perf_counter()
+    gen.close()
+    all_started = max(first.values())
+    ttfts = sorted(t - t0 for t in first.values())
+    return {
+        "aggregate_tok_s": tokens / (t_end - t0),
+        "decode_tok_s": (tokens - n) / (t_end - all_started) if t_end > all_started else 0.0,
+        "step_ms": (t_end - all_started) * 1000 / max(1, steps - 1),
+        "ttft_p95_s": ttfts[int(0.95 * (len(ttfts) - 1))],
+        "tokens": tokens,
+    }
+
+
+# ---- layer 3: the Engine without HTTP ------------------------------------------------------
+
+
+async def engine_once(engine: Any, prompts: list[list[int]], max_tokens: int) -> dict[str, float]:
+    from mlx_server.engine.handle import TokenPiece
+    from mlx_server.types import GenerationRequest, SamplingParams
+
+    loop = asyncio.get_running_loop()
+
+    async def one(ids: list[int]) -> tuple[float, float, int]:
+        req = GenerationRequest(
+            request_id=uuid.uuid4().hex,
+            prompt_tokens=ids,
+            max_tokens=max_tokens,
+            sampling=SamplingParams(temperature=0.0),
+        )
+        h = engine.submit(req, loop)
+        t_first = 0.0
+        n = 0
+        async for ev in h:
+            if isinstance(ev, TokenPiece):
+                t_first = t_first or time.perf_counter()
+            else:
+                n = ev.usage.completion_tokens
+        return t_first, time.perf_counter(), n
+
+    t0 = time.perf_counter()
+    res = await asyncio.gather(*[one(p) for p in prompts])
+    t_end = max(r[1] for r in res)
+    tokens = sum(r[2] for r in res)
+    all_started = max(r[0] for r in res)
+    ttfts = sorted(r[0] - t0 for r in res)
+    return {
+        "aggregate_tok_s": tokens / (t_end - t0),
+        "decode_tok_s": (tokens - len(prompts)) / (t_end - all_started)
+        if t_end > all_started
+        else 0.0,
+        "ttft_p95_s": ttfts[int(0.95 * (len(ttfts) - 1))],
+        "tokens": tokens,
+    }
+
+
+def phase_summary(snap: dict[str, Any], tokens: int) -> dict[str, Any]:
+    steps = max(1, snap.get("gen.next", {}).get("n", 0))
+    out: dict[str, Any] = {"steps": steps}
+    for k, v in snap.items():
+        out[k] = {"s": v["s"], "n": v["n"], "ms_per_step": round(v["s"] * 1000 / steps, 4)}
+    out["tokens"] = tokens
+    return out
+
+
+async def engine_layer(model: Any, tok: Any, a: argparse.Namespace) -> None:
+    from mlx_server.engine.engine import Engine, EngineConfig
+
+    kw: dict[str, Any] = {"max_batch_size": max(a.levels), "kv_budget_bytes": 64 << 30}
+    try:  # the server's device-sized defaults, where this version of the engine has them
+        from mlx_server.engine.tuning import default_prefill_step
+
+        kw.update(prefill_step_size=default_prefill_step(), warm_up=True)
+    except ImportError:
+        pass
+    engine = Engine(model, tok, EngineConfig(**kw))
+    engine.start()
+    t_ready = time.perf_counter()
+    if hasattr(engine, "wait_ready"):  # an engine that warms up before it serves
+        await asyncio.to_thread(engine.wait_ready)
+    emit(layer="engine", what="ready_s", value=time.perf_counter() - t_ready)
+    try:
+        # The first burst, before anything has run: kernels for new shapes are compiled here.
+        first = await engine_once(engine, burst_prompts(tok, 8, "first"), 32)
+        emit(layer="engine", what="first_burst", n=8, **first)
+        for n in a.levels:
+            await engine_once(engine, burst_prompts(tok, n, "warm"), 16)
+            phases.reset()
+            t = time.perf_counter()
+            r = await engine_once(engine, burst_prompts(tok, n, "request"), a.max_tokens)
+            wall = time.perf_counter() - t
+            emit(
+                layer="engine",
+                n=n,
+                wall_s=wall,
+                **r,
+                phases=phase_summary(phases.snapshot(), r["tokens"]),
+            )
+        # Prefill: a cold ~1,150-token prompt, then the same conversation one turn later.
+        system = make_system_prompt(1000)
+        for i in range(2):
+            ids = chat_ids(
+                tok, "Which rule mentions a refund? Answer briefly.", f"Session {i:08x}.\n{system}"
+            )
+            phases.reset()
+            cold = await engine_once(engine, [ids], 1)
+            msgs = [
+                {"role": "system", "content": f"Session {i:08x}.\n{system}"},
+                {"role": "user", "content": "Which rule mentions a refund? Answer briefly."},
+                {"role": "assistant", "content": "Rule 12."},
+                {"role": "user", "content": "Summarise rule 3 in one sentence."},
+            ]
+            warm_ids = list(tok.apply_chat_template(msgs, add_generation_prompt=True))
+            warm = await engine_once(engine, [warm_ids], 1)
+            emit(
+                layer="engine",
+                what="prefill",
+                prompt_tokens=len(ids),
+                cold_ttft_s=cold["ttft_p95_s"],
+                warm_prompt_tokens=len(warm_ids),
+                warm_ttft_s=warm["ttft_p95_s"],
+                phases=phases.snapshot(),
+            )
+    finally:
+        engine.shutdown()
+
+
+def main() -> int:
+    global OUT, LABEL
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", required=True)
+    p.add_argument("--label", default="")
+    p.add_argument("--levels", default="1,8,32", type=lambda s: [int(x) for x in s.split(",")])
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--single-tokens", type=int, default=256)
+    p.add_argument("--skip", default="", help="layers to skip: stream,batch,engine")
+    p.add_argument("--out")
+    a = p.parse_args()
+    OUT, LABEL = a.out, a.label
+    phases.install()
+    t = time.perf_counter()
+    model, tok = load(a.model)
+    emit(layer="load", value=time.perf_counter() - t)
+    skip = set(a.skip.split(","))
+
+    if "stream" not in skip:
+        ids = chat_ids(tok, LONG_PROMPT)
+        stream_once(model, tok, ids, 16)
+        runs = [stream_once(model, tok, ids, a.single_tokens) for _ in range(2)]
+        best = max(runs, key=lambda r: r["decode_tok_s"])
+        emit(layer="stream_generate", n=1, **best)
+        long_ids = chat_ids(
+            tok,
+            "Which rule mentions a refund? Answer briefly.",
+            "Session 00000000.\n" + make_system_prompt(1000),
+        )
+        pre = [stream_once(model, tok, long_ids, 1) for _ in range(3)]
+        emit(
+            layer="stream_generate",
+            what="prefill",
+            prompt_tokens=len(long_ids),
+            ttft_s=sorted(r["ttft_s"] for r in pre)[1],
+        )
+
+    if "compile" not in skip:
+        compile_probe(model, tok)
+
+    if "batch" not in skip:
+        for n in a.levels:
+            batch_once(model, tok, burst_prompts(tok, n, "warm"), 16)
+            r = batch_once(model, tok, burst_prompts(tok, n, "request"), a.max_tokens)
+            emit(layer="batch_generator", n=n, **r)
+
+    if "engine" not in skip:
+        asyncio.run(engine_layer(model, tok, a))
+    mx.synchronize()
+    sys.stdout.flush()
+    os._exit(0)  # no interpreter teardown while the engine thread's MLX state is alive
+
+
+if __name__ == "__main__":
+    sys.exit(main())

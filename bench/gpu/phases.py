@@ -1,0 +1,68 @@
+"""Where the engine thread's time goes: wrappers that time the step loop's phases.
+
+``install()`` wraps, without changing their behaviour, the calls one engine step is made of:
+mlx-lm's ``BatchGenerator.next`` (split into the decode step, the prefill chunks and the time
+spent waiting in ``mx.eval`` for the GPU), the engine's per-token work (``Engine._on_token``:
+detokenizing, stop strings, logprobs, the hand-off to asyncio) and the hand-off itself
+(``GenerationHandle.push`` and, once batched, ``Engine._flush``). ``snapshot()`` returns the
+totals; ``reset()`` zeroes them. Only calls made on the engine's thread are counted, so the
+asyncio side does not blur the figures.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import defaultdict
+from typing import Any
+
+TOTAL: dict[str, float] = defaultdict(float)
+COUNT: dict[str, int] = defaultdict(int)
+_ENGINE_THREAD = "mlx-engine"
+
+
+def _timed(name: str, fn: Any) -> Any:
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if threading.current_thread().name != _ENGINE_THREAD:
+            return fn(*args, **kwargs)
+        t = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            TOTAL[name] += time.perf_counter() - t
+            COUNT[name] += 1
+
+    wrapper.__wrapped__ = fn  # type: ignore[attr-defined]
+    return wrapper
+
+
+def install() -> None:
+    import importlib
+
+    import mlx.core as mx
+
+    g = importlib.import_module("mlx_lm.generate")
+
+    from mlx_server.engine import engine as e
+    from mlx_server.engine import handle as h
+
+    g.BatchGenerator.next = _timed("gen.next", g.BatchGenerator.next)
+    g.GenerationBatch._step = _timed("gen.decode_step", g.GenerationBatch._step)
+    g.PromptProcessingBatch.prompt = _timed("gen.prefill_chunk", g.PromptProcessingBatch.prompt)
+    g.PromptProcessingBatch.generate = _timed(
+        "gen.prefill_to_decode", g.PromptProcessingBatch.generate
+    )
+    mx.eval = _timed("mx.eval (GPU wait)", mx.eval)
+    for name in ("_step", "_on_token", "_admit", "_drop_cancelled", "_insert", "_flush", "_finish"):
+        if hasattr(e.Engine, name):
+            setattr(e.Engine, name, _timed(f"engine.{name}", getattr(e.Engine, name)))
+    h.GenerationHandle.push = _timed("handle.push", h.GenerationHandle.push)
+
+
+def reset() -> None:
+    TOTAL.clear()
+    COUNT.clear()
+
+
+def snapshot() -> dict[str, Any]:
+    return {k: {"s": round(TOTAL[k], 4), "n": COUNT[k]} for k in sorted(TOTAL)}

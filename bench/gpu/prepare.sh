@@ -1,0 +1,31 @@
+#!/bin/bash
+# Run on the development machine, in the project's root (`bash bench/gpu/prepare.sh`), after
+# `.venv/bin/mlx-server-demo` has imported the demo model (its tokenizer is reused).
+# Builds .gpu/a (< 64 MiB: wheels, tokenizer, these scripts, first half of the mlx-cuda wheel) and
+# .gpu/b (second half), both git-ignored, for two runs on the GPU machine (docs/benchmarks.md, "GPU").
+set -euo pipefail
+HERE=$(cd "$(dirname "$0")" && pwd)
+TOK=${TOK:-models/smollm2-135m-instruct}
+[ -f "$TOK/tokenizer.json" ] || { echo "no tokenizer at $TOK (run .venv/bin/mlx-server-demo first)"; exit 1; }
+grep -qx '/.gpu/' .git/info/exclude 2>/dev/null || echo '/.gpu/' >> .git/info/exclude
+MLX=${MLX_VERSION:-$(.venv/bin/python -c 'import importlib.metadata as m; print(m.version("mlx"))')}
+MLXLM=${MLXLM_VERSION:-$(.venv/bin/python -c 'import importlib.metadata as m; print(m.version("mlx-lm"))')}
+# Runtime dependencies the device image lacks (it has numpy, transformers, tokenizers, jinja2,
+# httpx, huggingface_hub, tqdm, pyyaml, safetensors, anyio, h11, click). Add new ones here.
+# py-spy samples the server's threads during the profiled burst.
+WHEELS=${WHEELS:-"fastapi starlette pydantic pydantic-core annotated-types typing-inspection typing-extensions
+  annotated-doc opentelemetry-api uvicorn llguidance jsonschema jsonschema-specifications referencing rpds-py gguf py-spy"}
+rm -rf .gpu && mkdir -p .gpu/a/wheels .gpu/b .gpu/dl
+PLAT="--only-binary=:all: --python-version 3.12 --implementation cp --platform any"
+for n in 5 17 24 27 28 31 34 35; do PLAT="$PLAT --platform manylinux_2_${n}_x86_64"; done
+PLAT="$PLAT --platform manylinux2014_x86_64 --platform manylinux1_x86_64"
+python3 -m pip download -q --no-deps $PLAT -d .gpu/dl "mlx==$MLX" "mlx-cuda-13==$MLX" "mlx-lm==$MLXLM" $WHEELS 2>&1 | grep -v "is ignored" || true
+mv .gpu/dl/mlx_cuda_13-*.whl .gpu/ && mv .gpu/dl/*.whl .gpu/a/wheels/
+# The mlx-cuda wheel (~90 MB) is over one run's 64 MiB: split it across the two runs.
+split -b 45000000 -d .gpu/mlx_cuda_13-*.whl .gpu/a/mlx_cuda.part.
+mv .gpu/a/mlx_cuda.part.01 .gpu/b/ && basename .gpu/mlx_cuda_13-*.whl > .gpu/a/mlx_cuda.name && rm .gpu/mlx_cuda_13-*.whl
+mkdir -p .gpu/a/tok && cp "$TOK"/tokenizer* .gpu/a/tok/
+cp "$HERE"/*.py "$HERE"/*.sh .gpu/a/
+rmdir .gpu/dl
+du -sh .gpu/a .gpu/b
+echo "next, on the GPU machine: 'bash .gpu/a/lay.sh' with .gpu/a along; right after: 'bash /tmp/kit/a/device_bench.sh' with .gpu/b along"

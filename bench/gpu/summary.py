@@ -1,0 +1,108 @@
+#!/usr/bin/env python3
+"""Summarise a GPU run's results.jsonl: one block per model, one line per layer, then the ratios."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections import defaultdict
+from typing import Any
+
+
+def main(path: str) -> None:
+    rows: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for line in open(path):
+        r = json.loads(line)
+        model = r.get("label", "").split(" ")[-1]
+        rows[model].append(r)
+    for model, rs in rows.items():
+        print(f"== {model}")
+        f: dict[str, float] = {}
+        for r in rs:
+            lab, sc = r.get("label", ""), r.get("scenario")
+            who = lab.split(" ")[0]
+            if sc == "raw_engine":
+                f["raw"] = r["decode_tok_s_median"]
+                print(
+                    f"  raw_engine       decode {r['decode_tok_s_median']:.0f} tok/s, prefill {r.get('prefill_tok_s_median') or 0:.0f} tok/s, long ttft {r['wall_ttft_long_prompt_s_median']:.3f} s"
+                )
+            elif sc == "layer":
+                layer, n, what = r.get("layer"), r.get("n"), r.get("what")
+                if what == "new_lengths":
+                    new = ", ".join(f"{x * 1000:.0f}" for x in r["ttft_new_s"])
+                    print(
+                        f"  {layer:16} ttft ms, new prompt lengths: {new}; a seen one: {r['ttft_seen_s'] * 1000:.0f}"
+                    )
+                elif layer == "stream_generate" and what == "prefill":
+                    f["raw_prefill"] = r["ttft_s"]
+                    print(
+                        f"  stream_generate  prefill {r['prompt_tokens']} tok: ttft {r['ttft_s']:.3f} s"
+                    )
+                elif layer == "stream_generate":
+                    f["stream"] = r["decode_tok_s"]
+                    print(f"  stream_generate  decode {r['decode_tok_s']:.0f} tok/s")
+                elif layer == "batch_generator":
+                    f[f"bg{n}"] = r["aggregate_tok_s"]
+                    print(
+                        f"  BatchGenerator N={n:<3} aggregate {r['aggregate_tok_s']:.0f} tok/s, decode {r['decode_tok_s']:.0f}, step {r['step_ms']:.2f} ms"
+                    )
+                elif layer == "engine" and what == "prefill":
+                    print(
+                        f"  Engine           prefill {r['prompt_tokens']} tok cold ttft {r['cold_ttft_s']:.3f} s, warm ({r['warm_prompt_tokens']}) {r['warm_ttft_s']:.4f} s"
+                    )
+                elif layer == "engine" and what == "first_burst":
+                    print(f"  Engine           first burst N=8 ttft p95 {r['ttft_p95_s']:.3f} s")
+                elif layer == "engine" and n:
+                    f[f"eng{n}"] = r["aggregate_tok_s"]
+                    ph = r.get("phases", {})
+                    parts = ", ".join(
+                        f"{k} {v['ms_per_step']:.2f}" for k, v in ph.items() if isinstance(v, dict)
+                    )
+                    print(
+                        f"  Engine     N={n:<3} aggregate {r['aggregate_tok_s']:.0f} tok/s, decode {r['decode_tok_s']:.0f}; ms/step: {parts}"
+                    )
+            elif sc == "burst":
+                lv = r["levels"][0]
+                f[f"{who}_burst_p95"] = lv.get("ttft_p95_s", -1)
+                print(
+                    f"  {who:6} first burst N={lv['n']} ttft p95 {lv.get('ttft_p95_s', -1):.3f} s, aggregate {lv.get('aggregate_tok_s', 0):.0f}"
+                )
+            elif sc == "single":
+                f[f"{who}_single"] = r["decode_tok_s_median"]
+                print(
+                    f"  {who:6} single decode {r['decode_tok_s_median']:.0f} tok/s, ttft {r['ttft_s_median']:.3f} s"
+                )
+            elif sc == "concurrency":
+                for x in r["levels"]:
+                    f[f"{who}_n{x['n']}"] = x.get("aggregate_tok_s", 0)
+                print(
+                    f"  {who:6} aggregate (N, tok/s, ttft p95 s):",
+                    [
+                        (
+                            x["n"],
+                            round(x.get("aggregate_tok_s", 0)),
+                            round(x.get("ttft_p95_s", 0), 2),
+                        )
+                        for x in r["levels"]
+                    ],
+                )
+            elif sc == "prefix":
+                f[f"{who}_cold"] = r["ttft_cold_turn1_s"]
+                f[f"{who}_warm"] = r["ttft_warm_median_s"]
+                print(
+                    f"  {who:6} prefix ttft cold {r['ttft_cold_turn1_s']:.3f} s ({r['turns'][0]['prompt_tokens']} tok), warm {r['ttft_warm_median_s']:.4f} s"
+                )
+
+        def ratio(a: str, b: str, f: dict[str, float] = f) -> str:
+            return f"{f[a] / f[b]:.2f}" if f.get(a) and f.get(b) else "-"
+
+        print(
+            f"  ratios: ours single/raw {ratio('ours_single', 'raw')}, ours single/stream_generate {ratio('ours_single', 'stream')}, "
+            f"ours N32/BG32 {ratio('ours_n32', 'bg32')}, ours N32/N8 {ratio('ours_n32', 'ours_n8')}, "
+            f"ours/mlxlm N8 {ratio('ours_n8', 'mlxlm_n8')}, N32 {ratio('ours_n32', 'mlxlm_n32')}, "
+            f"cold/raw prefill {ratio('ours_cold', 'raw_prefill')}"
+        )
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,81 @@
+"""What depends on the device: default batch and prefill sizes, and the warm-up at load.
+
+On a GPU a decode step of a small model takes a few milliseconds and a batch of 32 costs
+little more than a batch of 8, while a CPU is compute bound at a few sequences; a GPU
+prefills thousands of tokens in the time a CPU takes for a few hundred. MLX's CUDA backend
+also compiles kernels for shapes it meets for the first time, so the first batch of each
+size stalls unless it was run once before the server says it is ready.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import mlx.core as mx
+
+CPU_BATCH = 8
+GPU_BATCH = 32
+CPU_PREFILL_STEP = 512
+GPU_PREFILL_STEP = 2048
+
+
+def on_gpu() -> bool:
+    """Whether MLX computes on a GPU (Metal or CUDA) rather than the CPU."""
+    return bool(mx.default_device().type == mx.DeviceType.gpu)
+
+
+def builds_kernels_on_first_use() -> bool:
+    """MLX's CUDA backend compiles kernels for each new shape (Metal's are prebuilt)."""
+    cuda = getattr(mx, "cuda", None)
+    return bool(on_gpu() and cuda is not None and cuda.is_available())
+
+
+def default_batch_size(kv_budget_bytes: int, kv_bytes_per_token: int, ctx_size: int) -> int:
+    """Sequences decoded together: 8 on a CPU; on a GPU as many full-context sequences as the
+    KV budget holds, between 8 and 32 (admission still queues by actual KV use)."""
+    if not on_gpu():
+        return CPU_BATCH
+    fit = kv_budget_bytes // max(1, kv_bytes_per_token * ctx_size)
+    return int(min(GPU_BATCH, max(CPU_BATCH, fit)))
+
+
+def default_prefill_step() -> int:
+    """Prompt tokens per prefill chunk (and, paced, per step)."""
+    return GPU_PREFILL_STEP if on_gpu() else CPU_PREFILL_STEP
+
+
+def warm_up(
+    model: Any, max_batch_size: int, prefill_step_size: int, budget_s: float = 30.0
+) -> float:
+    """Run one full prefill chunk and a few decode steps at every batch size up to
+    ``max_batch_size``, with a generator of its own (nothing reaches the prefix cache).
+    Stops early after ``budget_s``. Returns the seconds it took."""
+    from mlx_lm.generate import BatchGenerator
+
+    t0 = time.perf_counter()
+    gen = BatchGenerator(
+        model,
+        completion_batch_size=max_batch_size,
+        prefill_batch_size=max_batch_size,
+        prefill_step_size=prefill_step_size,
+        stop_tokens=[],
+    )
+    try:
+        _drain(gen, [[1 + i % 7 for i in range(prefill_step_size + 1)]], 2)
+        for n in range(1, max_batch_size + 1):
+            if time.perf_counter() - t0 > budget_s:
+                break
+            _drain(gen, [[1 + (i + j) % 7 for j in range(16)] for i in range(n)], 3)
+    finally:
+        gen.close()
+        mx.clear_cache()
+    return time.perf_counter() - t0
+
+
+def _drain(gen: Any, prompts: list[list[int]], max_tokens: int) -> None:
+    left = set(gen.insert(prompts, max_tokens=[max_tokens] * len(prompts)))
+    while left:
+        for r in gen.next()[1]:
+            if r.finish_reason is not None:
+                left.discard(r.uid)
