@@ -110,7 +110,16 @@ class ChatService:
         )
 
     def count_tokens(self, chat: ChatRequest) -> int:
+        """The rendered prompt's token count (image tokens included)."""
         return len(self._encode(chat, self.render(chat))[0])
+
+    async def count(self, chat: ChatRequest) -> int:
+        """``count_tokens`` for async handlers: a long prompt renders and tokenizes in a
+        worker thread, so the event loop (``/health``, other streams) never waits for it.
+        Vision prompts stay on the loop's thread, as their processor may make MLX arrays."""
+        if self.vision is not None:
+            return self.count_tokens(chat)
+        return await asyncio.to_thread(self.count_tokens, chat)
 
     def _encode(self, chat: ChatRequest, text: str) -> tuple[list[int], Any]:
         """Token ids, and a vision model's inputs (image tokens counted in the ids)."""

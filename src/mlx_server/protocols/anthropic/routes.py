@@ -59,7 +59,7 @@ def make_router(service: ChatService, *, vision: bool = False) -> APIRouter:
     async def count_tokens(request: Request) -> dict[str, Any]:
         body = await parse_body(request, CountTokensRequest)
         chat = to_chat_request(body, vision=vision)
-        return {"input_tokens": service.count_tokens(chat)}
+        return {"input_tokens": await service.count(chat)}
 
     return router
 
@@ -68,7 +68,7 @@ async def _start(service: ChatService, chat: ChatRequest, message_id: str) -> Ge
     try:
         return await service.start(chat, request_id=message_id)
     except ContextLengthExceeded as e:
-        n = service.count_tokens(chat)
+        n = await service.count(chat)
         message = context_error_message(n, chat.max_tokens or 0, service.ctx_size)
         raise ContextLengthExceeded(message, param=e.param) from e
 

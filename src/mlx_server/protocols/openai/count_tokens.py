@@ -10,7 +10,6 @@ that the same request body gets from ``/v1/chat/completions``: messages, tools,
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -28,10 +27,7 @@ def make_router(service: ChatService, *, vision: bool = False) -> APIRouter:
     async def count_tokens(request: Request) -> dict[str, Any]:
         body = await parse_body(request, ChatCompletionRequest)
         chat = to_chat_request(body, vision=vision)
-        if service.vision is None:  # rendering a long prompt takes a while: off the loop
-            n = await asyncio.to_thread(service.count_tokens, chat)
-        else:
-            n = service.count_tokens(chat)
+        n = await service.count(chat)
         return {"object": "chat.completion.input_tokens", "input_tokens": n}
 
     return router
