@@ -25,7 +25,6 @@ from mlx_server.engine.constraints import (
     ConstraintError,
     ConstraintSpec,
     build_grammar,
-    tool_call_format,
     validate_schema,
     validate_spec,
 )
@@ -465,15 +464,3 @@ def test_spec_equality_follows_the_canonical_key():
     assert a == b and hash(a) == hash(b) and len({a, b}) == 1
     assert a != ConstraintSpec.json_object()
     assert ConstraintSpec.tool_call([ADD]).tools == (ADD,)
-
-
-def test_tool_call_format_follows_the_tokenizers_parser():
-    hf = make_hf_tokenizer()
-    hermes = TokenizerWrapper(
-        hf,
-        tool_call_start=json_tools.tool_call_start,
-        tool_call_end=json_tools.tool_call_end,
-        tool_parser=json_tools.parse_tool_call,
-    )
-    assert tool_call_format(hermes) == ("<tool_call>", "</tool_call>")
-    assert tool_call_format(TokenizerWrapper(hf)) is None

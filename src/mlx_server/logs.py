@@ -17,7 +17,3 @@ def log(message: str) -> None:
             sys.stdout.flush()
         except (OSError, ValueError):
             pass  # stdout closed (parent went away): logging must never crash a request
-
-
-def warn(message: str) -> None:
-    log(f"Warning: {message}")

@@ -15,7 +15,7 @@ from typing import Any
 from mlx_server.engine.handle import EngineEvent, GenerationHandle, Started, TokenPiece
 from mlx_server.engine.protocol import EngineLike
 from mlx_server.errors import ContextLengthExceeded, InvalidRequest
-from mlx_server.events import Finished, Logprobs, OutputEvent, ToolCallStart
+from mlx_server.events import Finished, Logprobs, OutputEvent
 from mlx_server.logs import log
 from mlx_server.models.chat_template import load_chat_template
 from mlx_server.models.prompt import encode_prompt, inline_tools, render_prompt, template_text
@@ -310,7 +310,6 @@ class Generation:
         self.handle.cancel()
 
     async def events(self) -> AsyncIterator[StreamEvent]:
-        saw_tools = False
         try:
             async for ev in self._engine_events():
                 if isinstance(ev, Started):
@@ -320,21 +319,19 @@ class Generation:
                     if ev.logprobs:
                         yield Logprobs(ev.logprobs)
                     for out in self.pipeline.feed(ev.text):
-                        saw_tools = saw_tools or isinstance(out, ToolCallStart)
                         yield out
                     continue
                 for out in self.pipeline.flush():
-                    saw_tools = saw_tools or isinstance(out, ToolCallStart)
                     yield out
-                yield self._final(ev, saw_tools)
+                yield self._final(ev)
         finally:
             if not self.handle.done:
                 self.handle.cancel()  # the consumer went away: free the slot
 
-    def _final(self, ev: Finished, saw_tools: bool) -> Finished:
+    def _final(self, ev: Finished) -> Finished:
         reason = ev.reason
         in_reasoning = self.pipeline.in_reasoning
-        if reason == "stop" and saw_tools:
+        if reason == "stop" and self.pipeline.saw_tool_calls:
             reason = "tool_calls"
         elif reason in ("stop", "stop_sequence") and in_reasoning:
             log("Generation ended inside the reasoning block: no answer was produced")

@@ -145,18 +145,6 @@ def validate_spec(spec: ConstraintSpec) -> None:
                 raise ConstraintError(f"tool {name!r} parameters: {e}") from None
 
 
-def tool_call_format(tokenizer: Any) -> tuple[str, str] | None:
-    """``(start, end)`` markers when the model's tool parser reads JSON-body tool calls.
-
-    That is mlx-lm's ``json_tools`` parser (Hermes, Qwen 2.5/3 ...); for other formats a
-    ``tool_call`` constraint would write something the parser cannot read, so ``None``.
-    """
-    parser = getattr(tokenizer, "tool_parser", None)
-    if parser is None or not getattr(parser, "__module__", "").endswith(".json_tools"):
-        return None
-    return tokenizer.tool_call_start, tokenizer.tool_call_end
-
-
 class ConstraintCompiler:
     """Compiles specs for one tokenizer and hands out per-sequence processors.
 

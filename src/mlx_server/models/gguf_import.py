@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import os
 import shutil
 import sys
@@ -24,6 +23,8 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.utils import make_shards
 from tqdm import tqdm
+
+from mlx_server.logs import log
 
 from .gguf_config import model_config
 from .gguf_reader import GGUFImportError, read_gguf
@@ -39,7 +40,6 @@ from .gguf_weights import (
 
 __all__ = ["GGUFImportError", "import_gguf", "import_cached", "cache_dir", "default_float_dtype"]
 
-log = logging.getLogger(__name__)
 
 # Bump when the output of an import changes, so that cached imports are redone.
 IMPORT_FORMAT = 1
@@ -154,7 +154,7 @@ def import_cached(src: Path, *, dtype: str | None = None) -> Path:
     target = cache_dir() / "gguf" / file_sha256(src) / variant
     if target.is_dir():
         return target
-    log.info("importing %s into %s", src, target)
+    log(f"Importing {src} into {target}")
     return import_atomically(src, target, dtype=dtype)
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,7 +28,6 @@ class LoadedModel:
     model: Any
     tokenizer: Any  # mlx_lm.tokenizer_utils.TokenizerWrapper
     config: dict[str, Any]
-    load_seconds: float = 0.0
     capabilities: list[str] = field(default_factory=list)
     processor: Any = None  # a vision-language model's processor (mlx-vlm), else None
 
@@ -173,7 +171,6 @@ def read_chat_template(model_dir: Path) -> str | dict[str, str] | None:
 def load_model(model: str, *, model_id: str = "", dtype: str | None = None) -> LoadedModel:
     """Resolve, load and describe a model: mlx-lm for text, mlx-vlm for vision-language
     models (a config with a vision tower). Raises ModelLoadError."""
-    t0 = time.perf_counter()
     log(f"Loading model from: {model}")
     model_dir = resolve_model_dir(model)
     from mlx_server.models.vision import is_vision_model, load_vision_model
@@ -208,7 +205,6 @@ def load_model(model: str, *, model_id: str = "", dtype: str | None = None) -> L
         model=net,
         tokenizer=tokenizer,
         config=config,
-        load_seconds=time.perf_counter() - t0,
     )
 
 

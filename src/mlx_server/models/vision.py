@@ -14,7 +14,6 @@ and lets the model's processor expand the placeholders into image tokens and pix
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +45,6 @@ def is_vision_model(model_dir: Path) -> bool:
 
 def load_vision_model(model_dir: Path, *, model_id: str, dtype: str | None = None) -> LoadedModel:
     """Load a vision-language model and its processor with mlx-vlm. Raises ModelLoadError."""
-    t0 = time.perf_counter()
     try:
         import mlx_vlm  # noqa: F401
     except ImportError as e:
@@ -79,7 +77,6 @@ def load_vision_model(model_dir: Path, *, model_id: str, dtype: str | None = Non
         model=net,
         tokenizer=tokenizer,
         config=config,
-        load_seconds=time.perf_counter() - t0,
         capabilities=["vision"],
         processor=processor,
     )

@@ -22,12 +22,12 @@ as ``TextDelta`` and turns each call into ``ToolCallStart`` / ``ToolCallArgsDelt
 from __future__ import annotations
 
 import json
-import logging
 import uuid
 from collections.abc import Callable
 from typing import Any
 
 from mlx_server.events import OutputEvent, TextDelta, ToolCallArgsDelta, ToolCallEnd, ToolCallStart
+from mlx_server.logs import log
 from mlx_server.parsing.json_scan import JsonObjectScanner, ScanStatus
 from mlx_server.parsing.tags import find_first, held_tail_len
 from mlx_server.parsing.tool_formats import (
@@ -51,7 +51,6 @@ __all__ = [
     "validate_tools",
 ]
 
-log = logging.getLogger(__name__)
 
 _TEXT = "text"  # answer text; looking for a call's start marker
 _BODY = "body"  # inside a call block, collecting it until its end marker
@@ -349,7 +348,7 @@ class ToolCallParser:
     def _end_streamed(self, out: list[OutputEvent]) -> None:
         arguments = "".join(self._args)
         if self._index is not None and not _is_json_object(arguments):
-            log.warning("tool call %d has incomplete or invalid JSON arguments", self._index)
+            log(f"Warning: tool call {self._index} has incomplete or invalid JSON arguments")
         self._end_call(out, arguments)
 
     def _end_call(self, out: list[OutputEvent], arguments: str) -> None:

@@ -50,7 +50,6 @@ def create_app(
     # Paths match exactly: no redirect from "/v1/chat/completions/" to the route.
     app.router.redirect_slashes = False
     app.state.service = service
-    app.state.shutting_down = False
     app.state.metrics = metrics = install_metrics(app, service)
     engine = service.engine
 
