@@ -5,9 +5,13 @@ ServerError                      (500, api_error)
 │   ├── ContextLengthExceeded    (400, code context_length_exceeded)
 │   └── UnsupportedFeature       (400)
 ├── AuthenticationFailed         (401, authentication_error)
+├── Forbidden                    (403, permission_error: a Host or web page not allowed)
 ├── NotFound                     (404, not_found_error)
+├── MethodNotAllowed             (405)
 ├── RequestTooLarge              (413, request_too_large)
-└── Overloaded                   (503, overloaded: queue full or shutting down)
+├── UnsupportedMediaType         (415: a web page's non-JSON body)
+└── Overloaded                   (503, overloaded: queue full or shutting down; 529 on
+                                  Anthropic's routes)
 """
 
 from __future__ import annotations
@@ -43,6 +47,18 @@ class AuthenticationFailed(ServerError):
     status = 401
     kind = "authentication_error"
     code = "unauthorized"
+
+
+class Forbidden(ServerError):
+    status = 403
+    kind = "permission_error"
+    code = "forbidden"
+
+
+class UnsupportedMediaType(ServerError):
+    status = 415
+    kind = "invalid_request_error"
+    code = "unsupported_media_type"
 
 
 class NotFound(ServerError):

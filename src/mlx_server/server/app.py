@@ -22,9 +22,10 @@ from mlx_server.protocols.openai.routes import make_router as openai_router
 from mlx_server.protocols.responses.routes import make_router as responses_router
 from mlx_server.protocols.responses.store import ResponseStore
 from mlx_server.server.browser_guard import BrowserGuard, BrowserPolicy
+from mlx_server.server.errors import json_error
 from mlx_server.server.http import parse_body
 from mlx_server.server.metrics import MetricsMiddleware, install_metrics, route_paths
-from mlx_server.server.middleware import MAX_BODY_BYTES, GuardMiddleware, error_body
+from mlx_server.server.middleware import MAX_BODY_BYTES, GuardMiddleware
 from mlx_server.service import ChatService
 
 
@@ -93,18 +94,15 @@ def create_app(
 def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ServerError)
     async def on_server_error(request: Request, exc: ServerError) -> JSONResponse:
-        headers = {"Retry-After": str(exc.retry_after)} if isinstance(exc, Overloaded) else None
-        status = exc.status
-        if isinstance(exc, Overloaded) and request.url.path.startswith("/v1/messages"):
-            status = 529  # Anthropic's overloaded status
-        if status >= 500 and not isinstance(exc, Overloaded):
+        if exc.status >= 500 and not isinstance(exc, Overloaded):
             log(f"Error processing request: {exc.message}")
-        return JSONResponse(error_body(request.url.path, exc), status_code=status, headers=headers)
+        return json_error(request.url.path, exc)
 
     @app.exception_handler(RequestValidationError)
     async def on_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
-        err = InvalidRequest(f"invalid request: {exc.errors()}")
-        return JSONResponse(error_body(request.url.path, err), status_code=400)
+        # Query parameters (e.g. /v1/responses/{id}/input_items?limit=x); bodies are
+        # validated by parse_body.
+        return json_error(request.url.path, InvalidRequest(f"invalid request: {exc.errors()}"))
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -116,7 +114,7 @@ def _install_error_handlers(app: FastAPI) -> None:
         else:
             err = ServerError(str(exc.detail))
             err.status = exc.status_code
-        return JSONResponse(error_body(request.url.path, err), status_code=err.status)
+        return json_error(request.url.path, err)
 
     @app.exception_handler(ClientDisconnect)
     async def on_client_gone(request: Request, exc: ClientDisconnect) -> Response:
@@ -131,6 +129,4 @@ def _install_error_handlers(app: FastAPI) -> None:
         err = ServerError(f"internal server error ({type(exc).__name__})")
         # Starlette re-raises the exception after this answer and the server then drops the
         # connection: say so, so keep-alive clients don't reuse it.
-        return JSONResponse(
-            error_body(request.url.path, err), status_code=500, headers={"Connection": "close"}
-        )
+        return json_error(request.url.path, err, {"Connection": "close"})

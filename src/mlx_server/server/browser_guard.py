@@ -27,8 +27,8 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
-from mlx_server.errors import ServerError
-from mlx_server.server.middleware import error_body, send_json
+from mlx_server.errors import Forbidden, UnsupportedMediaType
+from mlx_server.server.errors import send_error
 
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[Any]]
@@ -42,18 +42,6 @@ ALLOW_HEADERS = (
     "anthropic-dangerous-direct-browser-access, openai-organization, openai-project"
 )
 WILDCARD_BINDS = ("0.0.0.0", "::", "")
-
-
-class Forbidden(ServerError):
-    status = 403
-    kind = "permission_error"
-    code = "forbidden"
-
-
-class UnsupportedMediaType(ServerError):
-    status = 415
-    kind = "invalid_request_error"
-    code = "unsupported_media_type"
 
 
 def _split_list(value: str | tuple[str, ...] | list[str]) -> tuple[str, ...]:
@@ -150,7 +138,7 @@ class BrowserGuard:
                 f"Host '{host}' is not allowed: this server answers requests for localhost; "
                 "start it with --allowed-hosts to add names"
             )
-            await send_json(send, 403, error_body(path, err))
+            await send_error(send, path, err)
             return
         origin = headers.get("origin")
         if origin is None:
@@ -161,7 +149,7 @@ class BrowserGuard:
                 f"Origin '{origin}' is not allowed: web pages may not use this server; start "
                 "it with --allowed-origins to allow a page"
             )
-            await send_json(send, 403, error_body(path, err))
+            await send_error(send, path, err)
             return
         cors = [(b"access-control-allow-origin", origin.encode()), (b"vary", b"Origin")]
         method = scope.get("method", "")
@@ -175,7 +163,7 @@ class BrowserGuard:
                     f"a request from a web page must send a JSON body with Content-Type: "
                     f"application/json (got {ctype})"
                 )
-                await send_json(send, 415, error_body(path, refused), cors)
+                await send_error(send, path, refused, cors)
                 return
         await self.app(scope, receive, _with_headers(send, cors))
 

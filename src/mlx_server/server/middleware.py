@@ -7,11 +7,11 @@ detection pass through untouched.
 from __future__ import annotations
 
 import hmac
-import json
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from mlx_server.errors import AuthenticationFailed, NotFound, RequestTooLarge, ServerError
+from mlx_server.errors import AuthenticationFailed, NotFound, RequestTooLarge
+from mlx_server.server.errors import send_error
 
 MAX_BODY_BYTES = 10 * 1024 * 1024
 
@@ -19,42 +19,6 @@ Scope = dict[str, Any]
 ASGIApp = Callable[
     [Scope, Callable[[], Awaitable[Any]], Callable[[Any], Awaitable[None]]], Awaitable[None]
 ]
-
-# Jan's exact 401 body on the OpenAI routes.
-JAN_UNAUTHORIZED = {
-    "error": {"message": "Unauthorized", "type": "authentication_error", "code": "unauthorized"}
-}
-
-
-def error_body(path: str, err: ServerError) -> dict[str, Any]:
-    """The protocol's own error envelope: Anthropic's on /v1/messages, OpenAI's elsewhere."""
-    if path.startswith("/v1/messages"):
-        kind = (
-            err.kind
-            if err.kind != "invalid_request_error" or err.status == 400
-            else "invalid_request_error"
-        )
-        return {
-            "type": "error",
-            "error": {"type": kind, "message": err.message},
-            "request_id": None,
-        }
-    if isinstance(err, AuthenticationFailed):
-        return JAN_UNAUTHORIZED
-    kind = {"overloaded_error": "server_error", "api_error": "server_error"}.get(err.kind, err.kind)
-    return {"error": {"message": err.message, "type": kind, "param": err.param, "code": err.code}}
-
-
-async def send_json(
-    send: Callable[[Any], Awaitable[None]],
-    status: int,
-    body: dict[str, Any],
-    headers: list[tuple[bytes, bytes]] | None = None,
-) -> None:
-    data = json.dumps(body).encode()
-    hdrs = [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]
-    await send({"type": "http.response.start", "status": status, "headers": hdrs + (headers or [])})
-    await send({"type": "http.response.body", "body": data})
 
 
 class GuardMiddleware:
@@ -86,7 +50,7 @@ class GuardMiddleware:
             # No route has an escaped character: "/v1/chat%2Fcompletions" must not reach
             # "/v1/chat/completions" once decoded.
             missing = NotFound(f"no route for {scope.get('method', '')} {path}")
-            await send_json(send, 404, error_body(path, missing))
+            await send_error(send, path, missing)
             return
         headers = {k.decode("latin-1").lower(): v for k, v in scope.get("headers", [])}
         keyed = path.startswith("/v1") or path in self.keyed_paths
@@ -94,11 +58,11 @@ class GuardMiddleware:
             err = AuthenticationFailed(
                 "invalid or missing API key (send Authorization: Bearer <key> or x-api-key)"
             )
-            await send_json(send, 401, error_body(path, err))
+            await send_error(send, path, err)
             return
         length = headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > self.max_body:
-            await send_json(send, 413, error_body(path, self._too_large()))
+            await send_error(send, path, self._too_large())
             return
         await self.app(scope, self._limited(receive), send)
 

@@ -83,10 +83,6 @@ def delta_usage_json(u: Usage) -> dict[str, Any]:
     }
 
 
-def error_json(kind: str, message: str) -> dict[str, Any]:
-    return {"type": "error", "error": {"type": kind, "message": message}, "request_id": None}
-
-
 def context_error_message(prompt_tokens: int, max_tokens: int, ctx_size: int) -> str:
     """Anthropic's wording for a request that does not fit the context. Clients act on it:
     Claude Code compacts the conversation on the first, and lowers max_tokens on the second."""

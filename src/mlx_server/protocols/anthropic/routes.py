@@ -22,10 +22,10 @@ from mlx_server.protocols.anthropic.encoder import (
     MessageAccumulator,
     StreamEncoder,
     context_error_message,
-    error_json,
     new_message_id,
     sse_frame,
 )
+from mlx_server.protocols.anthropic.errors import error_json
 from mlx_server.protocols.anthropic.schemas import CountTokensRequest, MessagesRequest
 from mlx_server.server.http import parse_body, sse_response, until_disconnect
 from mlx_server.service import ChatService, Generation

@@ -18,7 +18,7 @@ from mlx_server.models.text_prompt import fim_stop_strings
 from mlx_server.protocols.openai.completions_encoder import CompletionEncoder
 from mlx_server.protocols.openai.completions_schema import CompletionRequest
 from mlx_server.protocols.openai.encoder import sse
-from mlx_server.protocols.openai.routes import error_frames
+from mlx_server.protocols.openai.errors import stream_error_frames
 from mlx_server.server.http import parse_body, sse_response, until_disconnect
 from mlx_server.service import ChatService, Generation
 from mlx_server.text_completion import (
@@ -138,7 +138,7 @@ async def _stream(
         async for i, ev in merged_events(gens):
             if isinstance(ev, Finished):
                 if ev.reason == "error":
-                    yield error_frames(ev.error or "generation failed")
+                    yield stream_error_frames(ev.error or "generation failed")
                     return
                 left -= 1
                 yield sse(enc.final_chunk(i, ev, last=left == 0, with_usage=not include_usage))
@@ -152,4 +152,4 @@ async def _stream(
     except Exception as e:  # an internal fault after the 200 went out
         traceback.print_exc()
         log(f"Error in SSE stream: {type(e).__name__}: {e}")
-        yield error_frames(f"internal error: {type(e).__name__}")
+        yield stream_error_frames(f"internal error: {type(e).__name__}")

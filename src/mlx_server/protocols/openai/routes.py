@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import time
 import traceback
 from collections.abc import AsyncIterator
@@ -15,18 +14,10 @@ from mlx_server.events import Finished
 from mlx_server.logs import log
 from mlx_server.protocols.openai.adapter import to_chat_request
 from mlx_server.protocols.openai.encoder import ChunkEncoder, MessageBuilder, completion_json, sse
+from mlx_server.protocols.openai.errors import stream_error_frames
 from mlx_server.protocols.openai.schemas import ChatCompletionRequest
 from mlx_server.server.http import parse_body, sse_response, until_disconnect
 from mlx_server.service import ChatService, Generation
-
-
-def error_frames(message: str) -> bytes:
-    """Jan's ``error:`` line (its client reads it), then a spec-style SSE error event."""
-    body = json.dumps({"message": message})
-    event = json.dumps(
-        {"error": {"message": message, "type": "server_error", "param": None, "code": None}}
-    )
-    return f"error: {body}\n\ndata: {event}\n\n".encode()
 
 
 def make_router(service: ChatService, *, vision: bool = False) -> APIRouter:
@@ -92,7 +83,7 @@ async def _stream(gen: Generation, model: str, include_usage: bool) -> AsyncIter
         async for ev in gen.events():
             if isinstance(ev, Finished):
                 if ev.reason == "error":
-                    yield error_frames(ev.error or "generation failed")
+                    yield stream_error_frames(ev.error or "generation failed")
                     return
                 if ev.reason == "cancelled":
                     log("Stream generation cancelled")
@@ -107,4 +98,4 @@ async def _stream(gen: Generation, model: str, include_usage: bool) -> AsyncIter
     except Exception as e:  # an internal fault after the 200 went out
         traceback.print_exc()
         log(f"Error in SSE stream: {type(e).__name__}: {e}")
-        yield error_frames(f"internal error: {type(e).__name__}")
+        yield stream_error_frames(f"internal error: {type(e).__name__}")

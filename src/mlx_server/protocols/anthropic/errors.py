@@ -1,0 +1,24 @@
+"""The error tree in Anthropic's envelope: ``{"type": "error", "error": {"type",
+"message"}}``, with Anthropic's statuses (529 when overloaded). Every ``/v1/messages`` route
+answers errors through this module, before routing (auth, size) and after."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mlx_server.errors import Overloaded, ServerError
+
+OVERLOADED_STATUS = 529  # Anthropic's, where OpenAI-style routes say 503
+
+
+def error_json(kind: str, message: str) -> dict[str, Any]:
+    """An error object (also the data of a stream's ``error`` event)."""
+    return {"type": "error", "error": {"type": kind, "message": message}, "request_id": None}
+
+
+def error_response(err: ServerError) -> tuple[int, dict[str, Any], dict[str, str]]:
+    """(status, body, headers) for ``err``."""
+    if isinstance(err, Overloaded):
+        headers = {"Retry-After": str(err.retry_after)}
+        return OVERLOADED_STATUS, error_json(err.kind, err.message), headers
+    return err.status, error_json(err.kind, err.message), {}

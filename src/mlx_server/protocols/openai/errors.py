@@ -1,0 +1,38 @@
+"""The error tree in OpenAI's envelope: ``{"error": {"message", "type", "param", "code"}}``.
+Every OpenAI-style route (chat, completions, responses, tokenizer, ``/v1/cancel``) answers
+errors through this module."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from mlx_server.errors import AuthenticationFailed, Overloaded, ServerError
+
+# Jan's exact 401 body on the OpenAI routes.
+JAN_UNAUTHORIZED = {
+    "error": {"message": "Unauthorized", "type": "authentication_error", "code": "unauthorized"}
+}
+# OpenAI's error types for our kinds that it has no name for.
+_TYPES = {"overloaded_error": "server_error", "api_error": "server_error"}
+
+
+def error_body(err: ServerError) -> dict[str, Any]:
+    if isinstance(err, AuthenticationFailed):
+        return JAN_UNAUTHORIZED
+    kind = _TYPES.get(err.kind, err.kind)
+    return {"error": {"message": err.message, "type": kind, "param": err.param, "code": err.code}}
+
+
+def error_response(err: ServerError) -> tuple[int, dict[str, Any], dict[str, str]]:
+    """(status, body, headers) for ``err``."""
+    headers = {"Retry-After": str(err.retry_after)} if isinstance(err, Overloaded) else {}
+    return err.status, error_body(err), headers
+
+
+def stream_error_frames(message: str) -> bytes:
+    """A failure after a stream began: Jan's ``error:`` line (its client reads it), then a
+    spec-style SSE error event."""
+    body = json.dumps({"message": message})
+    event = json.dumps(error_body(ServerError(message)))
+    return f"error: {body}\n\ndata: {event}\n\n".encode()
