@@ -45,7 +45,7 @@ def measure(variant: str, prompt_tokens: int, decode_tokens: int) -> dict[str, f
     from mlx_lm.sample_utils import make_sampler
 
     from mlx_server.models.demo import ensure_demo_gguf
-    from mlx_server.models.gguf_import import import_gguf
+    from mlx_server.models.gguf.importer import import_gguf
 
     gguf = ensure_demo_gguf(REPO / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf")
     with tempfile.TemporaryDirectory() as tmp:

@@ -20,8 +20,8 @@ from conftest_gguf import (  # noqa: F401  (fixtures)
 )
 from mlx_lm import generate, load
 
-from mlx_server.models import gguf_import
-from mlx_server.models.gguf_import import import_cached, import_gguf
+from mlx_server.models.gguf import importer as gguf_import
+from mlx_server.models.gguf.importer import import_cached, import_gguf
 
 pytestmark = pytest.mark.demo
 

@@ -16,10 +16,10 @@ import pytest
 from conftest_gguf import SPECIALS, TinyGGUF, write_tiny_gguf
 from mlx_lm import load
 
-from mlx_server.models import gguf_import
-from mlx_server.models.gguf_cli import main as cli_main
-from mlx_server.models.gguf_import import GGUFImportError, import_cached, import_gguf
-from mlx_server.models.gguf_reader import read_gguf
+from mlx_server.models.gguf import importer as gguf_import
+from mlx_server.models.gguf.cli import main as cli_main
+from mlx_server.models.gguf.importer import GGUFImportError, import_cached, import_gguf
+from mlx_server.models.gguf.reader import read_gguf
 
 Q = gguf.GGMLQuantizationType
 PROMPT = mx.array([[5, 80, 17, 200, 33, 101, 7, 250, 64, 9]])
@@ -244,7 +244,7 @@ def test_damaged_files_fail_clearly(tmp_path, good_gguf, kind):
 def test_import_command_exits_1_on_damaged_files(tmp_path, good_gguf, kind):
     bad = BROKEN[kind][0](good_gguf, tmp_path / f"{kind}.gguf")
     done = subprocess.run(
-        [sys.executable, "-m", "mlx_server.models.gguf_cli", str(bad), str(tmp_path / "out")],
+        [sys.executable, "-m", "mlx_server.models.gguf.cli", str(bad), str(tmp_path / "out")],
         capture_output=True,
         text=True,
         env={

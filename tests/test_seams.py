@@ -57,3 +57,9 @@ def test_layers_import_only_downwards():
                 m for m in mods if any(m.startswith(f"mlx_server.protocols.{o}") for o in others)
             }
             assert not bad, (path, bad)
+
+
+def test_the_vision_loader_does_not_import_the_text_loader():
+    """Both import the shared model types; the text loader picks the vision one lazily."""
+    assert "mlx_server.models.loader" not in imports_of(SRC / "models" / "vision.py")
+    assert "mlx_server.models.base" in imports_of(SRC / "models" / "vision.py")

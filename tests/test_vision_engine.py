@@ -16,8 +16,8 @@ from tiny_vlm import build_tiny_vlm
 from mlx_server.engine.engine import EngineConfig
 from mlx_server.engine.vision_engine import VisionEngine
 from mlx_server.errors import Overloaded
-from mlx_server.models.images import MediaLimits
 from mlx_server.models.loader import load_model
+from mlx_server.models.media import MediaLimits
 from mlx_server.models.prompt import render_prompt
 from mlx_server.models.vision import VisionPromptBuilder
 from mlx_server.types import SamplingParams

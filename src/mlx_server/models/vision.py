@@ -19,8 +19,8 @@ from typing import Any
 
 from mlx_server.errors import InvalidRequest
 from mlx_server.logs import log
-from mlx_server.models.images import Media, MediaLimits, collect_media, part_where
-from mlx_server.models.loader import LoadedModel, ModelLoadError, read_chat_template
+from mlx_server.models.base import LoadedModel, ModelLoadError, read_chat_template
+from mlx_server.models.media import Media, MediaLimits, collect_media, part_where
 
 INSTALL_HINT = "pip install 'mlx-server[vision]'  (or: pip install mlx-vlm)"
 

@@ -26,10 +26,10 @@ from tqdm import tqdm
 
 from mlx_server.logs import log
 
-from .gguf_config import model_config
-from .gguf_reader import GGUFImportError, read_gguf
-from .gguf_tokenizer import build_tokenizer
-from .gguf_weights import (
+from .config import model_config
+from .reader import GGUFImportError, read_gguf
+from .tokenizer import build_tokenizer
+from .weights import (
     FLOAT_DTYPES,
     WeightPlan,
     check_complete,

@@ -8,7 +8,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from .gguf_reader import GGUFImportError
+from .reader import GGUFImportError
 
 # GGUF architecture -> mlx-lm model type. Mistral and SmolLM files say "llama".
 SUPPORTED_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}

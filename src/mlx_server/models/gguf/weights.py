@@ -10,7 +10,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from .gguf_reader import GGUFImportError
+from .reader import GGUFImportError
 
 # Every GGML quantization MLX keeps packed (Q4_0, Q4_1, Q8_0) uses blocks of 32 values.
 GGML_GROUP_SIZE = 32

@@ -6,8 +6,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from .gguf_import import GGUFImportError, import_gguf
-from .gguf_weights import FLOAT_DTYPES
+from .importer import GGUFImportError, import_gguf
+from .weights import FLOAT_DTYPES
 
 
 def _parser() -> argparse.ArgumentParser:
