@@ -5,15 +5,16 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 import anyio
 from fastapi import Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
 from mlx_server.errors import InvalidRequest
+from mlx_server.logs import log
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -140,6 +141,24 @@ def sse_response(body: AsyncIterator[bytes]) -> StreamingResponse:
 
 
 T = TypeVar("T")
+
+
+async def respond(
+    request: Request,
+    *,
+    stream: AsyncIterator[bytes] | None,
+    collect: Callable[[], Awaitable[dict[str, Any]]],
+    cancel: Callable[[], None],
+) -> Response:
+    """Every generating route's ending: an SSE stream when ``stream`` is given, else the
+    collected JSON answer; a client that leaves first cancels the generation (499)."""
+    if stream is not None:
+        return sse_response(stream)
+    result = await until_disconnect(request, collect(), cancel)
+    if result is None:
+        log("Generation cancelled by client")
+        return Response(status_code=499)
+    return JSONResponse(result)
 
 
 async def until_disconnect(request: Request, work: Awaitable[T], on_disconnect: Any) -> T | None:

@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from mlx_server.errors import ContextLengthExceeded, ServerError
 from mlx_server.events import Finished
@@ -27,7 +27,7 @@ from mlx_server.protocols.anthropic.encoder import (
 )
 from mlx_server.protocols.anthropic.errors import error_json
 from mlx_server.protocols.anthropic.schemas import CountTokensRequest, MessagesRequest
-from mlx_server.server.http import parse_body, sse_response, until_disconnect
+from mlx_server.server.http import parse_body, respond
 from mlx_server.service import ChatService, Generation
 from mlx_server.types import ChatRequest
 
@@ -47,13 +47,12 @@ def make_router(service: ChatService, *, vision: bool = False) -> APIRouter:
         message_id = new_message_id()
         gen = await _start(service, chat, message_id)
         enc = StreamEncoder(message_id, body.model, gen.prompt_tokens, gen.cached_tokens)
-        if body.stream:
-            return sse_response(_stream(gen, enc))
-        result = await until_disconnect(request, _collect(gen, enc), gen.cancel)
-        if result is None:
-            log("Generation cancelled by client")
-            return Response(status_code=499)
-        return JSONResponse(result)
+        return await respond(
+            request,
+            stream=_stream(gen, enc) if body.stream else None,
+            collect=lambda: _collect(gen, enc),
+            cancel=gen.cancel,
+        )
 
     @router.post("/v1/messages/count_tokens")
     async def count_tokens(request: Request) -> dict[str, Any]:

@@ -19,7 +19,7 @@ from mlx_server.protocols.openai.completions_encoder import CompletionEncoder
 from mlx_server.protocols.openai.completions_schema import CompletionRequest
 from mlx_server.protocols.openai.encoder import sse
 from mlx_server.protocols.openai.errors import stream_error_frames
-from mlx_server.server.http import parse_body, sse_response, until_disconnect
+from mlx_server.server.http import parse_body, respond, sse_response
 from mlx_server.service import ChatService, Generation
 from mlx_server.text_completion import (
     CompletionOptions,
@@ -87,13 +87,12 @@ def make_router(service: ChatService) -> APIRouter:
                 else JSONResponse(whole)
             )
         gens = completions.start(prompts, opts, request_id)
-        if body.stream:
-            return sse_response(_stream(gens, enc, include_usage))
-        result = await until_disconnect(request, _collect(gens, enc), lambda: _cancel(gens))
-        if result is None:
-            log("Generation cancelled by client")
-            return Response(status_code=499)
-        return JSONResponse(result)
+        return await respond(
+            request,
+            stream=_stream(gens, enc, include_usage) if body.stream else None,
+            collect=lambda: _collect(gens, enc),
+            cancel=lambda: _cancel(gens),
+        )
 
     return router
 

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from mlx_server.events import Finished
 from mlx_server.logs import log
@@ -16,7 +16,7 @@ from mlx_server.protocols.openai.adapter import to_chat_request
 from mlx_server.protocols.openai.encoder import ChunkEncoder, MessageBuilder, completion_json, sse
 from mlx_server.protocols.openai.errors import stream_error_frames
 from mlx_server.protocols.openai.schemas import ChatCompletionRequest
-from mlx_server.server.http import parse_body, sse_response, until_disconnect
+from mlx_server.server.http import parse_body, respond
 from mlx_server.service import ChatService, Generation
 
 
@@ -45,14 +45,13 @@ def make_router(service: ChatService, *, vision: bool = False) -> APIRouter:
         )
         gen = await service.start(chat)
         model = body.model or service.model_id
-        if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return sse_response(_stream(gen, model, include_usage))
-        result = await until_disconnect(request, _collect(gen, model, chat.logprobs), gen.cancel)
-        if result is None:
-            log("Generation cancelled by client")
-            return Response(status_code=499)
-        return JSONResponse(result)
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return await respond(
+            request,
+            stream=_stream(gen, model, include_usage) if body.stream else None,
+            collect=lambda: _collect(gen, model, chat.logprobs),
+            cancel=gen.cancel,
+        )
 
     return router
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from mlx_server.errors import (
     ContextLengthExceeded,
@@ -31,7 +31,7 @@ from mlx_server.protocols.responses.encoder import Event, ResponseEncoder
 from mlx_server.protocols.responses.items import new_id
 from mlx_server.protocols.responses.schemas import CreateResponseRequest
 from mlx_server.protocols.responses.store import ResponseStore, StoredResponse
-from mlx_server.server.http import parse_body, sse_response, until_disconnect
+from mlx_server.server.http import parse_body, respond
 from mlx_server.service import ChatService, Generation
 
 
@@ -63,13 +63,12 @@ def make_router(
     async def create(request: Request) -> Response:
         body = await parse_body(request, CreateResponseRequest)
         run = await responses.start(body)
-        if body.stream:
-            return sse_response(responses.stream(run))
-        result = await until_disconnect(request, responses.collect(run), run.gen.cancel)
-        if result is None:
-            log("Generation cancelled by client")
-            return Response(status_code=499)
-        return JSONResponse(result)
+        return await respond(
+            request,
+            stream=responses.stream(run) if body.stream else None,
+            collect=lambda: responses.collect(run),
+            cancel=run.gen.cancel,
+        )
 
     @router.get("/v1/responses/{response_id}")
     async def retrieve(response_id: str) -> dict[str, Any]:
