@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from mlx_server.parsing.tags import find_first, held_tail_len
+
 
 class StopMatcher:
     """Feed text pieces; get back the text that is safe to emit and the stop that matched.
@@ -21,15 +23,12 @@ class StopMatcher:
         if not self.stops:
             return text
         buf = self._buf + text
-        hit = -1
-        for s in self.stops:
-            i = buf.find(s)
-            if i != -1 and (hit == -1 or i < hit):
-                hit, self.matched = i, s
-        if hit != -1:
+        hit = find_first(buf, self.stops)
+        if hit is not None:
             self._buf = ""
-            return buf[:hit]
-        keep = self._held_suffix(buf)
+            self.matched = hit[1]
+            return buf[: hit[0]]
+        keep = held_tail_len(buf, self.stops)
         self._buf = buf[len(buf) - keep :] if keep else ""
         return buf[: len(buf) - keep]
 
@@ -37,12 +36,3 @@ class StopMatcher:
         """End of generation: whatever was held back is plain text."""
         out, self._buf = self._buf, ""
         return "" if self.matched is not None else out
-
-    def _held_suffix(self, buf: str) -> int:
-        best = 0
-        for s in self.stops:
-            for n in range(min(len(s) - 1, len(buf)), best, -1):
-                if buf.endswith(s[:n]):
-                    best = n
-                    break
-        return best

@@ -1,0 +1,41 @@
+"""Stop strings: the same text fed whole, piece by piece and split at every point gives the
+same output and the same match; a stop string (or its start) never leaks."""
+
+from __future__ import annotations
+
+import pytest
+
+from mlx_server.parsing.stops import StopMatcher
+
+CASES = [
+    ("Hello END world", ("END",), "Hello ", "END"),
+    ("no stop here at all", ("END", "STOP"), "no stop here at all", None),
+    ("almost EN", ("END",), "almost EN", None),  # a held start is text at the end
+    ("a STOP b END", ("END", "STOP"), "a ", "STOP"),  # the earliest one wins
+    ("ééé→stop", ("→",), "ééé", "→"),
+    ("", ("END",), "", None),
+]
+
+
+def run(pieces: list[str], stops: tuple[str, ...]) -> tuple[str, str | None]:
+    m = StopMatcher(stops)
+    out = "".join(m.feed(p) for p in pieces)
+    if m.matched is None:
+        out += m.flush()
+    return out, m.matched
+
+
+@pytest.mark.parametrize(("text", "stops", "out", "matched"), CASES)
+def test_whole_by_character_and_every_split_agree(text, stops, out, matched):
+    assert run([text], stops) == (out, matched)
+    assert run(list(text), stops) == (out, matched)
+    for i in range(len(text) + 1):
+        assert run([text[:i], text[i:]], stops) == (out, matched), i
+
+
+def test_nothing_after_a_match_and_no_stop_text_ever_emitted():
+    m = StopMatcher(("END",))
+    emitted = [m.feed(p) for p in ["ab", "cE", "N", "D", "more", "text"]]
+    assert "".join(emitted) == "abc" and m.matched == "END"
+    assert emitted[1] == "c"  # "E" held back: it could start END
+    assert m.flush() == ""
