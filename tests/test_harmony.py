@@ -52,7 +52,7 @@ def harmony(tmp_path_factory: pytest.TempPathFactory):
     tokenizer = load_tokenizer(tokenizer_dir(root, TEMPLATES / "openai-gpt-oss-120b.jinja"))
     engine = ScriptedEngine()
     service = ChatService("gpt-oss-tiny", tokenizer, engine, ctx_size=8192)
-    with TestClient(create_app(service)) as client:
+    with TestClient(create_app(service), base_url="http://localhost") as client:
         yield client, engine, tokenizer, service
 
 

@@ -153,7 +153,7 @@ def _client(root: Path, template: Path) -> tuple[TestClient, ScriptedEngine, Any
     tokenizer = load_tokenizer(tokenizer_dir(root, template))
     engine = ScriptedEngine()
     service = ChatService("corpus", tokenizer, engine, ctx_size=8192)
-    return TestClient(create_app(service)), engine, tokenizer
+    return TestClient(create_app(service), base_url="http://localhost"), engine, tokenizer
 
 
 def _check_refusal(name: str, shape: str, status: int, body: dict, source: str) -> None:

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 from mlx_server.events import OutputEvent, TextDelta, ToolCallArgsDelta, ToolCallEnd, ToolCallStart
-from mlx_server.parsing.tags import held_tail_len
+from mlx_server.parsing.tags import SteppedDecoder, held_tail_len
 from mlx_server.parsing.tool_schema import tool_names
 
 SEPARATOR = ">>>"
@@ -37,7 +37,7 @@ def is_functionary_v3_2(template: str) -> bool:
     return ">>>all" in template and "'>>>' + tool_call" in template.replace('"', "'")
 
 
-class FunctionaryParser:
+class FunctionaryParser(SteppedDecoder[OutputEvent]):
     """Incremental decoder of functionary v3.2 output into text and tool-call events."""
 
     def __init__(
@@ -51,7 +51,7 @@ class FunctionaryParser:
         self._new_id = id_factory
         self._max_calls = max_calls
         self._state = _HEADER
-        self._buf = ""
+        super().__init__()
         self._recipient = "all"
         self._call: int | None = None
         self._code: list[str] | None = None  # a python call's code, sent at its end
@@ -67,13 +67,6 @@ class FunctionaryParser:
     @property
     def saw_tool_calls(self) -> bool:
         return self._count > 0
-
-    def feed(self, text: str) -> list[OutputEvent]:
-        self._buf += text
-        out: list[OutputEvent] = []
-        while self._step(out):
-            pass
-        return out
 
     def flush(self) -> list[OutputEvent]:
         out: list[OutputEvent] = []

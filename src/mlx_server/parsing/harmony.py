@@ -38,7 +38,7 @@ from mlx_server.events import (
     ToolCallEnd,
     ToolCallStart,
 )
-from mlx_server.parsing.tags import find_first, held_tail_len
+from mlx_server.parsing.tags import SteppedDecoder, find_first, held_tail_len
 from mlx_server.parsing.tool_schema import tool_names
 
 START = "<|start|>"
@@ -67,7 +67,7 @@ def is_harmony(template: str, vocab: Any = None) -> bool:
     return vocab is None or CHANNEL in vocab
 
 
-class HarmonyParser:
+class HarmonyParser(SteppedDecoder[OutputEvent]):
     """Incremental decoder of Harmony output into reasoning, text and tool-call events."""
 
     def __init__(
@@ -82,7 +82,7 @@ class HarmonyParser:
         self._new_id = id_factory
         self._max_calls = max_calls
         self._state = _HEADER
-        self._buf = ""
+        super().__init__()
         self._channel = "final"
         self._call: int | None = None  # index of the call being streamed
         self._dropped = False  # the current message is a call beyond max_calls
@@ -98,13 +98,6 @@ class HarmonyParser:
     @property
     def saw_tool_calls(self) -> bool:
         return self._count > 0
-
-    def feed(self, text: str) -> list[OutputEvent]:
-        self._buf += text
-        out: list[OutputEvent] = []
-        while self._step(out):
-            pass
-        return out
 
     def flush(self) -> list[OutputEvent]:
         out: list[OutputEvent] = []

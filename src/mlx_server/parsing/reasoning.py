@@ -28,7 +28,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from mlx_server.events import ReasoningDelta, TextDelta
-from mlx_server.parsing.tags import find_first, held_tail_len
+from mlx_server.parsing.tags import SteppedDecoder, find_first, held_tail_len
 
 _CONTENT = "content"
 _REASONING = "reasoning"
@@ -37,7 +37,7 @@ _VERBATIM = "verbatim"
 SplitEvent = TextDelta | ReasoningDelta
 
 
-class ReasoningSplitter:
+class ReasoningSplitter(SteppedDecoder[SplitEvent]):
     """Incremental splitter of generated text into ``ReasoningDelta`` and ``TextDelta``."""
 
     def __init__(
@@ -57,7 +57,7 @@ class ReasoningSplitter:
         self._verbatim = {open_: close for open_, close in verbatim if open_}
         self._mode = _REASONING if start_in_reasoning else _CONTENT
         self._verbatim_close = ""
-        self._buf = ""
+        super().__init__()
         # Segment bookkeeping: a segment is the text between two tags.
         self._fresh = True  # nothing emitted in this segment yet
         self._drop_lead = start_in_reasoning  # drop the segment's leading whitespace
@@ -68,14 +68,6 @@ class ReasoningSplitter:
     def in_reasoning(self) -> bool:
         """True while inside a reasoning block (after ``flush``: it was never closed)."""
         return self._mode == _REASONING
-
-    def feed(self, text: str) -> list[SplitEvent]:
-        """Consume a piece of generated text; return the events that are now certain."""
-        self._buf += text
-        out: list[SplitEvent] = []
-        while self._step(out):
-            pass
-        return out
 
     def flush(self) -> list[SplitEvent]:
         """End of generation: emit whatever was held back."""

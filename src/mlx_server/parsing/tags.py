@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Generic, TypeVar
+
+E = TypeVar("E")
 
 
 def find_first(text: str, tags: Iterable[str], start: int = 0) -> tuple[int, str] | None:
@@ -63,3 +66,28 @@ class MarkerStripper:
         """What was held back: it never became a marker."""
         buf, self._buf = self._buf, ""
         return buf
+
+
+class SteppedDecoder(Generic[E]):
+    """The plumbing every incremental output parser shares (the shape of httpx's decoders):
+    ``feed`` appends to a buffer and runs ``_step`` until it can consume no more (the rest
+    may be the start of a tag); subclasses write ``_step`` and ``flush``."""
+
+    def __init__(self) -> None:
+        self._buf = ""  # input not yet consumed
+
+    def feed(self, text: str) -> list[E]:
+        """Consume a piece of generated text; return the events that are now certain."""
+        self._buf += text
+        out: list[E] = []
+        while self._step(out):
+            pass
+        return out
+
+    def _step(self, out: list[E]) -> bool:
+        """Consume what can be consumed into ``out``; True when another step may follow."""
+        raise NotImplementedError
+
+    def flush(self) -> list[E]:
+        """End of generation: emit whatever was held back."""
+        raise NotImplementedError

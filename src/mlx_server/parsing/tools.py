@@ -29,7 +29,7 @@ from typing import Any
 from mlx_server.events import OutputEvent, TextDelta, ToolCallArgsDelta, ToolCallEnd, ToolCallStart
 from mlx_server.logs import log
 from mlx_server.parsing.json_scan import JsonObjectScanner, ScanStatus
-from mlx_server.parsing.tags import find_first, held_tail_len
+from mlx_server.parsing.tags import SteppedDecoder, find_first, held_tail_len
 from mlx_server.parsing.tool_formats import (
     ToolFormat,
     available_tool_parsers,
@@ -92,7 +92,7 @@ def normalize_call(item: object) -> tuple[str, str] | None:
     return name, json.dumps(args, ensure_ascii=False)
 
 
-class ToolCallParser:
+class ToolCallParser(SteppedDecoder[OutputEvent]):
     """Incremental decoder of answer text into text and tool-call events."""
 
     def __init__(
@@ -111,7 +111,7 @@ class ToolCallParser:
         self._new_id = id_factory
         self._max_calls = max_calls
         self._state = _TEXT
-        self._buf = ""  # input not yet consumed
+        super().__init__()
         self._count = 0  # calls emitted
         # The text segment between calls.
         self._fresh = True  # nothing emitted in this segment yet
@@ -132,14 +132,6 @@ class ToolCallParser:
     def saw_tool_calls(self) -> bool:
         """True once at least one call has been emitted."""
         return self._count > 0
-
-    def feed(self, text: str) -> list[OutputEvent]:
-        """Consume a piece of answer text; return the events that are now certain."""
-        self._buf += text
-        out: list[OutputEvent] = []
-        while self._step(out):
-            pass
-        return out
 
     def flush(self) -> list[OutputEvent]:
         """End of output: finish or return as text whatever is pending."""
