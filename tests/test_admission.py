@@ -9,8 +9,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from conftest import free_port
 from engine_runner import collect, load_varied_model, request, running_engine, solo
+from support import free_port
 
 from mlx_server.errors import InvalidRequest, Overloaded
 

@@ -11,8 +11,7 @@ import json
 import anthropic
 import httpx
 import pytest
-from conftest import demo_model_dir, free_port, launch
-from test_anthropic_scripted import MESSAGE, check_stream_order, stream_events
+from support import MESSAGE, check_stream_order, demo_model_dir, free_port, launch, stream_events
 
 QUESTION = [{"role": "user", "content": "hello"}]
 

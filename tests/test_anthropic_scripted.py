@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import json
 import threading
 import time
@@ -10,29 +9,14 @@ import time
 import anthropic
 import httpx
 import pytest
-from conftest import LOCAL_SPECS
-
-
-def anthropic_validator(name: str, optional: tuple[str, ...] = ()):
-    """A validator for one schema of the Anthropic extract (``optional``: made not required).
-
-    Loaded from the Anthropic file itself: both extracts define an ``ErrorResponse``.
-    """
-    import jsonschema
-
-    doc = json.loads((LOCAL_SPECS / "anthropic-messages.schema.json").read_text())
-    comps = copy.deepcopy(doc["components"])
-    if optional:
-        schema = comps["schemas"][name]
-        schema["required"] = [r for r in schema["required"] if r not in optional]
-    root = {"$ref": f"#/components/schemas/{name}", "components": comps}
-    return jsonschema.Draft202012Validator(root)
-
-
-MESSAGE = anthropic_validator("Message")
-STREAM_EVENT = anthropic_validator("MessageStreamEvent")
-ERROR = anthropic_validator("ErrorResponse")
-COUNT = anthropic_validator("CountMessageTokensResponse")
+from support import (
+    COUNT,
+    ERROR,
+    MESSAGE,
+    check_event,
+    check_stream_order,
+    stream_events,
+)
 
 TOOLS = [
     {
@@ -78,57 +62,6 @@ def client(srv, **kw) -> anthropic.Anthropic:
 
 def post(srv, body: dict, path: str = "/v1/messages", **kw) -> httpx.Response:
     return httpx.post(srv.base_url + path, json=body, timeout=30, **kw)
-
-
-def stream_events(srv, body: dict, path: str = "/v1/messages", **kw) -> list[tuple[str, dict]]:
-    """POST a streaming request; every (event name, data) pair, each checked against the spec."""
-    events = []
-    with httpx.stream(
-        "POST", srv.base_url + path, json={**body, "stream": True}, timeout=30, **kw
-    ) as resp:
-        assert resp.status_code == 200, resp.read()
-        assert resp.headers["content-type"].startswith("text/event-stream")
-        name = None
-        for line in resp.iter_lines():
-            if line.startswith("event: "):
-                name = line[len("event: ") :]
-            elif line.startswith("data: "):
-                events.append((name, json.loads(line[len("data: ") :])))
-                name = None
-            else:
-                assert line == "", line
-    for name, data in events:
-        check_event(name, data)
-    return events
-
-
-def check_event(name: str | None, data: dict) -> None:
-    assert name == data["type"]
-    if name == "ping":
-        assert data == {"type": "ping"}
-    elif name == "error":
-        ERROR.validate(data)
-    else:
-        STREAM_EVENT.validate(data)
-
-
-def check_stream_order(events: list[tuple[str, dict]]) -> None:
-    """message_start, ping, well-nested blocks with consecutive indexes, delta, stop."""
-    names = [n for n, _ in events]
-    assert names[:2] == ["message_start", "ping"]
-    assert names[-2:] == ["message_delta", "message_stop"]
-    open_index, next_index = None, 0
-    for name, data in events[2:-2]:
-        if name == "content_block_start":
-            assert open_index is None and data["index"] == next_index
-            open_index, next_index = data["index"], next_index + 1
-        elif name in ("content_block_delta", "content_block_stop"):
-            assert data["index"] == open_index
-            if name == "content_block_stop":
-                open_index = None
-        else:
-            raise AssertionError(f"unexpected event {name} inside the content")
-    assert open_index is None
 
 
 def user(text: str = "hi") -> list[dict]:

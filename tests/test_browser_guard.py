@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from conftest import schema_validator
+from support import schema_validator
 
 from mlx_server.server.browser_guard import BrowserPolicy, host_name
 

@@ -22,7 +22,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import REPO, free_port, launch
+from support import REPO, free_port, launch
 
 pytestmark = pytest.mark.codex
 

@@ -7,7 +7,7 @@ import json
 import httpx
 import openai
 import pytest
-from conftest import demo_model_dir, free_port, launch, schema_validator
+from support import demo_model_dir, free_port, launch, schema_validator
 from tiny_model import FIM_SPECIALS, build_tiny_model
 
 RESPONSE = schema_validator("CreateCompletionResponse")

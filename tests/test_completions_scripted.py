@@ -10,8 +10,8 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from conftest import schema_validator, start_in_process
 from scripted_engine import Script
+from support import schema_validator, start_in_process
 from tiny_model import FIM_SPECIALS, build_tiny_model
 
 RESPONSE = schema_validator("CreateCompletionResponse")

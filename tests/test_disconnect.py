@@ -11,14 +11,14 @@ import time
 
 import httpx
 import pytest
-from conftest import free_port
+from support import free_port
 
 LONG = " ".join(["hello world"] * 600)  # about 3,600 tokens
 
 
 @pytest.fixture(scope="module")
 def slow_prefill_server(tiny_model_dir, tmp_path_factory):
-    from conftest import launch
+    from support import launch
 
     port = free_port()
     sp = launch(

@@ -13,36 +13,12 @@ import zlib
 from pathlib import Path
 
 import httpx
-import mlx.core as mx
 import pytest
-from conftest import free_port
-from tiny_model import build_tiny_model
+from support import build_wide_model, free_port
 
 from mlx_server.engine.disk_cache import MANIFEST
 
 SYSTEM = "You are a terse assistant who answers questions about the capital of France. " * 25
-
-
-def build_wide_model(path: Path, layers: int = 8) -> Path:
-    """The tiny model with 64-wide heads and more layers: real-sized KV rows (quantizable,
-    and big enough that an entry takes a moment to write)."""
-    from mlx.utils import tree_flatten
-    from mlx_lm.models import llama
-
-    path = build_tiny_model(path)
-    config = json.loads((path / "config.json").read_text())
-    config.update(
-        hidden_size=256,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        num_hidden_layers=layers,
-        intermediate_size=256,
-    )
-    mx.random.seed(2)
-    net = llama.Model(llama.ModelArgs.from_dict(config))
-    mx.save_safetensors(str(path / "model.safetensors"), dict(tree_flatten(net.parameters())))
-    (path / "config.json").write_text(json.dumps(config))
-    return path
 
 
 @pytest.fixture(scope="module")

@@ -13,9 +13,9 @@ from typing import Any
 
 import httpx
 import pytest
-from conftest import free_port, launch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from support import free_port, launch
 
 from mlx_server.server.http import MAX_JSON_DEPTH
 

@@ -8,9 +8,8 @@ import asyncio
 import httpx
 import mlx.core as mx
 import pytest
-from conftest import free_port
 from engine_runner import generate_all, request, running_engine, solo
-from test_disk_cache_server import build_wide_model
+from support import build_wide_model, free_port
 
 from mlx_server.engine.kv_quant import (
     BatchableQuantizedKVCache,

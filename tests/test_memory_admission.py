@@ -10,7 +10,7 @@ import threading
 import mlx.core as mx
 import pytest
 from engine_runner import generate_all, request, running_engine
-from test_disk_cache_server import build_wide_model
+from support import build_wide_model
 
 from mlx_server.engine.disk_cache import DiskPromptCache
 from mlx_server.engine.memory import MemoryBudget

@@ -8,8 +8,8 @@ import time
 
 import httpx
 import pytest
-from conftest import free_port, launch
 from prometheus_client.parser import text_string_to_metric_families
+from support import free_port, launch
 from tiny_model import build_tiny_model
 
 

@@ -7,7 +7,7 @@ import json
 import httpx
 import openai
 import pytest
-from conftest import schema_validator
+from support import schema_validator
 
 COMPLETION = schema_validator("CreateChatCompletionResponse")
 CHUNK = schema_validator("CreateChatCompletionStreamResponse")

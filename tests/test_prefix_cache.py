@@ -8,7 +8,6 @@ import asyncio
 import httpx
 import mlx.core as mx
 import pytest
-from conftest import free_port
 from engine_runner import (
     chat_tokens,
     generate_all,
@@ -18,6 +17,7 @@ from engine_runner import (
     solo,
 )
 from mlx_lm.models.cache import KVCache
+from support import free_port
 
 from mlx_server.engine.prefix_cache import SYSTEM, PrefixCache
 

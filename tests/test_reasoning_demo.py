@@ -6,7 +6,7 @@ import json
 
 import httpx
 import pytest
-from conftest import demo_model_dir, free_port
+from support import demo_model_dir, free_port
 
 pytestmark = pytest.mark.demo
 

@@ -13,9 +13,9 @@ from collections.abc import Iterator
 import httpx
 import openai
 import pytest
-from conftest import ServerProcess, demo_model_dir, free_port, launch
 from pydantic import BaseModel, Field
 from responses_spec import parse_sse, validate_event, validate_response
+from support import ServerProcess, demo_model_dir, free_port, launch
 
 pytestmark = pytest.mark.demo
 

@@ -4,8 +4,8 @@ and a streamed response from the real engine validated event by event."""
 from __future__ import annotations
 
 import httpx
-from conftest import free_port
 from responses_spec import parse_sse, validate_event, validate_response
+from support import free_port
 
 
 def test_store_size_flag_evicts_the_oldest(server_factory, tiny_model_dir):

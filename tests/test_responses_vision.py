@@ -13,9 +13,9 @@ from collections.abc import Iterator
 import httpx
 import openai
 import pytest
-from conftest import free_port, launch
 from PIL import Image
 from responses_spec import validate_error, validate_response
+from support import free_port, launch
 from tiny_vlm import build_tiny_vlm
 
 

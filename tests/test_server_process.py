@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from conftest import free_port, schema_validator
+from support import free_port, schema_validator
 
 CHUNK = schema_validator("CreateChatCompletionStreamResponse")
 COMPLETION = schema_validator("CreateChatCompletionResponse")
@@ -191,6 +191,7 @@ def test_readiness_only_after_bind_and_sigterm(tiny_model_dir, server_factory):
                 "messages": [{"role": "user", "content": "x"}],
                 "stream": True,
                 "max_tokens": 3000,
+                "ignore_eos": True,
             },
             timeout=30,
         )

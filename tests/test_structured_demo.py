@@ -9,7 +9,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from conftest import demo_model_dir, free_port, launch
+from support import demo_model_dir, free_port, launch
 
 pytestmark = pytest.mark.demo
 

@@ -7,7 +7,7 @@ import json
 
 import httpx
 import pytest
-from conftest import free_port
+from support import free_port
 from template_corpus import TEMPLATES, model_dir
 
 CALL = {

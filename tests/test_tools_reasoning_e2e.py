@@ -7,7 +7,7 @@ import json
 import httpx
 import openai
 import pytest
-from conftest import schema_validator, start_in_process
+from support import schema_validator, start_in_process
 
 CHUNK = schema_validator("CreateChatCompletionStreamResponse")
 COMPLETION = schema_validator("CreateChatCompletionResponse")

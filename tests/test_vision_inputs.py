@@ -9,8 +9,8 @@ import threading
 from pathlib import Path
 
 import pytest
-from conftest import free_port
 from PIL import Image
+from support import free_port
 
 from mlx_server.errors import InvalidRequest
 from mlx_server.models.media import (
