@@ -78,6 +78,7 @@ class ServerProcess:
     port: int
     lines: list[str] = field(default_factory=list)
     _q: queue.Queue = field(default_factory=queue.Queue)
+    _pumping: threading.Thread | None = None
 
     @property
     def base_url(self) -> str:
@@ -133,6 +134,11 @@ class ServerProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        if self._pumping is not None:
+            self._pumping.join(10)  # it reads stdout to its end
+        for pipe in (self.proc.stdout, self.proc.stderr):
+            if pipe is not None:
+                pipe.close()
 
 
 def launch(args: list[str], env: dict[str, str] | None = None) -> ServerProcess:
@@ -148,7 +154,8 @@ def launch(args: list[str], env: dict[str, str] | None = None) -> ServerProcess:
     )
     port = int(args[args.index("--port") + 1]) if "--port" in args else 8080
     sp = ServerProcess(proc, port)
-    threading.Thread(target=sp._pump, daemon=True).start()
+    sp._pumping = threading.Thread(target=sp._pump, daemon=True)
+    sp._pumping.start()
     return sp
 
 
