@@ -7,6 +7,7 @@ the engine and runs the output parsers (reasoning split, tool calls) over the ge
 from __future__ import annotations
 
 import asyncio
+import functools
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
@@ -17,6 +18,7 @@ from mlx_server.errors import ContextLengthExceeded, InvalidRequest
 from mlx_server.events import Finished, Logprobs, OutputEvent, ToolCallStart
 from mlx_server.logs import log
 from mlx_server.models.prompt import encode_prompt, inline_tools, render_prompt, template_text
+from mlx_server.models.system_turns import fold_late_system_messages, renders_system_in_place
 from mlx_server.parsing.pipeline import OutputPipeline
 from mlx_server.parsing.reasoning import prompt_opens_reasoning, reasoning_tags
 from mlx_server.parsing.tools import resolve_tool_parser
@@ -65,9 +67,23 @@ class ChatService:
 
     # ---- prompt ------------------------------------------------------------------------
 
+    @functools.cached_property
+    def system_in_place(self) -> bool:
+        """Whether the chat template renders system messages after the first turn in place."""
+        in_place = renders_system_in_place(self.tokenizer)
+        if not in_place:
+            log("Chat template takes a system message only first: later ones are folded into it")
+        return in_place
+
+    def template_messages(self, chat: ChatRequest) -> list[dict[str, Any]]:
+        """The messages as the template gets them: later system messages folded if need be."""
+        if self.system_in_place:
+            return chat.messages
+        return fold_late_system_messages(chat.messages)
+
     def render(self, chat: ChatRequest) -> str:
         tools = chat.tools if chat.tool_choice != "none" else None
-        messages = chat.messages
+        messages = self.template_messages(chat)
         fmt = self.tool_format
         if fmt is not None and fmt.name == "json_tools":
             messages = inline_tools(messages, tools, self.template, (fmt.start, fmt.end))
@@ -114,12 +130,13 @@ class ChatService:
     def system_prefix_tokens(self, chat: ChatRequest, tokens: list[int]) -> int:
         """How many leading prompt tokens render the system prompt: the prefix the prompt
         shares with its system messages followed by an empty user turn. 0 if none."""
+        messages = self.template_messages(chat)
         n = 0
-        while n < len(chat.messages) and chat.messages[n].get("role") in ("system", "developer"):
+        while n < len(messages) and messages[n].get("role") in ("system", "developer"):
             n += 1
-        if n == len(chat.messages) or self.vision is not None:
+        if n == len(messages) or self.vision is not None:
             return 0
-        head = replace(chat, messages=[*chat.messages[:n], {"role": "user", "content": ""}])
+        head = replace(chat, messages=[*messages[:n], {"role": "user", "content": ""}])
         try:
             head_tokens = encode_prompt(self.tokenizer, self.render(head))
         except Exception:  # a template that rejects the cut conversation: no boundary
