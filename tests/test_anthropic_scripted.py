@@ -693,6 +693,40 @@ def test_client_disconnect_stops_generation(scripted):
     assert wait_until(lambda: scripted.engine.active_count == 0)
 
 
+def test_a_silent_stream_gets_pings(scripted, monkeypatch):
+    """A long prefill sends nothing for minutes: pings keep the connection alive."""
+    from mlx_server.protocols.anthropic import routes
+
+    monkeypatch.setattr(routes, "PING_INTERVAL_S", 0.05)
+    scripted.engine.push("", "Hi", delay=1.0)  # a first token a second late, then the end
+    events = stream_events(scripted, base())
+    names = [n for n, _ in events]
+    first_block = names.index("content_block_start")
+    assert names[:2] == ["message_start", "ping"]
+    assert names[2:first_block].count("ping") >= 2  # more pings while the prompt "prefills"
+    without_pings = [e for i, e in enumerate(events) if i < 2 or e[0] != "ping"]
+    check_stream_order(without_pings)
+    text = "".join(d["delta"].get("text", "") for n, d in events if n == "content_block_delta")
+    assert text == "Hi"
+
+
+def test_disconnect_while_waiting_for_the_first_token_frees_the_slot(scripted, monkeypatch):
+    from mlx_server.protocols.anthropic import routes
+
+    monkeypatch.setattr(routes, "PING_INTERVAL_S", 0.05)
+    scripted.engine.push(*[""] * 200, "tok", delay=0.1)  # silent for 20 s
+    body = base(stream=True, max_tokens=300)
+    with httpx.stream("POST", scripted.base_url + "/v1/messages", json=body, timeout=30) as resp:
+        assert resp.status_code == 200
+        pings = 0
+        for line in resp.iter_lines():
+            pings += line == "event: ping"
+            if pings == 3:
+                break
+        assert scripted.engine.active_count == 1
+    assert wait_until(lambda: scripted.engine.active_count == 0)
+
+
 def test_v1_cancel_ends_the_turn(scripted):
     scripted.engine.push(*["tok"] * 400, delay=0.1)
     out: dict = {}
