@@ -186,6 +186,66 @@ def test_system_becomes_the_first_message():
     assert chat(system=BILLING).messages[0]["role"] == "user"  # nothing left: no system message
 
 
+def test_system_messages_stay_in_place():
+    """Current SDKs type ``{"role": "system"}`` messages; Claude Code sends one after the
+    first user turn. Each stays where it is; text blocks are joined like ``system``'s."""
+    msgs = chat(
+        system="Top.",
+        messages=[
+            {"role": "user", "content": "u1"},
+            {"role": "system", "content": "Agents: Explore, Plan."},
+            {"role": "assistant", "content": "a1"},
+            {"role": "user", "content": "u2"},
+            {
+                "role": "system",
+                "content": [
+                    {"type": "text", "text": "Be terse.", "cache_control": {"type": "ephemeral"}},
+                    {"type": "text", "text": "No emoji."},
+                ],
+            },
+        ],
+    ).messages
+    assert msgs == [
+        {"role": "system", "content": "Top."},
+        {"role": "user", "content": "u1"},
+        {"role": "system", "content": "Agents: Explore, Plan."},
+        {"role": "assistant", "content": "a1"},
+        {"role": "user", "content": "u2"},
+        {"role": "system", "content": "Be terse.\nNo emoji."},
+    ]
+
+
+def test_leading_and_consecutive_system_messages_merge():
+    msgs = chat(
+        system="Top.",
+        messages=[
+            {"role": "system", "content": "First."},
+            {"role": "user", "content": "u1"},
+            {"role": "system", "content": "A."},
+            {"role": "system", "content": [{"type": "text", "text": "B."}]},
+        ],
+    ).messages
+    assert msgs == [
+        {"role": "system", "content": "Top.\nFirst."},
+        {"role": "user", "content": "u1"},
+        {"role": "system", "content": "A.\nB."},
+    ]
+    # Without a top-level system prompt a leading system message is the system prompt.
+    lone = convo({"role": "system", "content": "S"}, {"role": "user", "content": "u"})
+    assert lone == [{"role": "system", "content": "S"}, {"role": "user", "content": "u"}]
+
+
+def test_system_messages_take_text_only_and_not_alone():
+    with pytest.raises(InvalidRequest, match=r"messages\[1\]\.content\[0\]: a system message"):
+        convo(
+            {"role": "user", "content": "u"},
+            {"role": "system", "content": [{"type": "image", "source": PNG}]},
+            vision=True,
+        )
+    with pytest.raises(InvalidRequest, match="at least one message must be a user or assistant"):
+        convo({"role": "system", "content": "S"})
+
+
 # ---- tools, tool_choice, thinking, structured output -------------------------------------
 
 
@@ -230,6 +290,19 @@ def test_thinking_sets_enable_thinking_and_reasoning_effort():
     effort = chat(thinking={"type": "adaptive"}, output_config={"effort": "high"})
     assert effort.template_kwargs["reasoning_effort"] == "high"
     assert chat(output_config={"effort": "low"}).template_kwargs == {"reasoning_effort": "low"}
+
+
+def test_claude_code_extra_fields_are_accepted():
+    """Fields Claude Code 2.1 sends that change nothing here."""
+    req = chat(
+        thinking={"type": "adaptive"},
+        context_management={"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]},
+        output_config={"effort": "high"},
+        metadata={"user_id": '{"device_id":"d","session_id":"s"}'},
+    )
+    assert req.template_kwargs == {"enable_thinking": True}
+    assert req.response_format is None
+    assert req.messages == [{"role": "user", "content": "hi"}]
 
 
 def test_output_config_format_is_structured_output():

@@ -332,6 +332,62 @@ def test_claude_code_request_reaches_the_template(scripted_factory):
     assert scripted.engine.requests[-1].prompt_tokens == first
 
 
+# What Claude Code 2.1 sends along with the conversation.
+CLAUDE_CODE_BETAS = (
+    "claude-code-20250219,context-1m-2025-08-07,interleaved-thinking-2025-05-14,"
+    "thinking-token-count-2026-05-13,context-management-2025-06-27,"
+    "prompt-caching-scope-2026-01-05,mid-conversation-system-2026-04-07,effort-2025-11-24"
+)
+CLAUDE_CODE_HEADERS = {
+    "anthropic-beta": CLAUDE_CODE_BETAS,
+    "anthropic-version": "2023-06-01",
+    "anthropic-dangerous-direct-browser-access": "true",
+    "x-app": "cli",
+    "x-claude-code-session-id": "558845ef-92bd-437d-8aab-7587c29bd1e2",
+}
+
+
+def test_claude_code_2_1_request_with_a_system_message_in_place(scripted_factory):
+    scripted = scripted_factory(ctx_size=4096)
+    body = claude_code_body("7a9")
+    body["messages"].insert(1, {"role": "system", "content": "Agent types: Explore, Plan."})
+    body.update(
+        thinking={"type": "adaptive"},
+        context_management={"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]},
+        output_config={"effort": "high"},
+    )
+    count = post(
+        scripted,
+        {k: body[k] for k in ("model", "system", "messages", "tools", "thinking")}
+        | {"context_management": body["context_management"], "output_config": {"effort": "high"}},
+        path="/v1/messages/count_tokens?beta=true",
+        headers=CLAUDE_CODE_HEADERS,
+    )
+    assert count.status_code == 200, count.text
+    COUNT.validate(count.json())
+    scripted.engine.push("It prints 1.")
+    events = stream_events(
+        scripted, body, path="/v1/messages?beta=true", headers=CLAUDE_CODE_HEADERS
+    )
+    check_stream_order(events)
+    usage = events[0][1]["message"]["usage"]
+    assert usage["input_tokens"] + usage["cache_read_input_tokens"] == count.json()["input_tokens"]
+    prompt = scripted.service.tokenizer.decode(scripted.engine.requests[-1].prompt_tokens)
+    turns = [
+        "<|im_start|>user\n<system-reminder>ctx</system-reminder>\nShow a.py<|im_end|>",
+        "<|im_start|>system\nAgent types: Explore, Plan.<|im_end|>",
+        "<|im_start|>assistant\nReading.",
+    ]
+    pos = [prompt.index(t) for t in turns]
+    assert pos == sorted(pos)
+    # Without ?beta=true, and non-streaming, the same request is answered the same way.
+    scripted.engine.push("It prints 1.")
+    r = post(scripted, {**body, "stream": False}, headers=CLAUDE_CODE_HEADERS)
+    assert r.status_code == 200, r.text
+    MESSAGE.validate(r.json())
+    assert [(b["type"], b["text"]) for b in r.json()["content"]] == [("text", "It prints 1.")]
+
+
 def test_count_tokens_equals_input_tokens(scripted):
     c = client(scripted)
     kw = dict(
@@ -364,7 +420,29 @@ BAD_REQUESTS = [
     ({"max_tokens": 5, "messages": user()}, "model"),
     (base(messages=[]), "messages"),
     (base(max_tokens=0), "max_tokens"),
-    (base(messages=[{"role": "system", "content": "x"}]), "messages[0].role"),
+    (base(messages=[{"role": "system", "content": "x"}]), "messages: at least one"),
+    (base(messages=[{"role": "developer", "content": "x"}]), "messages[0].role"),
+    (base(messages=[{"role": "user"}]), "messages[0].content: field required"),
+    (base(messages=[*user(), {"role": "system"}]), "messages[1].content: field required"),
+    (
+        base(messages=[*user(), {"role": "system", "content": [{"type": "image"}]}]),
+        "messages[1].content[0]",
+    ),
+    (
+        base(
+            messages=[
+                *user(),
+                {
+                    "role": "system",
+                    "content": [
+                        {"type": "text", "text": "a"},
+                        {"type": "thinking", "thinking": "b"},
+                    ],
+                },
+            ]
+        ),
+        "messages[1].content[1]: a system message may hold text blocks only",
+    ),
     (base(temperature=1.5), "temperature"),
     (base(top_k=-1), "top_k"),
     (base(stream="yes"), "stream"),
@@ -543,6 +621,40 @@ def test_client_disconnect_stops_generation(scripted):
     ) as resp:
         for line in resp.iter_lines():
             if "text_delta" in line:
+                break
+        assert scripted.engine.active_count == 1
+    assert wait_until(lambda: scripted.engine.active_count == 0)
+
+
+def test_a_silent_stream_gets_pings(scripted, monkeypatch):
+    """A long prefill sends nothing for minutes: pings keep the connection alive."""
+    from mlx_server.protocols.anthropic import routes
+
+    monkeypatch.setattr(routes, "PING_INTERVAL_S", 0.05)
+    scripted.engine.push("", "Hi", delay=1.0)  # a first token a second late, then the end
+    events = stream_events(scripted, base())
+    names = [n for n, _ in events]
+    first_block = names.index("content_block_start")
+    assert names[:2] == ["message_start", "ping"]
+    assert names[2:first_block].count("ping") >= 2  # more pings while the prompt "prefills"
+    without_pings = [e for i, e in enumerate(events) if i < 2 or e[0] != "ping"]
+    check_stream_order(without_pings)
+    text = "".join(d["delta"].get("text", "") for n, d in events if n == "content_block_delta")
+    assert text == "Hi"
+
+
+def test_disconnect_while_waiting_for_the_first_token_frees_the_slot(scripted, monkeypatch):
+    from mlx_server.protocols.anthropic import routes
+
+    monkeypatch.setattr(routes, "PING_INTERVAL_S", 0.05)
+    scripted.engine.push(*[""] * 200, "tok", delay=0.1)  # silent for 20 s
+    body = base(stream=True, max_tokens=300)
+    with httpx.stream("POST", scripted.base_url + "/v1/messages", json=body, timeout=30) as resp:
+        assert resp.status_code == 200
+        pings = 0
+        for line in resp.iter_lines():
+            pings += line == "event: ping"
+            if pings == 3:
                 break
         assert scripted.engine.active_count == 1
     assert wait_until(lambda: scripted.engine.active_count == 0)

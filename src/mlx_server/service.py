@@ -7,6 +7,7 @@ the engine and runs the output parsers (reasoning split, tool calls) over the ge
 from __future__ import annotations
 
 import asyncio
+import functools
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
@@ -19,6 +20,7 @@ from mlx_server.events import Finished, Logprobs, OutputEvent
 from mlx_server.logs import log
 from mlx_server.models.chat_template import load_chat_template
 from mlx_server.models.prompt import encode_prompt, inline_tools, render_prompt, template_text
+from mlx_server.models.system_turns import fold_late_system_messages, renders_system_in_place
 from mlx_server.parsing.functionary import is_functionary_v3_2
 from mlx_server.parsing.harmony import is_harmony
 from mlx_server.parsing.pipeline import OutputPipeline
@@ -91,9 +93,23 @@ class ChatService:
 
     # ---- prompt ------------------------------------------------------------------------
 
+    @functools.cached_property
+    def system_in_place(self) -> bool:
+        """Whether the chat template renders system messages after the first turn in place."""
+        in_place = renders_system_in_place(self.tokenizer)
+        if not in_place:
+            log("Chat template takes a system message only first: later ones are folded into it")
+        return in_place
+
+    def template_messages(self, chat: ChatRequest) -> list[dict[str, Any]]:
+        """The messages as the template gets them: later system messages folded if need be."""
+        if self.system_in_place:
+            return chat.messages
+        return fold_late_system_messages(chat.messages)
+
     def render(self, chat: ChatRequest) -> str:
         tools = chat.tools if chat.tool_choice != "none" else None
-        messages = chat.messages
+        messages = self.template_messages(chat)
         fmt = self.tool_format
         if fmt is not None and (fmt.name == "json_tools" or fmt.call_syntax):
             messages = inline_tools(
@@ -155,12 +171,13 @@ class ChatService:
     def system_prefix_tokens(self, chat: ChatRequest, tokens: list[int]) -> int:
         """How many leading prompt tokens render the system prompt: the prefix the prompt
         shares with its system messages followed by an empty user turn. 0 if none."""
+        messages = self.template_messages(chat)
         n = 0
-        while n < len(chat.messages) and chat.messages[n].get("role") in ("system", "developer"):
+        while n < len(messages) and messages[n].get("role") in ("system", "developer"):
             n += 1
-        if n == len(chat.messages) or self.vision is not None:
+        if n == len(messages) or self.vision is not None:
             return 0
-        head = replace(chat, messages=[*chat.messages[:n], {"role": "user", "content": ""}])
+        head = replace(chat, messages=[*messages[:n], {"role": "user", "content": ""}])
         try:
             head_tokens = encode_prompt(self.tokenizer, self.render(head))
         except Exception:  # a template that rejects the cut conversation: no boundary

@@ -230,15 +230,21 @@ class MessageConverter:
     def convert(
         self, system: str | list[SystemBlock] | None, messages: list[InputMessage]
     ) -> list[dict[str, Any]]:
+        if all(m.role == "system" for m in messages):
+            raise InvalidRequest(
+                "messages: at least one message must be a user or assistant turn",
+                param="messages",
+            )
         out: list[dict[str, Any]] = []
         text = system_text(system)
         if text:
             out.append({"role": "system", "content": text})
         for i, m in enumerate(messages):
             for msg in self._message(i, m):
-                if out and out[-1]["role"] == msg["role"] and msg["role"] in ("user", "assistant"):
+                if out and out[-1]["role"] == msg["role"] and msg["role"] != "tool":
                     # Like Anthropic's API, consecutive turns of one role are one turn (and
-                    # templates that insist on alternating roles accept the result).
+                    # templates that insist on alternating roles accept the result); a
+                    # leading system message joins the top-level system prompt.
                     out[-1] = _merge(out[-1], msg)
                 else:
                     out.append(msg)
@@ -247,6 +253,8 @@ class MessageConverter:
     def _message(self, i: int, m: InputMessage) -> list[dict[str, Any]]:
         if isinstance(m.content, str):
             return [{"role": m.role, "content": m.content}]
+        if m.role == "system":
+            return [{"role": "system", "content": self._system_text(i, m.content)}]
         out: list[dict[str, Any]] = []
         parts: list[dict[str, Any]] = []
         calls: list[dict[str, Any]] = []
@@ -284,6 +292,19 @@ class MessageConverter:
                 msg["reasoning_content"] = "\n".join(thinking)
             out.append(msg)
         return out
+
+    @staticmethod
+    def _system_text(i: int, content: list[dict[str, Any]]) -> str:
+        texts = []
+        for j, raw in enumerate(content):
+            where = f"messages[{i}].content[{j}]"
+            block = parse_block(raw, where)
+            if not isinstance(block, TextBlock):
+                raise InvalidRequest(
+                    f"{where}: a system message may hold text blocks only", param=where
+                )
+            texts.append(block.text)
+        return "\n".join(texts)
 
     @staticmethod
     def _check_role(block: Block, role: str, where: str) -> None:

@@ -7,9 +7,10 @@ after a stream began is sent as an ``error`` event, and the stream ends.
 
 from __future__ import annotations
 
+import asyncio
 import traceback
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncGenerator, AsyncIterator
+from typing import Any, TypeVar
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
@@ -30,6 +31,13 @@ from mlx_server.protocols.anthropic.schemas import CountTokensRequest, MessagesR
 from mlx_server.server.http import parse_body, respond
 from mlx_server.service import ChatService, Generation
 from mlx_server.types import ChatRequest
+
+# A stream that has been silent this long gets a ``ping`` event. A long prompt's prefill can
+# take minutes before the first token; clients and proxies drop a connection that stays
+# quiet (Claude Code's HTTP client gives up after 5 minutes without a byte).
+PING_INTERVAL_S = 15.0
+
+T = TypeVar("T")
 
 
 def make_router(service: ChatService, *, vision: bool = False) -> APIRouter:
@@ -93,14 +101,45 @@ async def _collect(gen: Generation, enc: StreamEncoder) -> dict[str, Any]:
     raise RuntimeError("generation ended without a result")
 
 
+async def _with_keepalive(
+    events: AsyncIterator[T], interval: float
+) -> AsyncGenerator[T | None, None]:
+    """``events``, with a None each time ``interval`` seconds pass without one. Closing
+    this closes ``events`` (a generation's cleanup frees its slot)."""
+    pending: asyncio.Future[T] = asyncio.ensure_future(anext(events))
+    try:
+        while True:
+            done, _ = await asyncio.wait({pending}, timeout=interval)
+            if not done:
+                yield None
+                continue
+            try:
+                ev = pending.result()
+            except StopAsyncIteration:
+                return
+            yield ev
+            pending = asyncio.ensure_future(anext(events))
+    finally:
+        if pending.done():
+            close = getattr(events, "aclose", None)
+            if close is not None:
+                await close()
+        else:
+            pending.cancel()  # raised inside ``events``, whose cleanup then runs
+
+
 async def _stream(gen: Generation, enc: StreamEncoder) -> AsyncIterator[bytes]:
     # message_start reports the prompt's cache split, known once the engine starts it.
     await gen.started()
     enc.cached_tokens = gen.cached_tokens
     for event in enc.start():
         yield sse_frame(event)
+    events = _with_keepalive(gen.events(), PING_INTERVAL_S)
     try:
-        async for ev in gen.events():
+        async for ev in events:
+            if ev is None:
+                yield sse_frame({"type": "ping"})
+                continue
             if isinstance(ev, Finished):
                 if ev.reason == "error":
                     yield sse_frame(error_json("api_error", ev.error or "generation failed"))
@@ -116,3 +155,5 @@ async def _stream(gen: Generation, enc: StreamEncoder) -> AsyncIterator[bytes]:
         traceback.print_exc()
         log(f"Error in SSE stream: {type(e).__name__}: {e}")
         yield sse_frame(error_json("api_error", f"internal error: {type(e).__name__}"))
+    finally:
+        await events.aclose()

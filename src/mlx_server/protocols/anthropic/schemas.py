@@ -79,7 +79,9 @@ BLOCK_MODELS: dict[str, type[_Model]] = {
 
 
 class InputMessage(_Model):
-    role: Literal["user", "assistant"]
+    # "system": a system message within the conversation (the SDK's SystemMessageParam;
+    # text only), rendered where it stands when the chat template allows it.
+    role: Literal["user", "assistant", "system"]
     content: str | list[dict[str, Any]]
 
 

@@ -94,6 +94,12 @@ def _message(i: int, m: Message, vision: bool) -> dict[str, Any]:
             f"messages[{i}].role '{m.role}' is not one of system, developer, user, assistant, tool",
             param=f"messages[{i}].role",
         )
+    if m.content is None and not ((role == "assistant" and m.tool_calls) or m.images or m.videos):
+        # Only an assistant turn that calls tools (or a message with Jan's legacy media
+        # lists) may go without content, as in OpenAI's API.
+        raise InvalidRequest(
+            f"messages[{i}].content: field required", param=f"messages[{i}].content"
+        )
     out: dict[str, Any] = {"role": role, "content": _content(i, m, vision)}
     if m.name:
         out["name"] = m.name
