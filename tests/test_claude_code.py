@@ -15,7 +15,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import REPO, demo_model_dir, free_port
+from support import REPO, demo_model_dir, free_port
 
 CLAUDE = REPO / ".cache" / "npm" / "node_modules" / ".bin" / "claude"
 
@@ -45,7 +45,7 @@ def claude_env(home: Path, base_url: str) -> dict[str, str]:
         "DISABLE_TELEMETRY": "1",
         "DISABLE_ERROR_REPORTING": "1",
         # A small model answers in a few hundred tokens; Claude Code would ask for 64,000.
-        "CLAUDE_CODE_MAX_OUTPUT_TOKENS": "256",
+        "CLAUDE_CODE_MAX_OUTPUT_TOKENS": "128",
         # On a slow CPU the first prefill can outlast Claude Code's 5-minute stream-idle
         # watchdog (pings do not count) and its request timeout.
         "CLAUDE_STREAM_IDLE_TIMEOUT_MS": "3600000",
@@ -67,7 +67,9 @@ def test_claude_code_print_mode_finishes_without_api_error(claude, server_factor
     home.mkdir()
 
     proc = subprocess.run(
-        [str(claude), "-p", "What does hello.py print?", "--output-format", "json"],
+        # Two turns bound the run: a random-ish small model may keep calling tools.
+        [str(claude), "-p", "What does hello.py print?", "--output-format", "json"]
+        + ["--max-turns", "2"],
         cwd=project,
         env=claude_env(home, srv.base_url),
         stdin=subprocess.DEVNULL,
@@ -77,11 +79,13 @@ def test_claude_code_print_mode_finishes_without_api_error(claude, server_factor
     )
     output = proc.stdout + proc.stderr
     log = "\n".join(srv.lines)
-    assert proc.returncode == 0, f"{output}\n--- server log ---\n{log}"
-    assert "API Error" not in output, output
+    assert "API Error" not in output, f"{output}\n--- server log ---\n{log}"
     result = json.loads(proc.stdout)
-    assert result["type"] == "result" and result["subtype"] == "success", result
-    assert result["is_error"] is False and result.get("api_error_status") is None, result
+    # It answered, or it was still using its tools when the turn limit ended the run.
+    assert result["type"] == "result", result
+    assert result["subtype"] in ("success", "error_max_turns"), result
+    assert proc.returncode == 0 or result["subtype"] == "error_max_turns", output
+    assert result.get("api_error_status") is None, result
     assert result["num_turns"] >= 1
     # The server saw Claude Code's requests, each with its tools, and logged no error.
     requests = [line for line in srv.lines if line.startswith("[mlx] Request: ")]

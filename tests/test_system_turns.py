@@ -8,7 +8,7 @@ from pathlib import Path
 import anthropic
 import httpx
 import pytest
-from conftest import start_in_process
+from support import start_in_process
 from tiny_model import build_tokenizer
 
 from mlx_server.models.system_turns import (
