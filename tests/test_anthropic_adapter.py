@@ -25,6 +25,7 @@ from mlx_server.protocols.anthropic.schemas import (
     MessagesRequest,
     SystemBlock,
 )
+from mlx_server.types import ToolChoice
 
 PNG = {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}
 TOOL = {"name": "f", "description": "d", "input_schema": {"type": "object"}}
@@ -257,16 +258,16 @@ def test_tools_and_tool_choice_mapping():
             "function": {"name": "f", "description": "d", "parameters": {"type": "object"}},
         }
     ]
-    assert req.tool_choice is None and req.parallel_tool_calls
+    assert req.tool_choice == ToolChoice("auto") and req.parallel_tool_calls
     cases = {
-        "auto": "auto",
-        "none": "none",
-        "any": "required",
+        "auto": ToolChoice("auto"),
+        "none": ToolChoice("none"),
+        "any": ToolChoice("required"),
     }
     for kind, want in cases.items():
         assert chat(tools=[TOOL], tool_choice={"type": kind}).tool_choice == want
     named = chat(tools=[TOOL], tool_choice={"type": "tool", "name": "f"})
-    assert named.tool_choice == {"type": "function", "function": {"name": "f"}}
+    assert named.tool_choice == ToolChoice("function", "f")
     once = chat(tools=[TOOL], tool_choice={"type": "auto", "disable_parallel_tool_use": True})
     assert once.parallel_tool_calls is False
     with pytest.raises(InvalidRequest, match="tool_choice.name"):
@@ -300,7 +301,8 @@ def test_claude_code_extra_fields_are_accepted():
         output_config={"effort": "high"},
         metadata={"user_id": '{"device_id":"d","session_id":"s"}'},
     )
-    assert req.template_kwargs == {"enable_thinking": True}
+    # adaptive thinking turns the template's thinking on; effort sets its level, if it has one
+    assert req.template_kwargs == {"enable_thinking": True, "reasoning_effort": "high"}
     assert req.response_format is None
     assert req.messages == [{"role": "user", "content": "hi"}]
 

@@ -179,8 +179,9 @@ def test_folded_where_the_template_rejects_a_later_system_message(rejecting_toke
         srv.stop()
 
 
-def test_a_template_that_takes_no_system_message_at_all_still_fails_clearly(tmp_path):
-    """Folding cannot help a template without a system role: the 400 names the template."""
+def test_a_template_without_a_system_role_gets_the_system_text_in_the_first_user_turn(tmp_path):
+    """A template that refuses every system message: the template probe moves the system
+    text (top-level and late) into the first user turn, so the request still works."""
     no_system = (
         "{% for m in messages %}{% if m['role'] == 'system' %}"
         "{{ raise_exception('System role not supported') }}{% endif %}{% endfor %}"
@@ -189,7 +190,9 @@ def test_a_template_that_takes_no_system_message_at_all_still_fails_clearly(tmp_
     srv = start_in_process(tokenizer_with(tmp_path / "nosys", no_system), ctx_size=512)
     try:
         r = httpx.post(srv.base_url + "/v1/messages", json=CLAUDE_CODE_TURNS, timeout=30)
-        assert r.status_code == 400, r.text
-        assert "System role not supported" in r.json()["error"]["message"]
+        assert r.status_code == 200, r.text
+        prompt = _prompt(srv)
+        assert "You are an agent." in prompt and "Agent types: Explore, Plan." in prompt
+        assert prompt.index("You are an agent.") < prompt.index("What does a.py print?")
     finally:
         srv.stop()

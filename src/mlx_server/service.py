@@ -108,7 +108,7 @@ class ChatService:
         return fold_late_system_messages(chat.messages)
 
     def render(self, chat: ChatRequest) -> str:
-        tools = chat.tools if chat.tool_choice != "none" else None
+        tools = chat.tools if chat.tool_choice.mode != "none" else None
         messages = self.template_messages(chat)
         fmt = self.tool_format
         if fmt is not None and (fmt.name == "json_tools" or fmt.call_syntax):
@@ -237,7 +237,7 @@ class ChatService:
             messages = None  # the raw text, channels and all
         parse_tools = (
             bool(chat.tools)
-            and chat.tool_choice != "none"
+            and chat.tool_choice.mode != "none"
             and (self.tool_format is not None or messages is not None)
         )
         pipeline = OutputPipeline(

@@ -12,18 +12,7 @@ from mlx_server.types import ChatRequest
 def forced_tool(chat: ChatRequest) -> tuple[bool, str | None]:
     """(a tool call is required, the function name it must call or None)."""
     tc = chat.tool_choice
-    if tc == "required":
-        return True, None
-    if isinstance(tc, dict):
-        fn = tc.get("function") if isinstance(tc.get("function"), dict) else tc
-        name = fn.get("name") if isinstance(fn, dict) else None
-        if not isinstance(name, str) or not name:
-            raise InvalidRequest(
-                'tool_choice must name a function: {"type": "function", "function": {"name": ...}}',
-                param="tool_choice",
-            )
-        return True, name
-    return False, None
+    return tc.forced, tc.name if tc.mode == "function" else None
 
 
 def constraint_spec(chat: ChatRequest, tool_format: Any) -> Any:

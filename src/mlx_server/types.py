@@ -19,6 +19,25 @@ class SamplingParams:
 
 
 @dataclass(frozen=True)
+class ToolChoice:
+    """Whether and how the answer must call a tool, whatever the protocol called it.
+
+    ``mode``: "auto" (the model decides), "none" (tools are not shown and nothing is
+    parsed), "required" (exactly one call to any tool), "function" (one call to ``name``)."""
+
+    mode: str = "auto"
+    name: str | None = None
+
+    @property
+    def forced(self) -> bool:
+        return self.mode in ("required", "function")
+
+
+AUTO = ToolChoice()
+NO_TOOLS = ToolChoice("none")
+
+
+@dataclass(frozen=True)
 class ChatRequest:
     """A chat conversation to render and generate from, independent of the protocol.
 
@@ -32,7 +51,7 @@ class ChatRequest:
     max_tokens: int | None = None
     stop: tuple[str, ...] = ()
     tools: list[dict[str, Any]] | None = None
-    tool_choice: Any = None
+    tool_choice: ToolChoice = AUTO
     parallel_tool_calls: bool = True
     logprobs: bool = False
     top_logprobs: int = 0

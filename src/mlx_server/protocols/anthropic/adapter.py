@@ -32,7 +32,8 @@ from mlx_server.protocols.anthropic.schemas import (
     ToolResultBlock,
     ToolUseBlock,
 )
-from mlx_server.types import ChatRequest, SamplingParams
+from mlx_server.types import AUTO, NO_TOOLS, ChatRequest, SamplingParams
+from mlx_server.types import ToolChoice as NeutralToolChoice
 
 # Claude Code starts its system prompt with a line such as
 # "x-anthropic-billing-header: cc_version=2.1.117.48f; cc_entrypoint=cli; cch=71fea;"
@@ -169,22 +170,22 @@ def to_tools(defs: list[ToolDefinition] | None) -> list[dict[str, Any]] | None:
 
 def to_tool_choice(
     choice: ToolChoice | None, tools: list[dict[str, Any]] | None
-) -> tuple[Any, bool]:
+) -> tuple[NeutralToolChoice, bool]:
     """``(ChatRequest.tool_choice, parallel_tool_calls)`` for an Anthropic ``tool_choice``."""
     if choice is None:
-        return None, True
+        return AUTO, True
     parallel = not choice.disable_parallel_tool_use
     if choice.type == "auto":
-        return "auto", parallel
+        return AUTO, parallel
     if choice.type == "none":
-        return "none", parallel
+        return NO_TOOLS, parallel
     if not tools:
         raise InvalidRequest(
             f"tool_choice.type '{choice.type}' needs at least one tool in 'tools'",
             param="tool_choice",
         )
     if choice.type == "any":
-        return "required", parallel
+        return NeutralToolChoice("required"), parallel
     names = [t["function"]["name"] for t in tools]
     if not choice.name:
         raise InvalidRequest("tool_choice.name: field required", param="tool_choice.name")
@@ -193,7 +194,7 @@ def to_tool_choice(
             f"tool_choice.name '{choice.name}' is not one of the tools: {', '.join(names)}",
             param="tool_choice.name",
         )
-    return {"type": "function", "function": {"name": choice.name}}, parallel
+    return NeutralToolChoice("function", choice.name), parallel
 
 
 # ---- messages ----------------------------------------------------------------------------

@@ -9,7 +9,7 @@ from mlx_server.errors import InvalidRequest
 from mlx_server.models.reasoning_effort import effort_kwargs
 from mlx_server.parsing.tools import validate_tools
 from mlx_server.protocols.openai.schemas import ChatCompletionRequest, Message
-from mlx_server.types import ChatRequest, SamplingParams
+from mlx_server.types import AUTO, ChatRequest, SamplingParams, ToolChoice
 
 _ROLES = {
     "system": "system",
@@ -55,7 +55,7 @@ def to_chat_request(body: ChatCompletionRequest, *, vision: bool = False) -> Cha
         max_tokens=max_tokens,
         stop=stop,
         tools=tools or None,
-        tool_choice=body.tool_choice,
+        tool_choice=_tool_choice(body.tool_choice),
         parallel_tool_calls=body.parallel_tool_calls is not False,
         logprobs=bool(body.logprobs),
         top_logprobs=(body.top_logprobs or 0) if body.logprobs else 0,
@@ -64,6 +64,22 @@ def to_chat_request(body: ChatCompletionRequest, *, vision: bool = False) -> Cha
         response_format=_response_format(body),
         ignore_eos=bool(body.ignore_eos),
     )
+
+
+def _tool_choice(tc: str | dict[str, Any] | None) -> ToolChoice:
+    """OpenAI's ``tool_choice`` (a mode, or ``{"type": "function", "function": {"name"}}``)."""
+    if tc is None or tc == "auto":
+        return AUTO
+    if isinstance(tc, str):
+        return ToolChoice(tc)  # "none" or "required": the schema allows nothing else
+    fn = tc.get("function") if isinstance(tc.get("function"), dict) else tc
+    name = fn.get("name") if isinstance(fn, dict) else None
+    if not isinstance(name, str) or not name:
+        raise InvalidRequest(
+            'tool_choice must name a function: {"type": "function", "function": {"name": ...}}',
+            param="tool_choice",
+        )
+    return ToolChoice("function", name)
 
 
 def _response_format(body: ChatCompletionRequest) -> dict[str, Any] | None:

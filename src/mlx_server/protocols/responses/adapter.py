@@ -14,7 +14,7 @@ from mlx_server.errors import InvalidRequest, UnsupportedFeature
 from mlx_server.parsing.tools import validate_tools
 from mlx_server.protocols.responses.items import merge_into, normalize_input, to_messages
 from mlx_server.protocols.responses.schemas import CreateResponseRequest
-from mlx_server.types import ChatRequest, SamplingParams
+from mlx_server.types import ChatRequest, SamplingParams, ToolChoice
 
 # The Responses API's own defaults (the spec's `temperature` and `top_p` defaults).
 DEFAULT_TEMPERATURE = 1.0
@@ -146,10 +146,10 @@ def _tools(tools: list[Any] | None) -> tuple[list[dict[str, Any]], list[dict[str
     return echo, chat
 
 
-def _tool_choice(choice: str | dict[str, Any] | None) -> Any:
+def _tool_choice(choice: str | dict[str, Any] | None) -> ToolChoice:
     """``ChatRequest.tool_choice``: "auto", "none", "required" or a named function."""
     if choice is None or isinstance(choice, str):
-        return choice or "auto"
+        return ToolChoice(choice or "auto")
     if choice.get("type") != "function":
         raise UnsupportedFeature(
             f"tool_choice of type {choice.get('type')!r} is not supported "
@@ -159,4 +159,4 @@ def _tool_choice(choice: str | dict[str, Any] | None) -> Any:
     name = choice.get("name")
     if not isinstance(name, str) or not name:
         raise InvalidRequest("tool_choice.name: field required", param="tool_choice.name")
-    return {"type": "function", "function": {"name": name}}
+    return ToolChoice("function", name)
