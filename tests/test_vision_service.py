@@ -122,3 +122,30 @@ def test_end_of_utterance_ends_the_turn(service):
     eou = service.tokenizer.convert_tokens_to_ids("<end_of_utterance>")
     assert eou in service.tokenizer.eos_token_ids  # declared by the processor, not the config
     assert eou in service.engine._eos
+
+
+def test_media_are_fetched_off_the_loop_and_processed_on_the_engine_thread(service, monkeypatch):
+    """Fetching and decoding run in a worker thread, never on the event loop; the processor,
+    which makes MLX arrays, runs on the engine thread that owns MLX."""
+    import threading
+
+    from mlx_server.models import vision
+
+    seen: dict[str, str] = {}
+    collect, model_inputs = vision.collect_media, vision.VisionPromptBuilder._model_inputs
+
+    def spy_collect(*a, **k):
+        seen["collect"] = threading.current_thread().name
+        return collect(*a, **k)
+
+    def spy_inputs(self, *a, **k):
+        seen["process"] = threading.current_thread().name
+        return model_inputs(self, *a, **k)
+
+    monkeypatch.setattr(vision, "collect_media", spy_collect)
+    monkeypatch.setattr(vision.VisionPromptBuilder, "_model_inputs", spy_inputs)
+    loop_thread = threading.current_thread().name  # asyncio.run runs the loop here
+    text, final = run(service, chat(ask(image()), max_tokens=2))
+    assert final.reason in ("length", "stop") and final.usage.prompt_tokens > 20
+    assert seen["process"] == "mlx-engine"
+    assert seen["collect"] not in (loop_thread, "mlx-engine")

@@ -9,9 +9,9 @@ from __future__ import annotations
 import asyncio
 import functools
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, TypeVar
 
 from mlx_server.engine.handle import EngineEvent, GenerationHandle, Started, TokenPiece
 from mlx_server.engine.protocol import EngineLike
@@ -29,6 +29,7 @@ from mlx_server.parsing.tools import resolve_tool_parser
 from mlx_server.structured import constraint_spec
 from mlx_server.types import ChatRequest, GenerationRequest
 
+T = TypeVar("T")
 StreamEvent = OutputEvent | Logprobs | Finished
 
 
@@ -131,16 +132,19 @@ class ChatService:
 
     async def count(self, chat: ChatRequest) -> int:
         """``count_tokens`` for async handlers: a long prompt renders and tokenizes in a
-        worker thread, so the event loop (``/health``, other streams) never waits for it.
-        Vision prompts stay on the loop's thread, as their processor may make MLX arrays."""
-        if self.vision is not None:
-            return self.count_tokens(chat)
+        worker thread, so the event loop (``/health``, other streams) never waits for it."""
         return await asyncio.to_thread(self.count_tokens, chat)
+
+    def _on_engine_thread(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` on the engine's thread (MLX arrays are made there only) and wait for
+        it; an engine without one (the tests' scripted engine) runs it here."""
+        call = getattr(self.engine, "call", None)
+        return call(fn).result() if call is not None else fn()
 
     def _encode(self, chat: ChatRequest, text: str) -> tuple[list[int], Any]:
         """Token ids, and a vision model's inputs (image tokens counted in the ids)."""
         if self.vision is not None:
-            return self.vision.encode(text, chat.messages)
+            return self.vision.encode(text, chat.messages, self._on_engine_thread)
         return encode_prompt(self.tokenizer, text), None
 
     def prepare(self, chat: ChatRequest) -> PreparedPrompt:
@@ -194,15 +198,13 @@ class ChatService:
     async def start(self, chat: ChatRequest, request_id: str | None = None) -> Generation:
         """Validate, render and submit; raises InvalidRequest/Overloaded before anything streams.
 
-        Rendering and tokenizing a long prompt takes a while: it runs in a worker thread so
-        the event loop (``/health``, other streams) never waits for it. Vision inputs are
-        prepared on the loop's thread, as the processor may create MLX arrays.
+        Rendering and tokenizing a long prompt, and fetching and decoding a vision prompt's
+        media, take a while: they run in a worker thread so the event loop (``/health``,
+        other streams) never waits for them. A vision model's processor, which makes MLX
+        arrays, runs on the engine thread (``Engine.call``).
         """
         request_id = request_id or f"chatcmpl-{uuid.uuid4().hex[:24]}"
-        if self.vision is None:
-            req, prepared = await asyncio.to_thread(self.build_request, chat, request_id)
-        else:
-            req, prepared = self.build_request(chat, request_id)
+        req, prepared = await asyncio.to_thread(self.build_request, chat, request_id)
         return self.submit(chat, req, prepared)
 
     def build_request(

@@ -14,8 +14,10 @@ import threading
 import time
 import traceback
 from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, StopSequences
@@ -41,6 +43,8 @@ from mlx_server.events import Finished, LogprobEntry, Timings, Usage
 from mlx_server.logs import log
 from mlx_server.parsing.stops import StopMatcher
 from mlx_server.types import GenerationRequest
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -92,6 +96,7 @@ class Engine:
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._kv_in_use = 0
+        self._calls: deque[tuple[Callable[[], Any], Future[Any]]] = deque()
         self._prompt_cache = (
             PrefixCache(
                 self.config.prompt_cache_size,
@@ -145,6 +150,27 @@ class Engine:
             self._pending.append(seq)
             self._wake.notify()
         return handle
+
+    def call(self, fn: Callable[[], T]) -> Future[T]:
+        """Run ``fn`` on the engine thread (the one thread that may make MLX arrays) between
+        two steps; its result or exception arrives through the future. From any thread."""
+        future: Future[T] = Future()
+        with self._wake:
+            if self._stopping:
+                raise Overloaded("the server is shutting down")
+            self._calls.append((fn, future))
+            self._wake.notify()
+        return future
+
+    def _run_calls(self) -> None:
+        """Run the calls other threads asked for (engine thread)."""
+        while self._calls:
+            fn, future = self._calls.popleft()
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn())
+                except BaseException as e:  # the caller gets it, the engine goes on
+                    future.set_exception(e)
 
     def cancel(self, request_id: str | None = None) -> int:
         """Cancel one request by id, or every queued and running one. Returns how many."""
@@ -210,10 +236,16 @@ class Engine:
         gen = self._new_generator()
         while True:
             with self._wake:
-                while not self._stopping and not self._pending and not self._active:
+                while (
+                    not self._stopping
+                    and not self._pending
+                    and not self._active
+                    and not self._calls
+                ):
                     self._wake.wait(0.5)
                 if self._stopping and not self._active and not self._pending:
                     break
+            self._run_calls()
             try:
                 self._drop_cancelled(gen)
                 self._admit(gen)
@@ -232,9 +264,17 @@ class Engine:
                 self._flush()
         self._fail_all("cancelled", reason="cancelled")
         self._flush()
+        self._fail_calls()
         gen.close()
         if self._prompt_cache is not None:
             self._prompt_cache.close()  # RAM entries to the disk tier, within a deadline
+
+    def _fail_calls(self) -> None:
+        with self._wake:
+            calls, self._calls = list(self._calls), deque()
+        for _, future in calls:
+            if future.set_running_or_notify_cancel():
+                future.set_exception(Overloaded("the server is shutting down"))
 
     def _flush(self) -> None:
         """Hand this step's events to the consumers' event loops, one wake-up each."""

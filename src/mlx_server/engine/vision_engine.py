@@ -50,16 +50,21 @@ class VisionEngine(Engine):
         self._ready.set()
         while True:
             with self._wake:
-                while not self._stopping and not self._pending:
+                while not self._stopping and not self._pending and not self._calls:
                     self._wake.wait(0.5)
                 if self._stopping and not self._pending:
                     break
+            self._run_calls()  # preparing the next requests' media: between generations
+            with self._wake:
+                if not self._pending:
+                    continue
                 seq = self._pending.popleft()
             if seq.handle.cancelled:
                 self._finish(seq, "cancelled")
                 continue
             self._serve(seq)
         self._fail_all("cancelled", reason="cancelled")
+        self._fail_calls()
 
     def _serve(self, seq: _Seq) -> None:
         seq.uid = self._next_uid
@@ -106,6 +111,7 @@ class VisionEngine(Engine):
         eos = set(self._eos)
         try:
             for token, logprobs in steps:
+                self._run_calls()  # and between the tokens of a long one
                 if seq.handle.cancelled:
                     return "cancelled"
                 if not seq.t_first:

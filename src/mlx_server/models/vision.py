@@ -14,6 +14,7 @@ and lets the model's processor expand the placeholders into image tokens and pix
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,9 @@ INSTALL_HINT = "pip install 'mlx-server[vision]'  (or: pip install mlx-vlm)"
 # Config keys that declare a vision tower. mlx-vlm itself tells VLMs apart by
 # "vision_config"; LLaVA-style checkpoints (FastVLM) name their tower "mm_vision_tower".
 _VISION_KEYS = ("vision_config", "mm_vision_tower")
+
+
+Encoded = tuple[list[int], Any]  # token ids, and the model's other inputs (or None)
 
 
 def is_vision_config(config: dict[str, Any]) -> bool:
@@ -168,8 +172,17 @@ class VisionPromptBuilder:
 
     # ---- encoding ------------------------------------------------------------------------
 
-    def encode(self, text: str, messages: list[dict[str, Any]]) -> tuple[list[int], Any]:
-        """Token ids (image placeholders expanded) and the processor's model inputs, or None."""
+    def encode(
+        self,
+        text: str,
+        messages: list[dict[str, Any]],
+        on_mlx_thread: Callable[[Callable[[], Encoded]], Encoded] | None = None,
+    ) -> Encoded:
+        """Token ids (image placeholders expanded) and the processor's model inputs, or None.
+
+        Fetching and decoding the media happens in the calling thread (a worker: fetches can
+        take seconds); the processor, which makes MLX arrays, runs through
+        ``on_mlx_thread`` (the engine thread's ``call``), or right here when None."""
         media = collect_media(messages, self.limits)
         if not media:
             ids = self.tokenizer.encode(text, add_special_tokens=self._add_bos(text))
@@ -178,9 +191,13 @@ class VisionPromptBuilder:
             return list(ids), None
         try:
             self._check_tool_images(text, messages, len(media.images))
-            inputs = self._process(text, media)
+            run = on_mlx_thread or (lambda fn: fn())
+            return run(lambda: self._model_inputs(text, media))
         finally:
             media.cleanup()
+
+    def _model_inputs(self, text: str, media: Media) -> Encoded:
+        inputs = self._process(text, media)
         ids = inputs.pop("input_ids")
         tokens = [int(t) for t in (ids[0] if getattr(ids, "ndim", 1) > 1 else ids).tolist()]
         return tokens, inputs
