@@ -42,16 +42,7 @@ def to_chat_request(body: ChatCompletionRequest, *, vision: bool = False) -> Cha
         kwargs = {**effort, **kwargs}  # explicit chat_template_kwargs win
     return ChatRequest(
         messages=messages,
-        sampling=SamplingParams(
-            temperature=0.7 if body.temperature is None else body.temperature,
-            top_p=1.0 if body.top_p is None else body.top_p,
-            top_k=body.top_k or 0,
-            min_p=body.min_p or 0.0,
-            repetition_penalty=body.repetition_penalty,
-            presence_penalty=body.presence_penalty,
-            frequency_penalty=body.frequency_penalty,
-            seed=body.seed,
-        ),
+        sampling=sampling_params(body),
         max_tokens=max_tokens,
         stop=stop,
         tools=tools or None,
@@ -63,6 +54,20 @@ def to_chat_request(body: ChatCompletionRequest, *, vision: bool = False) -> Cha
         reasoning_format="none" if body.reasoning_format == "none" else "auto",
         response_format=_response_format(body),
         ignore_eos=bool(body.ignore_eos),
+    )
+
+
+def sampling_params(body: Any) -> SamplingParams:
+    """OpenAI's sampling fields (chat and text completions share them), 0.7 by default."""
+    return SamplingParams(
+        temperature=0.7 if body.temperature is None else body.temperature,
+        top_p=1.0 if body.top_p is None else body.top_p,
+        top_k=body.top_k or 0,
+        min_p=body.min_p or 0.0,
+        repetition_penalty=body.repetition_penalty,
+        presence_penalty=body.presence_penalty,
+        frequency_penalty=body.frequency_penalty,
+        seed=body.seed,
     )
 
 

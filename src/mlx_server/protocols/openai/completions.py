@@ -15,6 +15,7 @@ from mlx_server.errors import InvalidRequest, ServerError
 from mlx_server.events import Finished, Usage
 from mlx_server.logs import log
 from mlx_server.models.text_prompt import fim_stop_strings
+from mlx_server.protocols.openai.adapter import sampling_params
 from mlx_server.protocols.openai.completions_encoder import CompletionEncoder
 from mlx_server.protocols.openai.completions_schema import CompletionRequest
 from mlx_server.protocols.openai.encoder import sse
@@ -27,7 +28,6 @@ from mlx_server.text_completion import (
     TextPrompt,
     merged_events,
 )
-from mlx_server.types import SamplingParams
 
 
 def options(body: CompletionRequest) -> CompletionOptions:
@@ -37,16 +37,7 @@ def options(body: CompletionRequest) -> CompletionOptions:
     stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
     return CompletionOptions(
         max_tokens=max_tokens,
-        sampling=SamplingParams(
-            temperature=0.7 if body.temperature is None else body.temperature,
-            top_p=1.0 if body.top_p is None else body.top_p,
-            top_k=body.top_k or 0,
-            min_p=body.min_p or 0.0,
-            repetition_penalty=body.repetition_penalty,
-            presence_penalty=body.presence_penalty,
-            frequency_penalty=body.frequency_penalty,
-            seed=body.seed,
-        ),
+        sampling=sampling_params(body),
         stop=stop,
         top_logprobs=body.logprobs,
     )
