@@ -136,17 +136,17 @@ def test_http_overload_oversize_and_health(lm, server_factory):
 
     _, _, model_dir = lm
     per_token = load_model(str(model_dir)).kv_bytes_per_token  # the server's own estimate
-    budget_gb = per_token * 1100 / (1 << 30)  # room for one request of ~1,010 tokens, not two
+    budget_gb = per_token * 2100 / (1 << 30)  # room for one request of ~2,010 tokens, not two
     srv = server_factory(
         [
-            *("-m", str(model_dir), "--port", str(free_port()), "--ctx-size", "2048"),
+            *("-m", str(model_dir), "--port", str(free_port()), "--ctx-size", "4096"),
             *("--kv-budget-gb", f"{budget_gb:.10f}", "--max-queue", "1"),
         ]
     )
     base = srv.base_url
     chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "temperature": 0}
 
-    big = httpx.post(f"{base}/v1/chat/completions", json={**chat, "max_tokens": 2000}, timeout=60)
+    big = httpx.post(f"{base}/v1/chat/completions", json={**chat, "max_tokens": 3000}, timeout=60)
     assert big.status_code == 400
     assert big.json()["error"]["code"] == "kv_budget_exceeded"
     assert "budget" in big.json()["error"]["message"]
@@ -154,20 +154,23 @@ def test_http_overload_oversize_and_health(lm, server_factory):
     def post(path: str, body: dict) -> httpx.Response:
         return httpx.post(f"{base}{path}", json=body, timeout=300)
 
-    def health() -> dict:
-        r = httpx.get(f"{base}/health", timeout=10)
-        assert r.status_code == 200
-        return r.json()
+    def wait_for(active: int, queued: int) -> None:
+        deadline = time.time() + 60
+        while time.time() < deadline:
+            h = httpx.get(f"{base}/health", timeout=10).json()
+            if (h["active"], h["queued"]) == (active, queued):
+                return
+            time.sleep(0.01)
+        raise AssertionError(f"health never showed active={active}, queued={queued}: {h}")
 
-    long = {**chat, "max_tokens": 1000, "ignore_eos": True}
+    long = {**chat, "max_tokens": 2000, "ignore_eos": True}
     anthropic = {"model": "m", "max_tokens": 200, "messages": chat["messages"]}
     with ThreadPoolExecutor(10) as pool:
         # One runs and one waits for memory: the queue (of one) is full.
-        holders = [pool.submit(post, "/v1/chat/completions", long) for _ in range(2)]
-        deadline = time.time() + 60
-        while time.time() < deadline and (health()["active"], health()["queued"]) != (1, 1):
-            time.sleep(0.01)
-        assert (health()["active"], health()["queued"]) == (1, 1)
+        holders = [pool.submit(post, "/v1/chat/completions", long)]
+        wait_for(1, 0)
+        holders.append(pool.submit(post, "/v1/chat/completions", long))
+        wait_for(1, 1)
         jobs = [("/v1/chat/completions", {**chat, "max_tokens": 200})] * 3
         jobs += [("/v1/messages", anthropic)] * 3
         responses = [f.result() for f in [pool.submit(post, p, b) for p, b in jobs]]
