@@ -123,7 +123,7 @@ def test_health_answers_during_generation(e2e_server):
             json={
                 "model": "m",
                 "messages": [{"role": "user", "content": "x"}],
-                "max_tokens": 60,
+                "max_tokens": 200,
                 "temperature": 0,
                 "ignore_eos": True,
             },
@@ -138,7 +138,7 @@ def test_health_answers_during_generation(e2e_server):
         assert r.status_code == 200 and r.json()["status"] == "ok"
         if r.json()["active"] == 1:
             during.append(r.json())
-        time.sleep(0.05)
+        time.sleep(0.005)
     t.join(600)
     assert during, "no health answer came while the generation was running"
 
