@@ -21,7 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 from mlx_server.events import OutputEvent, TextDelta, ToolCallArgsDelta, ToolCallEnd, ToolCallStart
-from mlx_server.parsing.tags import SteppedDecoder, held_tail_len
+from mlx_server.parsing.tags import SteppedDecoder
 from mlx_server.parsing.tool_schema import tool_names
 
 SEPARATOR = ">>>"
@@ -97,14 +97,11 @@ class FunctionaryParser(SteppedDecoder[OutputEvent]):
             self._buf = rest
             self._open(recipient, out)
             return True
-        pos = self._buf.find(SEPARATOR)
-        if pos < 0:
-            cut = len(self._buf) - held_tail_len(self._buf, [SEPARATOR])
-            self._body(out, self._buf[:cut])
-            self._buf = self._buf[cut:]
+        text, tag = self._take_until([SEPARATOR])
+        self._body(out, text)
+        if tag is None:
             return False
-        self._body(out, self._buf[:pos])
-        self._buf = self._buf[pos + len(SEPARATOR) :]
+        self._buf = self._buf[len(tag) :]
         self._end(out)
         self._state = _HEADER
         return True

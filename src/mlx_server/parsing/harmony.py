@@ -38,7 +38,7 @@ from mlx_server.events import (
     ToolCallEnd,
     ToolCallStart,
 )
-from mlx_server.parsing.tags import SteppedDecoder, find_first, held_tail_len
+from mlx_server.parsing.tags import SteppedDecoder
 from mlx_server.parsing.tool_schema import tool_names
 
 START = "<|start|>"
@@ -140,15 +140,12 @@ class HarmonyParser(SteppedDecoder[OutputEvent]):
         return True
 
     def _step_body(self, out: list[OutputEvent]) -> bool:
-        hit = find_first(self._buf, _TERMINATORS)
-        if hit is None:
-            cut = len(self._buf) - held_tail_len(self._buf, _TERMINATORS)
-            self._emit_body(out, self._buf[:cut])
-            self._buf = self._buf[cut:]
+        text, tag = self._take_until(_TERMINATORS)
+        self._emit_body(out, text)
+        if tag is None:
             return False
-        pos, tag = hit
-        self._emit_body(out, self._buf[:pos])
-        self._buf = self._buf[pos + len(tag) :] if tag != START else self._buf[pos:]
+        if tag != START:  # a new message's start stays: it opens the next header
+            self._buf = self._buf[len(tag) :]
         self._end_message(out)
         self._state = _HEADER
         return True

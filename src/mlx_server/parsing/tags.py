@@ -84,6 +84,16 @@ class SteppedDecoder(Generic[E]):
             pass
         return out
 
+    def _take_until(self, tags: Iterable[str]) -> tuple[str, str | None]:
+        """Take the buffered text before the earliest of ``tags`` and say which tag is now at
+        the buffer's start; with none found, take all but a tail that could still become
+        one, and say None."""
+        tags = list(tags)
+        hit = find_first(self._buf, tags)
+        cut = hit[0] if hit else len(self._buf) - held_tail_len(self._buf, tags)
+        text, self._buf = self._buf[:cut], self._buf[cut:]
+        return text, hit[1] if hit else None
+
     def _step(self, out: list[E]) -> bool:
         """Consume what can be consumed into ``out``; True when another step may follow."""
         raise NotImplementedError

@@ -177,14 +177,11 @@ class ToolCallParser(SteppedDecoder[OutputEvent]):
         if not self._bare_checked:
             return self._step_bare_start()
         start = self._fmt.start
-        pos = self._buf.find(start)
-        if pos < 0:
-            cut = len(self._buf) - held_tail_len(self._buf, [start])
-            self._emit_text(out, self._buf[:cut])
-            self._buf = self._buf[cut:]
+        text, tag = self._take_until([start])
+        self._emit_text(out, text)
+        if tag is None:
             return False
-        self._emit_text(out, self._buf[:pos])
-        self._buf = self._buf[pos + len(start) :]
+        self._buf = self._buf[len(start) :]
         self._open_block(start)
         return True
 
