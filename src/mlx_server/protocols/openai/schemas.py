@@ -56,9 +56,10 @@ class ResponseFormat(_Model):
     json_schema: dict[str, Any] | None = None
 
 
-class ChatCompletionRequest(_Model):
+class SamplingFields(_Model):
+    """What chat and text completions requests share: sampling, stop strings, streaming."""
+
     model: str = ""
-    messages: list[Message] = Field(min_length=1)
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
     top_k: int | None = Field(default=None, ge=0)
@@ -68,13 +69,25 @@ class ChatCompletionRequest(_Model):
     frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
     # A signed or unsigned 64-bit integer (OpenAI documents int64).
     seed: int | None = Field(default=None, ge=-(1 << 63), lt=1 << 64)
-    max_tokens: int | None = Field(default=None, ge=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
     n_predict: int | None = None
     n: int | None = Field(default=None, ge=1, le=1)
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
+    user: str | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _check_stop(cls, v: str | list[str] | None) -> str | list[str] | None:
+        if isinstance(v, list) and len(v) > 16:
+            raise ValueError("at most 16 stop strings are allowed")
+        return v
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[Message] = Field(min_length=1)
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     tools: list[Any] | None = None
@@ -84,15 +97,7 @@ class ChatCompletionRequest(_Model):
     chat_template_kwargs: dict[str, Any] | None = None
     reasoning_format: str | None = None
     reasoning_effort: str | None = None
-    user: str | None = None
     ignore_eos: bool | None = None  # llama.cpp's: generate max_tokens whatever the model says
-
-    @field_validator("stop")
-    @classmethod
-    def _check_stop(cls, v: str | list[str] | None) -> str | list[str] | None:
-        if isinstance(v, list) and len(v) > 16:
-            raise ValueError("at most 16 stop strings are allowed")
-        return v
 
     @field_validator("tool_choice")
     @classmethod
