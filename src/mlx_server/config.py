@@ -153,6 +153,7 @@ class Settings:
     metrics_open: bool = _opt(
         False, "Serve GET /metrics without the API key (for a local scraper)", "--metrics-open"
     )
+    no_webui: bool = _opt(False, "Do not serve the chat page at /", "--no-webui")
     log_level: str = _opt("warning", "Log level for the HTTP layer (uvicorn)", "--log-level")
     responses_store_size: int = _opt(
         500,

@@ -102,6 +102,7 @@ def build(settings: Settings) -> tuple[Any, Any]:
         browser=browser,
         metrics_open=settings.metrics_open,
         responses_store=store,
+        webui=not settings.no_webui,
     )
     return app, engine
 

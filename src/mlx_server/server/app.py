@@ -27,6 +27,7 @@ from mlx_server.server.http import parse_body
 from mlx_server.server.metrics import MetricsMiddleware, install_metrics, route_paths
 from mlx_server.server.middleware import MAX_BODY_BYTES, GuardMiddleware
 from mlx_server.service import ChatService
+from mlx_server.webui import make_router as webui_router
 
 
 class CancelRequest(BaseModel):
@@ -45,6 +46,7 @@ def create_app(
     browser: BrowserPolicy | None = None,
     metrics_open: bool = False,
     responses_store: ResponseStore | None = None,
+    webui: bool = True,
 ) -> FastAPI:
     """Build the ASGI app around a ChatService (whose engine may be real or scripted)."""
     app = FastAPI(title="mlx-server", docs_url=None, redoc_url=None, openapi_url=None)
@@ -78,6 +80,8 @@ def create_app(
     app.include_router(count_tokens_router(service, vision=vision))
     app.include_router(tokenizer_router(service))
     app.include_router(responses_router(service, vision=vision, store=responses_store))
+    if webui:  # the chat page at / (static files; it uses the API above like any client)
+        app.include_router(webui_router())
 
     _install_error_handlers(app)
     keyed = frozenset({"/tokenize", "/detokenize"} | (set() if metrics_open else {"/metrics"}))
