@@ -125,7 +125,7 @@ function conversationItem(c) {
   open.addEventListener("click", () => openConversation(c));
   const rename = el("button", { type: "button", className: "icon small", text: "✎", "aria-label": "Rename" });
   rename.addEventListener("click", () => startRename(item, c));
-  const del = el("button", { type: "button", className: "icon small", text: "🗑", "aria-label": "Delete" });
+  const del = el("button", { type: "button", className: "icon small", text: "×", "aria-label": "Delete" });
   del.addEventListener("click", () => deleteConversation(c));
   const item = el("li", { className: c === state.conv ? "current" : "", "data-id": c.id }, open, rename, del);
   return item;
@@ -263,48 +263,56 @@ function requestMessages() {
   return out;
 }
 
-function schemaFormat() {
-  const text = state.settings.schema.trim();
-  $("schema-error").hidden = true;
+// The JSON settings (schema, tools, extra fields), parsed; a mistake is shown in the panel.
+function jsonSetting(key, what, check) {
+  const text = state.settings[key].trim();
   if (!text) return null;
+  let value;
   try {
-    const schema = JSON.parse(text);
-    return { type: "json_schema", json_schema: { name: "answer", schema, strict: true } };
+    value = JSON.parse(text);
   } catch (e) {
-    $("schema-error").hidden = false;
-    $("schema-error").textContent = `The schema is not valid JSON: ${e.message}`;
-    throw new Error("schema");
+    throw new Error(`${what} is not valid JSON: ${e.message}`);
   }
+  if (!check(value)) throw new Error(`${what} has the wrong shape`);
+  return value;
 }
 
-function requestBody(format) {
+function requestBody() {
   const s = state.settings;
-  const body = { messages: requestMessages() };
+  const isObject = (v) => v !== null && typeof v === "object" && !Array.isArray(v);
+  const schema = jsonSetting("schema", "The JSON schema", isObject);
+  const tools = jsonSetting("tools", "Tools", Array.isArray);
+  const extra = jsonSetting("extra", "Extra request fields", isObject);
+  const body = { ...(extra || {}), messages: requestMessages() };
   if (state.model) body.model = state.model.id;
   if (s.temperature !== "") body.temperature = Number(s.temperature);
   if (s.maxTokens !== "") body.max_tokens = Number(s.maxTokens);
-  if (format) body.response_format = format;
+  if (schema) body.response_format = { type: "json_schema", json_schema: { name: "answer", schema, strict: true } };
+  if (tools) body.tools = tools;
   return body;
 }
 
 async function sendMessage() {
   const text = $("prompt").value;
   if (state.run || (!text.trim() && state.attachments.length === 0)) return;
-  let format;
+  const conv = state.conv;
+  let body;
+  $("settings-error").hidden = true;
   try {
-    format = schemaFormat();
-  } catch (_) {
+    conv.messages.push({ role: "user", content: text, images: state.attachments });
+    body = requestBody();
+  } catch (e) {
+    conv.messages.pop();
+    $("settings-error").textContent = e.message;
+    $("settings-error").hidden = false;
     $("settings").hidden = false;
     return;
   }
-  const conv = state.conv;
-  if (conv.messages.length === 0) {
+  if (conv.messages.length === 1) {
     conv.title = (text.trim() || "Image").slice(0, 60);
     $("title").textContent = conv.title;
   }
-  conv.messages.push({ role: "user", content: text, images: state.attachments });
-  const body = requestBody(format);
-  const answer = { role: "assistant", content: "", reasoning: "", toolCalls: [], json: !!format, pending: true };
+  const answer = { role: "assistant", content: "", reasoning: "", toolCalls: [], json: !!body.response_format, pending: true };
   conv.messages.push(answer);
   $("prompt").value = "";
   setAttachments([]);
@@ -484,6 +492,8 @@ bindSetting("set-system", "system");
 bindSetting("set-temperature", "temperature");
 bindSetting("set-max-tokens", "maxTokens");
 bindSetting("set-schema", "schema");
+bindSetting("set-tools", "tools");
+bindSetting("set-extra", "extra");
 bindSetting("set-reasoning", "showReasoning", "checked");
 
 $("toggle-settings").addEventListener("click", () => {

@@ -110,6 +110,7 @@ export function statsLine(stats) {
     parts.push(`${u.prompt_tokens} prompt (${cached || 0} cached)`);
     parts.push(`${u.completion_tokens} generated`);
   }
-  if (stats.finish) parts.push(stats.finish === "cancelled" ? "stopped" : `finish: ${stats.finish}`);
+  if (stats.finish === "cancelled") parts.push("stopped");
+  else if (stats.finish && stats.finish !== "stop") parts.push(`finish: ${stats.finish}`);
   return parts.join(" · ");
 }

@@ -65,6 +65,8 @@ export const DEFAULT_SETTINGS = {
   temperature: "",
   maxTokens: "",
   schema: "",
+  tools: "",
+  extra: "",
   showReasoning: true,
   model: "",
 };
