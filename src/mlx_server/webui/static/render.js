@@ -8,9 +8,16 @@ const FORBID_TAGS = [
 const LANG_CLASS = /^language-[\w#+.-]{1,32}$/;
 let hooked = false;
 
+function escapeHtml(text) {
+  return text.replace(/[&<>"']/g, (c) => `&#${c.charCodeAt(0)};`);
+}
+
 function installHooks() {
   if (hooked) return;
   hooked = true;
+  // HTML a model writes is shown as the text it is: it is never parsed as markup, so the
+  // sanitizer below only ever sees what marked itself made (links, code, tables...).
+  window.marked.use({ renderer: { html: (token) => escapeHtml(token.text ?? token.raw ?? "") } });
   // Links from a model open in a new tab and never tell the target where they came from.
   window.DOMPurify.addHook("afterSanitizeAttributes", (node) => {
     if (node.tagName === "A") {
