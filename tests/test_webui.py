@@ -22,6 +22,8 @@ from support import ServerProcess, free_port, launch
 from tiny_model import build_tiny_model
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+if CHROMIUM is None and os.environ.get("MLX_SERVER_REQUIRE_BROWSER"):
+    pytest.fail("Chromium is required here (.ci/run installs it with apt) but not found")
 pytestmark = pytest.mark.skipif(
     CHROMIUM is None,
     reason="no Chromium on this machine (apt-get install chromium): the chat page's browser tests need it",
@@ -142,7 +144,12 @@ def test_browser_guard_still_keeps_other_origins_out(scripted):
     evil = httpx.post(url, json=body, headers={"Origin": "http://evil.test"})
     assert evil.status_code == 403 and "access-control-allow-origin" not in evil.headers
     form = httpx.post(
-        url, content="{}", headers={"Origin": f"http://127.0.0.1:{scripted.base_url.rsplit(':', 1)[1]}", "Content-Type": "text/plain"}
+        url,
+        content="{}",
+        headers={
+            "Origin": f"http://127.0.0.1:{scripted.base_url.rsplit(':', 1)[1]}",
+            "Content-Type": "text/plain",
+        },
     )
     assert form.status_code == 415
     rebound = httpx.get(scripted.base_url + "/", headers={"Host": "attacker.test"})
@@ -209,7 +216,17 @@ def test_hostile_html_in_model_output_does_not_run(scripted, open_page):
     content.locator("a").first.click()  # a javascript: link must not run
     page.locator("details.reasoning summary").click()
     assert page.evaluate("window.__xss") is None
-    for tag in ("img", "script", "iframe", "svg", "form", "button", "[style]", "[onclick]", "#prompt"):
+    for tag in (
+        "img",
+        "script",
+        "iframe",
+        "svg",
+        "form",
+        "button",
+        "[style]",
+        "[onclick]",
+        "#prompt",
+    ):
         assert content.locator(tag).count() == 0, tag
     hrefs = content.locator("a").evaluate_all("els => els.map(a => a.getAttribute('href'))")
     assert all(h is None or not h.lower().startswith("javascript") for h in hrefs), hrefs
@@ -383,15 +400,21 @@ def test_theme_persists_and_narrow_layout(scripted, open_page, tmp_path):
     sidebar = page.locator("#sidebar")
     expect(page.locator("#open-sidebar")).to_be_visible()
     # The list slides off-screen (a short transition).
-    page.wait_for_function("() => document.getElementById('sidebar').getBoundingClientRect().right <= 0")
+    page.wait_for_function(
+        "() => document.getElementById('sidebar').getBoundingClientRect().right <= 0"
+    )
     composer = page.locator("#composer").bounding_box()
     assert composer["x"] >= 0 and composer["x"] + composer["width"] <= 390
     shot(page, "webui-narrow", tmp_path)
     page.click("#open-sidebar")
     expect(sidebar).to_have_class("open")
-    page.wait_for_function("() => document.getElementById('sidebar').getBoundingClientRect().x >= 0")
+    page.wait_for_function(
+        "() => document.getElementById('sidebar').getBoundingClientRect().x >= 0"
+    )
     page.locator("#conversations .conv-title").first.click()
-    page.wait_for_function("() => document.getElementById('sidebar').getBoundingClientRect().right <= 0")
+    page.wait_for_function(
+        "() => document.getElementById('sidebar').getBoundingClientRect().right <= 0"
+    )
     assert console.errors == []
 
 
@@ -435,7 +458,9 @@ def _png(folder: Path) -> Path:
     import zlib
 
     def chunk(kind: bytes, data: bytes) -> bytes:
-        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+        return (
+            struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+        )
 
     raw = b"".join(b"\x00" + b"\xff\x00\x00" * 4 for _ in range(4))
     data = (
