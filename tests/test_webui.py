@@ -516,3 +516,30 @@ def test_real_server_page_from_127(real_server, open_page):
     page.click("#toggle-status")
     expect(page.locator("#status-list")).to_contain_text("prompt cache", timeout=WAIT_MS)
     assert console.errors == []
+
+
+def test_model_picker_and_context_size_when_several_models(scripted, open_page):
+    # This server has one model; the page is shown a list of two (as a many-model server
+    # answers) to check what it does with it. Chat requests still go to the real server.
+    listing = {
+        "object": "list",
+        "data": [
+            {"id": "scripted-model", "object": "model", "owned_by": "mlx", "context_length": 512},
+            {"id": "other-model", "object": "model", "owned_by": "mlx", "capabilities": ["vision"]},
+        ],
+    }
+    page, console = open_page("about:blank")
+    page.route("**/v1/models", lambda route: route.fulfill(json=listing))
+    page.goto(scripted.base_url + "/")
+    picker = page.locator("#model-picker")
+    expect(picker).to_be_visible(timeout=WAIT_MS)
+    expect(page.locator("#attach-label")).to_be_hidden()
+    page.click("#toggle-status")
+    expect(page.locator("#status-list")).to_contain_text("512 tokens")
+    picker.select_option("other-model")
+    expect(page.locator("#attach-label")).to_be_visible()  # that one has vision
+    send(page, "hi")
+    wait_done(page)
+    page.reload()  # the choice is remembered
+    expect(page.locator("#model-picker")).to_have_value("other-model", timeout=WAIT_MS)
+    assert console.errors == []
