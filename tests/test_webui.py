@@ -322,8 +322,11 @@ def test_errors_shown_plainly(scripted_factory, open_page):
     page, _ = open_page(failing.base_url + "/")
     send(page, "hi")
     answer = last_answer(page)
-    expect(answer.locator(".error-text")).to_contain_text("scripted failure")
+    expect(answer.locator(".error-text")).to_have_text("The generation failed: scripted failure")
     expect(answer.locator(".content")).to_have_text("partial answer")
+    failing.stop()  # the server goes away under the open page
+    send(page, "still there?")
+    expect(last_answer(page).locator(".error-text")).to_contain_text("Cannot reach the server")
     assert console.unexpected() == []
 
 

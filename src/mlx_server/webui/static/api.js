@@ -33,6 +33,7 @@ export class ApiError extends Error {
     if (this.status === 503) return `Server busy (503): ${this.message} Try again in a moment.`;
     if (this.code === "context_length_exceeded")
       return `Conversation too long for the model's context (400): ${this.message}`;
+    if (this.code === "stream_error") return `The generation failed: ${this.message}`;
     if (this.status === 0) return `Cannot reach the server: ${this.message}`;
     return `Error ${this.status}: ${this.message}`;
   }
@@ -107,7 +108,7 @@ function handleFrame(frame, onChunk) {
     const data = line.slice(5).trim();
     if (data === "[DONE]") return true;
     const chunk = JSON.parse(data);
-    if (chunk.error) throw new ApiError(500, chunk.error.message || "generation failed", chunk.error.code);
+    if (chunk.error) throw new ApiError(0, chunk.error.message || "generation failed", "stream_error");
     onChunk(chunk);
   }
   return false;

@@ -205,12 +205,12 @@ function fillAssistant(node, m) {
     const body = el("div", { className: "reasoning-body", text: m.reasoning });
     parts.push(el("details", { className: "reasoning" }, el("summary", { text: "Reasoning" }), body));
   }
-  for (const call of m.toolCalls || []) parts.push(toolCallNode(call));
   if (m.content) {
     const content = el("div", { className: "content markdown" });
     content.append(m.json ? jsonBlock(m.content) : markdownFragment(m.content));
     parts.push(content);
   }
+  for (const call of m.toolCalls || []) parts.push(toolCallNode(call));
   if (m.pending && !m.content && !(m.toolCalls || []).length)
     parts.push(el("div", { className: "typing muted", text: m.reasoning ? "thinking…" : "…" }));
   if (m.error) parts.push(el("div", { className: "error-text", role: "alert", text: m.error }));
