@@ -244,6 +244,8 @@ def stream_events(srv, body: dict, path: str = "/v1/messages", **kw) -> list[tup
             elif line.startswith("data: "):
                 events.append((name, json.loads(line[len("data: ") :])))
                 name = None
+            elif line.startswith("error: "):  # Jan's failure line, a field SSE clients ignore
+                assert json.loads(line[len("error: ") :])["message"], line
             else:
                 assert line == "", line
     for name, data in events:

@@ -9,7 +9,6 @@ that id stops the whole batch.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,7 +21,7 @@ from mlx_server.models.text_prompt import (
     missing_fim_message,
 )
 from mlx_server.parsing.pipeline import OutputPipeline
-from mlx_server.service import ChatService, Generation, StreamEvent
+from mlx_server.service import ChatService, Generation
 from mlx_server.types import ChatRequest, GenerationRequest, SamplingParams
 
 PromptInput = str | list[int]
@@ -132,31 +131,3 @@ class CompletionService:
                 g.cancel()
             raise
         return gens
-
-
-async def merged_events(gens: list[Generation]) -> AsyncIterator[tuple[int, StreamEvent]]:
-    """Events of several generations as they come, tagged with the generation's index.
-    Closing the iterator early cancels every generation still running."""
-    queue: asyncio.Queue[tuple[int, StreamEvent | None]] = asyncio.Queue()
-
-    async def pump(i: int, gen: Generation) -> None:
-        try:
-            async for ev in gen.events():
-                queue.put_nowait((i, ev))
-        finally:
-            queue.put_nowait((i, None))
-
-    tasks = [asyncio.ensure_future(pump(i, g)) for i, g in enumerate(gens)]
-    left = len(gens)
-    try:
-        while left:
-            i, ev = await queue.get()
-            if ev is None:
-                left -= 1
-                continue
-            yield i, ev
-    finally:
-        for g in gens:
-            g.cancel()
-        for t in tasks:
-            t.cancel()

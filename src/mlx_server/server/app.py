@@ -26,6 +26,7 @@ from mlx_server.server.errors import json_error
 from mlx_server.server.http import parse_body
 from mlx_server.server.metrics import MetricsMiddleware, install_metrics, route_paths
 from mlx_server.server.middleware import MAX_BODY_BYTES, GuardMiddleware
+from mlx_server.server.streaming import KEEPALIVE_S
 from mlx_server.service import ChatService
 from mlx_server.webui import make_router as webui_router
 
@@ -47,12 +48,15 @@ def create_app(
     metrics_open: bool = False,
     responses_store: ResponseStore | None = None,
     webui: bool = True,
+    keepalive_s: float = KEEPALIVE_S,
 ) -> FastAPI:
-    """Build the ASGI app around a ChatService (whose engine may be real or scripted)."""
+    """Build the ASGI app around a ChatService (whose engine may be real or scripted).
+    ``keepalive_s``: how long a stream may stay silent before it gets a keep-alive frame."""
     app = FastAPI(title="mlx-server", docs_url=None, redoc_url=None, openapi_url=None)
     # Paths match exactly: no redirect from "/v1/chat/completions/" to the route.
     app.router.redirect_slashes = False
     app.state.service = service
+    app.state.keepalive_s = keepalive_s
     app.state.metrics = metrics = install_metrics(app, service)
     engine = service.engine
 

@@ -24,6 +24,10 @@ from mlx_server.events import (
     ToolCallStart,
     Usage,
 )
+from mlx_server.logs import log
+from mlx_server.protocols.anthropic.errors import error_json
+from mlx_server.server.sse import Frame
+from mlx_server.service import Generation
 
 STOP_REASONS = {
     "stop": "end_turn",
@@ -92,12 +96,6 @@ def context_error_message(prompt_tokens: int, max_tokens: int, ctx_size: int) ->
         f"input length and `max_tokens` exceed context limit: {prompt_tokens} + {max_tokens} "
         f"> {ctx_size}, decrease input length or `max_tokens` and try again"
     )
-
-
-def sse_frame(event: dict[str, Any]) -> bytes:
-    """``event: <type>\\ndata: <json>\\n\\n``."""
-    data = json.dumps(event, ensure_ascii=False)
-    return f"event: {event['type']}\ndata: {data}\n\n".encode()
 
 
 class StreamEncoder:
@@ -264,3 +262,48 @@ def _parse_input(text: str) -> dict[str, Any]:
     except ValueError:
         return {}
     return value if isinstance(value, dict) else {}
+
+
+def frames(events: list[dict[str, Any]]) -> list[Frame]:
+    return [Frame(e, event=e["type"]) for e in events]
+
+
+class MessagesEncoder:
+    """The ``Encoder`` of one Messages response: stream events, folded for a whole message."""
+
+    # A silent stream gets Anthropic's own keep-alive, a ``ping`` event.
+    keepalive = Frame({"type": "ping"}, event="ping")
+
+    def __init__(self, gen: Generation, enc: StreamEncoder):
+        self.gen = gen
+        self.enc = enc
+        self.acc = MessageAccumulator()
+
+    def _fold(self, events: list[dict[str, Any]]) -> list[Frame]:
+        for e in events:
+            self.acc.add(e)
+        return frames(events)
+
+    async def start(self) -> list[Frame]:
+        # message_start reports the prompt's cache split, known once the engine starts it.
+        await self.gen.started()
+        self.enc.cached_tokens = self.gen.cached_tokens
+        return self._fold(self.enc.start())
+
+    def event(self, index: int, ev: Any) -> list[Frame]:
+        return self._fold(self.enc.event(ev))
+
+    def finish(self, index: int, fin: Finished) -> list[Frame]:
+        return self._fold(self.enc.finish(fin))
+
+    def end(self) -> list[Frame]:
+        return []
+
+    def fail(self, message: str, fin: Finished | None) -> list[Frame]:
+        return frames([error_json("api_error", message)])
+
+    def result(self) -> dict[str, Any]:
+        msg = self.acc.message
+        kinds = ", ".join(b["type"] for b in msg["content"]) or "none"
+        log(f"Response: blocks [{kinds}], stop_reason={msg['stop_reason']}")
+        return msg

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import time
 from typing import Any
 
@@ -18,6 +17,9 @@ from mlx_server.events import (
     ToolCallStart,
     Usage,
 )
+from mlx_server.logs import log
+from mlx_server.protocols.openai.errors import stream_error
+from mlx_server.server.sse import Frame
 
 
 def finish_reason(ev: Finished) -> str:
@@ -199,5 +201,51 @@ class ChunkEncoder:
         }
 
 
-def sse(obj: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
+KEEPALIVE = Frame(comment="keep-alive")
+DONE = Frame("[DONE]")
+
+
+class ChatEncoder:
+    """The ``Encoder`` of one chat completion: chunks streamed, the message collected."""
+
+    keepalive = KEEPALIVE
+
+    def __init__(self, request_id: str, model: str, include_usage: bool, want_logprobs: bool):
+        self.chunks = ChunkEncoder(request_id, model)
+        self.builder = MessageBuilder()
+        self.include_usage = include_usage
+        self.want_logprobs = want_logprobs
+        self.fin: Finished | None = None
+
+    async def start(self) -> list[Frame]:
+        return [Frame(self.chunks.role())]
+
+    def event(self, index: int, ev: Any) -> list[Frame]:
+        self.builder.add(ev)
+        chunk = self.chunks.event(ev)
+        return [Frame(chunk)] if chunk is not None else []
+
+    def finish(self, index: int, fin: Finished) -> list[Frame]:
+        self.fin = fin
+        out = [Frame(self.chunks.final(fin, with_usage=not self.include_usage))]
+        if self.include_usage:
+            out.append(Frame(self.chunks.usage_chunk(fin)))
+        return out
+
+    def end(self) -> list[Frame]:
+        return [DONE]
+
+    def fail(self, message: str, fin: Finished | None) -> list[Frame]:
+        return [Frame(stream_error(message))]
+
+    def result(self) -> dict[str, Any]:
+        assert self.fin is not None
+        c = self.chunks
+        out = completion_json(c.id, c.model, c.created, self.builder, self.fin, self.want_logprobs)
+        choice = out["choices"][0]
+        msg = choice["message"]
+        log(
+            f"Response: {len(msg.get('content') or '')} chars, "
+            f"{len(msg.get('tool_calls') or [])} tool call(s), finish={choice['finish_reason']}"
+        )
+        return out
