@@ -59,6 +59,30 @@ def test_layers_import_only_downwards():
             assert not bad, (path, bad)
 
 
+# What server/ (plumbing: SSE, the stream driver, auth, browser guard, metrics, serving)
+# may not import: the protocols use it, and the app factory outside it wires them onto it.
+ABOVE_THE_SERVER = (
+    "mlx_server.protocols",
+    "mlx_server.service",
+    "mlx_server.text_completion",
+    "mlx_server.structured",
+    "mlx_server.app",
+    "mlx_server.wiring",
+)
+
+
+def test_the_server_is_plumbing_the_protocols_use():
+    files = sorted((SRC / "server").rglob("*.py"))
+    assert {"streaming.py", "sse.py", "errors.py"} <= {p.name for p in files}
+    for path in files:
+        bad = {m for m in imports_of(path) if m.startswith(ABOVE_THE_SERVER)}
+        assert not bad, (path, bad)
+    # ... and the protocols do use it: every generating route ends through its driver.
+    for proto in ("openai", "anthropic", "responses"):
+        mods = set().union(*(imports_of(p) for p in (SRC / "protocols" / proto).glob("*.py")))
+        assert "mlx_server.server.streaming" in mods, proto
+
+
 def test_the_vision_loader_does_not_import_the_text_loader():
     """Both import the shared model types; the text loader picks the vision one lazily."""
     assert "mlx_server.models.loader" not in imports_of(SRC / "models" / "vision.py")

@@ -24,7 +24,7 @@ from mlx_server.logs import log
 from mlx_server.server.sse import HEADERS, Frame, encode
 
 # Seconds of silence before a stream gets a keep-alive frame (Claude Code's HTTP client
-# gives up after 5 minutes without a byte). ``create_app(keepalive_s=...)`` overrides it.
+# gives up after 5 minutes without a byte); the app's ``keepalive_s`` overrides it.
 KEEPALIVE_S = 15.0
 
 T = TypeVar("T")
