@@ -64,8 +64,6 @@ def test_layers_import_only_downwards():
 ABOVE_THE_SERVER = (
     "mlx_server.protocols",
     "mlx_server.service",
-    "mlx_server.text_completion",
-    "mlx_server.structured",
     "mlx_server.app",
     "mlx_server.wiring",
 )
@@ -81,6 +79,14 @@ def test_the_server_is_plumbing_the_protocols_use():
     for proto in ("openai", "anthropic", "responses"):
         mods = set().union(*(imports_of(p) for p in (SRC / "protocols" / proto).glob("*.py")))
         assert "mlx_server.server.streaming" in mods, proto
+
+
+def test_the_services_submit_through_one_path():
+    """Chat and text completion reach the engine only through service/generation.submit."""
+    for name in ("chat.py", "text_completion.py"):
+        text = (SRC / "service" / name).read_text()
+        assert "engine.submit(" not in text and "submit(" in text, name
+        assert "ChatRequest(" not in text, name  # no stand-in request to reach a check
 
 
 def test_the_vision_loader_does_not_import_the_text_loader():

@@ -59,6 +59,6 @@ async def _start(service: ChatService, chat: ChatRequest, message_id: str) -> Ge
     try:
         return await service.start(chat, request_id=message_id)
     except ContextLengthExceeded as e:
-        n = await service.count(chat)
+        n = e.prompt_tokens if e.prompt_tokens is not None else await service.count(chat)
         message = context_error_message(n, chat.max_tokens or 0, service.ctx_size)
         raise ContextLengthExceeded(message, param=e.param) from e

@@ -21,7 +21,7 @@ from mlx_server.protocols.openai.completions_schema import CompletionRequest
 from mlx_server.server.http import parse_body
 from mlx_server.server.streaming import respond
 from mlx_server.service import ChatService
-from mlx_server.text_completion import CompletionOptions, CompletionService
+from mlx_server.service.text_completion import CompletionOptions, CompletionService
 
 
 def options(body: CompletionRequest) -> CompletionOptions:

@@ -21,8 +21,9 @@ from mlx_server.models.text_prompt import (
     missing_fim_message,
 )
 from mlx_server.parsing.pipeline import OutputPipeline
-from mlx_server.service import ChatService, Generation
-from mlx_server.types import ChatRequest, GenerationRequest, SamplingParams
+from mlx_server.service.chat import ChatService
+from mlx_server.service.generation import Generation, check_sampling, submit
+from mlx_server.types import GenerationRequest, SamplingParams
 
 PromptInput = str | list[int]
 
@@ -107,8 +108,7 @@ class CompletionService:
         self, prompts: list[TextPrompt], opts: CompletionOptions, request_id: str
     ) -> list[Generation]:
         """Submit every prompt; if one is refused (queue full), cancel the others and raise."""
-        self.chat.check_sampling(ChatRequest(messages=[], sampling=opts.sampling))
-        loop = asyncio.get_running_loop()
+        check_sampling(opts.sampling, self.chat.vocab_size)
         gens: list[Generation] = []
         try:
             for p in prompts:
@@ -121,11 +121,11 @@ class CompletionService:
                     logprobs=opts.top_logprobs is not None,
                     top_logprobs=opts.top_logprobs or 0,
                 )
-                handle = self.chat.engine.submit(req, loop)
+                # Raw text: no reasoning split, no tool calls.
                 pipeline = OutputPipeline(
                     reasoning=None, start_in_reasoning=False, tool_format=None, tools=None
                 )
-                gens.append(Generation(request_id, handle, pipeline, len(p.tokens)))
+                gens.append(submit(self.chat.engine, req, pipeline))
         except BaseException:
             for g in gens:
                 g.cancel()
