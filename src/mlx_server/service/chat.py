@@ -19,11 +19,9 @@ from mlx_server.logs import log
 from mlx_server.models.chat_template import load_chat_template
 from mlx_server.models.prompt import encode_prompt, inline_tools, render_prompt, template_text
 from mlx_server.models.system_turns import fold_late_system_messages, renders_system_in_place
-from mlx_server.parsing.functionary import is_functionary_v3_2
-from mlx_server.parsing.harmony import is_harmony
+from mlx_server.parsing.detection import detect_output_format
 from mlx_server.parsing.pipeline import OutputPipeline
 from mlx_server.parsing.reasoning import prompt_opens_reasoning, reasoning_tags
-from mlx_server.parsing.tools import resolve_tool_parser
 from mlx_server.service.generation import Generation, check_sampling, submit
 from mlx_server.service.structured import constraint_spec
 from mlx_server.types import ChatRequest, GenerationRequest
@@ -62,25 +60,16 @@ class ChatService:
         self.tokenizer = tokenizer
         self.engine = engine
         self.ctx_size = ctx_size
-        self.tool_format = resolve_tool_parser(tool_call_parser, tokenizer)
-        if self.tool_format is None and tool_call_parser in (None, "auto"):
-            # No format detected: Hermes-style <tool_call> JSON, the most common one, which
-            # the prompt builder also describes to templates that don't render tools.
-            self.tool_format = resolve_tool_parser("json_tools", tokenizer)
         self.chat_template = load_chat_template(tokenizer)
         self.template = self.chat_template.text if self.chat_template else template_text(tokenizer)
         self.reasoning_tags = reasoning_tags(tokenizer, self.template) or ("<think>", "</think>")
-        # gpt-oss (Harmony) and functionary v3.2 write addressed messages, not tagged text.
-        self.message_format: str | None = None
         vocab = _vocab(tokenizer)
         # Added tokens included; 0 (no top_k check) for a tokenizer that can't say.
         self.vocab_size = len(vocab) if vocab else 0
-        if is_harmony(self.template, vocab):
-            self.message_format = "harmony"
-        elif is_functionary_v3_2(self.template):
-            self.message_format = "functionary_v3_2"
-        if self.message_format and tool_call_parser in (None, "auto"):
-            self.tool_format = None
+        # gpt-oss (Harmony) and functionary v3.2 write addressed messages, not tagged text.
+        output = detect_output_format(tokenizer, self.template, vocab, tool_call_parser)
+        self.tool_format = output.tools
+        self.message_format = output.messages
         self.constraints = constraints
         self.capabilities = list(capabilities or [])
         self.vision = vision
