@@ -93,3 +93,26 @@ def test_the_vision_loader_does_not_import_the_text_loader():
     """Both import the shared model types; the text loader picks the vision one lazily."""
     assert "mlx_server.models.loader" not in imports_of(SRC / "models" / "vision.py")
     assert "mlx_server.models.base" in imports_of(SRC / "models" / "vision.py")
+
+
+def test_every_protocol_translates_every_finish_reason():
+    """Finish reasons are one Literal; each protocol's table covers all of them, and a
+    reason outside it is refused where it enters (the engine's text from mlx-lm)."""
+    from typing import get_args
+
+    import pytest
+
+    from mlx_server.events import Finished, FinishReason, Usage, finish_reason
+    from mlx_server.protocols.anthropic.encoder import STOP_REASONS, stop_reason
+    from mlx_server.protocols.openai.encoder import FINISH_REASONS
+    from mlx_server.protocols.openai.encoder import finish_reason as openai_finish
+
+    reasons = set(get_args(FinishReason))
+    assert set(FINISH_REASONS) == reasons and set(STOP_REASONS) == reasons
+    assert finish_reason("length") == "length"
+    with pytest.raises(ValueError):
+        finish_reason("eos")
+    stop_in_reasoning = Finished("stop", Usage(1, 1), in_reasoning=True)
+    assert openai_finish(stop_in_reasoning) == "length"  # the answer never came
+    assert stop_reason(stop_in_reasoning) == "end_turn"
+    assert openai_finish(Finished("stop_sequence", Usage(1, 1))) == "stop"

@@ -11,7 +11,7 @@ import functools
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from mlx_server.engine.protocol import EngineLike
 from mlx_server.errors import ContextLengthExceeded, InvalidRequest
@@ -26,7 +26,19 @@ from mlx_server.service.generation import Generation, check_sampling, submit
 from mlx_server.service.structured import constraint_spec
 from mlx_server.types import ChatRequest, GenerationRequest
 
+if TYPE_CHECKING:
+    from mlx_server.engine.constraints import ConstraintCompiler
+    from mlx_server.models.vision import VisionPromptBuilder
+
 T = TypeVar("T")
+
+
+class Tokenizer(Protocol):
+    """What the services use of a model's tokenizer (mlx-lm's ``TokenizerWrapper``)."""
+
+    def encode(self, text: str, add_special_tokens: bool = ...) -> list[int]: ...
+
+    def decode(self, ids: list[int], **kwargs: Any) -> str: ...
 
 
 @dataclass(frozen=True)
@@ -35,7 +47,7 @@ class PreparedPrompt:
     tokens: list[int]
     max_tokens: int
     start_in_reasoning: bool
-    vision_inputs: Any = None  # pixels etc. for a vision model's prompt with media
+    vision_inputs: dict[str, Any] | None = None  # pixels etc. for a prompt with media
 
 
 class ChatService:
@@ -44,13 +56,13 @@ class ChatService:
     def __init__(
         self,
         model_id: str,
-        tokenizer: Any,
+        tokenizer: Tokenizer,
         engine: EngineLike,
         *,
         ctx_size: int,
         tool_call_parser: str | None = None,
-        constraints: Any = None,
-        vision: Any = None,
+        constraints: ConstraintCompiler | None = None,
+        vision: VisionPromptBuilder | None = None,
         capabilities: list[str] | None = None,
     ):
         """``constraints``: a ConstraintCompiler when structured output is available;
@@ -128,7 +140,7 @@ class ChatService:
         call = getattr(self.engine, "call", None)
         return call(fn).result() if call is not None else fn()
 
-    def _encode(self, chat: ChatRequest, text: str) -> tuple[list[int], Any]:
+    def _encode(self, chat: ChatRequest, text: str) -> tuple[list[int], dict[str, Any] | None]:
         """Token ids, and a vision model's inputs (image tokens counted in the ids)."""
         if self.vision is not None:
             return self.vision.encode(text, chat.messages, self._on_engine_thread)
@@ -242,7 +254,9 @@ class ChatService:
         )
         return submit(self.engine, req, pipeline)
 
-    def _constraint_processors(self, chat: ChatRequest, prepared: PreparedPrompt) -> list[Any]:
+    def _constraint_processors(
+        self, chat: ChatRequest, prepared: PreparedPrompt
+    ) -> list[Callable[..., Any]]:
         spec = constraint_spec(chat, self.tool_format if chat.tools else None)
         if spec is None:
             return []

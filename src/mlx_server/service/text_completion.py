@@ -21,7 +21,7 @@ from mlx_server.models.text_prompt import (
     missing_fim_message,
 )
 from mlx_server.parsing.pipeline import OutputPipeline
-from mlx_server.service.chat import ChatService
+from mlx_server.service.chat import ChatService, Tokenizer
 from mlx_server.service.generation import Generation, check_sampling, submit
 from mlx_server.types import GenerationRequest, SamplingParams
 
@@ -50,7 +50,7 @@ class CompletionService:
         self._fim: Any = False  # not looked up yet
 
     @property
-    def tokenizer(self) -> Any:
+    def tokenizer(self) -> Tokenizer:
         return self.chat.tokenizer
 
     def fim_tokens(self) -> Any:

@@ -13,10 +13,11 @@ import copy
 import hashlib
 import json
 import uuid
-from typing import Any
+from typing import Any, Literal
 
 from mlx_server.events import (
     Finished,
+    FinishReason,
     ReasoningDelta,
     TextDelta,
     ToolCallArgsDelta,
@@ -29,7 +30,8 @@ from mlx_server.protocols.anthropic.errors import error_json
 from mlx_server.server.sse import Frame
 from mlx_server.service import Generation
 
-STOP_REASONS = {
+StopReason = Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"]
+STOP_REASONS: dict[FinishReason, StopReason] = {
     "stop": "end_turn",
     "stop_sequence": "stop_sequence",
     "length": "max_tokens",
@@ -37,6 +39,7 @@ STOP_REASONS = {
     # Cancelled through /v1/cancel while the client still listens: end the turn cleanly
     # with what was generated.
     "cancelled": "end_turn",
+    "error": "end_turn",  # never sent: a failure ends the stream with an error event
 }
 
 
@@ -55,8 +58,8 @@ def thinking_signature(thinking: str) -> str:
     return hashlib.sha256(thinking.encode()).hexdigest()
 
 
-def stop_reason(fin: Finished) -> str:
-    return STOP_REASONS.get(fin.reason, "end_turn")
+def stop_reason(fin: Finished) -> StopReason:
+    return STOP_REASONS[fin.reason]
 
 
 def usage_json(prompt_tokens: int, output_tokens: int, cached_tokens: int) -> dict[str, Any]:

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Literal
 
 from mlx_server.events import (
     Finished,
+    FinishReason,
     LogprobEntry,
     Logprobs,
     ReasoningDelta,
@@ -21,14 +22,23 @@ from mlx_server.logs import log
 from mlx_server.protocols.openai.errors import stream_error
 from mlx_server.server.sse import Frame
 
+OpenAIFinish = Literal["stop", "length", "tool_calls"]
+# OpenAI has no 'stop_sequence', 'cancelled' or 'error'.
+FINISH_REASONS: dict[FinishReason, OpenAIFinish] = {
+    "stop": "stop",
+    "stop_sequence": "stop",
+    "length": "length",
+    "tool_calls": "tool_calls",
+    "cancelled": "stop",
+    "error": "stop",
+}
 
-def finish_reason(ev: Finished) -> str:
-    """Map the neutral finish reason to OpenAI's (which has no 'cancelled' or 'error')."""
+
+def finish_reason(ev: Finished) -> OpenAIFinish:
+    """OpenAI's name for the neutral finish reason."""
     if ev.in_reasoning and ev.reason in ("stop", "stop_sequence", "length"):
         return "length"  # the answer never came: the reasoning was cut off
-    return {"stop_sequence": "stop", "tool_calls": "tool_calls", "length": "length"}.get(
-        ev.reason, "stop"
-    )
+    return FINISH_REASONS[ev.reason]
 
 
 def usage_json(u: Usage) -> dict[str, Any]:
