@@ -25,6 +25,8 @@ class Script:
     finish: str = "stop"  # how the text ends when it runs out: "stop" (EOS) or "error"
     # Held before the first piece until set (a long prefill that ends when the test says).
     gate: threading.Event | None = None
+    # Held before the engine takes the request up (a request waiting in the queue).
+    start_gate: threading.Event | None = None
 
 
 @dataclass
@@ -43,8 +45,9 @@ class ScriptedEngine:
         delay: float = 0.0,
         finish: str = "stop",
         gate: threading.Event | None = None,
+        start_gate: threading.Event | None = None,
     ) -> None:
-        self.scripts.append(Script(list(pieces), delay, finish, gate))
+        self.scripts.append(Script(list(pieces), delay, finish, gate, start_gate))
 
     def start(self) -> None:
         pass
@@ -70,8 +73,11 @@ class ScriptedEngine:
         stops = StopMatcher(req.stop)
         n = 0
         reason = script.finish
-        handle.push(Started(0))
         try:
+            if script.start_gate is not None:
+                if not await asyncio.to_thread(script.start_gate.wait, 30):
+                    raise TimeoutError("the script's start gate was never opened")
+            handle.push(Started(0))
             if script.gate is not None and not await asyncio.to_thread(script.gate.wait, 30):
                 raise TimeoutError("the script's gate was never opened")
             for piece in script.pieces:

@@ -171,3 +171,27 @@ def test_sdks_read_keep_alives_and_ignore_jans_line(fast_keepalive):
     with an.messages.stream(model="m", max_tokens=8, messages=messages) as s:
         gate.set()
         assert s.get_final_text() == "Hi"
+
+
+def test_a_queued_anthropic_stream_gets_comments_until_message_start(fast_keepalive):
+    """message_start (which reports the prompt's cache split) waits for the engine to take
+    the request up; until then the keep-alive is a comment line, so the first event is
+    still message_start, then pings as the spec shows them."""
+    path, body = MESSAGES
+    start_gate = threading.Event()
+    fast_keepalive.engine.push("Hi", start_gate=start_gate)
+    before_start: list[str] = []
+    names: list[str] = []
+    with httpx.stream(
+        "POST", fast_keepalive.base_url + path, json={**body, "stream": True}, timeout=30
+    ) as resp:
+        assert resp.status_code == 200
+        for line in resp.iter_lines():
+            if not names and line:
+                before_start.append(line)
+                if line == ": keep-alive":
+                    start_gate.set()
+            if line.startswith("event: "):
+                names.append(line[len("event: ") :])
+    assert start_gate.is_set() and set(before_start) == {": keep-alive", "event: message_start"}
+    assert names[0] == "message_start" and names[-1] == "message_stop"

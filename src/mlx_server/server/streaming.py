@@ -43,7 +43,10 @@ class Encoder(Protocol):
     the whole answer. A collected answer runs the same steps and ignores the frames, so
     both forms always carry the same content."""
 
-    keepalive: Frame  # sent when the stream has been silent for a while
+    @property
+    def keepalive(self) -> Frame:
+        """The frame sent when the stream has been silent for a while."""
+        ...
 
     async def start(self) -> list[Frame]:
         """The frames before the first event (may wait for the engine to take the request)."""

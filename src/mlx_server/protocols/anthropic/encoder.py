@@ -271,16 +271,23 @@ def frames(events: list[dict[str, Any]]) -> list[Frame]:
     return [Frame(e, event=e["type"]) for e in events]
 
 
+PING = Frame({"type": "ping"}, event="ping")
+
+
 class MessagesEncoder:
     """The ``Encoder`` of one Messages response: stream events, folded for a whole message."""
-
-    # A silent stream gets Anthropic's own keep-alive, a ``ping`` event.
-    keepalive = Frame({"type": "ping"}, event="ping")
 
     def __init__(self, gen: Generation, enc: StreamEncoder):
         self.gen = gen
         self.enc = enc
         self.acc = MessageAccumulator()
+        self.opened = False
+
+    @property
+    def keepalive(self) -> Frame:
+        """Anthropic's own keep-alive, a ``ping`` event, once ``message_start`` went out
+        (the first event of a stream); a comment line while the request still queues."""
+        return PING if self.opened else Frame(comment="keep-alive")
 
     def _fold(self, events: list[dict[str, Any]]) -> list[Frame]:
         for e in events:
@@ -291,6 +298,7 @@ class MessagesEncoder:
         # message_start reports the prompt's cache split, known once the engine starts it.
         await self.gen.started()
         self.enc.cached_tokens = self.gen.cached_tokens
+        self.opened = True
         return self._fold(self.enc.start())
 
     def event(self, index: int, ev: Any) -> list[Frame]:
