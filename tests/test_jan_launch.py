@@ -210,3 +210,25 @@ def test_a_chat_template_that_names_nothing_or_does_not_parse_is_refused(value, 
     with pytest.raises(ModelLoadError) as e:
         resolve_override(value, {"default": CHATML, "tool_use": CHATML})
     assert needle in str(e.value)
+
+
+def test_the_override_drives_tool_format_detection_and_the_probes(tiny_model_dir):
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    from mlx_server.models.base import read_chat_template
+    from mlx_server.models.chat_template import ChatTemplate
+    from mlx_server.parsing.tool_formats import detect_tool_parser
+
+    llama_style = (
+        "{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
+        "{{ m['content'] }}<|eot_id|>{% endfor %}"
+        "{% if tools %}Call tools as <|python_tag|>{...} (ipython).{% endif %}"
+    )
+    own = load_tokenizer(tiny_model_dir)
+    assert detect_tool_parser(own) == "json_tools"  # ChatML with <tool_call>
+    tok = load_tokenizer(tiny_model_dir)
+    install_chat_template(tok, read_chat_template(tiny_model_dir), llama_style)
+    assert detect_tool_parser(tok) == "llama3_json"
+    probed = ChatTemplate.from_tokenizer(tok)
+    assert probed is not None and probed.text == llama_style
+    assert probed.render([{"role": "user", "content": "hi"}]).startswith("<|start_header_id|>user")
