@@ -26,6 +26,7 @@ from mlx_server.parsing.harmony import is_harmony
 from mlx_server.parsing.pipeline import OutputPipeline
 from mlx_server.parsing.reasoning import prompt_opens_reasoning, reasoning_tags
 from mlx_server.parsing.tools import resolve_tool_parser
+from mlx_server.request_checks import check_logit_bias
 from mlx_server.structured import constraint_spec
 from mlx_server.types import ChatRequest, GenerationRequest
 
@@ -261,6 +262,7 @@ class ChatService:
                 f"top_k must be below the model's vocabulary size ({self.vocab_size}); got {top_k}",
                 param="top_k",
             )
+        check_logit_bias(chat.sampling, self.vocab_size)
 
     def _constraint_processors(self, chat: ChatRequest, prepared: PreparedPrompt) -> list[Any]:
         spec = constraint_spec(chat, self.tool_format if chat.tools else None)

@@ -16,6 +16,9 @@ class SamplingParams:
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     seed: int | None = None
+    # OpenAI's logit_bias: (token id, bias) pairs added to the model's logits before
+    # sampling, sorted by id (a tuple, so the settings stay hashable).
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True)

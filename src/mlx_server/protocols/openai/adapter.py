@@ -68,7 +68,32 @@ def sampling_params(body: Any) -> SamplingParams:
         presence_penalty=body.presence_penalty,
         frequency_penalty=body.frequency_penalty,
         seed=body.seed,
+        logit_bias=logit_bias(body.logit_bias),
     )
+
+
+LOGIT_BIAS_LIMIT = 100.0
+
+
+def logit_bias(raw: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+    """OpenAI's ``logit_bias`` map as sorted (token id, bias) pairs; a key that is not a
+    token id or a bias outside [-100, 100] is refused, naming the key. Whether the ids are
+    in the model's vocabulary is checked where the vocabulary is known."""
+    pairs: dict[int, float] = {}
+    for key, value in (raw or {}).items():
+        where = f"logit_bias.{key}"
+        token = key.strip()
+        if not token.isdigit() or not token.isascii():
+            raise InvalidRequest(
+                f"{where}: logit_bias keys must be token ids (non-negative integers)", param=where
+            )
+        if not -LOGIT_BIAS_LIMIT <= value <= LOGIT_BIAS_LIMIT:
+            raise InvalidRequest(
+                f"{where}: the bias must be between -100 and 100; got {value}", param=where
+            )
+        if value:
+            pairs[int(token)] = float(value)
+    return tuple(sorted(pairs.items()))
 
 
 def _tool_choice(tc: str | dict[str, Any] | None) -> ToolChoice:

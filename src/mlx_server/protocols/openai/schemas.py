@@ -70,6 +70,8 @@ class SamplingFields(_Model):
     # A signed or unsigned 64-bit integer (OpenAI documents int64).
     seed: int | None = Field(default=None, ge=-(1 << 63), lt=1 << 64)
     n_predict: int | None = None
+    # Token id (as a JSON key) → bias added to its logit, in [-100, 100].
+    logit_bias: dict[str, float] | None = None
     n: int | None = Field(default=None, ge=1, le=1)
     stop: str | list[str] | None = None
     stream: bool = False
