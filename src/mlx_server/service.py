@@ -125,6 +125,8 @@ class ChatService:
             tools=tools,
             template_kwargs=chat.template_kwargs,
             template=self.chat_template,
+            add_generation_prompt=chat.add_generation_prompt,
+            continue_final_message=chat.continue_final_message,
         )
 
     def count_tokens(self, chat: ChatRequest) -> int:
@@ -182,7 +184,12 @@ class ChatService:
             n += 1
         if n == len(messages) or self.vision is not None:
             return 0
-        head = replace(chat, messages=[*messages[:n], {"role": "user", "content": ""}])
+        head = replace(
+            chat,
+            messages=[*messages[:n], {"role": "user", "content": ""}],
+            add_generation_prompt=True,
+            continue_final_message=False,
+        )
         try:
             head_tokens = encode_prompt(self.tokenizer, self.render(head))
         except Exception:  # a template that rejects the cut conversation: no boundary

@@ -67,6 +67,10 @@ class ChatRequest:
     # {"type": "json_schema", "schema": {...}}. Enforced with a grammar, like a
     # tool_choice of "required" or a named function.
     response_format: dict[str, Any] | None = None
+    # The chat-template controls vLLM defines: end the prompt with the assistant's turn
+    # opened (the default), or leave the final (assistant) message open and continue it.
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
 
 @dataclass(frozen=True)

@@ -40,6 +40,7 @@ def to_chat_request(body: ChatCompletionRequest, *, vision: bool = False) -> Cha
         except ValueError as e:
             raise InvalidRequest(str(e), param="reasoning_effort") from e
         kwargs = {**effort, **kwargs}  # explicit chat_template_kwargs win
+    add_generation_prompt, continue_final = template_controls(body)
     return ChatRequest(
         messages=messages,
         sampling=sampling_params(body),
@@ -54,7 +55,28 @@ def to_chat_request(body: ChatCompletionRequest, *, vision: bool = False) -> Cha
         reasoning_format="none" if body.reasoning_format == "none" else "auto",
         response_format=_response_format(body),
         ignore_eos=bool(body.ignore_eos),
+        add_generation_prompt=add_generation_prompt,
+        continue_final_message=continue_final,
     )
+
+
+def template_controls(body: ChatCompletionRequest) -> tuple[bool, bool]:
+    """``add_generation_prompt`` and ``continue_final_message`` as vLLM defines them: the
+    first defaults to true, unless the second is set; both true is refused; continuing
+    needs a final assistant message to continue."""
+    cont = bool(body.continue_final_message)
+    if cont and body.add_generation_prompt:
+        raise InvalidRequest(
+            "Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
+            param="continue_final_message",
+        )
+    if cont and body.messages[-1].role != "assistant":
+        raise InvalidRequest(
+            "continue_final_message needs the last message to be the assistant's",
+            param="messages",
+        )
+    add = body.add_generation_prompt if body.add_generation_prompt is not None else not cont
+    return add, cont
 
 
 def sampling_params(body: Any) -> SamplingParams:

@@ -97,6 +97,9 @@ class ChatCompletionRequest(SamplingFields):
     parallel_tool_calls: bool | None = None
     response_format: ResponseFormat | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's chat-template controls (see the adapter's ``template_controls``).
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool | None = None
     reasoning_format: str | None = None
     reasoning_effort: str | None = None
     ignore_eos: bool | None = None  # llama.cpp's: generate max_tokens whatever the model says
