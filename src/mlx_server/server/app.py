@@ -24,6 +24,7 @@ from mlx_server.protocols.responses.store import ResponseStore
 from mlx_server.server.browser_guard import BrowserGuard, BrowserPolicy
 from mlx_server.server.errors import json_error
 from mlx_server.server.http import parse_body
+from mlx_server.server.ignored_fields import IgnoredFieldsHeader
 from mlx_server.server.metrics import MetricsMiddleware, install_metrics, route_paths
 from mlx_server.server.middleware import MAX_BODY_BYTES, GuardMiddleware
 from mlx_server.service import ChatService
@@ -85,6 +86,7 @@ def create_app(
 
     _install_error_handlers(app)
     keyed = frozenset({"/tokenize", "/detokenize"} | (set() if metrics_open else {"/metrics"}))
+    app.add_middleware(IgnoredFieldsHeader)
     app.add_middleware(GuardMiddleware, api_key=api_key, max_body=max_body, keyed_paths=keyed)
     app.add_middleware(BrowserGuard, policy=browser)  # outside auth: preflights carry no key
     app.add_middleware(
