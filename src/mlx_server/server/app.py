@@ -12,6 +12,7 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from mlx_server.choices import DEFAULT_MAX_N
 from mlx_server.errors import InvalidRequest, MethodNotAllowed, NotFound, Overloaded, ServerError
 from mlx_server.logs import log
 from mlx_server.protocols.anthropic.routes import make_router as anthropic_router
@@ -48,12 +49,14 @@ def create_app(
     metrics_open: bool = False,
     responses_store: ResponseStore | None = None,
     webui: bool = True,
+    max_n: int = DEFAULT_MAX_N,
 ) -> FastAPI:
     """Build the ASGI app around a ChatService (whose engine may be real or scripted)."""
     app = FastAPI(title="mlx-server", docs_url=None, redoc_url=None, openapi_url=None)
     # Paths match exactly: no redirect from "/v1/chat/completions/" to the route.
     app.router.redirect_slashes = False
     app.state.service = service
+    app.state.max_n = max_n  # most choices (n) per request
     app.state.metrics = metrics = install_metrics(app, service)
     engine = service.engine
 

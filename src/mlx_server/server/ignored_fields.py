@@ -41,7 +41,9 @@ def printable(name: str) -> str:
     return safe if len(safe) <= MAX_NAME else safe[: MAX_NAME - 3] + "..."
 
 
-def note_ignored(scope: MutableMapping[str, Any], body: dict[str, Any], schema: type[BaseModel]) -> list[str]:
+def note_ignored(
+    scope: MutableMapping[str, Any], body: dict[str, Any], schema: type[BaseModel]
+) -> list[str]:
     """Record the body's unknown top-level fields on the request (for the header) and log
     the ones not logged before on this route; returns them, sorted."""
     known = known_fields(schema)

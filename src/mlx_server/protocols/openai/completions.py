@@ -11,6 +11,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
+from mlx_server.choices import DEFAULT_MAX_N, check_n, merged_choices, start_text_choices
 from mlx_server.errors import InvalidRequest, ServerError
 from mlx_server.events import Finished, Usage
 from mlx_server.logs import log
@@ -26,7 +27,6 @@ from mlx_server.text_completion import (
     CompletionOptions,
     CompletionService,
     TextPrompt,
-    merged_events,
 )
 
 
@@ -59,29 +59,30 @@ def make_router(service: ChatService) -> APIRouter:
         opts = options(body)
         if body.suffix is not None:  # stop where the model leaves the hole it fills
             opts = replace(opts, stop=opts.stop + fim_stop_strings(service.tokenizer))
+        n = check_n(body.n, getattr(request.app.state, "max_n", DEFAULT_MAX_N))
         prompts = await completions.prepare(body.prompts(), body.suffix, opts.max_tokens)
         log(
             f"Request: completions, model={body.model}, prompts={len(prompts)}, "
             f"fim={body.suffix is not None}, stream={str(body.stream).lower()}"
         )
         request_id = f"cmpl-{uuid.uuid4().hex[:24]}"
-        echoes = [p.text if body.echo else "" for p in prompts]
+        echoes = [p.text if body.echo else "" for p in prompts for _ in range(n)]
         enc = CompletionEncoder(
             request_id, body.model or service.model_id, echoes, body.logprobs is not None
         )
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         if opts.max_tokens == 0:  # nothing to generate: the prompt (echo) and its usage
-            whole = _empty(enc, prompts)
+            whole = _empty(enc, prompts, n)
             return (
                 sse_response(_one_chunk(whole, include_usage))
                 if body.stream
                 else JSONResponse(whole)
             )
-        gens = completions.start(prompts, opts, request_id)
+        gens = start_text_choices(completions, prompts, opts, request_id, n)
         return await respond(
             request,
-            stream=_stream(gens, enc, include_usage) if body.stream else None,
-            collect=lambda: _collect(gens, enc),
+            stream=_stream(gens, enc, include_usage, n) if body.stream else None,
+            collect=lambda: _collect(gens, enc, n),
             cancel=lambda: _cancel(gens),
         )
 
@@ -93,9 +94,9 @@ def _cancel(gens: list[Generation]) -> None:
         g.cancel()
 
 
-def _empty(enc: CompletionEncoder, prompts: list[TextPrompt]) -> dict[str, Any]:
-    for i, p in enumerate(prompts):
-        enc.add(i, Finished("length", Usage(len(p.tokens), 0)))
+def _empty(enc: CompletionEncoder, prompts: list[TextPrompt], n: int) -> dict[str, Any]:
+    for i in range(len(prompts) * n):  # each prompt counted once in the usage
+        enc.add(i, Finished("length", Usage(0 if i % n else len(prompts[i // n].tokens), 0)))
     return enc.response()
 
 
@@ -108,8 +109,8 @@ async def _one_chunk(whole: dict[str, Any], include_usage: bool) -> AsyncIterato
     yield b"data: [DONE]\n\n"
 
 
-async def _collect(gens: list[Generation], enc: CompletionEncoder) -> dict[str, Any]:
-    async for i, ev in merged_events(gens):
+async def _collect(gens: list[Generation], enc: CompletionEncoder, n: int) -> dict[str, Any]:
+    async for i, ev in merged_choices(gens, n):
         if isinstance(ev, Finished) and ev.reason == "error":
             raise ServerError(ev.error or "generation failed")
         enc.add(i, ev)
@@ -119,13 +120,13 @@ async def _collect(gens: list[Generation], enc: CompletionEncoder) -> dict[str, 
 
 
 async def _stream(
-    gens: list[Generation], enc: CompletionEncoder, include_usage: bool
+    gens: list[Generation], enc: CompletionEncoder, include_usage: bool, n: int
 ) -> AsyncIterator[bytes]:
     for chunk in enc.echo_chunks():
         yield sse(chunk)
     left = len(gens)
     try:
-        async for i, ev in merged_events(gens):
+        async for i, ev in merged_choices(gens, n):
             if isinstance(ev, Finished):
                 if ev.reason == "error":
                     yield stream_error_frames(ev.error or "generation failed")

@@ -10,9 +10,11 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
+from mlx_server.choices import DEFAULT_MAX_N, check_n, start_chat_choices
 from mlx_server.events import Finished
 from mlx_server.logs import log
 from mlx_server.protocols.openai.adapter import to_chat_request
+from mlx_server.protocols.openai.choices import cancel_all, collect_choices, stream_choices
 from mlx_server.protocols.openai.encoder import ChunkEncoder, MessageBuilder, completion_json, sse
 from mlx_server.protocols.openai.errors import stream_error_frames
 from mlx_server.protocols.openai.schemas import ChatCompletionRequest
@@ -43,9 +45,18 @@ def make_router(service: ChatService, *, vision: bool = False) -> APIRouter:
         log(
             f"Request: model={body.model}, messages={len(chat.messages)}, stream={str(body.stream).lower()}, tools={tools}"
         )
-        gen = await service.start(chat)
+        n = check_n(body.n, getattr(request.app.state, "max_n", DEFAULT_MAX_N))
         model = body.model or service.model_id
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        if n > 1:
+            gens = await start_chat_choices(service, chat, n)
+            return await respond(
+                request,
+                stream=stream_choices(gens, model, include_usage) if body.stream else None,
+                collect=lambda: collect_choices(gens, model, chat.logprobs),
+                cancel=lambda: cancel_all(gens),
+            )
+        gen = await service.start(chat)
         return await respond(
             request,
             stream=_stream(gen, model, include_usage) if body.stream else None,

@@ -72,7 +72,7 @@ class SamplingFields(_Model):
     n_predict: int | None = None
     # Token id (as a JSON key) → bias added to its logit, in [-100, 100].
     logit_bias: dict[str, float] | None = None
-    n: int | None = Field(default=None, ge=1, le=1)
+    n: int | None = Field(default=None, ge=1)  # at most --max-n (checked by the route)
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
