@@ -143,3 +143,17 @@ def test_bias_row_is_added_in_one_operation():
     assert out.dtype == mx.float16
     assert out.tolist() == [[0.0, 5.0, 0.0, -100.0]]
     assert process(mx.array([0]), out).tolist() == [[0.0, 10.0, 0.0, -200.0]]
+
+
+def test_bias_comes_before_the_penalties():
+    import mlx.core as mx
+
+    from mlx_server.engine.sampling import make_processors
+    from mlx_server.types import SamplingParams
+
+    params = SamplingParams(logit_bias=((1, 5.0),), presence_penalty=1.0, frequency_penalty=0.5)
+    logits = mx.zeros((1, 3))
+    for process in make_processors(params):
+        logits = process(mx.array([1, 1]), logits)
+    # +5 bias on token 1, then -1 presence and -0.5 x 2 frequency for its two occurrences.
+    assert logits.tolist() == [[0.0, 3.0, 0.0]]

@@ -21,8 +21,8 @@ FIELDS = json.loads((TESTS / "specs" / "openai-request-fields.json").read_text()
 
 # field → the test file that exercises it
 CHAT_IMPLEMENTED = {
-    "frequency_penalty": "test_fuzz.py",
-    "presence_penalty": "test_fuzz.py",
+    "frequency_penalty": "test_logit_bias.py",
+    "presence_penalty": "test_logit_bias.py",
     "logit_bias": "test_logit_bias.py",
     "logprobs": "test_batching.py",
     "top_logprobs": "test_batching.py",
@@ -31,7 +31,7 @@ CHAT_IMPLEMENTED = {
     "messages": "test_openai_scripted.py",
     "model": "test_openai_scripted.py",
     "n": "test_n_choices.py",
-    "parallel_tool_calls": "test_constraints.py",
+    "parallel_tool_calls": "test_tools_reasoning_e2e.py",
     "reasoning_effort": "test_template_caps.py",
     "response_format": "test_structured_demo.py",
     "seed": "test_engine_faults.py",
@@ -40,8 +40,8 @@ CHAT_IMPLEMENTED = {
     "stream_options": "test_openai_scripted.py",
     "temperature": "test_openai_scripted.py",
     "top_p": "test_openai_scripted.py",
-    "tool_choice": "test_constraints.py",
-    "tools": "test_openai_scripted.py",
+    "tool_choice": "test_structured_demo.py",
+    "tools": "test_tools_reasoning_e2e.py",
 }
 CHAT_NOT_APPLICABLE = {
     "audio": "audio output: the served models write text",
@@ -63,8 +63,8 @@ CHAT_NOT_APPLICABLE = {
 }
 COMPLETIONS_IMPLEMENTED = {
     "echo": "test_completions_scripted.py",
-    "frequency_penalty": "test_fuzz.py",
-    "presence_penalty": "test_fuzz.py",
+    "frequency_penalty": "test_logit_bias.py",
+    "presence_penalty": "test_logit_bias.py",
     "logit_bias": "test_logit_bias.py",
     "logprobs": "test_completions_scripted.py",
     "max_tokens": "test_completions_scripted.py",
