@@ -6,6 +6,7 @@ that sends ``max_token`` or ``top_K`` can see that they had no effect.
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
@@ -26,7 +27,9 @@ _logged: set[tuple[str, str]] = set()
 _lock = threading.Lock()
 
 
+@functools.cache
 def known_fields(schema: type[BaseModel]) -> frozenset[str]:
+    """The top-level names a schema declares, aliases included."""
     names: set[str] = set()
     for name, info in schema.model_fields.items():
         names.add(name)
