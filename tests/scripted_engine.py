@@ -7,6 +7,7 @@ and applies stop strings and max_tokens like the real one, so protocol tests are
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -22,6 +23,10 @@ class Script:
     pieces: list[str]
     delay: float = 0.0  # seconds between pieces
     finish: str = "stop"  # how the text ends when it runs out: "stop" (EOS) or "error"
+    # Held before the first piece until set (a long prefill that ends when the test says).
+    gate: threading.Event | None = None
+    # Held before the engine takes the request up (a request waiting in the queue).
+    start_gate: threading.Event | None = None
 
 
 @dataclass
@@ -34,8 +39,15 @@ class ScriptedEngine:
     _tasks: set[asyncio.Task] = field(default_factory=set)
     stopping: bool = False
 
-    def push(self, *pieces: str, delay: float = 0.0, finish: str = "stop") -> None:
-        self.scripts.append(Script(list(pieces), delay, finish))
+    def push(
+        self,
+        *pieces: str,
+        delay: float = 0.0,
+        finish: str = "stop",
+        gate: threading.Event | None = None,
+        start_gate: threading.Event | None = None,
+    ) -> None:
+        self.scripts.append(Script(list(pieces), delay, finish, gate, start_gate))
 
     def start(self) -> None:
         pass
@@ -61,8 +73,13 @@ class ScriptedEngine:
         stops = StopMatcher(req.stop)
         n = 0
         reason = script.finish
-        handle.push(Started(0))
         try:
+            if script.start_gate is not None:
+                if not await asyncio.to_thread(script.start_gate.wait, 30):
+                    raise TimeoutError("the script's start gate was never opened")
+            handle.push(Started(0))
+            if script.gate is not None and not await asyncio.to_thread(script.gate.wait, 30):
+                raise TimeoutError("the script's gate was never opened")
             for piece in script.pieces:
                 if handle.cancelled:
                     reason = "cancelled"

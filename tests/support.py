@@ -54,7 +54,7 @@ def start_in_process(
 ) -> InProcessServer:
     import uvicorn
 
-    from mlx_server.server.app import create_app
+    from mlx_server.app import create_app
     from mlx_server.service import ChatService
 
     engine = engine or ScriptedEngine()
@@ -244,6 +244,8 @@ def stream_events(srv, body: dict, path: str = "/v1/messages", **kw) -> list[tup
             elif line.startswith("data: "):
                 events.append((name, json.loads(line[len("data: ") :])))
                 name = None
+            elif line.startswith("error: "):  # Jan's failure line, a field SSE clients ignore
+                assert json.loads(line[len("error: ") :])["message"], line
             else:
                 assert line == "", line
     for name, data in events:

@@ -626,11 +626,9 @@ def test_client_disconnect_stops_generation(scripted):
     assert wait_until(lambda: scripted.engine.active_count == 0)
 
 
-def test_a_silent_stream_gets_pings(scripted, monkeypatch):
+def test_a_silent_stream_gets_pings(scripted_factory):
     """A long prefill sends nothing for minutes: pings keep the connection alive."""
-    from mlx_server.protocols.anthropic import routes
-
-    monkeypatch.setattr(routes, "PING_INTERVAL_S", 0.05)
+    scripted = scripted_factory(app_kw={"keepalive_s": 0.05})
     scripted.engine.push("", "Hi", delay=1.0)  # a first token a second late, then the end
     events = stream_events(scripted, base())
     names = [n for n, _ in events]
@@ -643,10 +641,8 @@ def test_a_silent_stream_gets_pings(scripted, monkeypatch):
     assert text == "Hi"
 
 
-def test_disconnect_while_waiting_for_the_first_token_frees_the_slot(scripted, monkeypatch):
-    from mlx_server.protocols.anthropic import routes
-
-    monkeypatch.setattr(routes, "PING_INTERVAL_S", 0.05)
+def test_disconnect_while_waiting_for_the_first_token_frees_the_slot(scripted_factory):
+    scripted = scripted_factory(app_kw={"keepalive_s": 0.05})
     scripted.engine.push(*[""] * 200, "tok", delay=0.1)  # silent for 20 s
     body = base(stream=True, max_tokens=300)
     with httpx.stream("POST", scripted.base_url + "/v1/messages", json=body, timeout=30) as resp:

@@ -10,7 +10,8 @@ from typing import Any
 
 import pytest
 
-from mlx_server.parsing.pipeline import MESSAGE_FORMATS, OutputPipeline, collect
+from mlx_server.parsing.detection import message_formats
+from mlx_server.parsing.pipeline import OutputPipeline, collect
 from mlx_server.parsing.tool_formats import available_tool_parsers, tool_format
 
 VECTORS = json.loads(
@@ -27,7 +28,7 @@ def _tools(case: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def _parse(case: dict[str, Any], pieces: list[str]) -> dict[str, Any]:
-    messages = case["format"] if case["format"] in MESSAGE_FORMATS else None
+    messages = case["format"] if case["format"] in message_formats() else None
     ids = iter(f"call_{i}" for i in range(100))
     fmt = None if messages else tool_format(case["format"])
     pipeline = OutputPipeline(
@@ -68,4 +69,4 @@ def test_every_format_has_vectors():
         "functionary_v3_1",
     }  # fmt: skip
     assert expected <= covered
-    assert covered - set(MESSAGE_FORMATS) <= set(available_tool_parsers())
+    assert covered - set(message_formats()) <= set(available_tool_parsers())

@@ -152,3 +152,40 @@ def test_end_to_end_with_detected_parsers(qwen3):
     assert message["reasoning_content"] == "I should call it."
     assert message["content"] is None
     assert [(c["name"], c["arguments"]) for c in message["tool_calls"]] == [("get_time", "{}")]
+
+
+def test_every_format_is_registered_the_same_way():
+    """One registry (parsing/formats): each module is a tool-call format or a message
+    format, and declares its own markers unless mlx-lm detects it."""
+    from mlx_server.parsing.formats import registered
+    from mlx_server.parsing.tool_formats import available_tool_parsers
+
+    by_name = {r.name: r for r in registered()}
+    assert by_name["harmony"].writes_messages and by_name["functionary_v3_2"].writes_messages
+    assert "llama3_json" in by_name and not by_name["llama3_json"].writes_messages
+    for r in registered():
+        if r.writes_messages:
+            assert r.module.template_markers and r.name not in available_tool_parsers()
+        else:
+            assert callable(r.module.parse_tool_call) and r.name in available_tool_parsers()
+            assert r.module.template_markers or r.name == "mistral"  # mlx-lm detects mistral
+
+
+@pytest.mark.parametrize(
+    ("template", "vocab", "expected"),
+    [
+        ("<|start|>{{ m }}<|channel|>final<|message|>", {"<|channel|>": 1}, (None, "harmony")),
+        ("<|channel|>x<|message|>", {"a": 1}, ("json_tools", None)),  # no channel token
+        ('>>>all {{ ">>>" + tool_call }}', None, (None, "functionary_v3_2")),
+        (QWEN3_TEMPLATE, None, ("json_tools", None)),
+    ],
+)
+def test_one_value_for_the_output_format(qwen3, template, vocab, expected):
+    from mlx_server.parsing.detection import detect_output_format
+
+    found = detect_output_format(qwen3, template, vocab)
+    assert (found.tools.name if found.tools else None, found.messages) == expected
+    # An explicit parser stays beside a message format.
+    explicit = detect_output_format(qwen3, template, vocab, "mistral")
+    assert explicit.tools is not None and explicit.tools.name == "mistral"
+    assert explicit.messages == expected[1]

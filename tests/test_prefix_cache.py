@@ -217,7 +217,9 @@ def test_system_prompt_prefix_stays_cached_after_its_conversations_age_out(lm):
         msgs = [{"role": "system", "content": system}, {"role": "user", "content": user}]
         ids = chat_tokens(tokenizer, msgs)
         service = ChatService("m", tokenizer, None, ctx_size=1024)
-        return ids, service.system_prefix_tokens(ChatRequest(msgs), ids)
+        prepared = service.prepare(ChatRequest(msgs))
+        assert prepared.tokens == ids
+        return ids, service.system_prefix_tokens(ChatRequest(msgs), prepared)
 
     other = "Another long system prompt, about the quick brown fox and the lazy dog."
     first, boundary = conv(SYSTEM_PROMPT, "hello")

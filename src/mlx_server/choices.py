@@ -14,18 +14,17 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from mlx_server.errors import InvalidRequest
 from mlx_server.events import Finished, Usage
-from mlx_server.text_completion import merged_events
 from mlx_server.types import ChatRequest, GenerationRequest, SamplingParams
 
 if TYPE_CHECKING:
-    from mlx_server.service import ChatService, Generation, PreparedPrompt, StreamEvent
-    from mlx_server.text_completion import CompletionOptions, CompletionService, TextPrompt
+    from mlx_server.service import ChatService, Generation
+    from mlx_server.service.chat import PreparedPrompt
+    from mlx_server.service.text_completion import CompletionOptions, CompletionService, TextPrompt
 
 DEFAULT_MAX_N = 16
 _SEEDS = 1 << 64
@@ -104,11 +103,10 @@ def start_text_choices(
     return [rounds[j][p] for p in range(len(prompts)) for j in range(n)]
 
 
-async def merged_choices(gens: list[Generation], n: int) -> AsyncIterator[tuple[int, StreamEvent]]:
-    """Every choice's events as they come, tagged with the choice index; closing early
-    cancels every choice still running. Choice ``i`` is copy ``i % n`` of its prompt: the
-    copies after the first report no prompt tokens, so summed usage counts each prompt once."""
-    async for i, ev in merged_events(gens):
-        if isinstance(ev, Finished) and i % n:
-            ev = replace(ev, usage=Usage(0, ev.usage.completion_tokens, 0))
-        yield i, ev
+def counted_once(fin: Finished, index: int, n: int) -> Finished:
+    """Choice ``index``'s final event with its prompt counted once: choice ``i`` is copy
+    ``i % n`` of its prompt, and the copies after the first report no prompt tokens, so
+    usage summed over the choices counts each prompt once."""
+    if index % n == 0:
+        return fin
+    return replace(fin, usage=Usage(0, fin.usage.completion_tokens, 0))

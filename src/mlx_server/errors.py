@@ -38,6 +38,20 @@ class InvalidRequest(ServerError):
 class ContextLengthExceeded(InvalidRequest):
     code = "context_length_exceeded"
 
+    def __init__(
+        self,
+        message: str,
+        *,
+        param: str | None = None,
+        prompt_tokens: int | None = None,
+        max_tokens: int = 0,
+    ):
+        super().__init__(message, param=param)
+        # The measured request, so a protocol can word its own message without measuring
+        # the prompt again.
+        self.prompt_tokens = prompt_tokens
+        self.max_tokens = max_tokens
+
 
 class UnsupportedFeature(InvalidRequest):
     code = "unsupported"

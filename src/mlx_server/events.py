@@ -8,6 +8,7 @@ knows about OpenAI or Anthropic.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal, cast, get_args
 
 
 @dataclass(frozen=True)
@@ -103,11 +104,22 @@ class Timings:
 #   "tool_calls"    - the answer ended with tool calls
 #   "cancelled"     - cancelled by the client, /v1/cancel or shutdown
 #   "error"         - an internal failure (``error`` holds the message)
+# The engine sets them; the chat service alone turns "stop" into "tool_calls"; each protocol
+# only translates them, through a table typed by this Literal.
+FinishReason = Literal["stop", "stop_sequence", "length", "tool_calls", "cancelled", "error"]
+FINISH_REASONS: frozenset[str] = frozenset(get_args(FinishReason))
+
+
+def finish_reason(value: str) -> FinishReason:
+    """A reason reported as text (mlx-lm's ``finish_reason``), checked."""
+    if value not in FINISH_REASONS:
+        raise ValueError(f"not a finish reason: {value!r}")
+    return cast(FinishReason, value)
 
 
 @dataclass(frozen=True)
 class Finished:
-    reason: str
+    reason: FinishReason
     usage: Usage
     timings: Timings | None = None
     stop_sequence: str | None = None

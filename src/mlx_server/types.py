@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, cast
 
 
 @dataclass(frozen=True)
@@ -21,6 +21,13 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
 
 
+# "auto": the model decides; "none": tools are not shown and nothing is parsed;
+# "required": exactly one call to any tool; "function": one call to a named tool.
+ToolChoiceMode = Literal["auto", "none", "required", "function"]
+# "auto": split reasoning out of the answer; "none": raw text, reasoning and all.
+ReasoningFormat = Literal["auto", "none"]
+
+
 @dataclass(frozen=True)
 class ToolChoice:
     """Whether and how the answer must call a tool, whatever the protocol called it.
@@ -28,12 +35,20 @@ class ToolChoice:
     ``mode``: "auto" (the model decides), "none" (tools are not shown and nothing is
     parsed), "required" (exactly one call to any tool), "function" (one call to ``name``)."""
 
-    mode: str = "auto"
+    mode: ToolChoiceMode = "auto"
     name: str | None = None
 
     @property
     def forced(self) -> bool:
         return self.mode in ("required", "function")
+
+    @staticmethod
+    def of(mode: str) -> ToolChoice:
+        """A tool choice named by a protocol's string ("auto", "none", "required"), which
+        its schema has already checked."""
+        if mode not in ("auto", "none", "required"):
+            raise ValueError(f"not a tool_choice mode: {mode!r}")
+        return ToolChoice(cast(ToolChoiceMode, mode))
 
 
 AUTO = ToolChoice()
@@ -59,8 +74,7 @@ class ChatRequest:
     logprobs: bool = False
     top_logprobs: int = 0
     template_kwargs: dict[str, Any] = field(default_factory=dict)
-    # "auto": split reasoning out of the answer; "none": raw text.
-    reasoning_format: str = "auto"
+    reasoning_format: ReasoningFormat = "auto"
     # Never end at the end-of-sequence token (llama.cpp's ignore_eos; for benchmarks).
     ignore_eos: bool = False
     # Structured output, protocol-neutral: None (free text), {"type": "json_object"} or

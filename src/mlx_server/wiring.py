@@ -25,6 +25,7 @@ def set_cache_limit(settings: Settings) -> int:
 
 def build(settings: Settings) -> tuple[Any, Any]:
     """Load the model and return (app, engine); the engine thread is started."""
+    from mlx_server.app import create_app
     from mlx_server.engine.engine import Engine, EngineConfig
     from mlx_server.engine.tuning import (
         builds_kernels_on_first_use,
@@ -33,7 +34,6 @@ def build(settings: Settings) -> tuple[Any, Any]:
     )
     from mlx_server.models.loader import device_memory_bytes, load_model
     from mlx_server.protocols.responses.store import ResponseStore
-    from mlx_server.server.app import create_app
     from mlx_server.server.browser_guard import BrowserPolicy
     from mlx_server.server.middleware import MAX_BODY_BYTES
     from mlx_server.service import ChatService

@@ -39,7 +39,7 @@ from mlx_server.engine.sampling import (
 from mlx_server.engine.solo import SoloSequence
 from mlx_server.engine.tuning import warm_up
 from mlx_server.errors import InvalidRequest, Overloaded
-from mlx_server.events import Finished, LogprobEntry, Timings, Usage
+from mlx_server.events import Finished, LogprobEntry, Timings, Usage, finish_reason
 from mlx_server.logs import log
 from mlx_server.parsing.stops import StopMatcher
 from mlx_server.types import GenerationRequest
@@ -640,7 +640,8 @@ class Engine:
         )
         usage = Usage(len(seq.req.prompt_tokens), seq.n_generated, seq.cached)
         stop = seq.stops.matched if seq.stops is not None else None
-        seq.handle.push(Finished(reason, usage, timings, stop_sequence=stop, error=error))
+        finished = Finished(finish_reason(reason), usage, timings, stop_sequence=stop, error=error)
+        seq.handle.push(finished)
         if reason != "cancelled" and seq.n_generated:
             log(
                 f"Generation: {timings.prompt_n} prompt tokens at {timings.prompt_per_second:.1f} tokens/sec, "

@@ -17,18 +17,13 @@ from mlx_server.events import (
     ToolCallEnd,
     ToolCallStart,
 )
-from mlx_server.parsing.functionary import FunctionaryParser
-from mlx_server.parsing.harmony import HarmonyParser
+from mlx_server.parsing.detection import message_parser
+from mlx_server.parsing.formats.functionary_v3_2 import FunctionaryParser
+from mlx_server.parsing.formats.harmony import HarmonyParser
 from mlx_server.parsing.reasoning import ReasoningSplitter
 from mlx_server.parsing.tags import MarkerStripper
 from mlx_server.parsing.tool_formats import ToolFormat
 from mlx_server.parsing.tools import ToolCallParser, new_call_id
-
-# Formats of addressed messages, parsed whole by one decoder.
-MESSAGE_FORMATS: dict[str, type[HarmonyParser] | type[FunctionaryParser]] = {
-    "harmony": HarmonyParser,
-    "functionary_v3_2": FunctionaryParser,
-}
 
 
 class OutputPipeline:
@@ -59,10 +54,9 @@ class OutputPipeline:
         """
         self._stripper = MarkerStripper(content_markers) if content_markers else None
         self._harmony: HarmonyParser | FunctionaryParser | None = None
-        if message_format in MESSAGE_FORMATS:
-            self._harmony = MESSAGE_FORMATS[message_format](
-                tools, id_factory=id_factory, max_calls=max_calls
-            )
+        if message_format is not None:
+            parser = message_parser(message_format)
+            self._harmony = parser(tools, id_factory=id_factory, max_calls=max_calls)
         self._tools = (
             ToolCallParser(tool_format, tools, id_factory=id_factory, max_calls=max_calls)
             if tool_format is not None and tools

@@ -5,8 +5,9 @@ Each module in ``mlx_lm.tool_parsers`` describes one format with ``tool_call_sta
 ``parse_tool_call(text, tools)``, which turns the text between the two markers into
 ``{"name", "arguments"}`` (or a list of them). ``ToolFormat`` carries those three, plus,
 for formats whose arguments are a plain JSON object, the header pattern that lets the
-arguments be streamed as they are generated. Formats mlx-lm lacks live in this package as
-modules of the same shape (``llama3_json``).
+arguments be streamed as they are generated. Formats mlx-lm lacks, and what this package
+adds to mlx-lm's (markers for detection, argument streaming), live in ``parsing.formats``
+as modules of the same shape; a name found there is loaded from there.
 """
 
 from __future__ import annotations
@@ -16,66 +17,13 @@ import pkgutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
+from types import ModuleType
 from typing import Any
 
 import mlx_lm.tool_parsers
 import regex
 
-_JSON_HEADER = (
-    r'\s*\{{\s*"name"\s*:\s*"(?P<name>(?:[^"\\]|\\.)*)"\s*,'
-    r'\s*"(?:{keys})"\s*:\s*\{{'
-)
-
-# Formats whose arguments are a JSON object that follows a short header: the header
-# pattern (matched with ``partial=True`` while it is still arriving) ends with the ``{``
-# that opens the arguments; group ``name`` is the called function. The second item closes
-# what the header opened around the arguments.
-_STREAM_HEADERS = {
-    # <tool_call>{"name": "f", "arguments": {...}}</tool_call>  (Hermes, Qwen 2.5/3)
-    "json_tools": (_JSON_HEADER.format(keys="arguments|parameters"), "}"),
-    # [TOOL_CALLS]f[ARGS]{...}  (Mistral Small 3.2, Devstral, Magistral)
-    # The optional marker lets a call that follows another one repeat it.
-    "mistral": (r"\s*(?:\[TOOL_CALLS\]\s*)?(?P<name>[\w.-]+)\s*\[ARGS\]\s*\{", ""),
-    # {"name": "f", "parameters": {...}}; {...}  (Llama 3.1 / 3.2)
-    "llama3_json": (r"\s*;?" + _JSON_HEADER.format(keys="parameters|arguments"), "}"),
-}
-
-# Formats of this package: name -> module.
-_OWN_FORMATS = {
-    "llama3_json": "mlx_server.parsing.llama3_json",
-    **{
-        name: f"mlx_server.parsing.formats.{name}"
-        for name in (
-            "apertus",
-            "command_r_plus",
-            "command_r7b",
-            "deepseek",
-            "firefunction_v2",
-            "functionary_v3_1",
-            "granite",
-            "nemotron_v2",
-            "phi4_mini",
-            "seed_oss",
-        )
-    },
-}
-# Formats whose call may begin without its start marker, as a bare JSON object at the
-# start of the answer.
-_BARE_START = {"llama3_json"}
-
-# Template markers of this package's formats, checked in order after mlx-lm's detection.
-_TEMPLATE_MARKERS = (
-    ("<｜tool▁calls▁begin｜>", "deepseek"),
-    ("<|START_ACTION|>", "command_r7b"),
-    ("<TOOLCALL>", "nemotron_v2"),
-    ("<seed:tool_call>", "seed_oss"),
-    ("<|/tool_call|>", "phi4_mini"),
-    ("<|tool_call|>", "granite"),
-    ("functools[", "firefunction_v2"),
-    ("<|tools_prefix|>", "apertus"),
-    (r"Action:\n```json", "command_r_plus"),  # as written in the Jinja string
-    ("start with <function= and end with </function>", "functionary_v3_1"),
-)
+from mlx_server.parsing.formats import registered
 
 # Parser names accepted besides the module names.
 AUTO = "auto"
@@ -114,7 +62,15 @@ class ToolFormat:
 def available_tool_parsers() -> list[str]:
     """Names of the tool-call parsers: mlx-lm's ``tool_parsers`` modules plus this package's."""
     names = {m.name for m in pkgutil.iter_modules(mlx_lm.tool_parsers.__path__)}
-    return sorted(n for n in names | set(_OWN_FORMATS) if not n.startswith("_"))
+    own = {r.name for r in registered() if not r.writes_messages}
+    return sorted(n for n in names | own if not n.startswith("_"))
+
+
+def _module(name: str) -> ModuleType:
+    for r in registered():
+        if r.name == name:
+            return r.module
+    return importlib.import_module(f"mlx_lm.tool_parsers.{name}")
 
 
 def tool_format(name: str) -> ToolFormat:
@@ -125,16 +81,16 @@ def tool_format(name: str) -> ToolFormat:
             f"unknown tool-call parser {name!r}; valid names: {', '.join(valid)} "
             f"(or {AUTO!r} to detect it from the chat template, {NONE!r} to disable)"
         )
-    module = importlib.import_module(_OWN_FORMATS.get(name, f"mlx_lm.tool_parsers.{name}"))
-    header, closer = _STREAM_HEADERS.get(name, (None, ""))
+    module = _module(name)
+    header = getattr(module, "stream_header", None)
     return ToolFormat(
         name=name,
         start=module.tool_call_start,
         end=module.tool_call_end or "",
         parse=module.parse_tool_call,
         stream_header=regex.compile(header, regex.DOTALL) if header else None,
-        stream_closer=closer,
-        bare_start=name in _BARE_START,
+        stream_closer=getattr(module, "stream_closer", ""),
+        bare_start=getattr(module, "bare_start", False),
         call_syntax=getattr(module, "call_syntax", ""),
         content_markers=tuple(getattr(module, "content_markers", ())),
     )
@@ -187,16 +143,11 @@ def _infer_from_template(hf: Any) -> str | None:
     template = getattr(hf, "chat_template", None)
     if isinstance(template, dict):  # named templates, e.g. {"default": ..., "tool_use": ...}
         template = "\n".join(t for t in template.values() if isinstance(t, str))
-    for marker, fmt in _TEMPLATE_MARKERS:
-        if isinstance(template, str) and marker in template:
-            return fmt
-    if isinstance(template, str) and "<tool_call>" in template:
-        return "json_tools"
-    if isinstance(template, str) and (
-        "<|python_tag|>" in template
-        or ("<|start_header_id|>" in template and "ipython" in template)
-    ):
-        return "llama3_json"  # Llama 3.2 describes the JSON calls without <|python_tag|>
+    if not isinstance(template, str):
+        return None
+    for r in registered():
+        if not r.writes_messages and r.matches(template, None):
+            return r.name
     return None
 
 

@@ -246,7 +246,8 @@ class ToolCallParser(SteppedDecoder[OutputEvent]):
         # A new start marker also ends the skipped tail, in case the end marker was omitted.
         hit = find_first(self._buf, [self._fmt.end, self._fmt.start])
         if hit is None:
-            self._buf = self._buf[len(self._buf) - held_tail_len(self._buf, [self._fmt.end]) :]
+            markers = [self._fmt.end, self._fmt.start]
+            self._buf = self._buf[len(self._buf) - held_tail_len(self._buf, markers) :]
             return False
         pos, tag = hit
         self._buf = self._buf[pos:] if tag == self._fmt.start else self._buf[pos + len(tag) :]

@@ -28,7 +28,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from mlx_server.errors import Forbidden, UnsupportedMediaType
-from mlx_server.server.errors import send_error
+from mlx_server.server.errors import Envelopes
 
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[Any]]
@@ -122,8 +122,9 @@ class BrowserGuard:
     """Enforces a BrowserPolicy; answers CORS preflights; adds CORS headers for allowed
     origins. Errors use the route's protocol envelope."""
 
-    def __init__(self, app: Any, policy: BrowserPolicy | None = None):
+    def __init__(self, app: Any, envelopes: Envelopes, policy: BrowserPolicy | None = None):
         self.app = app
+        self.envelopes = envelopes
         self.policy = policy or BrowserPolicy()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -138,7 +139,7 @@ class BrowserGuard:
                 f"Host '{host}' is not allowed: this server answers requests for localhost; "
                 "start it with --allowed-hosts to add names"
             )
-            await send_error(send, path, err)
+            await self.envelopes.send(send, path, err)
             return
         origin = headers.get("origin")
         if origin is None:
@@ -149,7 +150,7 @@ class BrowserGuard:
                 f"Origin '{origin}' is not allowed: web pages may not use this server; start "
                 "it with --allowed-origins to allow a page"
             )
-            await send_error(send, path, err)
+            await self.envelopes.send(send, path, err)
             return
         cors = [(b"access-control-allow-origin", origin.encode()), (b"vary", b"Origin")]
         method = scope.get("method", "")
@@ -163,7 +164,7 @@ class BrowserGuard:
                     f"a request from a web page must send a JSON body with Content-Type: "
                     f"application/json (got {ctype})"
                 )
-                await send_error(send, path, refused, cors)
+                await self.envelopes.send(send, path, refused, cors)
                 return
         await self.app(scope, receive, _with_headers(send, cors))
 

@@ -1,25 +1,18 @@
-"""Shared HTTP helpers: JSON body parsing, schema errors, SSE responses, disconnect watching."""
+"""Shared HTTP helpers: JSON body parsing and schema errors that name the field."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import re
-from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
-import anyio
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
 from mlx_server.errors import InvalidRequest
-from mlx_server.logs import log
 from mlx_server.server.ignored_fields import note_ignored
 
 M = TypeVar("M", bound=BaseModel)
-
-SSE_HEADERS = {"Cache-Control": "no-cache", "Connection": "keep-alive", "X-Accel-Buffering": "no"}
 
 
 async def parse_body(request: Request, schema: type[M]) -> M:
@@ -113,78 +106,3 @@ def describe_validation_error(e: ValidationError) -> str:
         if msg not in seen:
             seen.append(msg)
     return "invalid request: " + "; ".join(seen[:5])
-
-
-class EventStreamResponse(StreamingResponse):
-    """A streaming response that notices a client leaving even while nothing is written.
-
-    Starlette's own listens for the disconnect only under servers older than ASGI 2.4
-    (newer ones make it wait for a write to fail), and a stream may write nothing for a
-    long time (a long prompt's prefill). Here a disconnect always cancels the body
-    iterator at once, and the generation's own cleanup frees its slot."""
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        async with anyio.create_task_group() as group:
-
-            async def stream() -> None:
-                try:
-                    await self.stream_response(send)
-                except OSError:
-                    pass  # the client went away while a frame was written
-                group.cancel_scope.cancel()
-
-            group.start_soon(stream)
-            await self.listen_for_disconnect(receive)
-            group.cancel_scope.cancel()
-
-
-def sse_response(body: AsyncIterator[bytes]) -> StreamingResponse:
-    return EventStreamResponse(body, media_type="text/event-stream", headers=SSE_HEADERS)
-
-
-T = TypeVar("T")
-
-
-async def respond(
-    request: Request,
-    *,
-    stream: AsyncIterator[bytes] | None,
-    collect: Callable[[], Awaitable[dict[str, Any]]],
-    cancel: Callable[[], None],
-) -> Response:
-    """Every generating route's ending: an SSE stream when ``stream`` is given, else the
-    collected JSON answer; a client that leaves first cancels the generation (499)."""
-    if stream is not None:
-        return sse_response(stream)
-    result = await until_disconnect(request, collect(), cancel)
-    if result is None:
-        log("Generation cancelled by client")
-        return Response(status_code=499)
-    return JSONResponse(result)
-
-
-async def until_disconnect(request: Request, work: Awaitable[T], on_disconnect: Any) -> T | None:
-    """Run ``work``; if the client disconnects first, call ``on_disconnect`` and return None."""
-    task = asyncio.ensure_future(work)
-
-    async def watch() -> None:
-        while True:
-            message = await request.receive()
-            if message["type"] == "http.disconnect":
-                return
-
-    watcher = asyncio.ensure_future(watch())
-    try:
-        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        if task in done:
-            return task.result()
-        on_disconnect()
-        try:
-            await task
-        except Exception:
-            pass
-        return None
-    finally:
-        watcher.cancel()
-        if not task.done():
-            task.cancel()

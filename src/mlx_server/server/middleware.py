@@ -11,7 +11,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from mlx_server.errors import AuthenticationFailed, NotFound, RequestTooLarge
-from mlx_server.server.errors import send_error
+from mlx_server.server.errors import Envelopes
 
 MAX_BODY_BYTES = 10 * 1024 * 1024
 
@@ -27,11 +27,13 @@ class GuardMiddleware:
     def __init__(
         self,
         app: ASGIApp,
+        envelopes: Envelopes,
         api_key: str = "",
         max_body: int = MAX_BODY_BYTES,
         keyed_paths: frozenset[str] = frozenset(),
     ):
         self.app = app
+        self.envelopes = envelopes
         self.key = api_key.encode()
         self.max_body = max_body
         self.keyed_paths = keyed_paths  # besides /v1: paths that need the key too
@@ -50,7 +52,7 @@ class GuardMiddleware:
             # No route has an escaped character: "/v1/chat%2Fcompletions" must not reach
             # "/v1/chat/completions" once decoded.
             missing = NotFound(f"no route for {scope.get('method', '')} {path}")
-            await send_error(send, path, missing)
+            await self.envelopes.send(send, path, missing)
             return
         headers = {k.decode("latin-1").lower(): v for k, v in scope.get("headers", [])}
         keyed = path.startswith("/v1") or path in self.keyed_paths
@@ -58,11 +60,11 @@ class GuardMiddleware:
             err = AuthenticationFailed(
                 "invalid or missing API key (send Authorization: Bearer <key> or x-api-key)"
             )
-            await send_error(send, path, err)
+            await self.envelopes.send(send, path, err)
             return
         length = headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > self.max_body:
-            await send_error(send, path, self._too_large())
+            await self.envelopes.send(send, path, self._too_large())
             return
         await self.app(scope, self._limited(receive), send)
 

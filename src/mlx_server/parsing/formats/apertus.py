@@ -8,6 +8,11 @@ from typing import Any
 tool_call_start = "<|tools_prefix|>"
 tool_call_end = "<|tools_suffix|>"
 
+# Detection: a chat template holding every string of one of these groups writes this
+# format; formats are tried by descending priority.
+template_markers = (("<|tools_prefix|>",),)
+priority = 3
+
 
 def parse_tool_call(text: str, tools: Any = None) -> list[dict[str, Any]]:
     value = json.loads(text.strip())

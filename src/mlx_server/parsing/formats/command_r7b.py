@@ -11,6 +11,11 @@ tool_call_start = "<|START_ACTION|>"
 content_markers = ("<|START_RESPONSE|>", "<|END_RESPONSE|>")
 tool_call_end = "<|END_ACTION|>"
 
+# Detection: a chat template holding every string of one of these groups writes this
+# format; formats are tried by descending priority.
+template_markers = (("<|START_ACTION|>",),)
+priority = 9
+
 
 def parse_tool_call(text: str, tools: Any = None) -> list[dict[str, Any]]:
     return json_calls(text, name_key="tool_name", args_key="parameters")

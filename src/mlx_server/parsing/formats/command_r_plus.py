@@ -9,6 +9,11 @@ from mlx_server.parsing.formats import json_calls
 tool_call_start = "Action:"
 tool_call_end = "```\n"
 
+# Detection: a chat template holding every string of one of these groups writes this
+# format; formats are tried by descending priority.
+template_markers = ((r"Action:\n```json",),)  # as written in the Jinja string
+priority = 2
+
 
 def parse_tool_call(text: str, tools: Any = None) -> list[dict[str, Any]]:
     body = text.strip()

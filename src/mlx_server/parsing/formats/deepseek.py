@@ -12,6 +12,12 @@ from typing import Any
 
 tool_call_start = "<｜tool▁calls▁begin｜>"
 tool_call_end = "<｜tool▁calls▁end｜>"
+
+# Detection: a chat template holding every string of one of these groups writes this
+# format; formats are tried by descending priority.
+template_markers = (("<｜tool▁calls▁begin｜>",),)
+priority = 10
+
 # DeepSeek's templates do not show the tools: they are described in the system message,
 # with the call syntax of DeepSeek V3.1's model card.
 call_syntax = (

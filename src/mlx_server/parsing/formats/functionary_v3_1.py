@@ -8,6 +8,11 @@ from typing import Any
 tool_call_start = "<function="
 tool_call_end = "</function>"
 
+# Detection: a chat template holding every string of one of these groups writes this
+# format; formats are tried by descending priority.
+template_markers = (("start with <function= and end with </function>",),)
+priority = 1
+
 
 def parse_tool_call(text: str, tools: Any = None) -> dict[str, Any]:
     name, sep, arguments = text.partition(">")

@@ -11,6 +11,11 @@ tool_call_start = "<|tool_call|>"
 content_markers = ("<response>", "</response>")
 tool_call_end = ""
 
+# Detection: a chat template holding every string of one of these groups writes this
+# format; formats are tried by descending priority.
+template_markers = (("<|tool_call|>",),)
+priority = 5
+
 
 def parse_tool_call(text: str, tools: Any = None) -> list[dict[str, Any]]:
     return json_calls(text)

@@ -13,10 +13,11 @@ import copy
 import hashlib
 import json
 import uuid
-from typing import Any
+from typing import Any, Literal
 
 from mlx_server.events import (
     Finished,
+    FinishReason,
     ReasoningDelta,
     TextDelta,
     ToolCallArgsDelta,
@@ -24,8 +25,13 @@ from mlx_server.events import (
     ToolCallStart,
     Usage,
 )
+from mlx_server.logs import log
+from mlx_server.protocols.anthropic.errors import error_json
+from mlx_server.server.sse import Frame
+from mlx_server.service import Generation
 
-STOP_REASONS = {
+StopReason = Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"]
+STOP_REASONS: dict[FinishReason, StopReason] = {
     "stop": "end_turn",
     "stop_sequence": "stop_sequence",
     "length": "max_tokens",
@@ -33,6 +39,7 @@ STOP_REASONS = {
     # Cancelled through /v1/cancel while the client still listens: end the turn cleanly
     # with what was generated.
     "cancelled": "end_turn",
+    "error": "end_turn",  # never sent: a failure ends the stream with an error event
 }
 
 
@@ -51,8 +58,8 @@ def thinking_signature(thinking: str) -> str:
     return hashlib.sha256(thinking.encode()).hexdigest()
 
 
-def stop_reason(fin: Finished) -> str:
-    return STOP_REASONS.get(fin.reason, "end_turn")
+def stop_reason(fin: Finished) -> StopReason:
+    return STOP_REASONS[fin.reason]
 
 
 def usage_json(prompt_tokens: int, output_tokens: int, cached_tokens: int) -> dict[str, Any]:
@@ -92,12 +99,6 @@ def context_error_message(prompt_tokens: int, max_tokens: int, ctx_size: int) ->
         f"input length and `max_tokens` exceed context limit: {prompt_tokens} + {max_tokens} "
         f"> {ctx_size}, decrease input length or `max_tokens` and try again"
     )
-
-
-def sse_frame(event: dict[str, Any]) -> bytes:
-    """``event: <type>\\ndata: <json>\\n\\n``."""
-    data = json.dumps(event, ensure_ascii=False)
-    return f"event: {event['type']}\ndata: {data}\n\n".encode()
 
 
 class StreamEncoder:
@@ -264,3 +265,56 @@ def _parse_input(text: str) -> dict[str, Any]:
     except ValueError:
         return {}
     return value if isinstance(value, dict) else {}
+
+
+def frames(events: list[dict[str, Any]]) -> list[Frame]:
+    return [Frame(e, event=e["type"]) for e in events]
+
+
+PING = Frame({"type": "ping"}, event="ping")
+
+
+class MessagesEncoder:
+    """The ``Encoder`` of one Messages response: stream events, folded for a whole message."""
+
+    def __init__(self, gen: Generation, enc: StreamEncoder):
+        self.gen = gen
+        self.enc = enc
+        self.acc = MessageAccumulator()
+        self.opened = False
+
+    @property
+    def keepalive(self) -> Frame:
+        """Anthropic's own keep-alive, a ``ping`` event, once ``message_start`` went out
+        (the first event of a stream); a comment line while the request still queues."""
+        return PING if self.opened else Frame(comment="keep-alive")
+
+    def _fold(self, events: list[dict[str, Any]]) -> list[Frame]:
+        for e in events:
+            self.acc.add(e)
+        return frames(events)
+
+    async def start(self) -> list[Frame]:
+        # message_start reports the prompt's cache split, known once the engine starts it.
+        await self.gen.started()
+        self.enc.cached_tokens = self.gen.cached_tokens
+        self.opened = True
+        return self._fold(self.enc.start())
+
+    def event(self, index: int, ev: Any) -> list[Frame]:
+        return self._fold(self.enc.event(ev))
+
+    def finish(self, index: int, fin: Finished) -> list[Frame]:
+        return self._fold(self.enc.finish(fin))
+
+    def end(self) -> list[Frame]:
+        return []
+
+    def fail(self, message: str, fin: Finished | None) -> list[Frame]:
+        return frames([error_json("api_error", message)])
+
+    def result(self) -> dict[str, Any]:
+        msg = self.acc.message
+        kinds = ", ".join(b["type"] for b in msg["content"]) or "none"
+        log(f"Response: blocks [{kinds}], stop_reason={msg['stop_reason']}")
+        return msg

@@ -8,6 +8,8 @@ from typing import Any
 
 from mlx_server.errors import Overloaded, ServerError
 
+# The paths whose errors take this envelope, before routing (auth, size) and after.
+PATHS = ("/v1/messages",)
 OVERLOADED_STATUS = 529  # Anthropic's, where OpenAI-style routes say 503
 
 

@@ -123,7 +123,7 @@ def _tool_choice(tc: str | dict[str, Any] | None) -> ToolChoice:
     if tc is None or tc == "auto":
         return AUTO
     if isinstance(tc, str):
-        return ToolChoice(tc)  # "none" or "required": the schema allows nothing else
+        return ToolChoice.of(tc)  # "none" or "required": the schema allows nothing else
     fn = tc.get("function") if isinstance(tc.get("function"), dict) else tc
     name = fn.get("name") if isinstance(fn, dict) else None
     if not isinstance(name, str) or not name:

@@ -2,32 +2,27 @@
 
 from __future__ import annotations
 
-import traceback
 import uuid
-from collections.abc import AsyncIterator
 from dataclasses import replace
-from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
-from mlx_server.choices import DEFAULT_MAX_N, check_n, merged_choices, start_text_choices
-from mlx_server.errors import InvalidRequest, ServerError
-from mlx_server.events import Finished, Usage
+from mlx_server.choices import DEFAULT_MAX_N, check_n, start_text_choices
+from mlx_server.errors import InvalidRequest
 from mlx_server.logs import log
 from mlx_server.models.text_prompt import fim_stop_strings
 from mlx_server.protocols.openai.adapter import sampling_params
-from mlx_server.protocols.openai.completions_encoder import CompletionEncoder
-from mlx_server.protocols.openai.completions_schema import CompletionRequest
-from mlx_server.protocols.openai.encoder import sse
-from mlx_server.protocols.openai.errors import stream_error_frames
-from mlx_server.server.http import parse_body, respond, sse_response
-from mlx_server.service import ChatService, Generation
-from mlx_server.text_completion import (
-    CompletionOptions,
-    CompletionService,
-    TextPrompt,
+from mlx_server.protocols.openai.choices import TextChoiceFrames
+from mlx_server.protocols.openai.completions_encoder import (
+    CompletionEncoder,
+    PromptOnly,
 )
+from mlx_server.protocols.openai.completions_schema import CompletionRequest
+from mlx_server.server.http import parse_body
+from mlx_server.server.streaming import respond
+from mlx_server.service import ChatService
+from mlx_server.service.text_completion import CompletionOptions, CompletionService
 
 
 def options(body: CompletionRequest) -> CompletionOptions:
@@ -72,75 +67,12 @@ def make_router(service: ChatService) -> APIRouter:
         )
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         if opts.max_tokens == 0:  # nothing to generate: the prompt (echo) and its usage
-            whole = _empty(enc, prompts, n)
-            return (
-                sse_response(_one_chunk(whole, include_usage))
-                if body.stream
-                else JSONResponse(whole)
+            only = PromptOnly(
+                enc, include_usage, [0 if j else len(p.tokens) for p in prompts for j in range(n)]
             )
+            return await respond(request, only, [], stream=body.stream)
         gens = start_text_choices(completions, prompts, opts, request_id, n)
-        return await respond(
-            request,
-            stream=_stream(gens, enc, include_usage, n) if body.stream else None,
-            collect=lambda: _collect(gens, enc, n),
-            cancel=lambda: _cancel(gens),
-        )
+        frames = TextChoiceFrames(enc, include_usage, n)
+        return await respond(request, frames, gens, stream=body.stream)
 
     return router
-
-
-def _cancel(gens: list[Generation]) -> None:
-    for g in gens:
-        g.cancel()
-
-
-def _empty(enc: CompletionEncoder, prompts: list[TextPrompt], n: int) -> dict[str, Any]:
-    for i in range(len(prompts) * n):  # each prompt counted once in the usage
-        enc.add(i, Finished("length", Usage(0 if i % n else len(prompts[i // n].tokens), 0)))
-    return enc.response()
-
-
-async def _one_chunk(whole: dict[str, Any], include_usage: bool) -> AsyncIterator[bytes]:
-    """A whole response as a stream: completions chunks have the response's own shape."""
-    usage = whole.pop("usage")
-    yield sse(whole if include_usage else {**whole, "usage": usage})
-    if include_usage:
-        yield sse({**whole, "choices": [], "usage": usage})
-    yield b"data: [DONE]\n\n"
-
-
-async def _collect(gens: list[Generation], enc: CompletionEncoder, n: int) -> dict[str, Any]:
-    async for i, ev in merged_choices(gens, n):
-        if isinstance(ev, Finished) and ev.reason == "error":
-            raise ServerError(ev.error or "generation failed")
-        enc.add(i, ev)
-    out = enc.response()
-    log(f"Response: completions, {len(out['choices'])} choice(s)")
-    return out
-
-
-async def _stream(
-    gens: list[Generation], enc: CompletionEncoder, include_usage: bool, n: int
-) -> AsyncIterator[bytes]:
-    for chunk in enc.echo_chunks():
-        yield sse(chunk)
-    left = len(gens)
-    try:
-        async for i, ev in merged_choices(gens, n):
-            if isinstance(ev, Finished):
-                if ev.reason == "error":
-                    yield stream_error_frames(ev.error or "generation failed")
-                    return
-                left -= 1
-                yield sse(enc.final_chunk(i, ev, last=left == 0, with_usage=not include_usage))
-                continue
-            piece = enc.chunk(i, ev)
-            if piece is not None:
-                yield sse(piece)
-        if include_usage:
-            yield sse(enc.usage_chunk())
-        yield b"data: [DONE]\n\n"
-    except Exception as e:  # an internal fault after the 200 went out
-        traceback.print_exc()
-        log(f"Error in SSE stream: {type(e).__name__}: {e}")
-        yield stream_error_frames(f"internal error: {type(e).__name__}")

@@ -6,7 +6,16 @@ import time
 from typing import Any
 
 from mlx_server.events import Finished, Logprobs, TextDelta, Usage
-from mlx_server.protocols.openai.encoder import finish_reason, timings_json, usage_json
+from mlx_server.logs import log
+from mlx_server.protocols.openai.encoder import (
+    DONE,
+    KEEPALIVE,
+    finish_reason,
+    timings_json,
+    usage_json,
+)
+from mlx_server.protocols.openai.errors import stream_error
+from mlx_server.server.sse import Frame
 
 
 class LegacyLogprobs:
@@ -80,14 +89,6 @@ class CompletionEncoder:
 
     # ---- whole responses -----------------------------------------------------------------
 
-    def add(self, i: int, ev: Any) -> None:
-        if isinstance(ev, TextDelta):
-            self.texts[i].append(ev.text)
-        elif isinstance(ev, Logprobs) and self.logprobs[i] is not None:
-            self.logprobs[i].add(ev)  # type: ignore[union-attr]
-        elif isinstance(ev, Finished):
-            self.finals[i] = ev
-
     def response(self) -> dict[str, Any]:
         choices = [
             {
@@ -119,7 +120,8 @@ class CompletionEncoder:
         return self.object([choice])
 
     def chunk(self, i: int, ev: Any) -> dict[str, Any] | None:
-        """The chunk for one event, or None (logprobs wait for their text)."""
+        """The chunk for one event, or None (logprobs wait for their text). The events
+        also build the whole response (``response()``)."""
         lp = self.logprobs[i]
         if isinstance(ev, Logprobs) and lp is not None:
             new = lp.add(ev)
@@ -131,6 +133,7 @@ class CompletionEncoder:
                 self._pending[i] = new
             return None
         if isinstance(ev, TextDelta) and ev.text:
+            self.texts[i].append(ev.text)
             return self._chunk(i, ev.text, logprobs=self._pending.pop(i, None))
         return None
 
@@ -148,3 +151,58 @@ class CompletionEncoder:
     def usage_chunk(self) -> dict[str, Any]:
         finals = [self.finals[i] for i in sorted(self.finals)]
         return self.object([], usage=usage_json(total_usage(finals)))
+
+
+class CompletionFrames:
+    """The ``Encoder`` of one completions request: its prompts' chunks as they come (each
+    choice ends with its own ``finish_reason`` chunk), or the whole ``text_completion``."""
+
+    keepalive = KEEPALIVE
+
+    def __init__(self, enc: CompletionEncoder, include_usage: bool):
+        self.enc = enc
+        self.include_usage = include_usage
+        self.left = len(enc.echoes)
+
+    async def start(self) -> list[Frame]:
+        return [Frame(c) for c in self.enc.echo_chunks()]
+
+    def event(self, index: int, ev: Any) -> list[Frame]:
+        chunk = self.enc.chunk(index, ev)
+        return [Frame(chunk)] if chunk is not None else []
+
+    def finish(self, index: int, fin: Finished) -> list[Frame]:
+        self.left -= 1
+        last = self.left == 0
+        return [Frame(self.enc.final_chunk(index, fin, last, with_usage=not self.include_usage))]
+
+    def end(self) -> list[Frame]:
+        return ([Frame(self.enc.usage_chunk())] if self.include_usage else []) + [DONE]
+
+    def fail(self, message: str, fin: Finished | None) -> list[Frame]:
+        return [Frame(stream_error(message))]
+
+    def result(self) -> dict[str, Any]:
+        out = self.enc.response()
+        log(f"Response: completions, {len(out['choices'])} choice(s)")
+        return out
+
+
+class PromptOnly(CompletionFrames):
+    """Nothing to generate (``max_tokens: 0``): each prompt finishes at once, echoed with its
+    usage, streamed as one chunk of the response's own shape."""
+
+    def __init__(self, enc: CompletionEncoder, include_usage: bool, prompt_tokens: list[int]):
+        super().__init__(enc, include_usage)
+        for i, n in enumerate(prompt_tokens):
+            enc.finals[i] = Finished("length", Usage(n, 0))
+
+    async def start(self) -> list[Frame]:
+        whole = self.enc.response()
+        usage = whole.pop("usage")
+        if not self.include_usage:
+            return [Frame({**whole, "usage": usage})]
+        return [Frame(whole), Frame({**whole, "choices": [], "usage": usage})]
+
+    def end(self) -> list[Frame]:
+        return [DONE]

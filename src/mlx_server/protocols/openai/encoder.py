@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import json
 import time
-from typing import Any
+from typing import Any, Literal
 
 from mlx_server.events import (
     Finished,
+    FinishReason,
     LogprobEntry,
     Logprobs,
     ReasoningDelta,
@@ -18,15 +18,27 @@ from mlx_server.events import (
     ToolCallStart,
     Usage,
 )
+from mlx_server.logs import log
+from mlx_server.protocols.openai.errors import stream_error
+from mlx_server.server.sse import Frame
+
+OpenAIFinish = Literal["stop", "length", "tool_calls"]
+# OpenAI has no 'stop_sequence', 'cancelled' or 'error'.
+FINISH_REASONS: dict[FinishReason, OpenAIFinish] = {
+    "stop": "stop",
+    "stop_sequence": "stop",
+    "length": "length",
+    "tool_calls": "tool_calls",
+    "cancelled": "stop",
+    "error": "stop",
+}
 
 
-def finish_reason(ev: Finished) -> str:
-    """Map the neutral finish reason to OpenAI's (which has no 'cancelled' or 'error')."""
+def finish_reason(ev: Finished) -> OpenAIFinish:
+    """OpenAI's name for the neutral finish reason."""
     if ev.in_reasoning and ev.reason in ("stop", "stop_sequence", "length"):
         return "length"  # the answer never came: the reasoning was cut off
-    return {"stop_sequence": "stop", "tool_calls": "tool_calls", "length": "length"}.get(
-        ev.reason, "stop"
-    )
+    return FINISH_REASONS[ev.reason]
 
 
 def usage_json(u: Usage) -> dict[str, Any]:
@@ -199,5 +211,51 @@ class ChunkEncoder:
         }
 
 
-def sse(obj: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
+KEEPALIVE = Frame(comment="keep-alive")
+DONE = Frame("[DONE]")
+
+
+class ChatEncoder:
+    """The ``Encoder`` of one chat completion: chunks streamed, the message collected."""
+
+    keepalive = KEEPALIVE
+
+    def __init__(self, request_id: str, model: str, include_usage: bool, want_logprobs: bool):
+        self.chunks = ChunkEncoder(request_id, model)
+        self.builder = MessageBuilder()
+        self.include_usage = include_usage
+        self.want_logprobs = want_logprobs
+        self.fin: Finished | None = None
+
+    async def start(self) -> list[Frame]:
+        return [Frame(self.chunks.role())]
+
+    def event(self, index: int, ev: Any) -> list[Frame]:
+        self.builder.add(ev)
+        chunk = self.chunks.event(ev)
+        return [Frame(chunk)] if chunk is not None else []
+
+    def finish(self, index: int, fin: Finished) -> list[Frame]:
+        self.fin = fin
+        out = [Frame(self.chunks.final(fin, with_usage=not self.include_usage))]
+        if self.include_usage:
+            out.append(Frame(self.chunks.usage_chunk(fin)))
+        return out
+
+    def end(self) -> list[Frame]:
+        return [DONE]
+
+    def fail(self, message: str, fin: Finished | None) -> list[Frame]:
+        return [Frame(stream_error(message))]
+
+    def result(self) -> dict[str, Any]:
+        assert self.fin is not None
+        c = self.chunks
+        out = completion_json(c.id, c.model, c.created, self.builder, self.fin, self.want_logprobs)
+        choice = out["choices"][0]
+        msg = choice["message"]
+        log(
+            f"Response: {len(msg.get('content') or '')} chars, "
+            f"{len(msg.get('tool_calls') or [])} tool call(s), finish={choice['finish_reason']}"
+        )
+        return out

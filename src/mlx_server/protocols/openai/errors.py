@@ -4,7 +4,6 @@ errors through this module."""
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from mlx_server.errors import AuthenticationFailed, Overloaded, ServerError
@@ -30,9 +29,6 @@ def error_response(err: ServerError) -> tuple[int, dict[str, Any], dict[str, str
     return err.status, error_body(err), headers
 
 
-def stream_error_frames(message: str) -> bytes:
-    """A failure after a stream began: Jan's ``error:`` line (its client reads it), then a
-    spec-style SSE error event."""
-    body = json.dumps({"message": message})
-    event = json.dumps(error_body(ServerError(message)))
-    return f"error: {body}\n\ndata: {event}\n\n".encode()
+def stream_error(message: str) -> dict[str, Any]:
+    """The data of the error event that ends a stream which failed after it began."""
+    return error_body(ServerError(message))

@@ -149,7 +149,7 @@ def _tools(tools: list[Any] | None) -> tuple[list[dict[str, Any]], list[dict[str
 def _tool_choice(choice: str | dict[str, Any] | None) -> ToolChoice:
     """``ChatRequest.tool_choice``: "auto", "none", "required" or a named function."""
     if choice is None or isinstance(choice, str):
-        return ToolChoice(choice or "auto")
+        return ToolChoice.of(choice or "auto")
     if choice.get("type") != "function":
         raise UnsupportedFeature(
             f"tool_choice of type {choice.get('type')!r} is not supported "

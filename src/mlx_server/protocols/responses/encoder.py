@@ -22,6 +22,7 @@ from mlx_server.events import (
     ToolCallStart,
 )
 from mlx_server.protocols.responses.items import new_id
+from mlx_server.server.sse import Frame
 
 Event = dict[str, Any]
 
@@ -268,3 +269,36 @@ class ResponseEncoder:
             )
         )
         return events
+
+
+class ResponseFrames:
+    """The ``Encoder`` of one response: every event streamed, or the final response object."""
+
+    keepalive = Frame(comment="keep-alive")
+
+    def __init__(self, enc: ResponseEncoder):
+        self.enc = enc
+
+    @staticmethod
+    def frames(events: list[Event]) -> list[Frame]:
+        return [Frame(e, event=e["type"]) for e in events]
+
+    async def start(self) -> list[Frame]:
+        return self.frames(self.enc.start())
+
+    def event(self, index: int, ev: Any) -> list[Frame]:
+        return self.frames(self.enc.event(ev))
+
+    def finish(self, index: int, fin: Finished) -> list[Frame]:
+        return self.frames(self.enc.finish(fin))
+
+    def end(self) -> list[Frame]:
+        return []
+
+    def fail(self, message: str, fin: Finished | None) -> list[Frame]:
+        """A failed generation ends the response as ``response.failed``; an internal fault
+        also sends the spec's ``error`` event first."""
+        return self.frames(self.enc.finish(fin) if fin is not None else self.enc.fail(message))
+
+    def result(self) -> dict[str, Any]:
+        return self.enc.response()

@@ -8,9 +8,6 @@ it is stored unless the request said ``store: false``.
 from __future__ import annotations
 
 import asyncio
-import json
-import traceback
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,17 +18,16 @@ from mlx_server.errors import (
     ContextLengthExceeded,
     InvalidRequest,
     NotFound,
-    ServerError,
     UnsupportedFeature,
 )
-from mlx_server.events import Finished
 from mlx_server.logs import log
 from mlx_server.protocols.responses.adapter import Adapted, to_chat_request
-from mlx_server.protocols.responses.encoder import Event, ResponseEncoder
+from mlx_server.protocols.responses.encoder import ResponseEncoder, ResponseFrames
 from mlx_server.protocols.responses.items import new_id
 from mlx_server.protocols.responses.schemas import CreateResponseRequest
 from mlx_server.protocols.responses.store import ResponseStore, StoredResponse
-from mlx_server.server.http import parse_body, respond
+from mlx_server.server.http import parse_body
+from mlx_server.server.streaming import respond
 from mlx_server.service import ChatService, Generation
 
 
@@ -47,11 +43,6 @@ class Run:
     done: asyncio.Event = field(default_factory=asyncio.Event)
 
 
-def sse_frame(event: Event) -> bytes:
-    data = json.dumps(event, ensure_ascii=False)
-    return f"event: {event['type']}\ndata: {data}\n\n".encode()
-
-
 def make_router(
     service: ChatService, *, vision: bool = False, store: ResponseStore | None = None
 ) -> APIRouter:
@@ -63,11 +54,9 @@ def make_router(
     async def create(request: Request) -> Response:
         body = await parse_body(request, CreateResponseRequest)
         run = await responses.start(body)
+        frames = ResponseFrames(run.enc)
         return await respond(
-            request,
-            stream=responses.stream(run) if body.stream else None,
-            collect=lambda: responses.collect(run),
-            cancel=run.gen.cancel,
+            request, frames, [run.gen], stream=body.stream, on_end=lambda: responses.end(run)
         )
 
     @router.get("/v1/responses/{response_id}")
@@ -173,40 +162,7 @@ class Responses:
     def _count_tokens(self, text: str) -> int:
         return len(self.service.tokenizer.encode(text, add_special_tokens=False))
 
-    async def collect(self, run: Run) -> dict[str, Any]:
-        try:
-            run.enc.start()
-            async for ev in run.gen.events():
-                if isinstance(ev, Finished):
-                    run.enc.finish(ev)
-                    if ev.reason == "error":  # as on the chat route: a 500 (stored as failed)
-                        raise ServerError(ev.error or "generation failed")
-                    break
-                run.enc.event(ev)
-            return run.enc.response()
-        finally:
-            self._end(run)
-
-    async def stream(self, run: Run) -> AsyncIterator[bytes]:
-        try:
-            for event in run.enc.start():
-                yield sse_frame(event)
-            async for ev in run.gen.events():
-                if isinstance(ev, Finished):
-                    for event in run.enc.finish(ev):
-                        yield sse_frame(event)
-                    return
-                for event in run.enc.event(ev):
-                    yield sse_frame(event)
-        except Exception as e:  # an internal fault after the 200 went out
-            traceback.print_exc()
-            log(f"Error in SSE stream: {type(e).__name__}: {e}")
-            for event in run.enc.fail(f"internal error: {type(e).__name__}"):
-                yield sse_frame(event)
-        finally:
-            self._end(run)
-
-    def _end(self, run: Run) -> None:
+    def end(self, run: Run) -> None:
         """Forget the live run; store it (a run cut short by its client as cancelled)."""
         enc = run.enc
         enc.abandon()

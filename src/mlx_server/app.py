@@ -1,33 +1,31 @@
-"""The app factory: wires the service and engine into routes, middleware and error handlers."""
+"""The app factory: wires the protocols' routes and error envelopes onto the server's
+plumbing (middleware, browser guard, metrics, error handlers) around one chat service."""
 
 from __future__ import annotations
 
-import traceback
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
-from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.requests import ClientDisconnect
 
 from mlx_server.choices import DEFAULT_MAX_N
-from mlx_server.errors import InvalidRequest, MethodNotAllowed, NotFound, Overloaded, ServerError
 from mlx_server.logs import log
+from mlx_server.protocols.anthropic import errors as anthropic_errors
 from mlx_server.protocols.anthropic.routes import make_router as anthropic_router
 from mlx_server.protocols.llamacpp import make_router as tokenizer_router
+from mlx_server.protocols.openai import errors as openai_errors
 from mlx_server.protocols.openai.completions import make_router as completions_router
 from mlx_server.protocols.openai.count_tokens import make_router as count_tokens_router
 from mlx_server.protocols.openai.routes import make_router as openai_router
 from mlx_server.protocols.responses.routes import make_router as responses_router
 from mlx_server.protocols.responses.store import ResponseStore
 from mlx_server.server.browser_guard import BrowserGuard, BrowserPolicy
-from mlx_server.server.errors import json_error
+from mlx_server.server.errors import Envelopes, install_error_handlers
 from mlx_server.server.http import parse_body
 from mlx_server.server.ignored_fields import IgnoredFieldsHeader
 from mlx_server.server.metrics import MetricsMiddleware, install_metrics, route_paths
 from mlx_server.server.middleware import MAX_BODY_BYTES, GuardMiddleware
+from mlx_server.server.streaming import KEEPALIVE_S
 from mlx_server.service import ChatService
 from mlx_server.webui import make_router as webui_router
 
@@ -50,13 +48,16 @@ def create_app(
     responses_store: ResponseStore | None = None,
     webui: bool = True,
     max_n: int = DEFAULT_MAX_N,
+    keepalive_s: float = KEEPALIVE_S,
 ) -> FastAPI:
-    """Build the ASGI app around a ChatService (whose engine may be real or scripted)."""
+    """Build the ASGI app around a ChatService (whose engine may be real or scripted).
+    ``keepalive_s``: how long a stream may stay silent before it gets a keep-alive frame."""
     app = FastAPI(title="mlx-server", docs_url=None, redoc_url=None, openapi_url=None)
     # Paths match exactly: no redirect from "/v1/chat/completions/" to the route.
     app.router.redirect_slashes = False
     app.state.service = service
     app.state.max_n = max_n  # most choices (n) per request
+    app.state.keepalive_s = keepalive_s
     app.state.metrics = metrics = install_metrics(app, service)
     engine = service.engine
 
@@ -87,11 +88,15 @@ def create_app(
     if webui:  # the chat page at / (static files; it uses the API above like any client)
         app.include_router(webui_router())
 
-    _install_error_handlers(app)
+    envelopes = error_envelopes()
+    install_error_handlers(app, envelopes)
     keyed = frozenset({"/tokenize", "/detokenize"} | (set() if metrics_open else {"/metrics"}))
     app.add_middleware(IgnoredFieldsHeader)
-    app.add_middleware(GuardMiddleware, api_key=api_key, max_body=max_body, keyed_paths=keyed)
-    app.add_middleware(BrowserGuard, policy=browser)  # outside auth: preflights carry no key
+    app.add_middleware(
+        GuardMiddleware, envelopes=envelopes, api_key=api_key, max_body=max_body, keyed_paths=keyed
+    )
+    # Outside auth: preflights carry no key.
+    app.add_middleware(BrowserGuard, envelopes=envelopes, policy=browser)
     app.add_middleware(
         MetricsMiddleware,
         metrics=metrics,
@@ -100,42 +105,9 @@ def create_app(
     return app
 
 
-def _install_error_handlers(app: FastAPI) -> None:
-    @app.exception_handler(ServerError)
-    async def on_server_error(request: Request, exc: ServerError) -> JSONResponse:
-        if exc.status >= 500 and not isinstance(exc, Overloaded):
-            log(f"Error processing request: {exc.message}")
-        return json_error(request.url.path, exc)
-
-    @app.exception_handler(RequestValidationError)
-    async def on_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
-        # Query parameters (e.g. /v1/responses/{id}/input_items?limit=x); bodies are
-        # validated by parse_body.
-        return json_error(request.url.path, InvalidRequest(f"invalid request: {exc.errors()}"))
-
-    @app.exception_handler(StarletteHTTPException)
-    async def on_http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        err: ServerError
-        if exc.status_code == 404:
-            err = NotFound(f"no route for {request.method} {request.url.path}")
-        elif exc.status_code == 405:
-            err = MethodNotAllowed(f"method {request.method} is not allowed on {request.url.path}")
-        else:
-            err = ServerError(str(exc.detail))
-            err.status = exc.status_code
-        return json_error(request.url.path, err)
-
-    @app.exception_handler(ClientDisconnect)
-    async def on_client_gone(request: Request, exc: ClientDisconnect) -> Response:
-        # The client hung up before its body arrived: nobody reads this answer.
-        log(f"Request to {request.url.path} abandoned by the client before its body arrived")
-        return Response(status_code=499)
-
-    @app.exception_handler(Exception)
-    async def on_crash(request: Request, exc: Exception) -> JSONResponse:
-        traceback.print_exc()
-        log(f"Error processing request: {type(exc).__name__}: {exc}")
-        err = ServerError(f"internal server error ({type(exc).__name__})")
-        # Starlette re-raises the exception after this answer and the server then drops the
-        # connection: say so, so keep-alive clients don't reuse it.
-        return json_error(request.url.path, err, {"Connection": "close"})
+def error_envelopes() -> Envelopes:
+    """OpenAI's envelope everywhere but on the paths a protocol claims for its own."""
+    envelopes = Envelopes(openai_errors.error_response)
+    for prefix in anthropic_errors.PATHS:
+        envelopes.register(prefix, anthropic_errors.error_response)
+    return envelopes

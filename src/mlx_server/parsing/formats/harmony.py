@@ -59,12 +59,10 @@ _CHANNEL_NAME = re.compile(re.escape(CHANNEL) + r"\s*([A-Za-z_]+)")
 _HEADER = "header"
 _BODY = "body"
 
-
-def is_harmony(template: str, vocab: Any = None) -> bool:
-    """Whether a chat template (and vocabulary, if given) speak Harmony."""
-    if CHANNEL not in template or MESSAGE not in template:
-        return False
-    return vocab is None or CHANNEL in vocab
+# Detection: a template that writes channels and messages, over a vocabulary (where known)
+# with the channel token.
+template_markers = ((CHANNEL, MESSAGE),)
+vocab_markers = (CHANNEL,)
 
 
 class HarmonyParser(SteppedDecoder[OutputEvent]):
@@ -212,3 +210,6 @@ def _may_open_header(text: str) -> bool:
 
 def _is_control_only(text: str) -> bool:
     return not re.sub(r"<\|[a-z_]+\|>|assistant|\s", "", text)
+
+
+message_parser = HarmonyParser

@@ -10,8 +10,20 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from mlx_server.parsing.formats import json_header
+
 tool_call_start = "<|python_tag|>"
 tool_call_end = ""
+
+# Llama 3.2 describes the JSON calls without <|python_tag|>. Tried after the formats with
+# markers of their own, and after the Hermes JSON format.
+template_markers = (("<|python_tag|>",), ("<|start_header_id|>", "ipython"))
+priority = -2
+# {"name": "f", "parameters": {...}}; {...}
+stream_header = r"\s*;?" + json_header("parameters|arguments")
+stream_closer = "}"
+# A call may begin without the marker, as a bare JSON object at the start of the answer.
+bare_start = True
 
 _SEPARATORS = " \t\r\n;"
 

@@ -9,29 +9,36 @@ from __future__ import annotations
 import asyncio
 import functools
 import uuid
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, replace
-from typing import Any, TypeVar
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
-from mlx_server.engine.handle import EngineEvent, GenerationHandle, Started, TokenPiece
 from mlx_server.engine.protocol import EngineLike
 from mlx_server.errors import ContextLengthExceeded, InvalidRequest
-from mlx_server.events import Finished, Logprobs, OutputEvent
 from mlx_server.logs import log
 from mlx_server.models.chat_template import load_chat_template
 from mlx_server.models.prompt import encode_prompt, inline_tools, render_prompt, template_text
 from mlx_server.models.system_turns import fold_late_system_messages, renders_system_in_place
-from mlx_server.parsing.functionary import is_functionary_v3_2
-from mlx_server.parsing.harmony import is_harmony
+from mlx_server.parsing.detection import detect_output_format
 from mlx_server.parsing.pipeline import OutputPipeline
 from mlx_server.parsing.reasoning import prompt_opens_reasoning, reasoning_tags
-from mlx_server.parsing.tools import resolve_tool_parser
-from mlx_server.request_checks import check_logit_bias
-from mlx_server.structured import constraint_spec
+from mlx_server.service.generation import Generation, check_sampling, submit
+from mlx_server.service.structured import constraint_spec
 from mlx_server.types import ChatRequest, GenerationRequest
 
+if TYPE_CHECKING:
+    from mlx_server.engine.constraints import ConstraintCompiler
+    from mlx_server.models.vision import VisionPromptBuilder
+
 T = TypeVar("T")
-StreamEvent = OutputEvent | Logprobs | Finished
+
+
+class Tokenizer(Protocol):
+    """What the services use of a model's tokenizer (mlx-lm's ``TokenizerWrapper``)."""
+
+    def encode(self, text: str, add_special_tokens: bool = ...) -> list[int]: ...
+
+    def decode(self, ids: list[int], **kwargs: Any) -> str: ...
 
 
 @dataclass(frozen=True)
@@ -40,7 +47,7 @@ class PreparedPrompt:
     tokens: list[int]
     max_tokens: int
     start_in_reasoning: bool
-    vision_inputs: Any = None  # pixels etc. for a vision model's prompt with media
+    vision_inputs: dict[str, Any] | None = None  # pixels etc. for a prompt with media
 
 
 class ChatService:
@@ -49,13 +56,13 @@ class ChatService:
     def __init__(
         self,
         model_id: str,
-        tokenizer: Any,
+        tokenizer: Tokenizer,
         engine: EngineLike,
         *,
         ctx_size: int,
         tool_call_parser: str | None = None,
-        constraints: Any = None,
-        vision: Any = None,
+        constraints: ConstraintCompiler | None = None,
+        vision: VisionPromptBuilder | None = None,
         capabilities: list[str] | None = None,
     ):
         """``constraints``: a ConstraintCompiler when structured output is available;
@@ -65,25 +72,16 @@ class ChatService:
         self.tokenizer = tokenizer
         self.engine = engine
         self.ctx_size = ctx_size
-        self.tool_format = resolve_tool_parser(tool_call_parser, tokenizer)
-        if self.tool_format is None and tool_call_parser in (None, "auto"):
-            # No format detected: Hermes-style <tool_call> JSON, the most common one, which
-            # the prompt builder also describes to templates that don't render tools.
-            self.tool_format = resolve_tool_parser("json_tools", tokenizer)
         self.chat_template = load_chat_template(tokenizer)
         self.template = self.chat_template.text if self.chat_template else template_text(tokenizer)
         self.reasoning_tags = reasoning_tags(tokenizer, self.template) or ("<think>", "</think>")
-        # gpt-oss (Harmony) and functionary v3.2 write addressed messages, not tagged text.
-        self.message_format: str | None = None
         vocab = _vocab(tokenizer)
         # Added tokens included; 0 (no top_k check) for a tokenizer that can't say.
         self.vocab_size = len(vocab) if vocab else 0
-        if is_harmony(self.template, vocab):
-            self.message_format = "harmony"
-        elif is_functionary_v3_2(self.template):
-            self.message_format = "functionary_v3_2"
-        if self.message_format and tool_call_parser in (None, "auto"):
-            self.tool_format = None
+        # gpt-oss (Harmony) and functionary v3.2 write addressed messages, not tagged text.
+        output = detect_output_format(tokenizer, self.template, vocab, tool_call_parser)
+        self.tool_format = output.tools
+        self.message_format = output.messages
         self.constraints = constraints
         self.capabilities = list(capabilities or [])
         self.vision = vision
@@ -144,7 +142,7 @@ class ChatService:
         call = getattr(self.engine, "call", None)
         return call(fn).result() if call is not None else fn()
 
-    def _encode(self, chat: ChatRequest, text: str) -> tuple[list[int], Any]:
+    def _encode(self, chat: ChatRequest, text: str) -> tuple[list[int], dict[str, Any] | None]:
         """Token ids, and a vision model's inputs (image tokens counted in the ids)."""
         if self.vision is not None:
             return self.vision.encode(text, chat.messages, self._on_engine_thread)
@@ -161,6 +159,8 @@ class ChatService:
                     f"this request needs {n + chat.max_tokens} tokens ({n} in the prompt + {chat.max_tokens} "
                     f"max_tokens), more than the context size of {self.ctx_size} tokens",
                     param="messages",
+                    prompt_tokens=n,
+                    max_tokens=chat.max_tokens,
                 )
             max_tokens = chat.max_tokens
         else:
@@ -170,36 +170,32 @@ class ChatService:
                     f"the prompt has {n} tokens, which leaves no room within the context size of "
                     f"{self.ctx_size} tokens",
                     param="messages",
+                    prompt_tokens=n,
                 )
         start, end = self.reasoning_tags
         opens = chat.reasoning_format != "none" and prompt_opens_reasoning(text, start, end)
         return PreparedPrompt(text, tokens, max_tokens, opens, vision_inputs)
 
-    def system_prefix_tokens(self, chat: ChatRequest, tokens: list[int]) -> int:
-        """How many leading prompt tokens render the system prompt: the prefix the prompt
-        shares with its system messages followed by an empty user turn. 0 if none."""
+    def system_prefix_tokens(self, chat: ChatRequest, prepared: PreparedPrompt) -> int:
+        """How many leading prompt tokens render the system prompt, up to where the first
+        other message's content begins (its turn's header is the same in every
+        conversation); 0 if none. Found in the rendered prompt: the template runs once."""
         messages = self.template_messages(chat)
         n = 0
         while n < len(messages) and messages[n].get("role") in ("system", "developer"):
             n += 1
         if n == len(messages) or self.vision is not None:
             return 0
-        head = replace(
-            chat,
-            messages=[*messages[:n], {"role": "user", "content": ""}],
-            add_generation_prompt=True,
-            continue_final_message=False,
-        )
-        try:
-            head_tokens = encode_prompt(self.tokenizer, self.render(head))
-        except Exception:  # a template that rejects the cut conversation: no boundary
+        end = _content_start(prepared.text, messages[:n], messages[n])
+        if end <= 0:
             return 0
+        head = self.tokenizer.encode(prepared.text[:end], add_special_tokens=False)
         common = 0
-        for a, b in zip(head_tokens, tokens, strict=False):
+        for a, b in zip(head, prepared.tokens, strict=False):
             if a != b:
                 break
             common += 1
-        return common if common < len(tokens) else 0
+        return common if common < len(prepared.tokens) else 0
 
     # ---- generation --------------------------------------------------------------------
 
@@ -219,7 +215,7 @@ class ChatService:
         self, chat: ChatRequest, request_id: str
     ) -> tuple[GenerationRequest, PreparedPrompt]:
         """Everything before the engine: prompt, context check, constraint, cache hints."""
-        self.check_sampling(chat)
+        check_sampling(chat.sampling, self.vocab_size)
         prepared = self.prepare(chat)
         processors = self._constraint_processors(chat, prepared)
         req = GenerationRequest(
@@ -232,7 +228,7 @@ class ChatService:
             top_logprobs=chat.top_logprobs,
             logits_processors=tuple(processors),
             vision_inputs=prepared.vision_inputs,
-            system_prefix_tokens=self.system_prefix_tokens(chat, prepared.tokens),
+            system_prefix_tokens=self.system_prefix_tokens(chat, prepared),
             ignore_eos=chat.ignore_eos,
         )
         return req, prepared
@@ -241,7 +237,6 @@ class ChatService:
         self, chat: ChatRequest, req: GenerationRequest, prepared: PreparedPrompt
     ) -> Generation:
         """Queue a built request on the engine and attach the output parsers."""
-        handle = self.engine.submit(req, asyncio.get_running_loop())
         messages = self.message_format
         if messages == "harmony" and chat.reasoning_format == "none":
             messages = None  # the raw text, channels and all
@@ -259,19 +254,11 @@ class ChatService:
             message_format=messages,
             content_markers=self.tool_format.content_markers if self.tool_format else (),
         )
-        return Generation(req.request_id, handle, pipeline, len(prepared.tokens))
+        return submit(self.engine, req, pipeline)
 
-    def check_sampling(self, chat: ChatRequest) -> None:
-        """Parameters that are valid in the protocol but not for this model."""
-        top_k = chat.sampling.top_k
-        if top_k and self.vocab_size and top_k >= self.vocab_size:
-            raise InvalidRequest(
-                f"top_k must be below the model's vocabulary size ({self.vocab_size}); got {top_k}",
-                param="top_k",
-            )
-        check_logit_bias(chat.sampling, self.vocab_size)
-
-    def _constraint_processors(self, chat: ChatRequest, prepared: PreparedPrompt) -> list[Any]:
+    def _constraint_processors(
+        self, chat: ChatRequest, prepared: PreparedPrompt
+    ) -> list[Callable[..., Any]]:
         spec = constraint_spec(chat, self.tool_format if chat.tools else None)
         if spec is None:
             return []
@@ -290,82 +277,30 @@ class ChatService:
             ) from e
 
 
-class Generation:
-    """One running generation: iterate ``events()`` for neutral events, ending with Finished."""
+def _content_start(text: str, system: list[dict[str, Any]], first: dict[str, Any]) -> int:
+    """Where ``first``'s text content starts in the rendered ``text``, searched after the
+    system messages' own text; -1 if any of them is not found as plain text (a template
+    that rewrites them: no boundary)."""
+    at = 0
+    for message in [*system, first]:
+        content = _first_text(message.get("content")).strip()
+        found = text.find(content, at) if content else -1
+        if found < 0:
+            return -1
+        if message is first:
+            return found
+        at = found + len(content)
+    return -1
 
-    def __init__(
-        self,
-        request_id: str,
-        handle: GenerationHandle,
-        pipeline: OutputPipeline,
-        prompt_tokens: int,
-    ):
-        self.request_id = request_id
-        self.handle = handle
-        self.pipeline = pipeline
-        self.prompt_tokens = prompt_tokens
-        self._start: Started | None = None
-        self._early: list[EngineEvent] = []  # read while waiting for the start, not yet used
 
-    @property
-    def cached_tokens(self) -> int:
-        """Prompt tokens the prefix cache covered (known once the generation started)."""
-        return self._start.cached_tokens if self._start else self.handle.cached_tokens
-
-    async def started(self) -> Started | None:
-        """Wait until the engine takes the request up (it may queue first) and return its
-        announcement, with the real cache split; None if it ended without starting."""
-        while self._start is None and not self._early:
-            try:
-                ev = await self.handle.next_event()
-            except BaseException:  # the consumer went away while the request waited
-                self.handle.cancel()
-                raise
-            if isinstance(ev, Started):
-                self._start = ev
-            else:
-                self._early.append(ev)
-        return self._start
-
-    async def _engine_events(self) -> AsyncIterator[EngineEvent]:
-        while self._early:
-            yield self._early.pop(0)
-        if not self.handle.done:
-            async for ev in self.handle:
-                yield ev
-
-    def cancel(self) -> None:
-        self.handle.cancel()
-
-    async def events(self) -> AsyncIterator[StreamEvent]:
-        try:
-            async for ev in self._engine_events():
-                if isinstance(ev, Started):
-                    self._start = self._start or ev
-                    continue
-                if isinstance(ev, TokenPiece):
-                    if ev.logprobs:
-                        yield Logprobs(ev.logprobs)
-                    for out in self.pipeline.feed(ev.text):
-                        yield out
-                    continue
-                for out in self.pipeline.flush():
-                    yield out
-                yield self._final(ev)
-        finally:
-            if not self.handle.done:
-                self.handle.cancel()  # the consumer went away: free the slot
-
-    def _final(self, ev: Finished) -> Finished:
-        reason = ev.reason
-        in_reasoning = self.pipeline.in_reasoning
-        if reason == "stop" and self.pipeline.saw_tool_calls:
-            reason = "tool_calls"
-        elif reason in ("stop", "stop_sequence") and in_reasoning:
-            log("Generation ended inside the reasoning block: no answer was produced")
-        if ev.error:
-            log(f"Error during generation: {ev.error}")
-        return replace(ev, reason=reason, in_reasoning=in_reasoning)
+def _first_text(content: Any) -> str:
+    """A message's text, or its first text part's."""
+    if isinstance(content, str):
+        return content
+    for part in content if isinstance(content, list) else []:
+        if isinstance(part, dict) and part.get("type") == "text":
+            return str(part.get("text") or "")
+    return ""
 
 
 def _vocab(tokenizer: Any) -> Any:

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from mlx_server.errors import InvalidRequest
 from mlx_server.logs import log
+from mlx_server.parsing.tool_formats import ToolFormat
 from mlx_server.types import ChatRequest
+
+if TYPE_CHECKING:
+    from mlx_server.engine.constraints import ConstraintSpec
 
 
 def forced_tool(chat: ChatRequest) -> tuple[bool, str | None]:
@@ -15,7 +19,7 @@ def forced_tool(chat: ChatRequest) -> tuple[bool, str | None]:
     return tc.forced, tc.name if tc.mode == "function" else None
 
 
-def constraint_spec(chat: ChatRequest, tool_format: Any) -> Any:
+def constraint_spec(chat: ChatRequest, tool_format: ToolFormat | None) -> ConstraintSpec | None:
     """The ConstraintSpec for a request, or None; InvalidRequest for what cannot be enforced."""
     from mlx_server.engine.constraints import ConstraintError, ConstraintSpec, validate_spec
 

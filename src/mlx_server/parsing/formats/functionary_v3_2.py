@@ -31,10 +31,8 @@ _MAX_RECIPIENT = 128
 _HEADER = "header"
 _BODY = "body"
 
-
-def is_functionary_v3_2(template: str) -> bool:
-    """Whether a chat template is functionary v3.2's (``>>>all`` messages)."""
-    return ">>>all" in template and "'>>>' + tool_call" in template.replace('"', "'")
+# Detection: ``>>>all`` messages and the ``>>>`` before each call (quotes read as ``'``).
+template_markers = ((">>>all", "'>>>' + tool_call"),)
 
 
 class FunctionaryParser(SteppedDecoder[OutputEvent]):
@@ -160,3 +158,6 @@ class FunctionaryParser(SteppedDecoder[OutputEvent]):
         self._code = None
         self._args = []
         self._held = ""
+
+
+message_parser = FunctionaryParser

@@ -9,7 +9,6 @@ that id stops the whole batch.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,8 +21,9 @@ from mlx_server.models.text_prompt import (
     missing_fim_message,
 )
 from mlx_server.parsing.pipeline import OutputPipeline
-from mlx_server.service import ChatService, Generation, StreamEvent
-from mlx_server.types import ChatRequest, GenerationRequest, SamplingParams
+from mlx_server.service.chat import ChatService, Tokenizer
+from mlx_server.service.generation import Generation, check_sampling, submit
+from mlx_server.types import GenerationRequest, SamplingParams
 
 PromptInput = str | list[int]
 
@@ -50,7 +50,7 @@ class CompletionService:
         self._fim: Any = False  # not looked up yet
 
     @property
-    def tokenizer(self) -> Any:
+    def tokenizer(self) -> Tokenizer:
         return self.chat.tokenizer
 
     def fim_tokens(self) -> Any:
@@ -108,8 +108,7 @@ class CompletionService:
         self, prompts: list[TextPrompt], opts: CompletionOptions, request_id: str
     ) -> list[Generation]:
         """Submit every prompt; if one is refused (queue full), cancel the others and raise."""
-        self.chat.check_sampling(ChatRequest(messages=[], sampling=opts.sampling))
-        loop = asyncio.get_running_loop()
+        check_sampling(opts.sampling, self.chat.vocab_size)
         gens: list[Generation] = []
         try:
             for p in prompts:
@@ -122,41 +121,13 @@ class CompletionService:
                     logprobs=opts.top_logprobs is not None,
                     top_logprobs=opts.top_logprobs or 0,
                 )
-                handle = self.chat.engine.submit(req, loop)
+                # Raw text: no reasoning split, no tool calls.
                 pipeline = OutputPipeline(
                     reasoning=None, start_in_reasoning=False, tool_format=None, tools=None
                 )
-                gens.append(Generation(request_id, handle, pipeline, len(p.tokens)))
+                gens.append(submit(self.chat.engine, req, pipeline))
         except BaseException:
             for g in gens:
                 g.cancel()
             raise
         return gens
-
-
-async def merged_events(gens: list[Generation]) -> AsyncIterator[tuple[int, StreamEvent]]:
-    """Events of several generations as they come, tagged with the generation's index.
-    Closing the iterator early cancels every generation still running."""
-    queue: asyncio.Queue[tuple[int, StreamEvent | None]] = asyncio.Queue()
-
-    async def pump(i: int, gen: Generation) -> None:
-        try:
-            async for ev in gen.events():
-                queue.put_nowait((i, ev))
-        finally:
-            queue.put_nowait((i, None))
-
-    tasks = [asyncio.ensure_future(pump(i, g)) for i, g in enumerate(gens)]
-    left = len(gens)
-    try:
-        while left:
-            i, ev = await queue.get()
-            if ev is None:
-                left -= 1
-                continue
-            yield i, ev
-    finally:
-        for g in gens:
-            g.cancel()
-        for t in tasks:
-            t.cancel()

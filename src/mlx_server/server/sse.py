@@ -1,0 +1,36 @@
+"""The one Server-Sent Events framer every streaming API writes through."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+HEADERS = {"Cache-Control": "no-cache", "Connection": "keep-alive", "X-Accel-Buffering": "no"}
+
+
+@dataclass(frozen=True)
+class Frame:
+    """One SSE block: a ``data`` line (a JSON value, or a literal string such as ``[DONE]``)
+    with an optional ``event`` name; or a ``comment`` line; or an ``error`` line."""
+
+    data: Any = None
+    event: str | None = None
+    comment: str | None = None
+    # A failure mid-stream as the Swift mlx-server writes it, ``error: {"message": ...}``:
+    # Jan's stream reader acts on it; standard SSE clients ignore the unknown field.
+    error: str | None = None
+
+
+def encode(frame: Frame) -> bytes:
+    if frame.comment is not None:
+        return f": {frame.comment}\n\n".encode()
+    if frame.error is not None:
+        return b"error: " + _json({"message": frame.error}) + b"\n\n"
+    data = frame.data.encode() if isinstance(frame.data, str) else _json(frame.data)
+    head = f"event: {frame.event}\n".encode() if frame.event else b""
+    return head + b"data: " + data + b"\n\n"
+
+
+def _json(value: Any) -> bytes:
+    return json.dumps(value, ensure_ascii=False).encode()

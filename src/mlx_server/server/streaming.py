@@ -1,0 +1,281 @@
+"""Every generating route's ending: stream the generation as SSE, or collect it into one
+JSON answer, through the protocol's ``Encoder``.
+
+The driver owns what the protocols share: keep-alive frames while nothing comes (a long
+prompt's prefill can take minutes; clients and proxies drop a connection that stays quiet),
+a failure after the 200 went out (the protocol's error event and Jan's ``error:`` line), a
+client that leaves (the generation is cancelled; 499 for a collected answer).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import traceback
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any, Protocol, TypeVar
+
+import anyio
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from mlx_server.errors import ServerError
+from mlx_server.events import Finished
+from mlx_server.logs import log
+from mlx_server.server.sse import HEADERS, Frame, encode
+
+# Seconds of silence before a stream gets a keep-alive frame (Claude Code's HTTP client
+# gives up after 5 minutes without a byte); the app's ``keepalive_s`` overrides it.
+KEEPALIVE_S = 15.0
+
+T = TypeVar("T")
+
+
+class Source(Protocol):
+    """One generation: neutral events ending with ``Finished``."""
+
+    def events(self) -> AsyncIterator[Any]: ...
+
+    def cancel(self) -> None: ...
+
+
+class Encoder(Protocol):
+    """A protocol's view of one response: the frames for each step of its generations, and
+    the whole answer. A collected answer runs the same steps and ignores the frames, so
+    both forms always carry the same content."""
+
+    @property
+    def keepalive(self) -> Frame:
+        """The frame sent when the stream has been silent for a while."""
+        ...
+
+    async def start(self) -> list[Frame]:
+        """The frames before the first event (may wait for the engine to take the request)."""
+        ...
+
+    def event(self, index: int, ev: Any) -> list[Frame]: ...
+
+    def finish(self, index: int, fin: Finished) -> list[Frame]:
+        """Generation ``index`` ended (never with reason ``error``: see ``fail``)."""
+        ...
+
+    def end(self) -> list[Frame]:
+        """After every generation finished."""
+        ...
+
+    def fail(self, message: str, fin: Finished | None) -> list[Frame]:
+        """The protocol's error event(s) for a failure after the start; ``fin`` when the
+        generation itself reported it."""
+        ...
+
+    def result(self) -> dict[str, Any]:
+        """The collected answer."""
+        ...
+
+
+class GenerationFailed(Exception):
+    def __init__(self, fin: Finished):
+        super().__init__(fin.error or "generation failed")
+        self.fin = fin
+
+
+async def respond(
+    request: Request,
+    encoder: Encoder,
+    sources: Sequence[Source],
+    *,
+    stream: bool,
+    on_end: Callable[[], None] | None = None,
+) -> Response:
+    """An SSE stream of ``encoder``'s frames if ``stream``, else its collected answer.
+    ``on_end`` runs once the response is over, however it ended."""
+    if stream:
+        interval = getattr(request.app.state, "keepalive_s", KEEPALIVE_S)
+        body = _stream(encoder, sources, interval, on_end)
+        return EventStreamResponse(body, media_type="text/event-stream", headers=HEADERS)
+    result = await until_disconnect(
+        request, _collect(encoder, sources, on_end), lambda: cancel_all(sources)
+    )
+    if result is None:
+        log("Generation cancelled by client")
+        return Response(status_code=499)
+    return JSONResponse(result)
+
+
+def cancel_all(sources: Sequence[Source]) -> None:
+    for s in sources:
+        s.cancel()
+
+
+async def _steps(encoder: Encoder, sources: Sequence[Source]) -> AsyncIterator[list[Frame]]:
+    yield await encoder.start()
+    async for i, ev in merged(sources):
+        if isinstance(ev, Finished):
+            if ev.reason == "error":
+                raise GenerationFailed(ev)
+            if ev.reason == "cancelled":
+                log("Stream generation cancelled")
+            yield encoder.finish(i, ev)
+        else:
+            yield encoder.event(i, ev)
+    yield encoder.end()
+
+
+async def _collect(
+    encoder: Encoder, sources: Sequence[Source], on_end: Callable[[], None] | None
+) -> dict[str, Any]:
+    try:
+        try:
+            async for _ in _steps(encoder, sources):
+                pass
+        except GenerationFailed as e:
+            encoder.fail(str(e), e.fin)
+            raise ServerError(str(e)) from e
+        return encoder.result()
+    finally:
+        if on_end is not None:
+            on_end()
+
+
+async def _stream(
+    encoder: Encoder,
+    sources: Sequence[Source],
+    interval: float,
+    on_end: Callable[[], None] | None,
+) -> AsyncIterator[bytes]:
+    steps = with_keepalive(_steps(encoder, sources), interval)
+    try:
+        async for frames in steps:
+            for frame in frames if frames is not None else [encoder.keepalive]:
+                yield encode(frame)
+    except GenerationFailed as e:
+        for frame in _failure(encoder, str(e), e.fin):
+            yield encode(frame)
+    except Exception as e:  # an internal fault after the 200 went out
+        traceback.print_exc()
+        log(f"Error in SSE stream: {type(e).__name__}: {e}")
+        for frame in _failure(encoder, f"internal error: {type(e).__name__}", None):
+            yield encode(frame)
+    finally:
+        await steps.aclose()
+        if on_end is not None:
+            on_end()
+
+
+def _failure(encoder: Encoder, message: str, fin: Finished | None) -> list[Frame]:
+    """Jan's ``error:`` line first (its reader stops there), then the protocol's own."""
+    return [Frame(error=message), *encoder.fail(message, fin)]
+
+
+async def merged(sources: Sequence[Source]) -> AsyncIterator[tuple[int, Any]]:
+    """Events of the generations as they come, tagged with the generation's index.
+    Closing the iterator early cancels every generation still running."""
+    if len(sources) == 1:
+        events = sources[0].events()
+        try:
+            async for ev in events:
+                yield 0, ev
+        finally:
+            await events.aclose()  # type: ignore[attr-defined]
+        return
+    queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+    done = object()
+
+    async def pump(i: int, source: Source) -> None:
+        try:
+            async for ev in source.events():
+                queue.put_nowait((i, ev))
+        finally:
+            queue.put_nowait((i, done))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(sources)]
+    left = len(sources)
+    try:
+        while left:
+            i, ev = await queue.get()
+            if ev is done:
+                left -= 1
+                continue
+            yield i, ev
+    finally:
+        cancel_all(sources)
+        for t in tasks:
+            t.cancel()
+
+
+async def with_keepalive(
+    items: AsyncIterator[T], interval: float
+) -> AsyncGenerator[T | None, None]:
+    """``items``, with a None each time ``interval`` seconds pass without one. Closing
+    this closes ``items`` (a generation's cleanup frees its slot)."""
+    pending: asyncio.Future[T] = asyncio.ensure_future(anext(items))
+    try:
+        while True:
+            done, _ = await asyncio.wait({pending}, timeout=interval)
+            if not done:
+                yield None
+                continue
+            try:
+                item = pending.result()
+            except StopAsyncIteration:
+                return
+            yield item
+            pending = asyncio.ensure_future(anext(items))
+    finally:
+        if pending.done():
+            close = getattr(items, "aclose", None)
+            if close is not None:
+                await close()
+        else:
+            pending.cancel()  # raised inside ``items``, whose cleanup then runs
+
+
+class EventStreamResponse(StreamingResponse):
+    """A streaming response that notices a client leaving even while nothing is written.
+
+    Starlette's own listens for the disconnect only under servers older than ASGI 2.4
+    (newer ones make it wait for a write to fail), and a stream may write nothing for a
+    long time (a long prompt's prefill). Here a disconnect always cancels the body
+    iterator at once, and the generation's own cleanup frees its slot."""
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        async with anyio.create_task_group() as group:
+
+            async def stream() -> None:
+                try:
+                    await self.stream_response(send)
+                except OSError:
+                    pass  # the client went away while a frame was written
+                group.cancel_scope.cancel()
+
+            group.start_soon(stream)
+            await self.listen_for_disconnect(receive)
+            group.cancel_scope.cancel()
+
+
+async def until_disconnect(
+    request: Request, work: Awaitable[T], on_disconnect: Callable[[], None]
+) -> T | None:
+    """Run ``work``; if the client disconnects first, call ``on_disconnect`` and return None."""
+    task = asyncio.ensure_future(work)
+
+    async def watch() -> None:
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                return
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if task in done:
+            return task.result()
+        on_disconnect()
+        try:
+            await task
+        except Exception:
+            pass
+        return None
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
