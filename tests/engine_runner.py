@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -14,6 +15,15 @@ from mlx_server.events import Finished, LogprobEntry
 from mlx_server.types import GenerationRequest, SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0)
+
+
+async def until(condition: Callable[[], object], what: str, timeout: float = 60) -> None:
+    """Wait (yielding to the event loop) until ``condition()`` holds; fail after ``timeout``
+    seconds naming ``what`` was awaited."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.001)
 
 
 @dataclass

@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from engine_runner import collect, load_varied_model, request, running_engine, solo
+from engine_runner import collect, load_varied_model, request, running_engine, solo, until
 from support import free_port
 
 from mlx_server.errors import InvalidRequest, Overloaded
@@ -109,14 +109,12 @@ def test_a_cancelled_queued_request_frees_its_queue_slot(lm):
     async def run(engine):
         running = engine.submit(request(p[0], 300))
         task = asyncio.ensure_future(collect(running))
-        while engine.active_count == 0:
-            await asyncio.sleep(0.001)
+        await until(lambda: engine.active_count, "the first request to run")
         waiting = engine.submit(request(p[1], 10))
         with pytest.raises(Overloaded):
             engine.submit(request(p[2], 10))
         waiting.cancel()
-        while engine.queue_depth:
-            await asyncio.sleep(0.001)
+        await until(lambda: not engine.queue_depth, "the cancelled request to leave the queue")
         third = await collect(engine.submit(request(p[2], 10)))
         return await collect(waiting), third, await task
 

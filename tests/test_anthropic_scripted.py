@@ -523,14 +523,14 @@ def test_context_overflow_uses_anthropics_wording(scripted):
     """Claude Code recognises these two messages (and compacts / lowers max_tokens)."""
     counted = client(scripted).messages.count_tokens(model="m", messages=user()).input_tokens
     message = error_of(post(scripted, base(max_tokens=1000)), 400, "invalid_request_error")
-    assert message == (
+    assert message.startswith(
         f"input length and `max_tokens` exceed context limit: {counted} + 1000 > 512, "
         "decrease input length or `max_tokens` and try again"
     )
     long = user("word " * 600)
     counted = client(scripted).messages.count_tokens(model="m", messages=long).input_tokens
     message = error_of(post(scripted, base(messages=long)), 400, "invalid_request_error")
-    assert message == f"prompt is too long: {counted} tokens > 512 maximum"
+    assert message.startswith(f"prompt is too long: {counted} tokens > 512 maximum")
 
 
 def test_bad_body_and_routes(scripted):

@@ -15,6 +15,7 @@ from engine_runner import (
     request,
     running_engine,
     solo,
+    until,
 )
 
 from mlx_server.engine.handle import Started, TokenPiece
@@ -136,8 +137,7 @@ def test_long_prompt_is_prefilled_in_chunks_while_others_decode(lm):
 
         first = engine.submit(request(short_prompt, 80))
         runner = asyncio.ensure_future(consume(first, "running"))
-        while "running" not in order:
-            await asyncio.sleep(0.001)
+        await until(lambda: "running" in order, "the first request's first token")
         order.append("submitted")
         joiner = await consume(engine.submit(request(long_prompt, 4)), "joiner")
         return await runner, joiner
@@ -174,8 +174,7 @@ def test_cancelling_one_sequence_leaves_the_others_unharmed(lm):
         # The engine-level cancel by id works the same way.
         other = engine.submit(request(prompts[0], 200))
         task = asyncio.ensure_future(collect(other))
-        while engine.active_count == 0:  # running, not just queued
-            await asyncio.sleep(0.001)
+        await until(lambda: engine.active_count, "the request to run")  # not just queued
         assert engine.cancel(other.request_id) == 1
         return [results[i] for i in range(4)], await task
 
@@ -224,13 +223,20 @@ def test_prefill_is_paced_so_long_prompts_do_not_pile_up(lm):
 
     async def run(engine):
         running = asyncio.ensure_future(collect(engine.submit(request(short, 120))))
-        while engine.stats()["prefilling"] or not engine.active_count:
-            await asyncio.sleep(0.001)
+        await until(
+            lambda: not engine.stats()["prefilling"] and engine.active_count,
+            "the short request to decode",
+        )
         handles = [engine.submit(request(p, 6)) for p in longs]
         tasks = asyncio.gather(*(collect(h) for h in handles))
-        while not tasks.done():
+
+        def sample_until_done() -> bool:
+            if tasks.done():
+                return True
             seen.append(engine.stats()["next_prefill_tokens"])
-            await asyncio.sleep(0.001)
+            return False
+
+        await until(sample_until_done, "the long prompts to finish", timeout=300)
         await running
         return tasks.result()
 
@@ -286,8 +292,8 @@ def test_a_lone_stream_keeps_its_text_when_others_join_it(lm):
             lead = asyncio.ensure_future(
                 collect(engine.submit(request(first, 40, sampling=seeded)))
             )
-            while engine.active_count == 0:  # admitted alone; its prefill takes 8+ steps
-                await asyncio.sleep(0.001)
+            # Admitted alone; its prefill takes 8+ steps.
+            await until(lambda: engine.active_count, "the lone request to be admitted")
             more = [asyncio.ensure_future(collect(engine.submit(request(p, 12)))) for p in others]
             return await lead, await asyncio.gather(*more)
 

@@ -21,7 +21,9 @@ from support import REPO, demo_model_dir, free_port
 
 CLAUDE = REPO / ".cache" / "npm" / "node_modules" / ".bin" / "claude"
 
-pytestmark = [pytest.mark.claude_code, pytest.mark.demo]
+# The run itself may take up to an hour on a slow CPU (its subprocess timeout), after the
+# server's start.
+pytestmark = [pytest.mark.claude_code, pytest.mark.demo, pytest.mark.timeout(4200)]
 
 
 @pytest.fixture(scope="module")

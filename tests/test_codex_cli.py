@@ -24,7 +24,8 @@ from pathlib import Path
 import pytest
 from support import REPO, free_port, launch
 
-pytestmark = pytest.mark.codex
+# Two codex runs of up to 400 s each (their subprocess timeout), after the server's start.
+pytestmark = [pytest.mark.codex, pytest.mark.timeout(1200)]
 
 API_KEY = "sk-codex-test"
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 
 import jsonschema
 import mlx.core as mx
@@ -103,7 +104,9 @@ def generate(model, tokenizer, processors, *, max_tokens=300, seed=0):
     )
     tokens: dict[int, list[int]] = {u: [] for u in uids}
     finish: dict[int, str] = {}
+    deadline = time.monotonic() + 120
     while len(finish) < len(uids):
+        assert time.monotonic() < deadline, f"unfinished after 120 s: {finish}"
         for r in gen.next_generated():
             tokens[r.uid].append(r.token)
             if r.finish_reason is not None:

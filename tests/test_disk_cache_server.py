@@ -98,8 +98,8 @@ def test_kill_9_during_writes_then_restart_serves_and_never_uses_a_bad_entry(
     stop = threading.Event()
 
     def load() -> None:
-        i = 0
-        while not stop.is_set():
+        i, deadline = 0, time.monotonic() + 300
+        while not stop.is_set() and time.monotonic() < deadline:
             try:
                 chat(srv, f"Question number {i}?", system=f"Session {i}. " + SYSTEM)
             except (httpx.HTTPError, AssertionError):

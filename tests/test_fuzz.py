@@ -22,6 +22,9 @@ from mlx_server.server.http import MAX_JSON_DEPTH
 CHECK_EVERY = 40
 TIMEOUT = 60.0
 
+# Each test sends hundreds of generated requests: minutes on a loaded 2-core machine.
+pytestmark = pytest.mark.timeout(2400)
+
 
 @pytest.fixture(scope="module")
 def fuzz_server(tiny_model_dir):

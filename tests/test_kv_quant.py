@@ -4,6 +4,7 @@ the admission estimate says, and relies on mlx-lm internals checked here by cont
 from __future__ import annotations
 
 import asyncio
+import time
 
 import httpx
 import mlx.core as mx
@@ -56,7 +57,9 @@ def test_contract_mlx_lm_batches_caches_through_their_merge_and_attends_quantize
     gen = BatchGenerator(qmodel, completion_batch_size=4, prefill_batch_size=4)
     uids = gen.insert(prompts(tokenizer, 3), max_tokens=[3, 3, 3])
     caches = {}
+    deadline = time.monotonic() + 120
     while len(caches) < len(uids):
+        assert time.monotonic() < deadline, "the batch did not finish in 120 s"
         for r in gen.next()[1]:
             if r.finish_reason is not None:
                 caches[r.uid] = r.prompt_cache

@@ -100,7 +100,7 @@ def test_context_check_includes_image_tokens(service):
     assert n > 150
     with pytest.raises(ContextLengthExceeded) as e:
         service.prepare(chat(ask(image(), image(), image()), max_tokens=400 - n + 1))
-    assert f"({n} in the prompt" in e.value.message
+    assert f"prompt {n} tokens" in e.value.message and e.value.n_prompt_tokens == n
     assert service.prepare(chat(ask(image(), image(), image()), max_tokens=400 - n)).tokens
 
 

@@ -19,6 +19,7 @@ from mlx_server.protocols.openai.count_tokens import make_router as count_tokens
 from mlx_server.protocols.openai.routes import make_router as openai_router
 from mlx_server.protocols.responses.routes import make_router as responses_router
 from mlx_server.protocols.responses.store import ResponseStore
+from mlx_server.server.aliases import OpenAIPathAliases
 from mlx_server.server.browser_guard import BrowserGuard, BrowserPolicy
 from mlx_server.server.errors import Envelopes, install_error_handlers
 from mlx_server.server.http import parse_body
@@ -61,9 +62,14 @@ def create_app(
     app.state.metrics = metrics = install_metrics(app, service)
     engine = service.engine
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> dict[str, Any]:
-        body = {"status": "ok", "active": engine.active_count, "queued": engine.queue_depth}
+        body: dict[str, Any] = {
+            "status": "ok",
+            "active": engine.active_count,
+            "queued": engine.queue_depth,
+            **service.context_info(),
+        }
         stats = getattr(engine, "stats", None)
         if stats is not None:  # prefix-cache counters (RAM and disk tiers), memory in use
             body.update({k: v for k, v in stats().items() if k.startswith(_HEALTH_STATS)})
@@ -102,6 +108,7 @@ def create_app(
         metrics=metrics,
         routes=lambda: route_paths(app.routes),
     )
+    app.add_middleware(OpenAIPathAliases, routes=lambda: app.router.routes)  # outermost
     return app
 
 

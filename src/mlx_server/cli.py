@@ -11,7 +11,11 @@ from dataclasses import MISSING
 from typing import Any
 
 from mlx_server.config import Settings, check_bounds, env_name, settings_fields
+from mlx_server.legacy_flags import add_legacy_flags, apply_legacy, pop_legacy
 from mlx_server.logs import log
+
+# Jan hands its key to the server process in this variable too (tauri-plugin-mlx).
+JAN_API_KEY_ENV = "MLX_API_KEY"
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
@@ -46,9 +50,12 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
                 kwargs["default"] = convert(environ[env])
             except ValueError:
                 parser.error(f"{env}: invalid value {environ[env]!r}")
+        elif f.name == "api_key" and JAN_API_KEY_ENV in environ:
+            kwargs["default"] = environ[JAN_API_KEY_ENV]
         elif meta.get("required"):
             kwargs["required"] = True
         parser.add_argument(*meta["flags"], **kwargs)
+    add_legacy_flags(parser)
     return parser
 
 
@@ -64,8 +71,16 @@ def parse_settings(
 ) -> Settings:
     """Flags (over ``MLX_SERVER_*`` environment variables) to checked Settings; a bad value
     prints usage and exits 2."""
+    return parse_launch(argv, environ)[0]
+
+
+def parse_launch(
+    argv: list[str] | None = None, environ: Mapping[str, str] | None = None
+) -> tuple[Settings, list[str]]:
+    """``parse_settings``, and a line to log for each flag of an earlier Swift server."""
     parser = build_parser(environ)
     ns = parser.parse_args(argv)  # unknown flags: usage on stderr, exit 2
+    legacy = pop_legacy(vars(ns))
     for f in settings_fields():
         problem = check_bounds(f.name, getattr(ns, f.name), f.metadata)
         if problem:
@@ -82,7 +97,7 @@ def parse_settings(
             parser.error(
                 f"--tool-call-parser: unknown format {ns.tool_call_parser!r}; valid: {', '.join(valid)}"
             )
-    return Settings(**vars(ns))
+    return apply_legacy(Settings(**vars(ns)), legacy)
 
 
 def _fail(message: str) -> int:
@@ -92,11 +107,13 @@ def _fail(message: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    settings = parse_settings(argv)
+    settings, notes = parse_launch(argv)
     log("MLX Server starting...")
     log(f"Model path: {settings.model}")
     log(f"Port: {settings.port}")
     log(f"Context size: {settings.ctx_size}")
+    for note in notes:
+        log(note)
 
     from mlx_server.server.run import PortInUse, bind_socket, is_loopback
 

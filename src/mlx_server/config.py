@@ -47,7 +47,12 @@ class Settings:
         "--ctx-size",
         min=1,
     )
-    api_key: str = _opt("", "API key required on every /v1 route (empty: no auth)", "--api-key")
+    api_key: str = _opt(
+        "",
+        "API key required on every /v1 route (empty: no auth; also read from MLX_API_KEY, "
+        "as Jan passes it, when neither the flag nor MLX_SERVER_API_KEY is given)",
+        "--api-key",
+    )
     model_id: str = _opt(
         "", "Model id reported by /v1/models (default: the model directory's name)", "--model-id"
     )
@@ -61,9 +66,10 @@ class Settings:
     max_batch_size: int | None = _opt(
         None,
         "Sequences decoded together in one batch (default: 8 on a CPU; on a GPU as many "
-        "full-context sequences as the KV budget holds, 8 to 32)",
+        "full-context sequences as the KV budget holds, 8 to 32; 0: batching off, one "
+        "sequence at a time, as in the Swift server)",
         "--max-batch-size",
-        min=1,
+        min=0,
     )
     max_queue: int = _opt(
         64,
@@ -117,6 +123,16 @@ class Settings:
         "KV-cache memory budget for admitted requests in GB (default: a quarter of device memory)",
         "--kv-budget-gb",
         above=0,
+    )
+    chat_template: str = _opt(
+        "",
+        "Chat template replacing the model's: Jinja template text (what Jan's chat-template "
+        "setting holds), a path to a .jinja file, or the name of a template the model ships "
+        "(e.g. tool_use)",
+        "--chat-template",
+    )
+    embedding: bool = _opt(
+        False, "Serve the model as an embedding model (Jan passes it for one)", "--embedding"
     )
     tool_call_parser: str | None = _opt(
         None, "Tool-call format (default: detected from the chat template)", "--tool-call-parser"

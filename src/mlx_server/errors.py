@@ -36,21 +36,57 @@ class InvalidRequest(ServerError):
 
 
 class ContextLengthExceeded(InvalidRequest):
+    """A request that does not fit the context. Carries llama.cpp's ``n_prompt_tokens`` and
+    ``n_ctx``, which the error envelopes pass on: clients size their retry from them."""
+
     code = "context_length_exceeded"
 
     def __init__(
-        self,
-        message: str,
-        *,
-        param: str | None = None,
-        prompt_tokens: int | None = None,
-        max_tokens: int = 0,
+        self, message: str, *, param: str | None = None, n_prompt_tokens: int = 0, n_ctx: int = 0
     ):
         super().__init__(message, param=param)
-        # The measured request, so a protocol can word its own message without measuring
-        # the prompt again.
-        self.prompt_tokens = prompt_tokens
-        self.max_tokens = max_tokens
+        self.n_prompt_tokens = n_prompt_tokens
+        self.n_ctx = n_ctx
+
+    @classmethod
+    def overflow(
+        cls, n_prompt: int, max_tokens: int | None, n_ctx: int, *, param: str, subject: str = ""
+    ) -> ContextLengthExceeded:
+        """The error for ``n_prompt`` tokens plus ``max_tokens`` (None: at least one token
+        to generate) over ``n_ctx``; ``subject`` names the prompt when there are several."""
+        return cls(
+            overflow_message(n_prompt, max_tokens, n_ctx, subject),
+            param=param,
+            n_prompt_tokens=n_prompt,
+            n_ctx=n_ctx,
+        )
+
+    def with_param(self, param: str | None, message: str | None = None) -> ContextLengthExceeded:
+        """The same overflow, reported against another parameter (or worded otherwise)."""
+        return ContextLengthExceeded(
+            message or self.message,
+            param=param,
+            n_prompt_tokens=self.n_prompt_tokens,
+            n_ctx=self.n_ctx,
+        )
+
+
+def overflow_message(n_prompt: int, max_tokens: int | None, n_ctx: int, subject: str = "") -> str:
+    """One sentence that every common context-overflow detector recognises: llama.cpp's
+    ``the request exceeds the available context size`` (Jan reloads with a larger context on
+    it), OpenAI's ``maximum context length is`` and its code ``context_length_exceeded``."""
+    about = f"{subject}: " if subject else ""
+    if max_tokens is None:
+        need = f"{about}prompt {n_prompt} tokens leaves no room to generate within context {n_ctx} tokens"
+    else:
+        need = (
+            f"{about}prompt {n_prompt} tokens + max_tokens {max_tokens} = "
+            f"{n_prompt + max_tokens} > context {n_ctx} tokens"
+        )
+    return (
+        f"the request exceeds the available context size ({need}), try increasing it; "
+        f"this server's maximum context length is {n_ctx} tokens (context_length_exceeded)"
+    )
 
 
 class UnsupportedFeature(InvalidRequest):

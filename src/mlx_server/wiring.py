@@ -27,11 +27,8 @@ def build(settings: Settings) -> tuple[Any, Any]:
     """Load the model and return (app, engine); the engine thread is started."""
     from mlx_server.app import create_app
     from mlx_server.engine.engine import Engine, EngineConfig
-    from mlx_server.engine.tuning import (
-        builds_kernels_on_first_use,
-        default_batch_size,
-        default_prefill_step,
-    )
+    from mlx_server.engine.tuning import builds_kernels_on_first_use, default_prefill_step
+    from mlx_server.models.base import trained_context
     from mlx_server.models.loader import device_memory_bytes, load_model
     from mlx_server.protocols.responses.store import ResponseStore
     from mlx_server.server.browser_guard import BrowserPolicy
@@ -39,8 +36,20 @@ def build(settings: Settings) -> tuple[Any, Any]:
     from mlx_server.service import ChatService
 
     set_cache_limit(settings)
-    loaded = load_model(settings.model, model_id=settings.model_id, dtype=settings.dtype)
+    loaded = load_model(
+        settings.model,
+        model_id=settings.model_id,
+        dtype=settings.dtype,
+        chat_template=settings.chat_template,
+    )
     log(f"Model id: {loaded.model_id} ({loaded.path})")
+    if settings.chat_template:
+        log("Chat template: the one given with --chat-template")
+    if settings.embedding:
+        log(
+            "--embedding: this model generates text, so it is served as a text-generation "
+            "model (chat, completions, messages, responses)"
+        )
     budget = settings.kv_budget_gb
     kv_budget = int(budget * (1 << 30)) if budget is not None else device_memory_bytes() // 4
     vision = "vision" in loaded.capabilities
@@ -54,9 +63,7 @@ def build(settings: Settings) -> tuple[Any, Any]:
     if not vision:
         model, kv_per_token = _quantized_kv(loaded, settings, model, kv_per_token)
         disk = _disk_tier(loaded, settings)
-    batch = settings.max_batch_size or default_batch_size(
-        kv_budget, kv_per_token, settings.ctx_size
-    )
+    batch = _batch_size(settings, kv_budget, kv_per_token)
     engine = engine_class(
         model,
         loaded.tokenizer,
@@ -81,6 +88,7 @@ def build(settings: Settings) -> tuple[Any, Any]:
         constraints=_constraint_compiler(loaded.tokenizer),
         vision=_vision_prompt_builder(loaded, settings) if vision else None,
         capabilities=loaded.capabilities,
+        trained_ctx=trained_context(loaded.config),
     )
     log(f"KV budget: {kv_budget // (1 << 20)}MB, max batch size {batch}")
     engine.start()
@@ -106,6 +114,18 @@ def build(settings: Settings) -> tuple[Any, Any]:
         max_n=settings.max_n,
     )
     return app, engine
+
+
+def _batch_size(settings: Settings, kv_budget: int, kv_per_token: int) -> int:
+    """``--max-batch-size``; 0 is the Swift server's "batching off": one sequence at a time."""
+    from mlx_server.engine.tuning import default_batch_size
+
+    if settings.max_batch_size == 0:
+        log("Batching off (--max-batch-size 0): one sequence at a time")
+        return 1
+    if settings.max_batch_size is not None:
+        return settings.max_batch_size
+    return default_batch_size(kv_budget, kv_per_token, settings.ctx_size)
 
 
 def _quantized_kv(loaded: Any, settings: Settings, model: Any, per_token: int) -> tuple[Any, int]:

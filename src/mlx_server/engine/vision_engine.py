@@ -19,7 +19,7 @@ import mlx.core as mx
 
 from mlx_server.engine.engine import Engine, EngineConfig, _Seq
 from mlx_server.engine.handle import Started
-from mlx_server.engine.sampling import make_processors, make_sampler
+from mlx_server.engine.sampling import make_processors, make_sampler, mask_tokens
 from mlx_server.parsing.stops import StopMatcher
 
 
@@ -97,6 +97,8 @@ class VisionEngine(Engine):
         pixel_values = inputs.pop("pixel_values", None)
         mask = inputs.pop("attention_mask", None)
         processors = list(make_processors(req.sampling)) + list(req.logits_processors)
+        if req.ignore_eos:  # as the text engine: the end-of-sequence tokens are never chosen
+            processors.append(mask_tokens(list(self._eos)))
         steps = generate_step(
             mx.array([req.prompt_tokens]),
             self.model,
@@ -108,7 +110,7 @@ class VisionEngine(Engine):
             prefill_step_size=self.config.prefill_step_size,
             **inputs,
         )
-        eos = set(self._eos)
+        eos = set() if req.ignore_eos else set(self._eos)
         try:
             for token, logprobs in steps:
                 self._run_calls()  # and between the tokens of a long one

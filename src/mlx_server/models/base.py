@@ -62,6 +62,24 @@ def kv_bytes_per_token(
     return max(1, elements * elem_bytes)
 
 
+# Where configs state the longest sequence the model was trained on (Llama/Qwen/Mistral,
+# GPT-2, MPT/Falcon, ChatGLM/Baichuan), in the order they are looked up.
+_TRAINED_CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length")
+
+
+def trained_context(config: dict[str, Any]) -> int | None:
+    """The model's trained maximum context from its config (a VLM's ``text_config`` first),
+    or None when the config does not say."""
+    for cfg in (config.get("text_config"), config):
+        if not isinstance(cfg, dict):
+            continue
+        for key in _TRAINED_CONTEXT_KEYS:
+            value = cfg.get(key)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return value
+    return None
+
+
 def read_chat_template(model_dir: Path) -> str | dict[str, str] | None:
     """Chat template: chat_template.jinja, else chat_template.json, else tokenizer_config.json.
 

@@ -14,6 +14,7 @@ from mlx_server.models.base import (  # re-exported: the loader's public names
     kv_bytes_per_token,
     read_chat_template,
 )
+from mlx_server.models.template_override import install_chat_template
 
 __all__ = [
     "LoadedModel",
@@ -101,16 +102,22 @@ def _download(repo_id: str) -> Path:
     return Path(path)
 
 
-def load_model(model: str, *, model_id: str = "", dtype: str | None = None) -> LoadedModel:
+def load_model(
+    model: str, *, model_id: str = "", dtype: str | None = None, chat_template: str = ""
+) -> LoadedModel:
     """Resolve, load and describe a model: mlx-lm for text, mlx-vlm for vision-language
-    models (a config with a vision tower). Raises ModelLoadError."""
+    models (a config with a vision tower). ``chat_template``: ``--chat-template``, in place of
+    the model's. Raises ModelLoadError."""
     log(f"Loading model from: {model}")
     model_dir = resolve_model_dir(model)
     from mlx_server.models.vision import is_vision_model, load_vision_model
 
     if is_vision_model(model_dir):
         return load_vision_model(
-            model_dir, model_id=model_id or default_model_id(model), dtype=dtype
+            model_dir,
+            model_id=model_id or default_model_id(model),
+            dtype=dtype,
+            chat_template=chat_template,
         )
     try:
         import mlx.core as mx
@@ -127,9 +134,7 @@ def load_model(model: str, *, model_id: str = "", dtype: str | None = None) -> L
         raise
     except Exception as e:
         raise ModelLoadError(f"{type(e).__name__}: {e}") from e
-    template = read_chat_template(model_dir)
-    if template is not None:
-        tokenizer._tokenizer.chat_template = template
+    install_chat_template(tokenizer, read_chat_template(model_dir), chat_template)
     if getattr(tokenizer._tokenizer, "chat_template", None) is None:
         raise ModelLoadError(f"the model in {model_dir} has no chat template")
     return LoadedModel(

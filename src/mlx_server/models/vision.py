@@ -22,6 +22,7 @@ from mlx_server.errors import InvalidRequest
 from mlx_server.logs import log
 from mlx_server.models.base import LoadedModel, ModelLoadError, read_chat_template
 from mlx_server.models.media import Media, MediaLimits, collect_media, part_where
+from mlx_server.models.template_override import install_chat_template
 
 INSTALL_HINT = "pip install 'mlx-server[vision]'  (or: pip install mlx-vlm)"
 
@@ -47,7 +48,9 @@ def is_vision_model(model_dir: Path) -> bool:
     return isinstance(config, dict) and is_vision_config(config)
 
 
-def load_vision_model(model_dir: Path, *, model_id: str, dtype: str | None = None) -> LoadedModel:
+def load_vision_model(
+    model_dir: Path, *, model_id: str, dtype: str | None = None, chat_template: str = ""
+) -> LoadedModel:
     """Load a vision-language model and its processor with mlx-vlm. Raises ModelLoadError."""
     try:
         import mlx_vlm  # noqa: F401
@@ -70,8 +73,9 @@ def load_vision_model(model_dir: Path, *, model_id: str, dtype: str | None = Non
     except Exception as e:
         raise ModelLoadError(f"{type(e).__name__}: {e}") from e
     template = read_chat_template(model_dir) or getattr(processor, "chat_template", None)
-    if isinstance(template, str) and template:
-        tokenizer._tokenizer.chat_template = template
+    if not (isinstance(template, str | dict) and template):
+        template = None
+    install_chat_template(tokenizer, template, chat_template)
     if getattr(tokenizer._tokenizer, "chat_template", None) is None:
         raise ModelLoadError(f"the model in {model_dir} has no chat template")
     log(f"Vision-language model ({config.get('model_type')}) loaded with mlx-vlm")

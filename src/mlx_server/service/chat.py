@@ -64,14 +64,17 @@ class ChatService:
         constraints: ConstraintCompiler | None = None,
         vision: VisionPromptBuilder | None = None,
         capabilities: list[str] | None = None,
+        trained_ctx: int | None = None,
     ):
         """``constraints``: a ConstraintCompiler when structured output is available;
         ``vision``: a VisionPromptBuilder for vision-language models (media parts in,
-        image tokens out); ``capabilities``: what ``/v1/models`` lists (``["vision"]``)."""
+        image tokens out); ``capabilities``: what ``/v1/models`` lists (``["vision"]``);
+        ``trained_ctx``: the model's trained maximum context, from its config."""
         self.model_id = model_id
         self.tokenizer = tokenizer
         self.engine = engine
         self.ctx_size = ctx_size
+        self.trained_ctx = trained_ctx
         self.chat_template = load_chat_template(tokenizer)
         self.template = self.chat_template.text if self.chat_template else template_text(tokenizer)
         self.reasoning_tags = reasoning_tags(tokenizer, self.template) or ("<think>", "</think>")
@@ -85,6 +88,17 @@ class ChatService:
         self.constraints = constraints
         self.capabilities = list(capabilities or [])
         self.vision = vision
+
+    def context_info(self) -> dict[str, Any]:
+        """The context the server enforces and the model's trained maximum, under the names
+        clients read: LM Studio's ``max_context_length``, llama.cpp's ``n_ctx`` and
+        ``n_ctx_train`` (``/v1/models`` and ``/health`` both report them)."""
+        trained = self.trained_ctx
+        return {
+            "context_length": self.ctx_size,
+            "max_context_length": trained,
+            "meta": {"n_ctx": self.ctx_size, "n_ctx_train": trained},
+        }
 
     @property
     def harmony(self) -> bool:
@@ -155,23 +169,14 @@ class ChatService:
         n = len(tokens)
         if chat.max_tokens is not None:
             if n + chat.max_tokens > self.ctx_size:
-                raise ContextLengthExceeded(
-                    f"this request needs {n + chat.max_tokens} tokens ({n} in the prompt + {chat.max_tokens} "
-                    f"max_tokens), more than the context size of {self.ctx_size} tokens",
-                    param="messages",
-                    prompt_tokens=n,
-                    max_tokens=chat.max_tokens,
+                raise ContextLengthExceeded.overflow(
+                    n, chat.max_tokens, self.ctx_size, param="messages"
                 )
             max_tokens = chat.max_tokens
         else:
             max_tokens = self.ctx_size - n
             if max_tokens <= 0:
-                raise ContextLengthExceeded(
-                    f"the prompt has {n} tokens, which leaves no room within the context size of "
-                    f"{self.ctx_size} tokens",
-                    param="messages",
-                    prompt_tokens=n,
-                )
+                raise ContextLengthExceeded.overflow(n, None, self.ctx_size, param="messages")
         start, end = self.reasoning_tags
         opens = chat.reasoning_format != "none" and prompt_opens_reasoning(text, start, end)
         return PreparedPrompt(text, tokens, max_tokens, opens, vision_inputs)

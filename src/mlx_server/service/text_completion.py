@@ -86,10 +86,8 @@ class CompletionService:
         for i, p in enumerate(prompts):
             n = len(p.tokens)
             if n + max_tokens > ctx:
-                raise ContextLengthExceeded(
-                    f"prompt[{i}] needs {n + max_tokens} tokens ({n} in the prompt + {max_tokens} "
-                    f"max_tokens), more than the context size of {ctx} tokens",
-                    param="prompt",
+                raise ContextLengthExceeded.overflow(
+                    n, max_tokens, ctx, param="prompt", subject=f"prompt[{i}]"
                 )
 
     async def prepare(

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from mlx_server.errors import Overloaded, ServerError
+from mlx_server.errors import ContextLengthExceeded, Overloaded, ServerError
 
 # The paths whose errors take this envelope, before routing (auth, size) and after.
 PATHS = ("/v1/messages",)
@@ -23,4 +23,7 @@ def error_response(err: ServerError) -> tuple[int, dict[str, Any], dict[str, str
     if isinstance(err, Overloaded):
         headers = {"Retry-After": str(err.retry_after)}
         return OVERLOADED_STATUS, error_json(err.kind, err.message), headers
-    return err.status, error_json(err.kind, err.message), {}
+    body = error_json(err.kind, err.message)
+    if isinstance(err, ContextLengthExceeded):  # the fields OpenAI and llama.cpp clients read
+        body["error"].update(code=err.code, n_prompt_tokens=err.n_prompt_tokens, n_ctx=err.n_ctx)
+    return err.status, body, {}

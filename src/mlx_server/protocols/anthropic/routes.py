@@ -59,6 +59,7 @@ async def _start(service: ChatService, chat: ChatRequest, message_id: str) -> Ge
     try:
         return await service.start(chat, request_id=message_id)
     except ContextLengthExceeded as e:
-        n = e.prompt_tokens if e.prompt_tokens is not None else await service.count(chat)
-        message = context_error_message(n, chat.max_tokens or 0, service.ctx_size)
-        raise ContextLengthExceeded(message, param=e.param) from e
+        # Anthropic's wording first (Claude Code compacts or lowers max_tokens on it), then
+        # the sentence other clients' detectors look for.
+        message = context_error_message(e.n_prompt_tokens, chat.max_tokens or 0, e.n_ctx)
+        raise e.with_param(e.param, f"{message}; {e.message}") from e

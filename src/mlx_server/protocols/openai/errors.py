@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from mlx_server.errors import AuthenticationFailed, Overloaded, ServerError
+from mlx_server.errors import AuthenticationFailed, ContextLengthExceeded, Overloaded, ServerError
 
 # Jan's exact 401 body on the OpenAI routes.
 JAN_UNAUTHORIZED = {
@@ -20,7 +20,15 @@ def error_body(err: ServerError) -> dict[str, Any]:
     if isinstance(err, AuthenticationFailed):
         return JAN_UNAUTHORIZED
     kind = _TYPES.get(err.kind, err.kind)
-    return {"error": {"message": err.message, "type": kind, "param": err.param, "code": err.code}}
+    error: dict[str, Any] = {
+        "message": err.message,
+        "type": kind,
+        "param": err.param,
+        "code": err.code,
+    }
+    if isinstance(err, ContextLengthExceeded):  # llama.cpp's fields, which clients read
+        error.update(n_prompt_tokens=err.n_prompt_tokens, n_ctx=err.n_ctx)
+    return {"error": error}
 
 
 def error_response(err: ServerError) -> tuple[int, dict[str, Any], dict[str, str]]:

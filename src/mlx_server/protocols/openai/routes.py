@@ -29,6 +29,7 @@ def make_router(service: ChatService, *, vision: bool = False) -> APIRouter:
             "object": "model",
             "created": int(time.time()),
             "owned_by": "mlx",
+            **service.context_info(),
         }
         if service.capabilities:
             entry["capabilities"] = service.capabilities

@@ -119,7 +119,7 @@ class Responses:
         try:
             gen = await self.service.start(chat, request_id=rid)
         except ContextLengthExceeded as e:
-            raise ContextLengthExceeded(e.message, param="input") from e
+            raise e.with_param("input") from e
         enc = ResponseEncoder(rid, self._base(body, adapted), self._count_tokens)
         run = Run(enc, gen, adapted, history, keep=body.store is not False)
         self.live[rid] = run
