@@ -204,7 +204,7 @@ def test_max_tokens_zero_echoes_without_generating(scripted):
 @pytest.mark.parametrize(
     "body,needle",
     [
-        ({"prompt": "x", "n": 2}, "n"),
+        ({"prompt": "x", "n": 17}, "n"),  # above --max-n
         ({"prompt": "x", "best_of": 3}, "best_of"),
         ({"prompt": []}, "prompt"),
         ({"prompt": [[1, 2], []]}, "prompt"),

@@ -8,6 +8,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from pydantic import BaseModel
 
+from mlx_server.choices import DEFAULT_MAX_N
 from mlx_server.logs import log
 from mlx_server.protocols.anthropic import errors as anthropic_errors
 from mlx_server.protocols.anthropic.routes import make_router as anthropic_router
@@ -22,6 +23,7 @@ from mlx_server.server.aliases import OpenAIPathAliases
 from mlx_server.server.browser_guard import BrowserGuard, BrowserPolicy
 from mlx_server.server.errors import Envelopes, install_error_handlers
 from mlx_server.server.http import parse_body
+from mlx_server.server.ignored_fields import IgnoredFieldsHeader
 from mlx_server.server.metrics import MetricsMiddleware, install_metrics, route_paths
 from mlx_server.server.middleware import MAX_BODY_BYTES, GuardMiddleware
 from mlx_server.server.streaming import KEEPALIVE_S
@@ -46,6 +48,7 @@ def create_app(
     metrics_open: bool = False,
     responses_store: ResponseStore | None = None,
     webui: bool = True,
+    max_n: int = DEFAULT_MAX_N,
     keepalive_s: float = KEEPALIVE_S,
 ) -> FastAPI:
     """Build the ASGI app around a ChatService (whose engine may be real or scripted).
@@ -54,6 +57,7 @@ def create_app(
     # Paths match exactly: no redirect from "/v1/chat/completions/" to the route.
     app.router.redirect_slashes = False
     app.state.service = service
+    app.state.max_n = max_n  # most choices (n) per request
     app.state.keepalive_s = keepalive_s
     app.state.metrics = metrics = install_metrics(app, service)
     engine = service.engine
@@ -93,6 +97,7 @@ def create_app(
     envelopes = error_envelopes()
     install_error_handlers(app, envelopes)
     keyed = frozenset({"/tokenize", "/detokenize"} | (set() if metrics_open else {"/metrics"}))
+    app.add_middleware(IgnoredFieldsHeader)
     app.add_middleware(
         GuardMiddleware, envelopes=envelopes, api_key=api_key, max_body=max_body, keyed_paths=keyed
     )

@@ -77,6 +77,12 @@ class Settings:
         "--max-queue",
         min=0,
     )
+    max_n: int = _opt(
+        16,
+        "Most choices (n) one chat or text completions request may ask for",
+        "--max-n",
+        min=1,
+    )
     prefill_step_size: int | None = _opt(
         None,
         "Prompt tokens processed per step (long prompts are prefilled in chunks; default: "

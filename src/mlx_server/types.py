@@ -16,6 +16,9 @@ class SamplingParams:
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     seed: int | None = None
+    # OpenAI's logit_bias: (token id, bias) pairs added to the model's logits before
+    # sampling, sorted by id (a tuple, so the settings stay hashable).
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
 
 # "auto": the model decides; "none": tools are not shown and nothing is parsed;
@@ -78,6 +81,10 @@ class ChatRequest:
     # {"type": "json_schema", "schema": {...}}. Enforced with a grammar, like a
     # tool_choice of "required" or a named function.
     response_format: dict[str, Any] | None = None
+    # The chat-template controls vLLM defines: end the prompt with the assistant's turn
+    # opened (the default), or leave the final (assistant) message open and continue it.
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
 
 @dataclass(frozen=True)

@@ -111,6 +111,7 @@ def build(settings: Settings) -> tuple[Any, Any]:
         metrics_open=settings.metrics_open,
         responses_store=store,
         webui=not settings.no_webui,
+        max_n=settings.max_n,
     )
     return app, engine
 

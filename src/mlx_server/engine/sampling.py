@@ -93,7 +93,11 @@ class SamplerPool:
         elif params.seed is not None:
             return None
         params = replace(
-            params, repetition_penalty=None, presence_penalty=None, frequency_penalty=None
+            params,
+            repetition_penalty=None,
+            presence_penalty=None,
+            frequency_penalty=None,
+            logit_bias=(),
         )
         shared = self._shared.get(params)
         if shared is not None and shared.fault is None:
@@ -109,13 +113,38 @@ class SamplerPool:
 
 
 def make_processors(params: SamplingParams) -> list[Callable[[mx.array, mx.array], mx.array]]:
-    """Repetition, presence and frequency penalties as mlx-lm logits processors."""
+    """The request's logit bias, then repetition, presence and frequency penalties, as
+    mlx-lm logits processors. The bias comes first because it stands for a change to the
+    model's own scores (OpenAI: added to the logits before sampling); the penalties, and a
+    constraint's mask after them, then see the biased logits."""
     rep = params.repetition_penalty
-    return make_logits_processors(
+    bias = [logit_bias(params.logit_bias)] if params.logit_bias else []
+    return bias + make_logits_processors(
         repetition_penalty=rep if rep not in (None, 1.0) else None,
         presence_penalty=params.presence_penalty or None,
         frequency_penalty=params.frequency_penalty or None,
     )
+
+
+def logit_bias(bias: tuple[tuple[int, float], ...]) -> Callable[[mx.array, mx.array], mx.array]:
+    """A logits processor adding a fixed bias to some token ids: one dense row over the
+    vocabulary, built on the first call (when the logits' width and dtype are known) and
+    then added to every step's logits in one operation. Ids past the logits' width are
+    left out (the edge refuses ids outside the tokenizer's vocabulary)."""
+    row: list[mx.array] = []
+
+    def process(tokens: mx.array, logits: mx.array) -> mx.array:
+        if not row:
+            width = logits.shape[-1]
+            ids = [i for i, _ in bias if i < width]
+            dense = mx.zeros((width,), dtype=logits.dtype)
+            if ids:
+                values = mx.array([b for i, b in bias if i < width], dtype=logits.dtype)
+                dense[mx.array(ids)] = values
+            row.append(dense)
+        return logits + row[0]
+
+    return process
 
 
 class _Faultable(Protocol):

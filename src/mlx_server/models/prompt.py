@@ -16,18 +16,40 @@ def render_prompt(
     tools: list[dict[str, Any]] | None = None,
     template_kwargs: dict[str, Any] | None = None,
     template: ChatTemplate | None = None,
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
 ) -> str:
-    """Render the whole conversation with the chat template, ending with the generation prompt.
+    """Render the whole conversation with the chat template, ending with the generation
+    prompt (``add_generation_prompt``), or, with ``continue_final_message``, inside the
+    final message: cut right after its text, so the model goes on writing it.
 
     ``template``: the model's probed Jinja template (see ``chat_template``); without it the
     tokenizer renders (a model that mlx-lm renders with Python code).
     Template errors (a template that rejects the conversation, e.g. roles that must
     alternate) are the caller's input problem: they become InvalidRequest.
     """
+    add = add_generation_prompt and not continue_final_message
+    text = _render(tokenizer, messages, tools, template_kwargs, template, add)
+    return open_final_message(text, messages[-1]) if continue_final_message else text
+
+
+def _render(
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None,
+    template_kwargs: dict[str, Any] | None,
+    template: ChatTemplate | None,
+    add_generation_prompt: bool,
+) -> str:
     kwargs = dict(template_kwargs or {})
     if template is not None:
         try:
-            return template.render(messages, tools=tools, template_kwargs=kwargs)
+            return template.render(
+                messages,
+                tools=tools,
+                template_kwargs=kwargs,
+                add_generation_prompt=add_generation_prompt,
+            )
         except TemplateError as e:
             raise InvalidRequest(
                 f"the chat template could not render these messages: {e}", param="messages"
@@ -36,7 +58,7 @@ def render_prompt(
         text = tokenizer.apply_chat_template(
             messages,
             tools=tools or None,
-            add_generation_prompt=True,
+            add_generation_prompt=add_generation_prompt,
             tokenize=False,
             **kwargs,
         )
@@ -49,6 +71,33 @@ def render_prompt(
     if not isinstance(text, str):
         raise InvalidRequest("the chat template did not render to text", param="messages")
     return text
+
+
+def open_final_message(text: str, final: dict[str, Any]) -> str:
+    """The rendered conversation cut right after the final message's text, dropping what
+    the template closes the turn with (end-of-turn token, newline). The text is found
+    from the end; a template that trims the message's surrounding whitespace is allowed
+    for. Raises InvalidRequest when the message has no text or the template dropped it."""
+    content = final.get("content")
+    if isinstance(content, list):
+        parts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type") == "text"]
+        content = parts[-1] if parts else None
+    if not isinstance(content, str) or not content.strip():
+        raise InvalidRequest(
+            "continue_final_message needs text in the final message to continue",
+            param="messages",
+        )
+    core = content.strip()
+    at = text.rfind(core)
+    if at < 0:
+        raise InvalidRequest(
+            "continue_final_message: the chat template does not render the final message's "
+            "text as it was sent, so it cannot be continued",
+            param="messages",
+        )
+    tail = content[len(content) - len(content.lstrip()) :]  # the text from its first non-space
+    end = at + (len(tail) if text.startswith(tail, at) else len(core))
+    return text[:end]
 
 
 def encode_prompt(tokenizer: Any, text: str) -> list[int]:

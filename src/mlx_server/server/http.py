@@ -10,6 +10,7 @@ from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
 from mlx_server.errors import InvalidRequest
+from mlx_server.server.ignored_fields import note_ignored
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -30,6 +31,7 @@ async def parse_body(request: Request, schema: type[M]) -> M:
     if not isinstance(obj, dict):
         raise InvalidRequest("the request body must be a JSON object")
     check_json_values(obj)
+    note_ignored(request.scope, obj, schema)
     try:
         return schema.model_validate(obj)
     except ValidationError as e:

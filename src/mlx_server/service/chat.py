@@ -137,6 +137,8 @@ class ChatService:
             tools=tools,
             template_kwargs=chat.template_kwargs,
             template=self.chat_template,
+            add_generation_prompt=chat.add_generation_prompt,
+            continue_final_message=chat.continue_final_message,
         )
 
     def count_tokens(self, chat: ChatRequest) -> int:

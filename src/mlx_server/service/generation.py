@@ -12,6 +12,7 @@ from mlx_server.errors import InvalidRequest
 from mlx_server.events import Finished, Logprobs, OutputEvent
 from mlx_server.logs import log
 from mlx_server.parsing.pipeline import OutputPipeline
+from mlx_server.request_checks import check_logit_bias
 from mlx_server.types import GenerationRequest, SamplingParams
 
 StreamEvent = OutputEvent | Logprobs | Finished
@@ -25,6 +26,7 @@ def check_sampling(sampling: SamplingParams, vocab_size: int) -> None:
             f"top_k must be below the model's vocabulary size ({vocab_size}); got {top_k}",
             param="top_k",
         )
+    check_logit_bias(sampling, vocab_size)
 
 
 def submit(engine: EngineLike, req: GenerationRequest, pipeline: OutputPipeline) -> Generation:

@@ -40,6 +40,7 @@ def to_chat_request(body: ChatCompletionRequest, *, vision: bool = False) -> Cha
         except ValueError as e:
             raise InvalidRequest(str(e), param="reasoning_effort") from e
         kwargs = {**effort, **kwargs}  # explicit chat_template_kwargs win
+    add_generation_prompt, continue_final = template_controls(body)
     return ChatRequest(
         messages=messages,
         sampling=sampling_params(body),
@@ -54,7 +55,28 @@ def to_chat_request(body: ChatCompletionRequest, *, vision: bool = False) -> Cha
         reasoning_format="none" if body.reasoning_format == "none" else "auto",
         response_format=_response_format(body),
         ignore_eos=bool(body.ignore_eos),
+        add_generation_prompt=add_generation_prompt,
+        continue_final_message=continue_final,
     )
+
+
+def template_controls(body: ChatCompletionRequest) -> tuple[bool, bool]:
+    """``add_generation_prompt`` and ``continue_final_message`` as vLLM defines them: the
+    first defaults to true, unless the second is set; both true is refused; continuing
+    needs a final assistant message to continue."""
+    cont = bool(body.continue_final_message)
+    if cont and body.add_generation_prompt:
+        raise InvalidRequest(
+            "Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
+            param="continue_final_message",
+        )
+    if cont and body.messages[-1].role != "assistant":
+        raise InvalidRequest(
+            "continue_final_message needs the last message to be the assistant's",
+            param="messages",
+        )
+    add = body.add_generation_prompt if body.add_generation_prompt is not None else not cont
+    return add, cont
 
 
 def sampling_params(body: Any) -> SamplingParams:
@@ -68,7 +90,32 @@ def sampling_params(body: Any) -> SamplingParams:
         presence_penalty=body.presence_penalty,
         frequency_penalty=body.frequency_penalty,
         seed=body.seed,
+        logit_bias=logit_bias(body.logit_bias),
     )
+
+
+LOGIT_BIAS_LIMIT = 100.0
+
+
+def logit_bias(raw: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+    """OpenAI's ``logit_bias`` map as sorted (token id, bias) pairs; a key that is not a
+    token id or a bias outside [-100, 100] is refused, naming the key. Whether the ids are
+    in the model's vocabulary is checked where the vocabulary is known."""
+    pairs: dict[int, float] = {}
+    for key, value in (raw or {}).items():
+        where = f"logit_bias.{key}"
+        token = key.strip()
+        if not token.isdigit() or not token.isascii():
+            raise InvalidRequest(
+                f"{where}: logit_bias keys must be token ids (non-negative integers)", param=where
+            )
+        if not -LOGIT_BIAS_LIMIT <= value <= LOGIT_BIAS_LIMIT:
+            raise InvalidRequest(
+                f"{where}: the bias must be between -100 and 100; got {value}", param=where
+            )
+        if value:
+            pairs[int(token)] = float(value)
+    return tuple(sorted(pairs.items()))
 
 
 def _tool_choice(tc: str | dict[str, Any] | None) -> ToolChoice:

@@ -8,13 +8,14 @@ from dataclasses import replace
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
+from mlx_server.choices import DEFAULT_MAX_N, check_n, start_text_choices
 from mlx_server.errors import InvalidRequest
 from mlx_server.logs import log
 from mlx_server.models.text_prompt import fim_stop_strings
 from mlx_server.protocols.openai.adapter import sampling_params
+from mlx_server.protocols.openai.choices import TextChoiceFrames
 from mlx_server.protocols.openai.completions_encoder import (
     CompletionEncoder,
-    CompletionFrames,
     PromptOnly,
 )
 from mlx_server.protocols.openai.completions_schema import CompletionRequest
@@ -53,22 +54,25 @@ def make_router(service: ChatService) -> APIRouter:
         opts = options(body)
         if body.suffix is not None:  # stop where the model leaves the hole it fills
             opts = replace(opts, stop=opts.stop + fim_stop_strings(service.tokenizer))
+        n = check_n(body.n, getattr(request.app.state, "max_n", DEFAULT_MAX_N))
         prompts = await completions.prepare(body.prompts(), body.suffix, opts.max_tokens)
         log(
             f"Request: completions, model={body.model}, prompts={len(prompts)}, "
             f"fim={body.suffix is not None}, stream={str(body.stream).lower()}"
         )
         request_id = f"cmpl-{uuid.uuid4().hex[:24]}"
-        echoes = [p.text if body.echo else "" for p in prompts]
+        echoes = [p.text if body.echo else "" for p in prompts for _ in range(n)]
         enc = CompletionEncoder(
             request_id, body.model or service.model_id, echoes, body.logprobs is not None
         )
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         if opts.max_tokens == 0:  # nothing to generate: the prompt (echo) and its usage
-            only = PromptOnly(enc, include_usage, [len(p.tokens) for p in prompts])
+            only = PromptOnly(
+                enc, include_usage, [0 if j else len(p.tokens) for p in prompts for j in range(n)]
+            )
             return await respond(request, only, [], stream=body.stream)
-        gens = completions.start(prompts, opts, request_id)
-        frames = CompletionFrames(enc, include_usage)
+        gens = start_text_choices(completions, prompts, opts, request_id, n)
+        frames = TextChoiceFrames(enc, include_usage, n)
         return await respond(request, frames, gens, stream=body.stream)
 
     return router

@@ -70,7 +70,9 @@ class SamplingFields(_Model):
     # A signed or unsigned 64-bit integer (OpenAI documents int64).
     seed: int | None = Field(default=None, ge=-(1 << 63), lt=1 << 64)
     n_predict: int | None = None
-    n: int | None = Field(default=None, ge=1, le=1)
+    # Token id (as a JSON key) → bias added to its logit, in [-100, 100].
+    logit_bias: dict[str, float] | None = None
+    n: int | None = Field(default=None, ge=1)  # at most --max-n (checked by the route)
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -95,6 +97,9 @@ class ChatCompletionRequest(SamplingFields):
     parallel_tool_calls: bool | None = None
     response_format: ResponseFormat | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's chat-template controls (see the adapter's ``template_controls``).
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool | None = None
     reasoning_format: str | None = None
     reasoning_effort: str | None = None
     ignore_eos: bool | None = None  # llama.cpp's: generate max_tokens whatever the model says
