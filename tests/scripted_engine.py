@@ -1,6 +1,6 @@
 """A scripted engine: replays chosen text piece by piece through the real server stack.
 
-It has the engine's public interface (submit/cancel/active_count/queue_depth/start/shutdown)
+It has the engine's public interface (``EngineLike``: submit, cancel, call, stats, ...)
 and applies stop strings and max_tokens like the real one, so protocol tests are exact.
 """
 
@@ -9,13 +9,18 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 from mlx_server.engine.handle import GenerationHandle, Started, TokenPiece
 from mlx_server.errors import Overloaded
 from mlx_server.events import Finished, Timings, Usage
 from mlx_server.parsing.stops import StopMatcher
 from mlx_server.types import GenerationRequest
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -116,6 +121,18 @@ class ScriptedEngine:
                 h.cancel()
                 n += 1
         return n
+
+    def call(self, fn: Callable[[], T]) -> Future[T]:
+        """No engine thread here: ``fn`` runs at once."""
+        future: Future[T] = Future()
+        try:
+            future.set_result(fn())
+        except Exception as e:
+            future.set_exception(e)
+        return future
+
+    def stats(self) -> dict[str, Any]:
+        return {"active": self.active_count, "queued": self.queue_depth}
 
     @property
     def active_count(self) -> int:

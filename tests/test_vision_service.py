@@ -121,7 +121,7 @@ def test_video_to_an_image_only_model_is_refused(service):
 def test_end_of_utterance_ends_the_turn(service):
     eou = service.tokenizer.convert_tokens_to_ids("<end_of_utterance>")
     assert eou in service.tokenizer.eos_token_ids  # declared by the processor, not the config
-    assert eou in service.engine._eos
+    assert eou in service.engine.eos_ids
 
 
 def test_media_are_fetched_off_the_loop_and_processed_on_the_engine_thread(service, monkeypatch):

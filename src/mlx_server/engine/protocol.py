@@ -4,10 +4,14 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Protocol, runtime_checkable
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 from mlx_server.engine.handle import GenerationHandle
 from mlx_server.types import GenerationRequest
+
+T = TypeVar("T")
 
 
 @runtime_checkable
@@ -26,6 +30,15 @@ class EngineLike(Protocol):
         """Cancel one request by id, or all of them; returns how many."""
         ...
 
+    def call(self, fn: Callable[[], T]) -> Future[T]:
+        """Run ``fn`` where the engine may make MLX arrays (its own thread, between two
+        steps); the result or exception arrives through the future. From any thread."""
+        ...
+
+    def stats(self) -> dict[str, Any]:
+        """Monitoring counters: at least ``active`` and ``queued``; safe from any thread."""
+        ...
+
     @property
     def active_count(self) -> int: ...
 
@@ -37,8 +50,5 @@ class EngineLike(Protocol):
 
 
 def engine_stats(engine: EngineLike) -> dict[str, Any]:
-    """The engine's monitoring counters, for engines that keep more than the basics."""
-    stats = getattr(engine, "stats", None)
-    if callable(stats):
-        return dict(stats())
-    return {"active": engine.active_count, "queued": engine.queue_depth}
+    """The engine's monitoring counters, with the basics every engine has."""
+    return {"active": engine.active_count, "queued": engine.queue_depth, **engine.stats()}

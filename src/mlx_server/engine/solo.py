@@ -1,77 +1,50 @@
-"""One sequence decoded alone, on a plain KV cache: mlx-lm's ``stream_generate`` path.
+"""One sequence decoded alone, on a plain KV cache: mlx-lm's ``generate_step`` path.
 
 mlx-lm's BatchGenerator keeps every sequence in a batched cache with per-sequence offsets
 and an attention mask, which a batch of one pays for too: on a GPU its step for a lone
 stream costs about a third more than ``generate_step``'s, and its prefill is slower still.
-So a request that arrives at an idle engine, with no logits processors, runs here; when a
-second request comes, the engine hands the sequence (its cache, the tokens in it and the
-next token to feed) over to the BatchGenerator, which continues it like a prefix-cache hit.
+So a request that arrives at an idle engine runs on ``SoloRunner``, with its sampler and
+logits processors (penalties, ``ignore_eos``, grammars) applied exactly as the batch
+applies them: the processors see the same token context (prompt, then generated tokens),
+the sampler the same normalised log-probabilities, so greedy and seeded output is the
+batch's. When a second request comes, ``LoneFirstRunner`` hands the sequence (its cache,
+the tokens in it, the next token to feed, its sampler and processors) over to the
+``BatchRunner``, which continues it like a prefix-cache hit.
 
-``next()`` answers like ``BatchGenerator.next()``: prefill progress, then one response per
-step with the token, its log-probabilities and a finish reason. Decoding is pipelined like
-``generate_step``: the step after a token is queued on the GPU before the token is read.
+Decoding is pipelined like ``generate_step``: the step after a token is queued on the GPU
+before the token is read.
 """
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
 from mlx_lm.generate import generation_stream
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import TokenBuffer, make_prompt_cache
 
-
-@dataclass
-class Progress:
-    uid: int
-    progress: tuple[int, int]
-    end_of_segment: bool = False
-    end_of_prompt: bool = False
-
-
-@dataclass
-class Response:
-    uid: int
-    token: int
-    logprobs: mx.array
-    finish_reason: str | None
-    prompt_cache: Any = None
-    all_tokens: list[int] | None = None
+from mlx_server.engine.batch_runner import BatchRunner
+from mlx_server.engine.runner import Insert, KVState, Progress, Response
 
 
 class SoloSequence:
     """A lone sequence's prefill and decode; see the module docstring."""
 
-    def __init__(
-        self,
-        model: Any,
-        uid: int,
-        prompt: list[int],
-        cached: int,
-        cache: Any,
-        *,
-        sampler: Callable[[mx.array], mx.array],
-        max_tokens: int,
-        eos: list[int],
-        prefill_step_size: int,
-        system_end: int = 0,
-        on_system_prefix: Callable[[list[int], Any], None] | None = None,
-    ):
+    def __init__(self, model: Any, job: Insert, eos: list[int], prefill_step_size: int):
         self.model = model
-        self.uid = uid
-        self.sampler = sampler
-        self.cache = cache if cache is not None else make_prompt_cache(model)
-        self.fed = list(prompt[:cached])  # the tokens in the cache
-        self._todo = list(prompt[cached:])  # prompt tokens still to feed (never empty at first)
+        self.uid = job.uid
+        self.sampler = job.sampler
+        self.processors = list(job.processors)
+        self.cache = job.cache if job.cache is not None else make_prompt_cache(model)
+        self.fed = list(job.prompt[: job.cached])  # the tokens in the cache
+        self._todo = list(job.prompt[job.cached :])  # prompt tokens still to feed (never empty)
         self._total = len(self._todo)
-        self._max_tokens = max_tokens
+        self._max_tokens = job.request.max_tokens
         self._eos = set(eos)
         self._step_size = prefill_step_size
-        self._system_end = system_end if cached < system_end < len(prompt) - 1 else 0
-        self._on_system_prefix = on_system_prefix
+        self._system_end = job.system_end
+        self._context: TokenBuffer | None = None  # the processors' view: prompt + generated
         self._next: tuple[mx.array, mx.array] | None = None  # sampled, not yet read
         self.emitted = 0
 
@@ -112,13 +85,18 @@ class SoloSequence:
         mx.eval([c.state for c in self.cache])
         self.fed += self._todo[:n]
         self._todo = self._todo[n:]
-        if len(self.fed) == self._system_end and self._on_system_prefix is not None:
-            self._on_system_prefix(list(self.fed), copy.deepcopy(self.cache))
         mx.clear_cache()
-        return Progress(self.uid, (self._total - len(self._todo), self._total))
+        at_system_end = len(self.fed) == self._system_end
+        return Progress(self.uid, (self._total - len(self._todo), self._total), at_system_end)
 
     def _forward(self, tokens: mx.array) -> tuple[mx.array, mx.array]:
         logits = self.model(tokens[None], cache=self.cache)[:, -1, :]
+        if self.processors:  # as GenerationBatch._step: the context ends with the input
+            if self._context is None:
+                self._context = TokenBuffer(self.fed)
+            context = self._context.update_and_fetch(tokens)
+            for processor in self.processors:
+                logits = processor(context, logits)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         return self.sampler(logprobs), logprobs.squeeze(0)
 
@@ -135,3 +113,112 @@ class SoloSequence:
         if reason is None:
             return Response(self.uid, tok, logprobs, None)
         return Response(self.uid, tok, logprobs, reason, self.cache, list(self.fed))
+
+
+class SoloRunner:
+    """The runner of at most one sequence at a time, on a plain KV cache."""
+
+    def __init__(self, model: Any, eos: list[int], *, prefill_step_size: int):
+        self.model = model
+        self._eos = eos
+        self._step_size = prefill_step_size
+        self.seq: SoloSequence | None = None
+        self.runs = 0  # sequences started here (monitoring, and tests that the path is taken)
+
+    def __len__(self) -> int:
+        return 0 if self.seq is None else 1
+
+    def insert(self, job: Insert) -> None:
+        if self.seq is not None:
+            raise RuntimeError("the solo runner runs one sequence at a time")
+        self.seq = SoloSequence(self.model, job, self._eos, self._step_size)
+        self.runs += 1
+
+    def step(self) -> tuple[list[Progress], list[Response]]:
+        if self.seq is None:
+            return [], []
+        progress, responses = self.seq.next()
+        if any(r.finish_reason is not None for r in responses):
+            self.seq = None
+        return progress, responses
+
+    def remove(self, uids: list[int]) -> dict[int, KVState]:
+        seq = self.seq
+        if seq is None or seq.uid not in uids:
+            return {}
+        self.seq = None
+        return {seq.uid: (seq.cache, seq.fed)}
+
+    def extract_state(self, uids: list[int]) -> dict[int, KVState]:
+        seq = self.seq
+        if seq is None or seq.uid not in uids:
+            return {}
+        return {seq.uid: (copy.deepcopy(seq.cache), list(seq.fed))}
+
+    def reset(self) -> None:
+        self.seq = None
+
+    def close(self) -> None:
+        self.seq = None
+
+    def stats(self) -> dict[str, Any]:
+        return {"solo_runs": self.runs}
+
+
+class LoneFirstRunner:
+    """A lone request on the solo runner, every other on the batch runner; the lone one
+    joins the batch when another starts. The token it had sampled but not yet read comes
+    first in the next ``step``."""
+
+    def __init__(self, lone: SoloRunner, batch: BatchRunner):
+        self.lone = lone
+        self.batch = batch
+        self._early: list[Response] = []  # a handed-over sequence's pending token
+
+    def insert(self, job: Insert) -> None:
+        if job.alone and self.lone.seq is None and not len(self.batch):
+            self.lone.insert(job)
+            return
+        self._hand_over()
+        self.batch.insert(job)
+
+    def _hand_over(self) -> None:
+        seq = self.lone.seq
+        if seq is None:
+            return
+        self.lone.seq = None
+        pending = seq.take_pending()
+        if pending is not None:
+            self._early.append(pending)
+            if pending.finish_reason is not None:  # it ended with that token
+                return
+        todo, cache, fed, left = seq.handover()
+        self.batch.join(seq.uid, [todo], cache, fed, left, seq.sampler, seq.processors)
+
+    def step(self) -> tuple[list[Progress], list[Response]]:
+        early, self._early = self._early, []
+        if self.lone.seq is not None:
+            progress, responses = self.lone.step()
+        elif len(self.batch):
+            progress, responses = self.batch.step()
+        else:
+            progress, responses = [], []
+        return progress, early + responses if early else responses
+
+    def remove(self, uids: list[int]) -> dict[int, KVState]:
+        return {**self.lone.remove(uids), **self.batch.remove(uids)}
+
+    def extract_state(self, uids: list[int]) -> dict[int, KVState]:
+        return {**self.lone.extract_state(uids), **self.batch.extract_state(uids)}
+
+    def reset(self) -> None:
+        self._early = []
+        self.lone.reset()
+        self.batch.reset()
+
+    def close(self) -> None:
+        self.lone.close()
+        self.batch.close()
+
+    def stats(self) -> dict[str, Any]:
+        return {**self.lone.stats(), **self.batch.stats()}

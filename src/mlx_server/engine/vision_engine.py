@@ -1,130 +1,110 @@
-"""The engine for vision-language models: one request at a time with mlx-vlm's generate_step.
+"""The engine for vision-language models: the text engine with a runner for mlx-vlm.
 
 mlx-lm's BatchGenerator takes token ids only; a vision model's first step also needs the
 pixels (and, for Qwen-VL, grid sizes and multimodal positions), which mlx-vlm's
-``generate_step`` feeds through the model's ``get_input_embeddings``. Requests therefore
-run one after another, FIFO, in the engine's owner thread. Everything else — the public
-API, queue limits, KV-budget admission, cancellation, stop strings, logprobs, and the
-Usage/Timings in ``Finished`` — is the text engine's, inherited from ``Engine``.
+``generate_step`` feeds through the model's ``get_input_embeddings``. ``VisionRunner`` runs
+one request at a time on it, so ``VisionEngine`` admits one at a time, FIFO. Everything
+else — the public API, queue limits, KV-budget admission, cancellation, stop strings,
+logprobs, ``ignore_eos``, and the Usage/Timings in ``Finished`` — is the text engine's.
 """
 
 from __future__ import annotations
 
-import time
-import traceback
-from dataclasses import dataclass, replace
+from collections.abc import Generator
+from dataclasses import replace
 from typing import Any
 
 import mlx.core as mx
 
-from mlx_server.engine.engine import Engine, EngineConfig, _Seq
-from mlx_server.engine.handle import Started
-from mlx_server.engine.sampling import make_processors, make_sampler
-from mlx_server.parsing.stops import StopMatcher
+from mlx_server.engine.engine import Engine, EngineConfig
+from mlx_server.engine.runner import Insert, KVState, Progress, Response
 
 
-@dataclass(frozen=True)
-class _Step:
-    """One generated token, shaped like a BatchGenerator response for ``_on_token``."""
+class VisionRunner:
+    """One mlx-vlm ``generate_step`` at a time; each ``step`` reads one token of it."""
 
-    token: int
-    logprobs: mx.array
-    finish_reason: str | None
+    def __init__(self, model: Any, eos: list[int], *, prefill_step_size: int):
+        self.model = model
+        self._eos = set(eos)
+        self._step_size = prefill_step_size
+        self._steps: Generator[tuple[Any, mx.array], None, None] | None = None
+        self._uid = -1
+        self._n = 0
+        self._max_tokens = 0
+
+    def insert(self, job: Insert) -> None:
+        from mlx_vlm.generate import generate_step
+
+        if self._steps is not None:
+            raise RuntimeError("the vision runner runs one request at a time")
+        req = job.request
+        inputs = dict(req.vision_inputs or {})
+        pixel_values = inputs.pop("pixel_values", None)
+        mask = inputs.pop("attention_mask", None)
+        self._steps = generate_step(
+            mx.array([job.prompt]),
+            self.model,
+            pixel_values,
+            mask,
+            max_tokens=req.max_tokens,
+            sampler=job.sampler,
+            logits_processors=job.processors or None,
+            prefill_step_size=self._step_size,
+            **inputs,
+        )
+        self._uid, self._n, self._max_tokens = job.uid, 0, req.max_tokens
+
+    def step(self) -> tuple[list[Progress], list[Response]]:
+        if self._steps is None:
+            return [], []
+        try:
+            token, logprobs = next(self._steps)
+        except StopIteration:  # it yields max_tokens tokens; the last one ended it above
+            self.close()
+            raise RuntimeError("mlx-vlm's generate_step ended early") from None
+        self._n += 1
+        tok = int(token)
+        finish = None
+        if tok in self._eos:
+            finish = "stop"
+        elif self._n >= self._max_tokens:
+            finish = "length"
+        if finish is not None:
+            self.close()
+        return [], [Response(self._uid, tok, logprobs, finish)]
+
+    def remove(self, uids: list[int]) -> dict[int, KVState]:
+        if self._uid in uids:
+            self.close()
+        return {}  # no prefix cache: a cached prefix would have to carry the image features
+
+    def extract_state(self, uids: list[int]) -> dict[int, KVState]:
+        return {}
+
+    def reset(self) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._steps is not None:
+            self._steps.close()
+            self._steps = None
+            mx.clear_cache()
+
+    def stats(self) -> dict[str, Any]:
+        return {"mode": "sequential"}
 
 
 class VisionEngine(Engine):
     """Serves an mlx-vlm model, one request at a time; the same interface as ``Engine``."""
 
     def __init__(self, model: Any, tokenizer: Any, config: EngineConfig | None = None):
-        # No prefix cache: a cached prefix would have to carry the image features with it.
-        super().__init__(model, tokenizer, replace(config or EngineConfig(), prompt_cache_size=0))
-        self._next_uid = 0
-        self._outbox = None  # one request at a time: each event wakes its consumer directly
-
-    def stats(self) -> dict[str, Any]:
-        return {**super().stats(), "mode": "sequential"}
-
-    # ---- engine thread -----------------------------------------------------------------
-
-    def _run(self) -> None:
-        self._ready.set()
-        while True:
-            with self._wake:
-                while not self._stopping and not self._pending and not self._calls:
-                    self._wake.wait(0.5)
-                if self._stopping and not self._pending:
-                    break
-            self._run_calls()  # preparing the next requests' media: between generations
-            with self._wake:
-                if not self._pending:
-                    continue
-                seq = self._pending.popleft()
-            if seq.handle.cancelled:
-                self._finish(seq, "cancelled")
-                continue
-            self._serve(seq)
-        self._fail_all("cancelled", reason="cancelled")
-        self._fail_calls()
-
-    def _serve(self, seq: _Seq) -> None:
-        seq.uid = self._next_uid
-        self._next_uid += 1
-        with self._wake:
-            self._active[seq.uid] = seq
-        self._kv_in_use += seq.kv_bytes
-        reason, error = "error", None
-        try:
-            reason = self._generate(seq)
-        except Exception as e:  # a fault in this request: report it, keep serving
-            traceback.print_exc()
-            error = f"internal error during generation: {type(e).__name__}: {e}"
-        finally:
-            with self._wake:
-                self._active.pop(seq.uid, None)
-            mx.clear_cache()
-        self._finish(seq, reason, error=error)
-
-    def _generate(self, seq: _Seq) -> str:
-        """Run one request to its end; return its finish reason."""
-        from mlx_vlm.generate import generate_step
-
-        req = seq.req
-        seq.detok = self.tokenizer.detokenizer
-        seq.stops = StopMatcher(req.stop)
-        seq.t_start = time.perf_counter()
-        seq.handle.push(Started(0))  # no prefix cache for vision prompts
-        inputs = dict(req.vision_inputs or {})
-        pixel_values = inputs.pop("pixel_values", None)
-        mask = inputs.pop("attention_mask", None)
-        processors = list(make_processors(req.sampling)) + list(req.logits_processors)
-        steps = generate_step(
-            mx.array([req.prompt_tokens]),
-            self.model,
-            pixel_values,
-            mask,
-            max_tokens=req.max_tokens,
-            sampler=make_sampler(req.sampling),
-            logits_processors=processors or None,
-            prefill_step_size=self.config.prefill_step_size,
-            **inputs,
+        config = replace(
+            config or EngineConfig(),
+            prompt_cache_size=0,
+            max_batch_size=1,
+            solo=False,
+            warm_up=False,
         )
-        eos = set(self._eos)
-        try:
-            for token, logprobs in steps:
-                self._run_calls()  # and between the tokens of a long one
-                if seq.handle.cancelled:
-                    return "cancelled"
-                if not seq.t_first:
-                    seq.t_first = time.perf_counter()
-                seq.n_generated += 1
-                finish = None
-                if token in eos:
-                    finish = "stop"
-                elif seq.n_generated >= req.max_tokens:
-                    finish = "length"
-                reason = self._on_token(seq, _Step(int(token), logprobs, finish))
-                if reason is not None:
-                    return reason
-        finally:
-            steps.close()
-        return "cancelled" if seq.handle.cancelled else "length"
+        eos = sorted(int(t) for t in tokenizer.eos_token_ids)
+        runner = VisionRunner(model, eos, prefill_step_size=config.prefill_step_size)
+        super().__init__(model, tokenizer, config, runner=runner)

@@ -1,0 +1,137 @@
+"""Continuous batching over mlx-lm's ``BatchGenerator``, behind the runner interface.
+
+Sequences join the running batch after their (chunked) prefill and leave it at the next
+step; ``BatchGenerator`` numbers them itself, so the runner maps its numbers to the
+scheduler's uids. A sequence handed over from the solo runner joins as a prefix-cache hit
+would: its cache, the tokens in it, and the tokens still to feed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mlx_lm.generate import BatchGenerator, StopSequences
+
+from mlx_server.engine.runner import Insert, KVState, LogitsProcessor, Progress, Response, Sampler
+
+
+class BatchRunner:
+    """mlx-lm's continuous batching; see the module docstring."""
+
+    def __init__(
+        self,
+        model: Any,
+        eos: list[int],
+        *,
+        max_batch_size: int,
+        prefill_step_size: int,
+        keep_caches: bool = True,
+    ):
+        self.model = model
+        self._eos = eos
+        self._max_batch = max_batch_size
+        self._step_size = prefill_step_size
+        self._keep_caches = keep_caches  # return the KV state of removed sequences
+        self._gen = self._new_generator()
+        self._uid: dict[int, int] = {}  # BatchGenerator's number -> the scheduler's uid
+        self._gen_uid: dict[int, int] = {}  # and back
+
+    def __len__(self) -> int:
+        return len(self._uid)
+
+    def _new_generator(self) -> BatchGenerator:
+        return BatchGenerator(
+            self.model,
+            completion_batch_size=self._max_batch,
+            # Prompts that arrive together prefill together; the scheduler bounds the
+            # tokens one step prefills.
+            prefill_batch_size=self._max_batch,
+            prefill_step_size=self._step_size,
+            stop_tokens=[[t] for t in self._eos],
+        )
+
+    def insert(self, job: Insert) -> None:
+        self.join(
+            job.uid,
+            job.segments,
+            job.cache,
+            job.prompt[: job.cached],
+            job.request.max_tokens,
+            job.sampler,
+            job.processors,
+        )
+
+    def join(
+        self,
+        uid: int,
+        segments: list[list[int]],
+        cache: Any,
+        fed: list[int],
+        max_tokens: int,
+        sampler: Sampler,
+        processors: list[LogitsProcessor],
+    ) -> None:
+        """Add a sequence: ``segments`` still to feed after the ``fed`` tokens in ``cache``."""
+        (gen_uid,) = self._gen.insert_segments(
+            segments=[segments],
+            max_tokens=[max_tokens],
+            caches=[cache] if cache is not None else None,
+            all_tokens=[fed],
+            samplers=[sampler],
+            logits_processors=[processors],
+            stop_sequences=[StopSequences([[t] for t in self._eos])],
+        )
+        self._uid[gen_uid] = uid
+        self._gen_uid[uid] = gen_uid
+
+    def step(self) -> tuple[list[Progress], list[Response]]:
+        progress, responses = self._gen.next()
+        ours = self._uid
+        out = [
+            Progress(ours[p.uid], p.progress, p.end_of_segment, p.end_of_prompt)
+            for p in progress
+            if p.uid in ours
+        ]
+        answers = []
+        for r in responses:
+            uid = ours.get(r.uid)
+            if uid is None:
+                continue
+            answers.append(
+                Response(uid, r.token, r.logprobs, r.finish_reason, r.prompt_cache, r.all_tokens)
+            )
+            if r.finish_reason is not None:  # BatchGenerator has let it go
+                self._forget(uid)
+        return out, answers
+
+    def remove(self, uids: list[int]) -> dict[int, KVState]:
+        mine = {self._gen_uid[u]: u for u in uids if u in self._gen_uid}
+        if not mine:
+            return {}
+        saved = self._gen.remove(list(mine), return_prompt_caches=self._keep_caches)
+        for u in mine.values():
+            self._forget(u)
+        return {mine[g]: state for g, state in (saved or {}).items() if g in mine}
+
+    def extract_state(self, uids: list[int]) -> dict[int, KVState]:
+        mine = {self._gen_uid[u]: u for u in uids if u in self._gen_uid}
+        if not mine:
+            return {}
+        return {mine[g]: state for g, state in self._gen.extract_cache(list(mine)).items()}
+
+    def reset(self) -> None:
+        self._gen.close()
+        self._gen = self._new_generator()
+        self._uid.clear()
+        self._gen_uid.clear()
+
+    def close(self) -> None:
+        self._gen.close()
+
+    def stats(self) -> dict[str, Any]:
+        return {}
+
+    def _forget(self, uid: int) -> None:
+        gen_uid = self._gen_uid.pop(uid, None)
+        if gen_uid is not None:
+            self._uid.pop(gen_uid, None)

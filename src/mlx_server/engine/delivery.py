@@ -1,0 +1,112 @@
+"""A sequence's bookkeeping and the events it delivers: tokens to text, stop strings,
+log-probabilities, and the ``Finished`` event with its usage and timings.
+
+Runners produce token ids; everything a client sees of them is made here, the same for
+every runner, so the solo, batch and vision paths cannot differ in their output.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from mlx_server.engine.handle import GenerationHandle, TokenPiece
+from mlx_server.engine.logprobs import logprob_entry
+from mlx_server.engine.runner import Response
+from mlx_server.engine.sampling import SharedSampler
+from mlx_server.events import Finished, LogprobEntry, Timings, Usage
+from mlx_server.logs import log
+from mlx_server.parsing.stops import StopMatcher
+from mlx_server.types import GenerationRequest
+
+
+@dataclass
+class Seq:
+    """One request from submission to its end (owned by the engine thread once admitted)."""
+
+    req: GenerationRequest
+    handle: GenerationHandle
+    uid: int = -1  # the runner's key, from admission on
+    detok: Any = None
+    stops: StopMatcher | None = None
+    n_generated: int = 0
+    cached: int = 0
+    t_submit: float = 0.0
+    t_start: float = 0.0
+    t_first: float = 0.0
+    kv_bytes: int = 0
+    system_end: int = 0  # prompt offset where the system prompt's KV state is worth caching
+    prefill_left: int = 0  # prompt tokens still to prefill once inserted (0: decoding)
+    uncached: int = -1  # estimate, while queued, of the tokens it will have to prefill
+    logprobs: list[LogprobEntry] = field(default_factory=list)
+    fault: str | None = None  # set when this sequence's own sampler or processors failed
+    shared: SharedSampler | None = None  # the sampler it shares with same-settings sequences
+
+    def begin_output(self, tokenizer: Any) -> None:
+        """Ready the detokenizer and stop strings (when the sequence starts running)."""
+        self.detok = tokenizer.detokenizer
+        self.stops = StopMatcher(self.req.stop)
+        self.t_start = time.perf_counter()
+
+
+def deliver_token(tokenizer: Any, seq: Seq, r: Response) -> str | None:
+    """Detokenize, apply stop strings and logprobs, push the piece; return a finish reason
+    ("stop_sequence" for a stop string, else the runner's) or None."""
+    if not seq.t_first:
+        seq.t_first = time.perf_counter()
+        seq.prefill_left = 0
+    seq.n_generated += 1
+    if r.finish_reason == "stop":  # an EOS token: not part of the text
+        seq.detok.finalize()
+    else:
+        seq.detok.add_token(r.token)
+        if r.finish_reason == "length":
+            seq.detok.finalize()
+    text = seq.detok.last_segment
+    entries: tuple[LogprobEntry, ...] = ()
+    if seq.req.logprobs:
+        entries = (logprob_entry(tokenizer, r.token, r.logprobs, seq.req.top_logprobs),)
+    stops = seq.stops
+    out = stops.feed(text) if stops else text
+    if stops is not None and stops.matched is None and r.finish_reason is not None:
+        out += stops.flush()
+    if out or entries:
+        seq.handle.push(TokenPiece(out, entries))
+    if stops is not None and stops.matched is not None:
+        return "stop_sequence"
+    return r.finish_reason
+
+
+def deliver_finish(seq: Seq, reason: str, error: str | None = None, quiet: bool = False) -> None:
+    """Push the ``Finished`` event and log the generation (``quiet``: not a cancellation)."""
+    now = time.perf_counter()
+    prompt_n = len(seq.req.prompt_tokens) - seq.cached
+    t_first = seq.t_first or now
+    timings = Timings(
+        prompt_n=prompt_n,
+        prompt_ms=((t_first - seq.t_start) * 1000) if seq.t_start else 0.0,
+        predicted_n=seq.n_generated,
+        predicted_ms=(now - t_first) * 1000,
+        cache_n=seq.cached,
+    )
+    usage = Usage(len(seq.req.prompt_tokens), seq.n_generated, seq.cached)
+    stop = seq.stops.matched if seq.stops is not None else None
+    seq.handle.push(Finished(reason, usage, timings, stop_sequence=stop, error=error))
+    if reason != "cancelled" and seq.n_generated:
+        log(
+            f"Generation: {timings.prompt_n} prompt tokens at {timings.prompt_per_second:.1f} tokens/sec, "
+            f"{timings.predicted_n} generated at {timings.predicted_per_second:.1f} tokens/sec "
+            f"(cached {seq.cached}, finish={reason})"
+        )
+    elif reason == "cancelled" and not quiet:
+        log(f"Generation {seq.req.request_id} cancelled {_progress(seq)}")
+
+
+def _progress(seq: Seq) -> str:
+    """Where a generation stood, for the log."""
+    if seq.uid < 0:
+        return "while queued"
+    todo = len(seq.req.prompt_tokens) - seq.cached
+    done = todo - seq.prefill_left if not seq.t_first else todo
+    return f"after {done} of {todo} prompt tokens prefilled, {seq.n_generated} generated"

@@ -1,0 +1,196 @@
+"""The scheduler: the queue, admission, fairness between long and short prompts, the KV
+budget. It decides which request starts and when; the runner computes the running ones.
+
+Requests are admitted FIFO against a batch-size limit and a KV-memory budget. A long
+request that must wait (for memory, or for the prefills ahead of it) keeps later long ones
+waiting behind it, but a short one may pass: it needs little memory and prefills in one
+step, so it starts within a step or two of arriving. Prefill is paced so running streams
+keep producing (``may_start_prefill``).
+
+``submit``, ``cancel`` and ``stats`` are safe from any thread; the rest belongs to the
+engine thread, under ``lock`` where the queue is touched.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from mlx_server.engine.delivery import Seq
+from mlx_server.engine.handle import GenerationHandle
+from mlx_server.engine.memory import MemoryBudget
+from mlx_server.engine.prefix_cache import PrefixCache
+from mlx_server.errors import InvalidRequest, Overloaded
+from mlx_server.types import GenerationRequest
+
+
+class Scheduler:
+    """Queued and running sequences and the rules for starting them."""
+
+    def __init__(
+        self,
+        *,
+        max_batch_size: int,
+        max_queue: int,
+        prefill_step_size: int,
+        kv_budget_bytes: int,
+        kv_bytes_per_token: int,
+        prefix_cache: PrefixCache | None,
+    ):
+        self.max_batch_size = max_batch_size
+        self.max_queue = max_queue
+        self.step_size = prefill_step_size
+        self.kv_budget_bytes = kv_budget_bytes
+        self.kv_bytes_per_token = kv_bytes_per_token
+        self.pending: deque[Seq] = deque()
+        self.active: dict[int, Seq] = {}
+        self.lock = threading.Lock()
+        self.wake = threading.Condition(self.lock)
+        self.stopping = False
+        self.kv_in_use = 0
+        self._prefix_cache = prefix_cache
+        self.memory = MemoryBudget(kv_budget_bytes, prefix_cache, lambda: self.kv_in_use)
+        self._uids = iter(range(1 << 62))
+
+    # ---- any thread --------------------------------------------------------------------
+
+    def queue(self, req: GenerationRequest, handle: GenerationHandle) -> None:
+        """Queue a request; raises InvalidRequest if it can never fit the budget, Overloaded
+        when shutting down or the queue is full."""
+        need = (len(req.prompt_tokens) + req.max_tokens) * self.kv_bytes_per_token
+        if need > self.kv_budget_bytes:
+            raise InvalidRequest(
+                f"this request needs about {need >> 20} MiB of KV cache (prompt {len(req.prompt_tokens)} "
+                f"+ max_tokens {req.max_tokens} tokens), more than the server's budget of "
+                f"{self.kv_budget_bytes >> 20} MiB; lower max_tokens or shorten the prompt",
+                code="kv_budget_exceeded",
+            )
+        seq = Seq(req=req, handle=handle, t_submit=time.perf_counter(), kv_bytes=need)
+        with self.wake:
+            if self.stopping:
+                raise Overloaded("the server is shutting down")
+            if len(self.pending) >= self.max_queue:
+                raise Overloaded(
+                    f"the request queue is full ({self.max_queue} waiting); retry shortly"
+                )
+            self.pending.append(seq)
+            self.wake.notify()
+
+    def cancel(self, request_id: str | None = None) -> int:
+        """Mark one request (by id) or every queued and running one cancelled; how many."""
+        n = 0
+        with self.wake:
+            for seq in list(self.pending) + list(self.active.values()):
+                if not seq.handle.cancelled and (
+                    request_id is None or seq.req.request_id == request_id
+                ):
+                    seq.handle.cancel()
+                    n += 1
+            self.wake.notify()
+        return n
+
+    def stop(self) -> None:
+        """Refuse new requests and cancel every queued and running one."""
+        with self.wake:
+            self.stopping = True
+            for seq in list(self.pending) + list(self.active.values()):
+                seq.handle.cancel()
+            self.wake.notify()
+
+    def stats(self) -> dict[str, Any]:
+        active = list(self.active.values())  # a snapshot: the engine thread mutates the dict
+        return {
+            "active": len(active),
+            "prefilling": sum(1 for s in active if s.prefill_left > 0),
+            "next_prefill_tokens": self.prefill_load(active),
+            "queued": len(self.pending),
+            "kv_in_use_bytes": self.kv_in_use,
+            **self.memory.stats(),
+        }
+
+    # ---- engine thread -----------------------------------------------------------------
+
+    def next_admissible(self, on_cancelled: Callable[[Seq], None]) -> Seq | None:
+        """Take the first queued request that may start now out of the queue (None if none
+        may); cancelled ones met on the way leave through ``on_cancelled``."""
+        with self.wake:
+            blocked = False
+            for seq in list(self.pending):
+                if len(self.active) >= self.max_batch_size:
+                    return None
+                if seq.handle.cancelled:
+                    self.pending.remove(seq)
+                    on_cancelled(seq)
+                    continue
+                short = self.uncached(seq) <= self.step_size
+                if blocked and not short:
+                    continue
+                # The budget counts the prefix cache and MLX's buffer cache too; they give
+                # memory back before a request waits.
+                fits = not self.active or self.memory.fits(self.kv_in_use + seq.kv_bytes)
+                if fits and (short or self.may_start_prefill(seq)):
+                    self.pending.remove(seq)
+                    return seq
+                blocked = True
+            return None
+
+    def uncached(self, seq: Seq) -> int:
+        """Prompt tokens this queued request will prefill (prefix-cache hits excluded)."""
+        if seq.uncached < 0:
+            prompt = seq.req.prompt_tokens
+            cache = self._prefix_cache
+            seq.uncached = len(prompt) - (cache.cached_length(prompt) if cache is not None else 0)
+        return seq.uncached
+
+    def may_start_prefill(self, seq: Seq) -> bool:
+        """Pace prefill so that running streams keep producing: the batch prefills one
+        chunk (at most prefill_step_size tokens) of every prompt in flight per decode step,
+        so a prompt starts only while the chunks of one step stay within two step sizes.
+        Short prompts arriving together still share a step; long ones do not pile up."""
+        load = self.prefill_load(self.active.values())
+        if load == 0:
+            return True
+        return load + min(self.uncached(seq), self.step_size) <= 2 * self.step_size
+
+    def prefill_load(self, seqs: Iterable[Seq]) -> int:
+        """Prompt tokens the next step prefills (at most): one chunk per prompt in flight."""
+        return sum(min(s.prefill_left, self.step_size) for s in seqs)
+
+    def take_cancelled_queued(self) -> list[Seq]:
+        """Queued requests whose client left: out of the queue now, freeing their slots."""
+        with self.wake:
+            gone = [s for s in self.pending if s.handle.cancelled]
+            for seq in gone:
+                self.pending.remove(seq)
+        return gone
+
+    def is_alone(self) -> bool:
+        """Nothing runs and nothing waits (a starting request may take a lone path)."""
+        return not self.active and not self.pending
+
+    def next_uid(self) -> int:
+        """A key for a starting sequence, never used before."""
+        return next(self._uids)
+
+    def run(self, seq: Seq) -> None:
+        """Count an admitted sequence (its uid set) as running."""
+        self.kv_in_use += seq.kv_bytes
+        self.active[seq.uid] = seq
+
+    def release(self, seq: Seq) -> None:
+        """A sequence ended: its KV bytes go back to the budget."""
+        if seq.uid >= 0:
+            self.kv_in_use = max(0, self.kv_in_use - seq.kv_bytes)
+
+    def take_all(self, queued: bool) -> list[Seq]:
+        """Every running (and with ``queued``, every queued) sequence, taken out."""
+        with self.wake:
+            seqs = list(self.active.values()) + (list(self.pending) if queued else [])
+            self.active.clear()
+            if queued:
+                self.pending.clear()
+        self.kv_in_use = 0
+        return seqs
