@@ -1,0 +1,183 @@
+"""The runner interface: the lone-request runner takes the requests people send (penalties,
+``ignore_eos``, logprobs, seeded sampling, grammars) and gives the batch's output, keeps it
+when a second request moves it into the batch, and a new runner plugs into the engine."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from typing import Any
+
+import mlx.core as mx
+import pytest
+from engine_runner import collect, generate, load_varied_model, request, running_engine, solo
+
+from mlx_server.engine.constraints import ConstraintCompiler, ConstraintSpec
+from mlx_server.engine.engine import Engine, EngineConfig
+from mlx_server.engine.handle import Started, TokenPiece
+from mlx_server.engine.runner import Insert, KVState, Progress, Response
+from mlx_server.types import SamplingParams
+
+WORDS = "the quick brown fox jumps over lazy dog hello world paris capital of france".split()
+PENALTIES = SamplingParams(
+    temperature=0.0, repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.4
+)
+SEEDED = SamplingParams(temperature=0.9, top_p=0.9, seed=7, frequency_penalty=0.3)
+
+
+@pytest.fixture(scope="module")
+def lm(tmp_path_factory):
+    model, tokenizer, _ = load_varied_model(tmp_path_factory)
+    return model, tokenizer
+
+
+@pytest.fixture(scope="module")
+def compiler(lm):
+    return ConstraintCompiler(lm[1])
+
+
+def prompt(tokenizer: Any, n_words: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return list(tokenizer.encode(" ".join(rng.choice(WORDS) for _ in range(n_words))))
+
+
+def variants(compiler: ConstraintCompiler) -> dict[str, Any]:
+    """Request settings that used to leave the lone path (each call: fresh processors)."""
+    return {
+        "penalties": lambda: {"sampling": PENALTIES},
+        "ignore_eos_logprobs": lambda: {"ignore_eos": True, "logprobs": True, "top_logprobs": 3},
+        "seeded": lambda: {"sampling": SEEDED, "ignore_eos": True},
+        "grammar": lambda: {
+            "logits_processors": (compiler.processor(ConstraintSpec.json_object()),),
+            "sampling": SamplingParams(temperature=1.0, seed=3),
+        },
+    }
+
+
+def same(a: Any, b: Any) -> None:
+    assert (a.text, a.reason) == (b.text, b.reason)
+    assert a.finished.usage.completion_tokens == b.finished.usage.completion_tokens
+    assert [e.token for e in a.logprobs] == [e.token for e in b.logprobs]
+    for x, y in zip(a.logprobs, b.logprobs, strict=True):
+        assert x.logprob == pytest.approx(y.logprob, abs=1e-4)
+        assert [t.token for t in x.top] == [t.token for t in y.top]
+
+
+def test_the_lone_runner_takes_requests_with_processors_and_matches_the_batch(lm, compiler):
+    model, tokenizer = lm
+    p = prompt(tokenizer, 12, seed=1)
+    cfg = {"prompt_cache_size": 0, "max_batch_size": 4}
+    with (
+        running_engine(model, tokenizer, **cfg) as lone,
+        running_engine(model, tokenizer, solo=False, **cfg) as batch,
+    ):
+        for name, settings in variants(compiler).items():
+            runs = lone.stats()["solo_runs"]
+            (fast,) = solo(lone, [request(p, 24, **settings())])
+            assert lone.stats()["solo_runs"] == runs + 1, name
+            (slow,) = solo(batch, [request(p, 24, **settings())])
+            same(fast, slow)
+            if name == "ignore_eos_logprobs":
+                assert fast.reason == "length" and len(fast.logprobs) == 24
+        assert "solo_runs" not in batch.stats()
+
+
+def test_a_lone_stream_with_processors_keeps_its_output_when_others_join(lm, compiler):
+    """The handed-over sequence takes its sampler, processors and their token context to
+    the batch: its text is what it gives alone, at every point of joining."""
+    model, tokenizer = lm
+    lead_prompt = prompt(tokenizer, 40, seed=2)
+    others = [prompt(tokenizer, 6 + 4 * i, seed=10 + i) for i in range(2)]
+    with running_engine(
+        model, tokenizer, prompt_cache_size=0, prefill_step_size=16, max_batch_size=4
+    ) as engine:
+        for name, settings in variants(compiler).items():
+            (alone,) = solo(engine, [request(lead_prompt, 30, **settings())])
+            rest = solo(engine, [request(p, 8) for p in others])
+
+            async def join(after: int, settings: Any = settings) -> tuple[Any, str, list[Any]]:
+                lead = engine.submit(request(lead_prompt, 30, **settings()))
+                text, seen, joined = "", 0, []
+                async for ev in lead:
+                    if isinstance(ev, TokenPiece):
+                        text += ev.text
+                        seen += 1
+                        if seen == after:
+                            joined = [
+                                asyncio.ensure_future(collect(engine.submit(request(p, 8))))
+                                for p in others
+                            ]
+                    elif not isinstance(ev, Started):
+                        return ev, text, list(await asyncio.gather(*joined))
+                raise AssertionError("no Finished")
+
+            for after in (1, 6):
+                runs = engine.stats()["solo_runs"]
+                fin, text, joined = asyncio.run(join(after))
+                assert engine.stats()["solo_runs"] == runs + 1, name
+                assert (text, fin.reason) == (alone.text, alone.reason), (name, after)
+                assert fin.usage.completion_tokens == alone.finished.usage.completion_tokens
+                assert [r.text for r in joined] == [r.text for r in rest], name
+
+
+class ListRunner:
+    """A runner that 'generates' a fixed list of token ids: the smallest plug-in."""
+
+    def __init__(self, tokens: list[int]):
+        self.tokens = tokens
+        self.running: dict[int, int] = {}  # uid -> tokens emitted
+        self.max_tokens: dict[int, int] = {}
+        self.removed: list[int] = []
+
+    def insert(self, job: Insert) -> None:
+        self.running[job.uid] = 0
+        self.max_tokens[job.uid] = job.request.max_tokens
+
+    def step(self) -> tuple[list[Progress], list[Response]]:
+        out = []
+        for uid, n in list(self.running.items()):
+            self.running[uid] = n + 1
+            done = n + 1 >= min(len(self.tokens), self.max_tokens[uid])
+            if done:
+                del self.running[uid]
+            logprobs = mx.zeros((4,))
+            out.append(Response(uid, self.tokens[n], logprobs, "length" if done else None))
+        return [], out
+
+    def remove(self, uids: list[int]) -> dict[int, KVState]:
+        for uid in uids:
+            if self.running.pop(uid, None) is not None:
+                self.removed.append(uid)
+        return {}
+
+    def extract_state(self, uids: list[int]) -> dict[int, KVState]:
+        return {}
+
+    def reset(self) -> None:
+        self.running.clear()
+
+    def close(self) -> None:
+        self.running.clear()
+
+    def stats(self) -> dict[str, Any]:
+        return {"list_runner_running": len(self.running)}
+
+
+def test_a_new_runner_plugs_in_and_the_engine_delivers_its_tokens(lm):
+    """Text, stop strings, usage and stats come from the engine, whatever the runner."""
+    model, tokenizer = lm
+    tokens = list(tokenizer.encode(" hello world paris capital of france"))
+    runner = ListRunner(tokens)
+    engine = Engine(model, tokenizer, EngineConfig(prompt_cache_size=0), runner=runner)
+    engine.start()
+    try:
+        whole = asyncio.run(generate(engine, request([1, 2, 3], 100)))
+        assert whole.text.strip() == tokenizer.decode(tokens).strip() and whole.reason == "length"
+        assert whole.finished.usage.completion_tokens == len(tokens)
+        stopped = asyncio.run(generate(engine, request([1, 2, 3], 100, stop=("paris",))))
+        assert stopped.reason == "stop_sequence" and "paris" not in stopped.text
+        assert stopped.text == whole.text[: whole.text.index("paris")]
+        assert len(runner.removed) == 1  # the stop string took it out of the runner
+        assert engine.stats()["list_runner_running"] == 0
+    finally:
+        engine.shutdown(timeout=10)
