@@ -12,7 +12,8 @@ from typing import Any
 
 from mlx_lm.generate import BatchGenerator, StopSequences
 
-from mlx_server.engine.runner import Insert, KVState, LogitsProcessor, Progress, Response, Sampler
+from mlx_server.engine.runner import Insert, KVState, Progress, Response
+from mlx_server.engine.sampling import LogitsProcessor, Sampler
 
 
 class BatchRunner:

@@ -27,23 +27,13 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-import mlx.core as mx
-
 from mlx_server.engine import faults
 from mlx_server.engine.batch_runner import BatchRunner
 from mlx_server.engine.delivery import Seq, deliver_finish, deliver_token
 from mlx_server.engine.handle import GenerationHandle, Outbox, Started
 from mlx_server.engine.prefix_cache import SYSTEM, PrefixCache
 from mlx_server.engine.runner import Insert, Progress, Response, Runner
-from mlx_server.engine.sampling import (
-    SamplerPool,
-    guard_processor,
-    guard_sampler,
-    make_processors,
-    make_sampler,
-    mask_tokens,
-    reset_random_state,
-)
+from mlx_server.engine.sampling import SamplerPool, reset_random_state, sequence_sampling
 from mlx_server.engine.scheduler import Scheduler
 from mlx_server.engine.solo import LoneFirstRunner, SoloRunner
 from mlx_server.engine.tuning import warm_up
@@ -254,12 +244,7 @@ class Engine:
 
     def _start(self, seq: Seq) -> None:
         req = seq.req
-        sampler = self._checked_sampler(seq)
-        extra = [mask_tokens(self.eos_ids)] if req.ignore_eos else []
-        processors = [
-            guard_processor(seq, p)
-            for p in list(make_processors(req.sampling)) + list(req.logits_processors) + extra
-        ]
+        sampler, processors = sequence_sampling(seq, req, self._samplers, self._vocab, self.eos_ids)
         prompt = list(req.prompt_tokens)
         cache, rest = None, prompt
         if self._prompt_cache is not None:
@@ -284,22 +269,6 @@ class Engine:
         self._runner.insert(job)
         seq.begin_output(self.tokenizer)
         self._sched.run(seq)
-
-    def _checked_sampler(self, seq: Seq) -> Any:
-        """The request's sampler, tried once on a row of the model's logits width: a sampler
-        that cannot work fails its own request here, before it joins (and breaks) a batch.
-        Unseeded requests with the same settings share one (tried when it is made), so the
-        batch samples in one call."""
-
-        def check(sampler: Any) -> None:
-            mx.eval(sampler(mx.zeros((1, self._vocab), dtype=mx.float32)))
-
-        seq.shared = self._samplers.get(seq.req.sampling, check)
-        if seq.shared is not None:
-            return seq.shared
-        sampler = make_sampler(seq.req.sampling)
-        check(sampler)
-        return guard_sampler(seq, sampler)
 
     def _system_end(self, seq: Seq, prompt: list[int]) -> int:
         """Where the prefill pauses to save the system prompt's KV state: where that prefix

@@ -33,16 +33,14 @@ still joins the batch. An encoder-only runner (embeddings) answers each sequence
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import mlx.core as mx
 
+from mlx_server.engine.sampling import LogitsProcessor, Sampler
 from mlx_server.types import GenerationRequest
 
-Sampler = Callable[[mx.array], mx.array]
-LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
 KVState = tuple[Any, list[int]]  # (a prompt cache, the tokens in it)
 
 

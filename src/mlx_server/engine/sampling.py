@@ -19,9 +19,10 @@ from typing import Any, Protocol
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors
 
-from mlx_server.types import SamplingParams
+from mlx_server.types import GenerationRequest, SamplingParams
 
 Sampler = Callable[[mx.array], mx.array]
+LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
 
 
 def _greedy(logprobs: mx.array) -> mx.array:
@@ -119,6 +120,36 @@ def make_processors(params: SamplingParams) -> list[Callable[[mx.array, mx.array
 
 class _Faultable(Protocol):
     fault: str | None
+
+
+class _Sequence(_Faultable, Protocol):
+    shared: SharedSampler | None
+
+
+def sequence_sampling(
+    seq: _Sequence, req: GenerationRequest, pool: SamplerPool, vocab: int, eos: list[int]
+) -> tuple[Sampler, list[LogitsProcessor]]:
+    """A request's sampler and its logits processors (penalties, the request's own such as
+    a grammar, the end-of-sequence mask of ``ignore_eos``), each guarded so that its failure
+    ends ``seq`` alone. The sampler is tried once on a row of the model's logits width
+    (``vocab``): one that cannot work fails its own request here, before it joins (and
+    breaks) a batch. Unseeded requests with the same settings share one (``seq.shared``),
+    so the batch samples in one call."""
+
+    def check(sampler: Sampler) -> None:
+        mx.eval(sampler(mx.zeros((1, vocab), dtype=mx.float32)))
+
+    seq.shared = pool.get(req.sampling, check)
+    sampler: Sampler
+    if seq.shared is not None:
+        sampler = seq.shared
+    else:
+        own = make_sampler(req.sampling)
+        check(own)
+        sampler = guard_sampler(seq, own)
+    extra = [mask_tokens(eos)] if req.ignore_eos else []
+    processors = list(make_processors(req.sampling)) + list(req.logits_processors) + extra
+    return sampler, [guard_processor(seq, p) for p in processors]
 
 
 def guard_sampler(owner: _Faultable, sampler: Sampler) -> Sampler:
