@@ -32,7 +32,7 @@ def _timed(name: str, fn: Any) -> Any:
             TOTAL[name] += time.perf_counter() - t
             COUNT[name] += 1
 
-    wrapper.__wrapped__ = fn  # type: ignore[attr-defined]
+    wrapper.__wrapped__ = fn
     return wrapper
 
 
@@ -53,9 +53,11 @@ def install() -> None:
         "gen.prefill_to_decode", g.PromptProcessingBatch.generate
     )
     mx.eval = _timed("mx.eval (GPU wait)", mx.eval)
-    for name in ("_step", "_on_token", "_admit", "_drop_cancelled", "_insert", "_flush", "_finish"):
+    for name in ("_step", "_handle_responses", "_admit", "_drop_cancelled", "_start", "_finish"):
         if hasattr(e.Engine, name):
             setattr(e.Engine, name, _timed(f"engine.{name}", getattr(e.Engine, name)))
+    e.deliver_token = _timed("engine.deliver_token", e.deliver_token)
+    h.Outbox.flush = _timed("engine.flush", h.Outbox.flush)
     h.GenerationHandle.push = _timed("handle.push", h.GenerationHandle.push)
 
 

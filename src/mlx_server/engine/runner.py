@@ -25,8 +25,8 @@ A runner is used from the engine thread only. The runners today:
 How a new runner plugs in: write a class with these methods and pass it to ``Engine`` as
 ``runner=``. A speculative decoder is one such runner (draft several tokens, verify them in
 one forward pass, answer several ``Response`` for a sequence in one ``step``); it may also
-take the solo runner's place inside ``LoneFirstRunner`` (``make_lone=``) so a second request
-still joins the batch. An encoder-only runner (embeddings) answers each sequence with one
+take the solo runner's place inside ``LoneFirstRunner`` (a ``solo.LoneRunner``: ``busy``
+and ``hand_over``) so that a second request still joins the batch. An encoder-only runner (embeddings) answers each sequence with one
 ``Response`` carrying ``finish_reason="stop"``. Several models in one process are several
 ``Engine`` instances, each with its own thread and runner; nothing is shared between them.
 """

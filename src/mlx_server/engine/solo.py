@@ -18,14 +18,19 @@ before the token is read.
 from __future__ import annotations
 
 import copy
-from typing import Any
+from typing import Any, Protocol
 
 import mlx.core as mx
 from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import TokenBuffer, make_prompt_cache
 
 from mlx_server.engine.batch_runner import BatchRunner
-from mlx_server.engine.runner import Insert, KVState, Progress, Response
+from mlx_server.engine.runner import Insert, KVState, Progress, Response, Runner
+from mlx_server.engine.sampling import LogitsProcessor, Sampler
+
+# What BatchRunner.join takes: uid, segments to feed, cache, tokens in it, tokens left to
+# generate, sampler, processors.
+Handover = tuple[int, list[list[int]], Any, list[int], int, Sampler, list[LogitsProcessor]]
 
 
 class SoloSequence:
@@ -128,6 +133,23 @@ class SoloRunner:
     def __len__(self) -> int:
         return 0 if self.seq is None else 1
 
+    @property
+    def busy(self) -> bool:
+        return self.seq is not None
+
+    def hand_over(self) -> tuple[Response | None, Handover | None]:
+        """Give the sequence up to the batch: the token it sampled but has not delivered
+        (None while prefilling), and what ``BatchRunner.join`` needs to continue it (None
+        when there is no sequence, or that token ended it)."""
+        seq, self.seq = self.seq, None
+        if seq is None:
+            return None, None
+        pending = seq.take_pending()
+        if pending is not None and pending.finish_reason is not None:
+            return pending, None
+        todo, cache, fed, left = seq.handover()
+        return pending, (seq.uid, [todo], cache, fed, left, seq.sampler, seq.processors)
+
     def insert(self, job: Insert) -> None:
         if self.seq is not None:
             raise RuntimeError("the solo runner runs one sequence at a time")
@@ -165,39 +187,40 @@ class SoloRunner:
         return {"solo_runs": self.runs}
 
 
-class LoneFirstRunner:
-    """A lone request on the solo runner, every other on the batch runner; the lone one
-    joins the batch when another starts. The token it had sampled but not yet read comes
-    first in the next ``step``."""
+class LoneRunner(Runner, Protocol):
+    """A runner of one sequence that can give it up to the batch (``SoloRunner``; a
+    speculative decoder for lone streams would be another)."""
 
-    def __init__(self, lone: SoloRunner, batch: BatchRunner):
+    @property
+    def busy(self) -> bool: ...
+
+    def hand_over(self) -> tuple[Response | None, Handover | None]: ...
+
+
+class LoneFirstRunner:
+    """A lone request on the lone runner, every other on the batch runner; the lone one
+    joins the batch when another starts. The token it had sampled but not yet delivered
+    comes first in the next ``step``."""
+
+    def __init__(self, lone: LoneRunner, batch: BatchRunner):
         self.lone = lone
         self.batch = batch
         self._early: list[Response] = []  # a handed-over sequence's pending token
 
     def insert(self, job: Insert) -> None:
-        if job.alone and self.lone.seq is None and not len(self.batch):
+        if job.alone and not self.lone.busy and not len(self.batch):
             self.lone.insert(job)
             return
-        self._hand_over()
-        self.batch.insert(job)
-
-    def _hand_over(self) -> None:
-        seq = self.lone.seq
-        if seq is None:
-            return
-        self.lone.seq = None
-        pending = seq.take_pending()
+        pending, rest = self.lone.hand_over()
         if pending is not None:
             self._early.append(pending)
-            if pending.finish_reason is not None:  # it ended with that token
-                return
-        todo, cache, fed, left = seq.handover()
-        self.batch.join(seq.uid, [todo], cache, fed, left, seq.sampler, seq.processors)
+        if rest is not None:
+            self.batch.join(*rest)
+        self.batch.insert(job)
 
     def step(self) -> tuple[list[Progress], list[Response]]:
         early, self._early = self._early, []
-        if self.lone.seq is not None:
+        if self.lone.busy:
             progress, responses = self.lone.step()
         elif len(self.batch):
             progress, responses = self.batch.step()
