@@ -76,7 +76,7 @@ class PredictedOutput:
 
     A cursor follows the prediction while the generated tokens agree with it; where they
     part (the edit), the cursor is found again by looking the last generated tokens up in
-    the prediction, preferring the first match after where it was.
+    the prediction, preferring the first match past where it was lost.
     """
 
     def __init__(self, prediction: list[int], prompt_len: int, max_n: int = 4):
@@ -114,7 +114,7 @@ class PredictedOutput:
         for n in range(min(self._max_n, len(generated)), 0, -1):
             ends = self._positions.get(tuple(generated[-n:]))
             if ends:
-                after = [e for e in ends if e >= last]
+                after = [e for e in ends if e > last]
                 return after[0] if after else ends[-1]
         return None
 
