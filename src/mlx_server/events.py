@@ -87,6 +87,8 @@ class Timings:
     predicted_n: int
     predicted_ms: float
     cache_n: int = 0
+    draft_n: int = 0  # tokens drafted by speculative decoding
+    draft_n_accepted: int = 0  # of those, accepted
 
     @property
     def prompt_per_second(self) -> float:

@@ -150,7 +150,7 @@ class DraftModel:
         logits = _forward(self.model, todo, self.cache)
         self.fed += todo
         for i in range(k):
-            tok = int(mx.argmax(logits).item())
+            tok = int(mx.argmax(logits).item())  # type: ignore[arg-type]
             out.append(tok)
             if i + 1 < k:
                 logits = _forward(self.model, [tok], self.cache)

@@ -98,7 +98,8 @@ def _sequential(
             for p in processors:
                 row = p(seen, row)
         lp = _logprobs(row)
-        tok = int((sampler(lp) if sampler is not None else mx.argmax(lp, axis=-1)).item())
+        choice = sampler(lp) if sampler is not None else mx.argmax(lp, axis=-1)
+        tok = int(choice.item())  # type: ignore[arg-type]
         tokens.append(tok)
         lps.append(lp[0])
         if i == len(draft) or tok != draft[i]:

@@ -51,7 +51,7 @@ def usage_json(u: Usage) -> dict[str, Any]:
 
 
 def timings_json(t: Timings) -> dict[str, Any]:
-    return {
+    out = {
         "cache_n": t.cache_n,
         "prompt_n": t.prompt_n,
         "prompt_ms": round(t.prompt_ms, 3),
@@ -60,6 +60,10 @@ def timings_json(t: Timings) -> dict[str, Any]:
         "predicted_ms": round(t.predicted_ms, 3),
         "predicted_per_second": round(t.predicted_per_second, 3),
     }
+    if t.draft_n:  # llama.cpp's names, there only when speculative decoding drafted
+        out["draft_n"] = t.draft_n
+        out["draft_n_accepted"] = t.draft_n_accepted
+    return out
 
 
 def logprob_json(e: LogprobEntry) -> dict[str, Any]:
