@@ -72,6 +72,10 @@ class Usage:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int = 0
+    # Predicted Outputs: prediction tokens that the answer used / did not use (None: the
+    # request had no prediction).
+    accepted_prediction_tokens: int | None = None
+    rejected_prediction_tokens: int | None = None
 
     @property
     def total_tokens(self) -> int:

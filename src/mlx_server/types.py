@@ -78,6 +78,8 @@ class ChatRequest:
     # {"type": "json_schema", "schema": {...}}. Enforced with a grammar, like a
     # tool_choice of "required" or a named function.
     response_format: dict[str, Any] | None = None
+    # OpenAI's Predicted Outputs: text the answer is expected to repeat, or None.
+    prediction: str | None = None
 
 
 @dataclass(frozen=True)
@@ -100,3 +102,6 @@ class GenerationRequest:
     # Leading prompt tokens that render the system prompt (and tools): the engine keeps the
     # KV state of that prefix in its prefix cache longest. 0 when unknown.
     system_prefix_tokens: int = 0
+    # OpenAI's Predicted Outputs: the tokens of the text the client expects, drafted for
+    # speculative decoding (empty: none given).
+    prediction_tokens: tuple[int, ...] = ()

@@ -6,42 +6,23 @@ drafter for up to ``k`` tokens (``controller.DraftLength`` picks ``k``), verifie
 ``SoloSequence.next``. Unlike the lone runner it does not queue the next step before the
 token is read: what to feed next depends on the acceptance. Between steps the KV cache
 holds exactly ``fed``, and ``_todo`` the one emitted token not yet fed, so a handover to
-the batch (``handover``) works as for the lone runner. ``Progress`` and ``Response`` have
-the fields of the runners' own.
+the batch (``handover``) works as for the lone runner.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
 from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
+from mlx_server.engine.runner import Progress, Response
 from mlx_server.engine.speculative.controller import DraftLength
 from mlx_server.engine.speculative.drafters import Drafter
 from mlx_server.engine.speculative.verify import Processor, Verified, verify
-
-
-@dataclass
-class Progress:
-    uid: int
-    progress: tuple[int, int]
-    end_of_segment: bool = False
-    end_of_prompt: bool = False
-
-
-@dataclass
-class Response:
-    uid: int
-    token: int
-    logprobs: mx.array
-    finish_reason: str | None
-    prompt_cache: Any = None
-    all_tokens: list[int] | None = None
 
 
 class SpeculativeSequence:
@@ -130,7 +111,9 @@ class SpeculativeSequence:
         self.length.record(len(draft), out.accepted, time.perf_counter() - t)
         self.draft_n += len(draft)
         self.draft_accepted += out.accepted
-        return self._answer(last, out)
+        responses = self._answer(last, out)
+        responses[0].drafted, responses[0].draft_accepted = len(draft), out.accepted
+        return responses
 
     def _answer(self, last: int, out: Verified) -> list[Response]:
         """One response per emitted token, up to the first that ends the sequence; the cache

@@ -54,6 +54,7 @@ def to_chat_request(body: ChatCompletionRequest, *, vision: bool = False) -> Cha
         reasoning_format="none" if body.reasoning_format == "none" else "auto",
         response_format=_response_format(body),
         ignore_eos=bool(body.ignore_eos),
+        prediction=body.prediction.text if body.prediction is not None else None,
     )
 
 

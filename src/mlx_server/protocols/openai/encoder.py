@@ -42,12 +42,18 @@ def finish_reason(ev: Finished) -> OpenAIFinish:
 
 
 def usage_json(u: Usage) -> dict[str, Any]:
-    return {
+    out: dict[str, Any] = {
         "prompt_tokens": u.prompt_tokens,
         "completion_tokens": u.completion_tokens,
         "total_tokens": u.total_tokens,
         "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
     }
+    if u.accepted_prediction_tokens is not None:
+        out["completion_tokens_details"] = {
+            "accepted_prediction_tokens": u.accepted_prediction_tokens,
+            "rejected_prediction_tokens": u.rejected_prediction_tokens or 0,
+        }
+    return out
 
 
 def timings_json(t: Timings) -> dict[str, Any]:
