@@ -45,12 +45,15 @@ def greedy(x: mx.array) -> mx.array:
 
 def decode(model: Any, prompt: list[int], n: int, drafter: Any, k: int) -> dict[str, Any]:
     """Decode ``n`` tokens (EOS ignored); tokens/s counted from the first token."""
+    from mlx_server.engine.runner import Insert
     from mlx_server.engine.solo import SoloSequence
     from mlx_server.engine.speculative.sequence import SpeculativeSequence
+    from mlx_server.types import GenerationRequest
 
     common: dict[str, Any] = dict(max_tokens=n, eos=[], prefill_step_size=512)
     if drafter is None:
-        seq: Any = SoloSequence(model, 1, prompt, 0, None, sampler=greedy, **common)
+        job = Insert(1, GenerationRequest("bench", prompt, n), prompt, 0, None, greedy)
+        seq: Any = SoloSequence(model, job, [], 512)
     else:
         seq = SpeculativeSequence(
             model, 1, prompt, 0, None, sampler=greedy, greedy=True, drafter=drafter,

@@ -365,3 +365,60 @@ def test_demo_model_greedy_output_is_identical(demo: Any, drafter: str) -> None:
         d = PromptLookup() if drafter == "lookup" else DraftModel(model)
         got, _ = _speculate(model, prompt, 48, d, k=5)
         assert got == want, text
+
+
+# ---- flags -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--draft-kind", "dflash"], "not built"),
+        (["--draft-kind", "medusa"], "unknown kind"),
+        (["--draft-kind", "model"], "needs --draft-model"),
+        (["--draft-kind", "ngram", "--draft-model", "x"], "does not use --draft-model"),
+    ],
+)
+def test_draft_kind_flags_that_cannot_work_are_refused_at_start(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from mlx_server.cli import parse_settings
+
+    with pytest.raises(SystemExit) as e:
+        parse_settings(["-m", "some-model", *argv], environ={})
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_speculation_flags_parse() -> None:
+    from mlx_server.cli import parse_settings
+
+    s = parse_settings(
+        ["-m", "m", "--prompt-lookup", "--num-draft-tokens", "6", "--draft-kind", "ngram"],
+        environ={},
+    )
+    assert (s.prompt_lookup, s.num_draft_tokens, s.draft_kind) == (True, 6, "ngram")
+    s = parse_settings(["-m", "m", "--draft-model", "d", "--draft-block-size", "16"], environ={})
+    assert (s.draft_model, s.draft_block_size, s.prompt_lookup) == ("d", 16, False)
+
+
+def test_the_server_refuses_a_draft_model_with_another_tokenizer_at_start(
+    tiny: Any, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    from types import SimpleNamespace
+
+    from mlx_server.config import Settings
+    from mlx_server.models.base import ModelLoadError
+    from mlx_server.wiring import _speculation
+
+    model, tok = tiny
+    other = build_tiny_model(tmp_path_factory.mktemp("spec") / "fim2", specials=FIM_SPECIALS)
+    loaded = SimpleNamespace(tokenizer=tok)
+    with pytest.raises(ModelLoadError, match="tokenizer differs"):
+        _speculation(loaded, Settings(model="m", draft_model=str(other)), model)
+    same = build_tiny_model(tmp_path_factory.mktemp("spec") / "same")
+    _, same_tok = load(str(same))
+    spec = _speculation(
+        SimpleNamespace(tokenizer=same_tok), Settings(model="m", draft_model=str(same)), model
+    )
+    assert spec is not None and spec.draft_model is not None
