@@ -155,3 +155,28 @@ def test_cancelling_mid_speculation_frees_the_sequence_and_the_next_request_is_e
         (again,) = solo(e, [request(p, 40, ignore_eos=True)])
         assert e.active_count == 0
     same(again, want, "after cancel")
+
+
+def test_predicted_outputs_on_the_wire() -> None:
+    """The request field parses in both of OpenAI's shapes and the usage it yields is what
+    the official SDK reads."""
+    from openai.types.completion_usage import CompletionUsage
+
+    from mlx_server.events import Usage
+    from mlx_server.protocols.openai.encoder import usage_json
+    from mlx_server.protocols.openai.schemas import ChatCompletionRequest
+
+    msgs = [{"role": "user", "content": "edit this"}]
+    parts = [{"type": "text", "text": "def f():"}, {"type": "text", "text": " pass"}]
+    for content in ("def f(): pass", parts):
+        body = ChatCompletionRequest(
+            messages=msgs, prediction={"type": "content", "content": content}
+        )
+        assert body.prediction is not None and body.prediction.text == "def f(): pass"
+    with pytest.raises(ValueError):
+        ChatCompletionRequest(messages=msgs, prediction={"type": "file", "content": "x"})
+    usage = CompletionUsage.model_validate(usage_json(Usage(5, 7, 0, 6, 2)))
+    details = usage.completion_tokens_details
+    assert details is not None
+    assert (details.accepted_prediction_tokens, details.rejected_prediction_tokens) == (6, 2)
+    assert "completion_tokens_details" not in usage_json(Usage(5, 7))
