@@ -18,12 +18,14 @@ run it more than once and read the ratios, not the absolute figures.
 from __future__ import annotations
 
 import argparse
+import functools
 import time
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 
+print = functools.partial(print, flush=True)  # noqa: A001 (progress while it runs)
 REPO = Path(__file__).resolve().parents[1]
 SOURCE = (REPO / "bench" / "data" / "code_edit_source.py.txt").read_text()
 CODE_EDIT = (
