@@ -361,9 +361,9 @@ def test_demo_model_greedy_output_is_identical(demo: Any, drafter: str) -> None:
     model, tok = demo
     for text in PROMPTS:
         prompt = _prompt(tok, text)
-        want = _plain(model, prompt, 48, lambda x: mx.argmax(x, axis=-1))
+        want = _plain(model, prompt, 32, lambda x: mx.argmax(x, axis=-1))
         d = PromptLookup() if drafter == "lookup" else DraftModel(model)
-        got, _ = _speculate(model, prompt, 48, d, k=5)
+        got, _ = _speculate(model, prompt, 32, d, k=5)
         assert got == want, text
 
 
