@@ -15,7 +15,7 @@ from mlx_server.engine.handle import GenerationHandle, TokenPiece
 from mlx_server.engine.logprobs import logprob_entry
 from mlx_server.engine.runner import Response
 from mlx_server.engine.sampling import SharedSampler
-from mlx_server.events import Finished, LogprobEntry, Timings, Usage
+from mlx_server.events import Finished, LogprobEntry, Timings, Usage, finish_reason
 from mlx_server.logs import log
 from mlx_server.parsing.stops import StopMatcher
 from mlx_server.types import GenerationRequest
@@ -106,7 +106,9 @@ def deliver_finish(seq: Seq, reason: str, error: str | None = None, quiet: bool 
             rejected_prediction_tokens=predicted - accepted,
         )
     stop = seq.stops.matched if seq.stops is not None else None
-    seq.handle.push(Finished(reason, usage, timings, stop_sequence=stop, error=error))
+    seq.handle.push(
+        Finished(finish_reason(reason), usage, timings, stop_sequence=stop, error=error)
+    )
     if reason != "cancelled" and seq.n_generated:
         log(
             f"Generation: {timings.prompt_n} prompt tokens at {timings.prompt_per_second:.1f} tokens/sec, "
