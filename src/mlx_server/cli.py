@@ -97,6 +97,11 @@ def parse_launch(
             parser.error(
                 f"--tool-call-parser: unknown format {ns.tool_call_parser!r}; valid: {', '.join(valid)}"
             )
+    from mlx_server.engine.speculative.kinds import draft_kind_problem
+
+    problem = draft_kind_problem(ns.draft_kind, ns.prompt_lookup, ns.draft_model)
+    if problem:
+        parser.error(problem)
     return apply_legacy(Settings(**vars(ns)), legacy)
 
 

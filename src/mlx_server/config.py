@@ -134,6 +134,39 @@ class Settings:
     embedding: bool = _opt(
         False, "Serve the model as an embedding model (Jan passes it for one)", "--embedding"
     )
+    prompt_lookup: bool = _opt(
+        False,
+        "Speculative decoding by prompt lookup: draft the tokens that followed the last few "
+        "tokens where they occur earlier in the prompt or the answer, and verify them in one "
+        "forward pass (output unchanged; fast when the answer quotes its context)",
+        "--prompt-lookup",
+    )
+    num_draft_tokens: int = _opt(
+        4,
+        "Most tokens drafted per step when speculating (the count adapts per sequence to "
+        "the measured acceptance, down to none)",
+        "--num-draft-tokens",
+        min=1,
+        max=64,
+    )
+    draft_model: str | None = _opt(
+        None,
+        "A smaller model with the same tokenizer that drafts for speculative decoding "
+        "(a directory or Hugging Face repo id)",
+        "--draft-model",
+    )
+    draft_kind: str | None = _opt(
+        None,
+        "Kind of drafter: 'model' (--draft-model), 'ngram' (--prompt-lookup); 'dflash', "
+        "'eagle3' and 'mtp' are not built yet (default: from the other flags)",
+        "--draft-kind",
+    )
+    draft_block_size: int | None = _opt(
+        None,
+        "Block size of block drafters (dflash); no drafter built yet uses it",
+        "--draft-block-size",
+        min=1,
+    )
     tool_call_parser: str | None = _opt(
         None, "Tool-call format (default: detected from the chat template)", "--tool-call-parser"
     )

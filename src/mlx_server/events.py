@@ -72,6 +72,10 @@ class Usage:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int = 0
+    # Predicted Outputs: prediction tokens that the answer used / did not use (None: the
+    # request had no prediction).
+    accepted_prediction_tokens: int | None = None
+    rejected_prediction_tokens: int | None = None
 
     @property
     def total_tokens(self) -> int:
@@ -87,6 +91,8 @@ class Timings:
     predicted_n: int
     predicted_ms: float
     cache_n: int = 0
+    draft_n: int = 0  # tokens drafted by speculative decoding
+    draft_n_accepted: int = 0  # of those, accepted
 
     @property
     def prompt_per_second(self) -> float:

@@ -85,6 +85,8 @@ class ChatRequest:
     # opened (the default), or leave the final (assistant) message open and continue it.
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    # OpenAI's Predicted Outputs: text the answer is expected to repeat, or None.
+    prediction: str | None = None
 
 
 @dataclass(frozen=True)
@@ -107,3 +109,6 @@ class GenerationRequest:
     # Leading prompt tokens that render the system prompt (and tools): the engine keeps the
     # KV state of that prefix in its prefix cache longest. 0 when unknown.
     system_prefix_tokens: int = 0
+    # OpenAI's Predicted Outputs: the tokens of the text the client expects, drafted for
+    # speculative decoding (empty: none given).
+    prediction_tokens: tuple[int, ...] = ()

@@ -77,6 +77,7 @@ def build(settings: Settings) -> tuple[Any, Any]:
             kv_bytes_per_token=kv_per_token,
             prompt_cache_disk=disk,
             warm_up=not vision and builds_kernels_on_first_use(),
+            speculation=None if vision else _speculation(loaded, settings, model),
         ),
     )
     service = ChatService(
@@ -210,3 +211,40 @@ def _constraint_compiler(tokenizer: Any) -> Any:
     except ConstraintError as e:
         log(f"Structured output is unavailable for this model: {e}")
         return None
+
+
+def _speculation(loaded: Any, settings: Settings, model: Any) -> Any:
+    """Speculative decoding's settings, with the draft model loaded and checked (its
+    tokenizer must be the model's), or None when it is off. Predicted outputs need no
+    flag: a request that brings one speculates whenever it runs alone."""
+    from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache
+
+    from mlx_server.engine.speculative.drafters import check_same_tokenizer
+    from mlx_server.engine.speculative.runner import Speculation
+    from mlx_server.models.base import ModelLoadError
+    from mlx_server.models.loader import load_model
+
+    if not can_trim_prompt_cache(make_prompt_cache(model)):
+        if settings.prompt_lookup or settings.draft_model:
+            raise ModelLoadError(
+                "speculative decoding needs a KV cache that can be rolled back, and this "
+                "model's (or the quantized KV cache's) cannot; drop --prompt-lookup and "
+                "--draft-model, or --kv-bits"
+            )
+        return None
+    draft = None
+    if settings.draft_model:
+        drafted = load_model(settings.draft_model, dtype=settings.dtype)
+        if "vision" in drafted.capabilities:
+            raise ModelLoadError("--draft-model: a vision model cannot draft")
+        try:
+            check_same_tokenizer(loaded.tokenizer, drafted.tokenizer)
+        except ValueError as e:
+            raise ModelLoadError(f"--draft-model {settings.draft_model}: {e}") from e
+        draft = drafted.model
+        log(f"Draft model: {drafted.model_id} ({drafted.path})")
+    return Speculation(
+        num_draft_tokens=settings.num_draft_tokens,
+        prompt_lookup=settings.prompt_lookup,
+        draft_model=draft,
+    )

@@ -8,7 +8,7 @@ every runner, so the solo, batch and vision paths cannot differ in their output.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from mlx_server.engine.handle import GenerationHandle, TokenPiece
@@ -42,6 +42,8 @@ class Seq:
     logprobs: list[LogprobEntry] = field(default_factory=list)
     fault: str | None = None  # set when this sequence's own sampler or processors failed
     shared: SharedSampler | None = None  # the sampler it shares with same-settings sequences
+    draft_n: int = 0  # speculative decoding: tokens drafted for it
+    draft_accepted: int = 0  # of those, accepted
 
     def begin_output(self, tokenizer: Any) -> None:
         """Ready the detokenizer and stop strings (when the sequence starts running)."""
@@ -57,6 +59,8 @@ def deliver_token(tokenizer: Any, seq: Seq, r: Response) -> str | None:
         seq.t_first = time.perf_counter()
         seq.prefill_left = 0
     seq.n_generated += 1
+    seq.draft_n += r.drafted
+    seq.draft_accepted += r.draft_accepted
     if r.finish_reason == "stop":  # an EOS token: not part of the text
         seq.detok.finalize()
     else:
@@ -89,19 +93,38 @@ def deliver_finish(seq: Seq, reason: str, error: str | None = None, quiet: bool 
         predicted_n=seq.n_generated,
         predicted_ms=(now - t_first) * 1000,
         cache_n=seq.cached,
+        draft_n=seq.draft_n,
+        draft_n_accepted=seq.draft_accepted,
     )
     usage = Usage(len(seq.req.prompt_tokens), seq.n_generated, seq.cached)
+    predicted = len(seq.req.prediction_tokens)
+    if predicted:  # the drafts were the prediction's tokens
+        accepted = min(seq.draft_accepted, predicted)
+        usage = replace(
+            usage,
+            accepted_prediction_tokens=accepted,
+            rejected_prediction_tokens=predicted - accepted,
+        )
     stop = seq.stops.matched if seq.stops is not None else None
-    finished = Finished(finish_reason(reason), usage, timings, stop_sequence=stop, error=error)
-    seq.handle.push(finished)
+    seq.handle.push(
+        Finished(finish_reason(reason), usage, timings, stop_sequence=stop, error=error)
+    )
     if reason != "cancelled" and seq.n_generated:
         log(
             f"Generation: {timings.prompt_n} prompt tokens at {timings.prompt_per_second:.1f} tokens/sec, "
             f"{timings.predicted_n} generated at {timings.predicted_per_second:.1f} tokens/sec "
-            f"(cached {seq.cached}, finish={reason})"
+            f"(cached {seq.cached}, finish={reason}){_drafts(seq)}"
         )
     elif reason == "cancelled" and not quiet:
         log(f"Generation {seq.req.request_id} cancelled {_progress(seq)}")
+
+
+def _drafts(seq: Seq) -> str:
+    """Speculative decoding's share of a generation, for the log."""
+    if not seq.draft_n:
+        return ""
+    rate = seq.draft_accepted / seq.draft_n
+    return f", drafted {seq.draft_n}, accepted {seq.draft_accepted} ({rate:.0%})"
 
 
 def _progress(seq: Seq) -> str:

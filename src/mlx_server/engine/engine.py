@@ -56,6 +56,7 @@ class EngineConfig:
     prompt_cache_disk: Any = None  # disk_cache.DiskPromptCache: the prefix cache's disk tier
     warm_up: bool = False  # run every batch size once before serving (see tuning.warm_up)
     solo: bool = True  # a lone request runs on a plain KV cache (see solo.py)
+    speculation: Any = None  # speculative.runner.Speculation: the lone request speculates
 
 
 class Engine:
@@ -106,7 +107,17 @@ class Engine:
         )
         if not cfg.solo:
             return batch
-        lone = SoloRunner(self.model, self.eos_ids, prefill_step_size=cfg.prefill_step_size)
+        if cfg.speculation is not None:
+            from mlx_server.engine.speculative.runner import SpeculativeRunner
+
+            lone: SoloRunner = SpeculativeRunner(
+                self.model,
+                self.eos_ids,
+                prefill_step_size=cfg.prefill_step_size,
+                spec=cfg.speculation,
+            )
+        else:
+            lone = SoloRunner(self.model, self.eos_ids, prefill_step_size=cfg.prefill_step_size)
         return LoneFirstRunner(lone, batch)
 
     # ---- public API (any thread) -------------------------------------------------------

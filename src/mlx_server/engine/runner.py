@@ -87,6 +87,10 @@ class Response:
     finish_reason: str | None
     prompt_cache: Any = None
     all_tokens: list[int] | None = None
+    # Speculative decoding: tokens drafted and accepted in the step that produced this one
+    # (counted on the step's first response only).
+    drafted: int = 0
+    draft_accepted: int = 0
 
 
 class Runner(Protocol):

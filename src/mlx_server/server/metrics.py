@@ -22,6 +22,7 @@ from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
     Counter,
+    Gauge,
     Histogram,
     generate_latest,
 )
@@ -65,6 +66,20 @@ class Metrics:
         )
         self.generation_tokens = Counter(
             f"{PREFIX}_generation_tokens", "Generated tokens", registry=r
+        )
+        self.draft_tokens = Counter(
+            f"{PREFIX}_draft_tokens", "Tokens drafted by speculative decoding", registry=r
+        )
+        self.draft_accepted = Counter(
+            f"{PREFIX}_draft_accepted_tokens",
+            "Drafted tokens the model accepted (acceptance rate: this over draft_tokens)",
+            registry=r,
+        )
+        self._drafts = [0, 0]  # drafted, accepted: the rate's terms
+        self.draft_acceptance = Gauge(
+            f"{PREFIX}_draft_acceptance_rate",
+            "Accepted over drafted tokens, over every finished generation so far",
+            registry=r,
         )
         self.finished = Counter(
             f"{PREFIX}_generations",
@@ -125,6 +140,12 @@ class Metrics:
         self.prompt_tokens.inc(ev.usage.prompt_tokens)
         self.cached_tokens.inc(ev.usage.cached_tokens)
         self.generation_tokens.inc(ev.usage.completion_tokens)
+        if ev.timings is not None and ev.timings.draft_n:
+            self.draft_tokens.inc(ev.timings.draft_n)
+            self.draft_accepted.inc(ev.timings.draft_n_accepted)
+            self._drafts[0] += ev.timings.draft_n
+            self._drafts[1] += ev.timings.draft_n_accepted
+            self.draft_acceptance.set(self._drafts[1] / self._drafts[0])
 
 
 class EngineCollector(Collector):

@@ -235,8 +235,14 @@ class ChatService:
             vision_inputs=prepared.vision_inputs,
             system_prefix_tokens=self.system_prefix_tokens(chat, prepared),
             ignore_eos=chat.ignore_eos,
+            prediction_tokens=self._prediction_tokens(chat),
         )
         return req, prepared
+
+    def _prediction_tokens(self, chat: ChatRequest) -> tuple[int, ...]:
+        if not chat.prediction:
+            return ()
+        return tuple(self.tokenizer.encode(chat.prediction, add_special_tokens=False))
 
     def submit(
         self, chat: ChatRequest, req: GenerationRequest, prepared: PreparedPrompt

@@ -57,6 +57,7 @@ def to_chat_request(body: ChatCompletionRequest, *, vision: bool = False) -> Cha
         ignore_eos=bool(body.ignore_eos),
         add_generation_prompt=add_generation_prompt,
         continue_final_message=continue_final,
+        prediction=body.prediction.text if body.prediction is not None else None,
     )
 
 

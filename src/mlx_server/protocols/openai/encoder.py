@@ -42,16 +42,22 @@ def finish_reason(ev: Finished) -> OpenAIFinish:
 
 
 def usage_json(u: Usage) -> dict[str, Any]:
-    return {
+    out: dict[str, Any] = {
         "prompt_tokens": u.prompt_tokens,
         "completion_tokens": u.completion_tokens,
         "total_tokens": u.total_tokens,
         "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
     }
+    if u.accepted_prediction_tokens is not None:
+        out["completion_tokens_details"] = {
+            "accepted_prediction_tokens": u.accepted_prediction_tokens,
+            "rejected_prediction_tokens": u.rejected_prediction_tokens or 0,
+        }
+    return out
 
 
 def timings_json(t: Timings) -> dict[str, Any]:
-    return {
+    out = {
         "cache_n": t.cache_n,
         "prompt_n": t.prompt_n,
         "prompt_ms": round(t.prompt_ms, 3),
@@ -60,6 +66,10 @@ def timings_json(t: Timings) -> dict[str, Any]:
         "predicted_ms": round(t.predicted_ms, 3),
         "predicted_per_second": round(t.predicted_per_second, 3),
     }
+    if t.draft_n:  # llama.cpp's names, there only when speculative decoding drafted
+        out["draft_n"] = t.draft_n
+        out["draft_n_accepted"] = t.draft_n_accepted
+    return out
 
 
 def logprob_json(e: LogprobEntry) -> dict[str, Any]:

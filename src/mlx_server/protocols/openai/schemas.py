@@ -86,6 +86,25 @@ class SamplingFields(_Model):
         return v
 
 
+class PredictionPart(_Model):
+    type: Literal["text"]
+    text: str
+
+
+class Prediction(_Model):
+    """OpenAI's Predicted Outputs: text the answer is expected to repeat (a file being
+    edited), drafted for speculative decoding."""
+
+    type: Literal["content"]
+    content: str | list[PredictionPart]
+
+    @property
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text for p in self.content)
+
+
 class ChatCompletionRequest(SamplingFields):
     messages: list[Message] = Field(min_length=1)
     max_tokens: int | None = Field(default=None, ge=1)
@@ -103,6 +122,7 @@ class ChatCompletionRequest(SamplingFields):
     reasoning_format: str | None = None
     reasoning_effort: str | None = None
     ignore_eos: bool | None = None  # llama.cpp's: generate max_tokens whatever the model says
+    prediction: Prediction | None = None
 
     @field_validator("tool_choice")
     @classmethod

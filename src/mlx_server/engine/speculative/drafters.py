@@ -1,0 +1,186 @@
+"""Drafters: each proposes the next few tokens of a sequence for the target to verify.
+
+A drafter sees the whole context (prompt and accepted tokens, in order) on every call and
+proposes at most ``k`` tokens; an empty proposal means "decode one token as usual". The
+context only grows between calls, except that a sequence may be handed a drafter for a
+context it has never seen (a new request), so drafters that keep state check it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import mlx.core as mx
+from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
+
+
+class Drafter(Protocol):
+    """Proposes tokens to follow ``context``; see the module docstring."""
+
+    def propose(self, context: list[int], k: int) -> list[int]: ...
+
+
+class NgramIndex:
+    """The latest position at which each n-gram (``min_n`` to ``max_n`` tokens) of a growing
+    token list ended, so a lookup costs a few dict reads however long the context is."""
+
+    def __init__(self, min_n: int = 1, max_n: int = 3):
+        self.min_n, self.max_n = min_n, max_n
+        self._ends: dict[tuple[int, ...], int] = {}
+        self._indexed = 0  # n-grams ending before this position are in the index
+
+    def extend(self, tokens: list[int], upto: int) -> None:
+        """Index the n-grams of ``tokens`` that end at positions ``< upto``."""
+        for end in range(max(self._indexed, 1), upto):
+            for n in range(self.min_n, min(self.max_n, end) + 1):
+                self._ends[tuple(tokens[end - n : end])] = end
+        self._indexed = max(self._indexed, upto)
+
+    def find(self, tail: list[int]) -> int | None:
+        """Where the longest suffix of ``tail`` (``max_n`` down to ``min_n`` tokens) last
+        ended in the indexed tokens, or None."""
+        for n in range(min(self.max_n, len(tail)), self.min_n - 1, -1):
+            end = self._ends.get(tuple(tail[-n:]))
+            if end is not None:
+                return end
+        return None
+
+
+class PromptLookup:
+    """Prompt lookup (n-gram) drafting: find the last few tokens earlier in the context
+    (prompt or generated text) and propose what followed them there. Answers that quote
+    their context (code edits, tool output) are accepted in long runs."""
+
+    def __init__(self, min_n: int = 1, max_n: int = 3):
+        self._min_n, self._max_n = min_n, max_n
+        self._index = NgramIndex(min_n, max_n)
+        self._context: list[int] = []
+
+    def propose(self, context: list[int], k: int) -> list[int]:
+        if k <= 0 or len(context) < 2:
+            return []
+        if context[: len(self._context)] != self._context[: len(context)]:
+            self._index = NgramIndex(self._min_n, self._max_n)  # another sequence's context
+        self._context = context
+        # An n-gram ending at the last position is the query itself: index only those with
+        # at least one token after them.
+        self._index.extend(context, len(context))
+        end = self._index.find(context[-self._max_n :])
+        if end is None or end >= len(context):
+            return []
+        return context[end : end + k]
+
+
+class PredictedOutput:
+    """The client's expected output (OpenAI's Predicted Outputs) as the draft.
+
+    A cursor follows the prediction while the generated tokens agree with it; where they
+    part (the edit), the cursor is found again by looking the last generated tokens up in
+    the prediction, preferring the first match past where it was lost.
+    """
+
+    def __init__(self, prediction: list[int], prompt_len: int, max_n: int = 4):
+        self.prediction = prediction
+        self._start = prompt_len  # generated tokens begin here in the context
+        self._seen = prompt_len  # context tokens already followed
+        self._cursor: int | None = 0  # prediction index expected next (None: lost)
+        self._hint = 0  # where the cursor was when it was lost
+        self._max_n = max_n
+        self._positions: dict[tuple[int, ...], list[int]] = {}
+        for end in range(1, len(prediction)):
+            for n in range(1, min(max_n, end) + 1):
+                self._positions.setdefault(tuple(prediction[end - n : end]), []).append(end)
+
+    def propose(self, context: list[int], k: int) -> list[int]:
+        self._follow(context)
+        if k <= 0 or self._cursor is None:
+            return []
+        return self.prediction[self._cursor : self._cursor + k]
+
+    def _follow(self, context: list[int]) -> None:
+        for tok in context[self._seen :]:
+            c = self._cursor
+            if c is not None and c < len(self.prediction) and self.prediction[c] == tok:
+                self._cursor = c + 1
+            else:
+                self._hint = c if c is not None else self._hint
+                self._cursor = None
+        if self._cursor is None and len(context) > self._seen:
+            self._cursor = self._realign(context[self._start :])
+        self._seen = len(context)
+
+    def _realign(self, generated: list[int]) -> int | None:
+        last = self._hint
+        for n in range(min(self._max_n, len(generated)), 0, -1):
+            ends = self._positions.get(tuple(generated[-n:]))
+            if ends:
+                after = [e for e in ends if e > last]
+                return after[0] if after else ends[-1]
+        return None
+
+
+def _forward(model: Any, tokens: list[int], cache: Any) -> mx.array:
+    return model(mx.array(tokens)[None], cache=cache)[0, -1, :]
+
+
+class DraftModel:
+    """A smaller model with the same tokenizer proposes greedily from its own KV cache.
+
+    The cache holds a prefix of the context (``self.fed``); on each call the part that no
+    longer matches (rejected drafts) is trimmed off and the new context tokens fed.
+    """
+
+    def __init__(self, model: Any, prefill_step_size: int = 512):
+        self.model = model
+        self.cache: Any = make_prompt_cache(model)
+        self.fed: list[int] = []
+        self._step = prefill_step_size
+
+    def propose(self, context: list[int], k: int) -> list[int]:
+        if k <= 0 or not context:
+            return []
+        self._rewind(context)
+        todo = context[len(self.fed) :]
+        while len(todo) > self._step:  # a long new context prefills in chunks
+            self.model(mx.array(todo[: self._step])[None], cache=self.cache)
+            mx.eval([c.state for c in self.cache])
+            self.fed += todo[: self._step]
+            todo = todo[self._step :]
+        out: list[int] = []
+        logits = _forward(self.model, todo, self.cache)
+        self.fed += todo
+        for i in range(k):
+            tok = int(mx.argmax(logits).item())  # type: ignore[arg-type]
+            out.append(tok)
+            if i + 1 < k:
+                logits = _forward(self.model, [tok], self.cache)
+                self.fed.append(tok)
+        return out
+
+    def _rewind(self, context: list[int]) -> None:
+        common = 0
+        limit = min(len(self.fed), len(context) - 1)  # keep at least one token to feed
+        while common < limit and self.fed[common] == context[common]:
+            common += 1
+        if common < len(self.fed):
+            trim_prompt_cache(self.cache, len(self.fed) - common)
+            del self.fed[common:]
+
+
+def check_same_tokenizer(target: Any, draft: Any) -> None:
+    """Raise ValueError unless the draft model's tokenizer maps text to the same token ids
+    as the target's (same vocabulary, same end-of-sequence tokens): its drafts would
+    otherwise be other tokens than they seem."""
+    tv, dv = target.vocab, draft.vocab
+    if tv != dv:
+        differ = sum(1 for t, i in tv.items() if dv.get(t) != i) + len(set(dv) - set(tv))
+        raise ValueError(
+            "the draft model's tokenizer differs from the model's "
+            f"({len(dv)} vs {len(tv)} tokens, {differ} differ); speculative decoding "
+            "needs a draft model with the same tokenizer"
+        )
+    if sorted(target.eos_token_ids) != sorted(draft.eos_token_ids):
+        raise ValueError(
+            "the draft model's end-of-sequence tokens differ from the model's "
+            f"({sorted(draft.eos_token_ids)} vs {sorted(target.eos_token_ids)})"
+        )

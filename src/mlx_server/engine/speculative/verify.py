@@ -1,0 +1,107 @@
+"""Verify a draft in one forward pass of the target, and roll back what it rejects.
+
+The target is fed the last emitted token followed by the ``k`` drafted ones; its logits at
+each of those ``k + 1`` positions say what it would have produced there. Position ``i`` is
+decided exactly as plain decoding would decide it (logits processors, then the request's
+sampler) and compared with draft token ``i``: a match is accepted and the next position
+decided; the first mismatch is emitted as the target's own token and ends the step. If every
+draft token is accepted, the last position gives one more token.
+
+Why this is exact: every emitted token is the sampler's choice on the target's
+log-probabilities for the accepted context, so greedy output is that of plain decoding,
+and a sampled token has the target's distribution whatever was drafted (for a draft
+without a distribution of its own, as here, this is rejection sampling: the draft token is
+accepted with probability ``p(d)`` and otherwise a token is drawn from ``p`` without it).
+The sampler and the processors are called once per emitted token, in order, and never for
+a position after a rejection: a seeded sampler's key sequence and a grammar's state advance
+exactly as without speculation, so nothing has to be rolled back but the KV cache.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.models.cache import trim_prompt_cache
+
+Processor = Callable[[mx.array, mx.array], mx.array]
+
+
+@dataclass
+class Verified:
+    tokens: list[int]  # emitted: the accepted draft tokens, then the target's own token
+    logprobs: list[mx.array]  # the target's log-probabilities for each emitted token (vocab,)
+    accepted: int  # how many drafted tokens were accepted
+
+
+def forward(model: Any, cache: Any, tokens: list[int]) -> mx.array:
+    """The target's logits at every position of ``tokens`` (fed after ``cache``), (n, vocab)."""
+    return model(mx.array(tokens)[None], cache=cache)[0]
+
+
+def verify(
+    model: Any,
+    cache: Any,
+    last: int,
+    draft: list[int],
+    *,
+    sampler: Callable[[mx.array], mx.array] | None,
+    processors: Sequence[Processor] = (),
+    history: list[int] | None = None,
+) -> Verified:
+    """Feed ``last`` and ``draft`` after ``cache``, decide the emitted tokens, and trim the
+    cache so it holds ``last`` and the accepted draft tokens (not the final emitted one).
+
+    ``sampler`` None means greedy. ``history`` (the context before ``last``) is what the
+    processors see, as in mlx-lm: the tokens so far, ending with the one just fed.
+    """
+    logits = forward(model, cache, [last, *draft])
+    if sampler is None and not processors:
+        out = _greedy(logits, draft)
+    else:
+        context = [*(history or []), last]
+        out = _sequential(logits, draft, sampler, processors, context)
+    rejected = len(draft) - out.accepted
+    if rejected:
+        trim_prompt_cache(cache, rejected)
+    return out
+
+
+def _logprobs(logits: mx.array) -> mx.array:
+    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+
+
+def _greedy(logits: mx.array, draft: list[int]) -> Verified:
+    logprobs = _logprobs(logits)
+    choice: list[int] = mx.argmax(logprobs, axis=-1).tolist()  # type: ignore[assignment]
+    n = 0
+    while n < len(draft) and choice[n] == draft[n]:
+        n += 1
+    return Verified(choice[: n + 1], [logprobs[i] for i in range(n + 1)], n)
+
+
+def _sequential(
+    logits: mx.array,
+    draft: list[int],
+    sampler: Callable[[mx.array], mx.array] | None,
+    processors: Sequence[Processor],
+    context: list[int],
+) -> Verified:
+    tokens: list[int] = []
+    lps: list[mx.array] = []
+    for i in range(len(draft) + 1):
+        row = logits[i : i + 1]
+        if processors:
+            seen = mx.array(context + tokens)
+            for p in processors:
+                row = p(seen, row)
+        lp = _logprobs(row)
+        choice = sampler(lp) if sampler is not None else mx.argmax(lp, axis=-1)
+        tok = int(choice.item())  # type: ignore[arg-type]
+        tokens.append(tok)
+        lps.append(lp[0])
+        if i == len(draft) or tok != draft[i]:
+            break
+    return Verified(tokens, lps, len(tokens) - 1)

@@ -1,0 +1,424 @@
+"""Speculative decoding as a library: drafters, verification, rollback, exactness.
+
+The reference for every exactness test is mlx-lm's own ``generate_step`` (plain decoding,
+one token per forward pass) with the same sampler and logits processors.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import pytest
+from conftest_gguf import (  # noqa: F401  (fixtures)
+    demo_f32_dir_fixture,
+    demo_gguf_fixture,
+)
+from engine_runner import load_varied_model
+from mlx_lm import load
+from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import make_prompt_cache
+from tiny_model import FIM_SPECIALS, build_tiny_model
+
+from mlx_server.engine.constraints import ConstraintCompiler, ConstraintSpec
+from mlx_server.engine.sampling import make_processors, make_sampler
+from mlx_server.engine.speculative.controller import DraftLength
+from mlx_server.engine.speculative.drafters import (
+    DraftModel,
+    PredictedOutput,
+    PromptLookup,
+    check_same_tokenizer,
+)
+from mlx_server.engine.speculative.sequence import SpeculativeSequence
+from mlx_server.engine.speculative.verify import verify
+from mlx_server.types import SamplingParams
+
+# ---- drafters, no model ----------------------------------------------------------------
+
+
+def test_prompt_lookup_proposes_what_followed_the_longest_match() -> None:
+    d = PromptLookup(max_n=3)
+    # "7 8 9" occurred once, followed by 1 2 3; "9" alone last occurred before 5.
+    ctx = [7, 8, 9, 1, 2, 3, 4, 9, 5, 6, 7, 8, 9]
+    assert d.propose(ctx, 3) == [1, 2, 3]
+    assert d.propose(ctx, 0) == []
+    assert d.propose([*ctx, 1, 2], 2) == [3, 4]  # grows with the context
+
+
+def test_prompt_lookup_without_a_match_proposes_nothing() -> None:
+    d = PromptLookup()
+    assert d.propose([1, 2, 3, 4], 4) == []
+    assert d.propose([5], 4) == []
+
+
+def test_prompt_lookup_on_a_new_context_forgets_the_old_one() -> None:
+    d = PromptLookup()
+    assert d.propose([1, 2, 3, 1], 2) == [2, 3]
+    assert d.propose([4, 5, 6, 4], 2) == [5, 6]
+    assert d.propose([1, 9, 1], 2) == [9, 1]
+
+
+def test_predicted_output_follows_the_prediction_and_realigns_after_an_edit() -> None:
+    prompt = [100, 101]
+    pred = [1, 2, 3, 4, 5, 6, 7, 8]
+    d = PredictedOutput(pred, prompt_len=len(prompt))
+    assert d.propose(prompt, 3) == [1, 2, 3]
+    assert d.propose([*prompt, 1, 2], 3) == [3, 4, 5]
+    # The answer changes 3 to 30 31, then goes on with 4: the cursor is found again.
+    assert d.propose([*prompt, 1, 2, 30, 31], 3) == []
+    assert d.propose([*prompt, 1, 2, 30, 31, 4], 3) == [5, 6, 7]
+    assert d.propose([*prompt, 1, 2, 30, 31, 4, 5, 6, 7, 8], 3) == []  # the end
+
+
+def test_draft_length_drops_to_zero_when_drafts_fail_and_probes_again() -> None:
+    c = DraftLength(4, probe_every=8)
+    assert c.next_k() == 4  # nothing measured: try
+    for _ in range(30):
+        k = c.next_k()
+        c.record(k, 0, 0.010 + 0.004 * k)  # every draft rejected, each costs 40 %
+    assert c.rate < 0.3
+    ks = [c.next_k() for _ in range(16)]
+    assert ks.count(0) >= 14 and 1 in ks  # zero, with a probe of one
+
+
+def test_draft_length_stays_up_when_drafts_pay() -> None:
+    c = DraftLength(6)
+    for _ in range(40):
+        k = c.next_k()
+        c.record(k, k, 0.010 + 0.001 * k)
+    assert c.next_k() == 6
+
+
+# ---- on a tiny random-weight model -----------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Any]:
+    model, tokenizer, _ = load_varied_model(tmp_path_factory)  # greedy output that varies
+    return model, tokenizer
+
+
+def _prompt(tokenizer: Any, text: str) -> list[int]:
+    msgs = [{"role": "user", "content": text}]
+    return list(tokenizer.apply_chat_template(msgs, add_generation_prompt=True))
+
+
+def _plain(
+    model: Any, prompt: list[int], n: int, sampler: Any, processors: Any = None
+) -> list[int]:
+    steps = generate_step(
+        mx.array(prompt), model, max_tokens=n, sampler=sampler, logits_processors=processors
+    )
+    return [int(t) for t, _ in steps]
+
+
+class Oracle:
+    """Drafts the given continuation of the prompt (what the model will say), or a wrong
+    token every ``wrong_every`` positions."""
+
+    def __init__(self, prompt_len: int, answer: list[int], wrong_every: int = 0):
+        self.start, self.answer, self.wrong_every = prompt_len, answer, wrong_every
+
+    def propose(self, context: list[int], k: int) -> list[int]:
+        at = len(context) - self.start
+        out = self.answer[at : at + k]
+        if self.wrong_every:
+            out = [t + 1 if (at + i) % self.wrong_every == 0 else t for i, t in enumerate(out)]
+        return out
+
+
+def _speculate(
+    model: Any, prompt: list[int], n: int, drafter: Any, **kw: Any
+) -> tuple[list[int], Any]:
+    greedy = kw.pop("greedy", True)
+    sampler = kw.pop("sampler", lambda x: mx.argmax(x, axis=-1))
+    seq = SpeculativeSequence(
+        model,
+        1,
+        prompt,
+        0,
+        None,
+        sampler=sampler,
+        greedy=greedy,
+        drafter=drafter,
+        num_draft_tokens=kw.pop("k", 4),
+        max_tokens=n,
+        eos=kw.pop("eos", []),
+        prefill_step_size=kw.pop("prefill_step_size", 512),
+        **kw,
+    )
+    out: list[int] = []
+    for _ in range(10 * n + 100):  # bounded: a step emits at least one token
+        _, responses = seq.next()
+        assert seq.cache[0].offset == len(seq.fed)  # the cache holds exactly ``fed``
+        for r in responses:
+            out.append(r.token)
+            if r.finish_reason is not None:
+                assert r.all_tokens == seq.fed == (prompt + out)[: len(seq.fed)]
+                return out, seq
+    raise AssertionError("the sequence did not finish")
+
+
+@pytest.mark.parametrize("wrong_every", [0, 3, 1])
+def test_greedy_output_is_plain_decoding_whatever_is_drafted(tiny: Any, wrong_every: int) -> None:
+    model, tok = tiny
+    prompt = _prompt(tok, "def add(a, b): return a + b")
+    want = _plain(model, prompt, 40, lambda x: mx.argmax(x, axis=-1))
+    got, seq = _speculate(model, prompt, 40, Oracle(len(prompt), want, wrong_every), adaptive=False)
+    assert got == want
+    if wrong_every == 0:
+        assert seq.draft_accepted == seq.draft_n > 0
+    if wrong_every == 1:
+        assert seq.draft_accepted == 0 < seq.draft_n
+
+
+def test_prompt_lookup_and_draft_model_give_plain_greedy_output(tiny: Any) -> None:
+    model, tok = tiny
+    prompt = _prompt(tok, "The quick brown fox. The quick brown fox. The quick")
+    want = _plain(model, prompt, 48, lambda x: mx.argmax(x, axis=-1))
+    got, _ = _speculate(model, prompt, 48, PromptLookup())
+    assert got == want
+    got, seq = _speculate(model, prompt, 48, DraftModel(model, prefill_step_size=8))
+    assert got == want
+    assert seq.draft_accepted == seq.draft_n > 0  # the model drafting for itself
+
+
+def test_a_long_prompt_prefills_in_chunks_with_the_same_output(tiny: Any) -> None:
+    model, tok = tiny
+    prompt = _prompt(tok, "Numbers 0 1 2 3 4 5 6 7 8 9 " * 6)
+    want = _plain(model, prompt, 24, lambda x: mx.argmax(x, axis=-1))
+    got, _ = _speculate(model, prompt, 24, PromptLookup(), prefill_step_size=16)
+    assert got == want
+
+
+def test_predicted_output_gives_plain_greedy_output(tiny: Any) -> None:
+    model, tok = tiny
+    prompt = _prompt(tok, "Hello world!")
+    want = _plain(model, prompt, 40, lambda x: mx.argmax(x, axis=-1))
+    edited = want[:10] + [want[10] + 1, 5] + want[11:]  # the prediction has one edit
+    drafter = PredictedOutput(edited, len(prompt))
+    got, seq = _speculate(model, prompt, 40, drafter, k=8, adaptive=False)
+    assert got == want
+    # 8 drafted per step and one token of the model's own: 35 of 40 at best, less the
+    # steps lost at the edit.
+    assert seq.draft_accepted >= 24
+
+
+@pytest.mark.parametrize("finish_at", [0, 5, 17])
+def test_an_end_token_inside_an_accepted_draft_ends_there(tiny: Any, finish_at: int) -> None:
+    model, tok = tiny
+    prompt = _prompt(tok, "system user assistant")
+    want = _plain(model, prompt, 30, lambda x: mx.argmax(x, axis=-1))
+    eos = want[finish_at]
+    first = want.index(eos)
+    got, _ = _speculate(model, prompt, 30, Oracle(len(prompt), want), eos=[eos], adaptive=False)
+    assert got == want[: first + 1]
+
+
+@pytest.mark.parametrize("max_tokens", [1, 2, 7])
+def test_max_tokens_is_exact(tiny: Any, max_tokens: int) -> None:
+    model, tok = tiny
+    prompt = _prompt(tok, "Paris is the capital")
+    want = _plain(model, prompt, max_tokens, lambda x: mx.argmax(x, axis=-1))
+    got, _ = _speculate(model, prompt, max_tokens, Oracle(len(prompt), want), k=6, adaptive=False)
+    assert got == want
+
+
+def test_seeded_sampling_and_processors_match_plain_decoding(tiny: Any) -> None:
+    """A seeded sampler and a repetition penalty are called once per emitted token, in
+    order, so the sampled output equals plain decoding's with the same seed."""
+    model, tok = tiny
+    params = SamplingParams(temperature=0.9, top_p=0.9, seed=11, repetition_penalty=1.3)
+    prompt = _prompt(tok, "The quick brown fox jumps over the lazy dog.")
+    want = _plain(model, prompt, 40, make_sampler(params), make_processors(params))
+    drafts = Oracle(len(prompt), want, wrong_every=4)
+    got, seq = _speculate(
+        model,
+        prompt,
+        40,
+        drafts,
+        greedy=False,
+        sampler=make_sampler(params),
+        processors=make_processors(params),
+        adaptive=False,
+    )
+    assert got == want
+    assert 0 < seq.draft_accepted < seq.draft_n
+
+
+def test_a_grammar_rejects_forbidden_drafts_and_its_state_follows_the_sequence(tiny: Any) -> None:
+    model, tok = tiny
+    compiler = ConstraintCompiler(tok)
+    spec = ConstraintSpec.json_object()
+    prompt = _prompt(tok, "Answer in JSON")
+    want_proc = compiler.processor(spec)
+    want = _plain(model, prompt, 30, lambda x: mx.argmax(x, axis=-1), [want_proc])
+    # Drafts from prompt lookup over text the grammar mostly forbids, and wrong ones.
+    proc = compiler.processor(spec)
+    got, seq = _speculate(
+        model,
+        prompt,
+        30,
+        Oracle(len(prompt), want, wrong_every=3),
+        processors=[proc],
+        adaptive=False,
+    )
+    assert got == want
+    assert proc.error is None and want_proc.error is None
+    assert proc.consumed == want_proc.consumed
+    assert seq.draft_n > seq.draft_accepted > 0
+
+
+def test_a_draft_model_with_another_tokenizer_is_refused(
+    tiny: Any, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    _, tok = tiny
+    other = build_tiny_model(tmp_path_factory.mktemp("spec") / "fim", specials=FIM_SPECIALS)
+    _, other_tok = load(str(other))
+    check_same_tokenizer(tok, tok)
+    with pytest.raises(ValueError, match="tokenizer differs"):
+        check_same_tokenizer(tok, other_tok)
+
+
+# ---- the output distribution under sampling --------------------------------------------
+
+
+def _chi_square(
+    counts: Counter[int], probs: list[float], n: int, top: int = 8
+) -> tuple[float, int]:
+    """Pearson's statistic over the ``top`` likeliest tokens plus one bin for the rest."""
+    order = sorted(range(len(probs)), key=lambda t: -probs[t])[:top]
+    bins = [(counts[t], probs[t]) for t in order]
+    rest_p = 1.0 - sum(p for _, p in bins)
+    bins.append((n - sum(c for c, _ in bins), rest_p))
+    stat = sum((c - n * p) ** 2 / (n * p) for c, p in bins if p > 0)
+    return stat, len(bins) - 1
+
+
+# Chi-square critical values at p = 1e-4 by degrees of freedom (scipy.stats.chi2.ppf).
+CRITICAL = {8: 31.83}
+
+
+def test_sampled_tokens_have_the_target_distribution(tiny: Any) -> None:
+    """Drafting the likeliest token at each position, the first emitted token must follow
+    the target's distribution, and the second (after an accepted first) its distribution
+    given the first. Fixed seed and sample count: the result is deterministic."""
+    model, tok = tiny
+    temp = 0.4
+    prompt = _prompt(tok, "Hello world")
+    cache = make_prompt_cache(model)
+    model(mx.array(prompt[:-1])[None], cache=cache)
+    last = prompt[-1]
+    p1 = mx.softmax(model(mx.array([last])[None], cache=copy.deepcopy(cache))[0, -1] / temp)
+    d1 = int(mx.argmax(p1).item())
+    c2 = copy.deepcopy(cache)
+    model(mx.array([last])[None], cache=c2)
+    p2 = mx.softmax(model(mx.array([d1])[None], cache=c2)[0, -1] / temp)
+    d2 = int(mx.argmax(p2).item())
+    sampler = make_sampler(SamplingParams(temperature=temp, seed=1234))
+    firsts: Counter[int] = Counter()
+    seconds: Counter[int] = Counter()
+    n = 1500
+    for _ in range(n):
+        out = verify(model, copy.deepcopy(cache), last, [d1, d2], sampler=sampler)
+        firsts[out.tokens[0]] += 1
+        if out.tokens[0] == d1:
+            seconds[out.tokens[1]] += 1
+    p1l, p2l = p1.tolist(), p2.tolist()
+    stat1, dof = _chi_square(firsts, p1l, n)  # type: ignore[arg-type]
+    assert stat1 < CRITICAL[dof], (stat1, firsts.most_common(5))
+    m = sum(seconds.values())
+    assert m > 100
+    stat2, dof = _chi_square(seconds, p2l, m)  # type: ignore[arg-type]
+    assert stat2 < CRITICAL[dof], (stat2, seconds.most_common(5))
+    # And the check can fail: always accepting the draft is far off.
+    wrong: Counter[int] = Counter({d1: n})
+    assert _chi_square(wrong, p1l, n)[0] > CRITICAL[8]  # type: ignore[arg-type]
+    assert math.isclose(sum(p1l), 1.0, rel_tol=1e-4)  # type: ignore[arg-type]
+
+
+# ---- the demo model, float32 -----------------------------------------------------------
+
+PROMPTS = [
+    "Repeat this list exactly: alpha, beta, gamma, delta, epsilon, zeta, eta, theta.",
+    "Write a Python function that returns the sum of squares of a list, then explain it.",
+    "Tell me a short story about a lighthouse keeper.",
+]
+
+
+@pytest.fixture(scope="module")
+def demo(demo_f32_dir: Path) -> tuple[Any, Any]:
+    return load(str(demo_f32_dir))
+
+
+@pytest.mark.demo
+@pytest.mark.parametrize("drafter", ["lookup", "draft_model"])
+def test_demo_model_greedy_output_is_identical(demo: Any, drafter: str) -> None:
+    model, tok = demo
+    for text in PROMPTS:
+        prompt = _prompt(tok, text)
+        want = _plain(model, prompt, 32, lambda x: mx.argmax(x, axis=-1))
+        d = PromptLookup() if drafter == "lookup" else DraftModel(model)
+        got, _ = _speculate(model, prompt, 32, d, k=5)
+        assert got == want, text
+
+
+# ---- flags -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--draft-kind", "dflash"], "not built"),
+        (["--draft-kind", "medusa"], "unknown kind"),
+        (["--draft-kind", "model"], "needs --draft-model"),
+        (["--draft-kind", "ngram", "--draft-model", "x"], "does not use --draft-model"),
+    ],
+)
+def test_draft_kind_flags_that_cannot_work_are_refused_at_start(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from mlx_server.cli import parse_settings
+
+    with pytest.raises(SystemExit) as e:
+        parse_settings(["-m", "some-model", *argv], environ={})
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_speculation_flags_parse() -> None:
+    from mlx_server.cli import parse_settings
+
+    s = parse_settings(
+        ["-m", "m", "--prompt-lookup", "--num-draft-tokens", "6", "--draft-kind", "ngram"],
+        environ={},
+    )
+    assert (s.prompt_lookup, s.num_draft_tokens, s.draft_kind) == (True, 6, "ngram")
+    s = parse_settings(["-m", "m", "--draft-model", "d", "--draft-block-size", "16"], environ={})
+    assert (s.draft_model, s.draft_block_size, s.prompt_lookup) == ("d", 16, False)
+
+
+def test_the_server_refuses_a_draft_model_with_another_tokenizer_at_start(
+    tiny: Any, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    from types import SimpleNamespace
+
+    from mlx_server.config import Settings
+    from mlx_server.models.base import ModelLoadError
+    from mlx_server.wiring import _speculation
+
+    model, tok = tiny
+    other = build_tiny_model(tmp_path_factory.mktemp("spec") / "fim2", specials=FIM_SPECIALS)
+    loaded = SimpleNamespace(tokenizer=tok)
+    with pytest.raises(ModelLoadError, match="tokenizer differs"):
+        _speculation(loaded, Settings(model="m", draft_model=str(other)), model)
+    same = build_tiny_model(tmp_path_factory.mktemp("spec") / "same")
+    _, same_tok = load(str(same))
+    spec = _speculation(
+        SimpleNamespace(tokenizer=same_tok), Settings(model="m", draft_model=str(same)), model
+    )
+    assert spec is not None and spec.draft_model is not None
