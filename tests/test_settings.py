@@ -43,6 +43,8 @@ def _sample(f) -> tuple[str, object]:
     meta = f.metadata
     if f.name == "tool_call_parser":  # checked against the known formats
         return "json_tools", "json_tools"
+    if f.name == "draft_kind":  # checked against the drafters built
+        return "ngram", "ngram"
     if f.type in ("bool", bool):
         return "true", True
     if "choices" in meta:

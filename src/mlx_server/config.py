@@ -157,7 +157,7 @@ class Settings:
     )
     draft_kind: str | None = _opt(
         None,
-        "Kind of drafter: 'model' (--draft-model), 'ngram' (--prompt-lookup); 'dflash', "
+        "Kind of drafter: 'model' (a draft model), 'ngram' (prompt lookup); 'dflash', "
         "'eagle3' and 'mtp' are not built yet (default: from the other flags)",
         "--draft-kind",
     )
