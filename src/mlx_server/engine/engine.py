@@ -109,6 +109,7 @@ class Engine:
         self._memory = MemoryBudget(
             self.config.kv_budget_bytes, self._prompt_cache, lambda: self._kv_in_use
         )
+        self._watch_disk_reads()
         self._eos = sorted(int(t) for t in tokenizer.eos_token_ids)
         # Width of the model's logits, to try each request's sampler before it joins a batch.
         args = getattr(model, "args", None)
@@ -311,6 +312,7 @@ class Engine:
             with self._wake:
                 seq = self._next_admissible()
                 if seq is None:
+                    self._idle_while_reading()
                     return
                 self._pending.remove(seq)
             self._migrate(gen)  # a lone sequence joins the batch before another starts
@@ -329,6 +331,8 @@ class Engine:
                 self._pending.remove(seq)
                 self._finish(seq, "cancelled")
                 continue
+            if not self._cache_ready(seq):
+                continue  # its cached prefix is being read from disk; others may pass
             short = self._uncached(seq) <= self.config.prefill_step_size
             if blocked and not short:
                 continue
@@ -339,6 +343,30 @@ class Engine:
                 return seq
             blocked = True
         return None
+
+    # ---- disk-tier reads off the engine thread (see PrefixCache.prepare) ---------------
+
+    def _watch_disk_reads(self) -> None:
+        """Wake the engine thread when a prefix read from disk is ready."""
+
+        def wake() -> None:
+            with self._wake:
+                self._wake.notify()
+
+        if self._prompt_cache is not None:
+            self._prompt_cache.on_loaded = wake
+
+    def _cache_ready(self, seq: _Seq) -> bool:
+        """Whether a queued request's cached prefix is in memory (its disk read is done)."""
+        pc = self._prompt_cache
+        return pc is None or pc.prepare(seq.req.prompt_tokens)
+
+    def _idle_while_reading(self) -> None:
+        """With nothing to run but a disk read in flight, wait for it instead of spinning
+        (call with the lock held)."""
+        pc = self._prompt_cache
+        if not self._active and not self._calls and pc is not None and pc.loading:
+            self._wake.wait(0.05)
 
     def _uncached(self, seq: _Seq) -> int:
         """Prompt tokens this queued request will prefill (prefix-cache hits excluded)."""
