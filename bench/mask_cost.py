@@ -14,7 +14,7 @@ the logits is timed too: per row (unpack, an MLX array and ``where`` for each se
 processor does) and batched (one bitmask array, one ``where``). Prints one JSON line per batch
 size with the median (and 90th percentile) milliseconds per step.
 
-    PYTHONPATH=src .venv/bin/python bench/mask_cost.py [--model DIR] [--steps 60] [--threads N]
+    PYTHONPATH=src:bench .venv/bin/python bench/mask_cost.py [--model DIR] [--steps 60] [--threads N]
 """
 
 from __future__ import annotations
