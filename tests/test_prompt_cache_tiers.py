@@ -201,3 +201,22 @@ def test_an_engine_reads_a_disk_hit_off_its_thread_with_the_same_output(lm, tmp_
     assert warm.text == cold.text and warm.cached >= len(first)
     assert readers and all(r.startswith("prompt-cache-load") for r in readers)
     assert stats["prompt_cache_disk_hits"] == 1
+
+
+def test_reads_ahead_are_bounded_and_stale_ones_are_forgotten(tmp_path, monkeypatch):
+    import mlx_server.engine.prefix_cache as prefix_cache
+
+    disk = reopen(tmp_path)
+    a, b = list(range(40)), list(range(500, 540))
+    assert disk.save(a, kv(40), "assistant") and disk.save(b, kv(40, start=500), "assistant")
+    assert disk.flush(10)
+    monkeypatch.setattr(prefix_cache, "_MAX_READS", 1)
+    pc = PrefixCache(4, 1 << 30, disk=disk)
+    assert not pc.prepare(a + [1])  # A's read starts; its request then goes away
+    wait_for(lambda: not pc.loading)
+    assert pc.prepare(b + [1])  # no room to read ahead: fetch reads B itself
+    cache, rest = pc.fetch(b + [1])
+    assert rest == [1] and cache is not None
+    assert mx.array_equal(cache[0].keys[0, 0, :, 0], mx.arange(500, 540, dtype=mx.float32))
+    monkeypatch.setattr(prefix_cache, "_STALE_READ_S", 0.0)
+    assert not pc.prepare(b + [2])  # A's untaken read is stale now: B is read ahead

@@ -33,6 +33,7 @@ from mlx_server.logs import log
 
 _KEY = "model"  # one model per engine: a constant trie namespace
 _MAX_READS = 2  # disk entries held in host memory, read ahead of their requests' admission
+_STALE_READ_S = 60.0  # a read not taken by then belongs to a request that went away
 SYSTEM = "system"
 CONVERSATION = "assistant"
 
@@ -79,7 +80,7 @@ class PrefixCache(LRUPromptCache):
         self.on_insert: Any = None  # called after each insert (the memory budget's check)
         self.on_loaded: Any = None  # called (on the loader thread) when a disk read is done
         self.oversize = 0  # entries larger than the whole RAM tier
-        self._reads: dict[str, Any] = {}  # disk entry name -> future of its FileRead
+        self._reads: dict[str, tuple[Any, float]] = {}  # disk entry -> (future, started)
 
     def fetch(self, tokens: list[int]) -> tuple[list[Any] | None, list[int]]:
         """A private copy of the KV state for the longest usable prefix of ``tokens`` and the
@@ -135,21 +136,32 @@ class PrefixCache(LRUPromptCache):
             return True
         read = self._reads.get(found[0])
         if read is None:
-            while len(self._reads) >= _MAX_READS:  # reads nobody took (cancelled requests)
-                self._reads.pop(next(iter(self._reads)))
-            self._reads[found[0]] = self.disk.read_async(found[0], self.on_loaded)
+            self._drop_stale_reads()
+            if len(self._reads) >= _MAX_READS:
+                return True  # no room to read ahead: fetch reads it (the old, blocking way)
+            self._reads[found[0]] = (
+                self.disk.read_async(found[0], self.on_loaded),
+                time.monotonic(),
+            )
             return False
-        return bool(read.done())
+        return bool(read[0].done())
+
+    def _drop_stale_reads(self) -> None:
+        """Forget reads done long ago and never taken (their requests were cancelled)."""
+        now = time.monotonic()
+        for name, (future, started) in list(self._reads.items()):
+            if future.done() and now - started > _STALE_READ_S:
+                del self._reads[name]
 
     @property
     def loading(self) -> bool:
         """Whether a disk read is in flight."""
-        return any(not r.done() for r in self._reads.values())
+        return any(not future.done() for future, _ in self._reads.values())
 
     def _take_read(self, name: str) -> tuple[list[Any], list[int], str] | None:
         """The entry ``prepare`` read off the engine thread, as MLX arrays; None if none."""
         assert self.disk is not None
-        future = self._reads.pop(name, None)
+        future, _ = self._reads.pop(name, (None, 0.0))
         if future is None or not future.done() or (read := future.result()) is None:
             return None
         cache = self.disk.materialize(read)
