@@ -12,7 +12,7 @@
 #      VARIANTS=1 (variants.py against ours: one stream per request variant vs the raw engine doing the same),
 #      CONSTRAINED=1 (json_schema vs free at LEVELS, ours), LONG_CTX (model names, e.g. "8b-4": the agent session,
 #      ~27,670-token system prompt then two turns, ours with defaults and --ctx-size 40000 vs mlx_lm.server;
-#      LONG_TOKENS=23900 is the target given to make_system_prompt: about 27,670 tokens with SmolLM2's tokenizer).
+#      LONG_TOKENS=23470 is the target given to make_system_prompt: about 27,670 tokens with SmolLM2's tokenizer).
 #      A server named ours512 is ours with --prefill-step-size 512.
 set -u
 K=/tmp/kit/a; S=/tmp/site; OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; R=$OUT/results.jsonl; L=$OUT/log.txt
@@ -56,7 +56,7 @@ long_ctx() {  # the agent session on each server, one run
     start_server $srv $P $T/long-$srv-$preset-$bits.log --ctx-size 40000
     if wait_ready $P; then
       timeout 300 python3 $BENCH/bench_openai.py --base-url "http://127.0.0.1:$P/v1" --model $name \
-        --label "$srv $preset-$bits" --scenario long_ctx --long-system-tokens "${LONG_TOKENS:-23900}" --warmup 1 --out "$R" > /dev/null
+        --label "$srv $preset-$bits" --scenario long_ctx --long-system-tokens "${LONG_TOKENS:-23470}" --warmup 1 --out "$R" > /dev/null
     else echo "$srv did not start for long_ctx"; fi
     kill $SP; sleep 2; kill -9 $SP 2>/dev/null
   done
