@@ -23,6 +23,11 @@ Scenarios (select with --scenario, comma separated, or "all" = default):
   burst       --burst-n simultaneous streams sent first, before the warm-up request
               (the first burst after the server is ready): TTFT p50/p95 and
               aggregate tok/s. Only meaningful as the first scenario.
+  long_ctx    (not in "all") an agent session: a ~--long-system-tokens system
+              prompt of rules, then two follow-up turns; TTFT and cached tokens
+              per turn.
+  constrained (not in "all") response_format json_schema vs free decoding at
+              each --concurrency level: aggregate tok/s and their ratio.
 
 Each scenario prints ONE JSON line on stdout (and appends it to --out if
 given). Progress notes go to stderr.
@@ -549,6 +554,112 @@ class Bench:
         )
         return out
 
+    async def sc_long_ctx(self) -> dict:
+        """An agent session: a long system prompt of rules (--long-system-tokens), then two
+        follow-up turns that extend the conversation (~84 and ~22 new tokens). TTFT and
+        cached tokens per turn; turn 1 is cold (a fresh nonce opens the prompt)."""
+        a = self.args
+        nonce = f"Session {random.randrange(16**8):08x}."
+        system = f"{nonce}\n{make_system_prompt(a.long_system_tokens)}"
+        follow_ups = [
+            "Which rule mentions a refund? Answer briefly.",
+            "Thanks. Now go through the rules about invoices, shipments and tickets, say which "
+            "of them conflict with each other, and propose one short rewording for each "
+            "conflicting pair so that an agent following them never has to guess; keep the "
+            "answer to a few lines and cite the rule numbers you rely on.",
+            "Good. Apply the same check to the rules about refunds only.",
+        ]
+        history: list[dict] = [{"role": "system", "content": system}]
+        turns = []
+        for t, question in enumerate(follow_ups):  # bounded: three turns
+            history.append({"role": "user", "content": question})
+            r = await self.stream_chat(list(history), a.long_max_tokens)
+            if not r["ok"]:
+                raise SystemExit(f"long_ctx turn {t + 1} failed: {r.get('error')}")
+            history.append({"role": "assistant", "content": r["text"]})
+            turns.append(
+                {
+                    "turn": t + 1,
+                    "ttft_s": r["ttft_s"],
+                    "prompt_tokens": r["prompt_tokens"],
+                    "cached_tokens": r["cached_tokens"],
+                    "completion_tokens": r["completion_tokens"],
+                }
+            )
+            log(
+                f"long_ctx turn {t + 1}: ttft={r['ttft_s']:.3f}s prompt={r['prompt_tokens']} "
+                f"cached={r['cached_tokens']}"
+            )
+        out = self.common("long_ctx")
+        out.update(
+            {
+                "system_prompt_tokens_target": a.long_system_tokens,
+                "turns": turns,
+                "ttft_s": [x["ttft_s"] for x in turns],
+                "cached_tokens": [x["cached_tokens"] for x in turns],
+            }
+        )
+        return out
+
+    async def sc_constrained(self) -> dict:
+        """``response_format`` json_schema against free decoding, N streams at a time (N in
+        --concurrency): aggregate tok/s of each and their ratio. The schema asks for a long
+        string, so a constrained answer does not end before max_tokens."""
+        a = self.args
+        schema = {
+            "type": "object",
+            "properties": {
+                "title": {"type": "string", "maxLength": 40},
+                "essay": {"type": "string", "minLength": 8 * a.conc_max_tokens},
+            },
+            "required": ["title", "essay"],
+            "additionalProperties": False,
+        }
+        fmt = {"type": "json_schema", "json_schema": {"name": "essay", "schema": schema}}
+        levels = []
+        for n in a.concurrency:  # bounded
+            row: dict[str, Any] = {"n": n}
+            for mode in ("free", "json_schema"):
+                extra = {"response_format": fmt} if mode == "json_schema" else None
+                ignore = self.send_ignore_eos
+                self.send_ignore_eos = ignore and mode == "free"  # a grammar ends by itself
+                prompts = [
+                    f"[{mode} {n}-{i}] Reply in JSON: a title and a long essay about "
+                    f"{TOPICS[(i + 3 * n) % len(TOPICS)]}."
+                    for i in range(n)
+                ]
+                try:
+                    results = await asyncio.gather(
+                        *[
+                            self.stream_chat(
+                                [{"role": "user", "content": q}], a.conc_max_tokens, extra
+                            )
+                            for q in prompts
+                        ]
+                    )
+                finally:
+                    self.send_ignore_eos = ignore
+                ok = [r for r in results if r["ok"]]
+                if len(ok) < n:
+                    bad = next(r for r in results if not r["ok"])
+                    row[mode] = {"failed": n - len(ok), "error": bad.get("error")}
+                    continue
+                span = max(r["t_end"] for r in ok) - min(r["t_start"] for r in ok)
+                tokens = sum(r["completion_tokens"] for r in ok)
+                row[mode] = {
+                    "aggregate_tok_s": tokens / span,
+                    "tokens": [r["completion_tokens"] for r in ok],
+                    "ttft_p50_s": pct([r["ttft_s"] for r in ok], 50),
+                }
+            free, cons = row.get("free", {}), row.get("json_schema", {})
+            if free.get("aggregate_tok_s") and cons.get("aggregate_tok_s"):
+                row["ratio"] = cons["aggregate_tok_s"] / free["aggregate_tok_s"]
+                log(f"constrained N={n}: json_schema / free = {row['ratio']:.2f}")
+            levels.append(row)
+        out = self.common("constrained")
+        out.update({"max_tokens": a.conc_max_tokens, "levels": levels})
+        return out
+
     async def sc_nonstream(self) -> dict:
         a = self.args
         runs = []
@@ -577,11 +688,16 @@ class Bench:
         return out
 
 
-SCENARIOS = ["burst", "single", "concurrency", "prefix", "nonstream"]
+SCENARIOS = ["burst", "single", "concurrency", "prefix", "nonstream", "long_ctx", "constrained"]
+DEFAULT_SCENARIOS = ["burst", "single", "concurrency", "prefix", "nonstream"]
 
 
 async def amain(args: argparse.Namespace) -> int:
-    wanted = SCENARIOS if args.scenario == "all" else [s.strip() for s in args.scenario.split(",")]
+    wanted = (
+        DEFAULT_SCENARIOS
+        if args.scenario == "all"
+        else [s.strip() for s in args.scenario.split(",")]
+    )
     for s in wanted:
         if s not in SCENARIOS:
             raise SystemExit(f"unknown scenario {s!r}; choose from {SCENARIOS} or 'all'")
@@ -652,6 +768,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="also send the last turn under a fresh nonce (cold, same length)",
     )
     p.add_argument("--prefix-max-tokens", type=int, default=32)
+    p.add_argument(
+        "--long-system-tokens",
+        type=int,
+        default=27670,
+        help="long_ctx: system prompt length to aim for (an agent's prompt)",
+    )
+    p.add_argument("--long-max-tokens", type=int, default=16, help="long_ctx: tokens per turn")
     p.add_argument("--nonstream-repeats", type=int, default=5)
     p.add_argument("--nonstream-max-tokens", type=int, default=8)
     p.add_argument("--warmup", type=int, default=1)

@@ -8,13 +8,19 @@
 #      OURS_ARGS="" (extra flags for our server), SRC (the project's src; default ./src),
 #      BENCH (these scripts; default the kit's copy), PROFILE=1b-0 (py-spy the server on this model at N=32),
 #      LAYERS=1 (0: skip layers.py), LAYERS_ARGS (e.g. "--skip batch,engine"), LAYERS_ONLY (model names, e.g. "1b-0").
+#      SCEN (bench_openai.py scenarios per server; default burst,single,concurrency,prefix),
+#      VARIANTS=1 (variants.py against ours: one stream per request variant vs the raw engine doing the same),
+#      CONSTRAINED=1 (json_schema vs free at LEVELS, ours), LONG_CTX (model names, e.g. "8b-4": the agent session,
+#      ~27,670-token system prompt then two turns, ours with defaults and --ctx-size 40000 vs mlx_lm.server;
+#      LONG_TOKENS=23470 is the target given to make_system_prompt: about 27,670 tokens with SmolLM2's tokenizer).
 #      A server named ours512 is ours with --prefill-step-size 512.
 set -u
 K=/tmp/kit/a; S=/tmp/site; OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; R=$OUT/results.jsonl; L=$OUT/log.txt
 T=/tmp/benchlogs; mkdir -p $T
 MODELS=${MODELS:-"1b:4 1b:0 8b:4"}; LEVELS=${LEVELS:-1,8,32}; SERVERS=${SERVERS:-"ours mlxlm"}
 SRC=${SRC:-$PWD/src}; OURS_ARGS=${OURS_ARGS:-}; BENCH=${BENCH:-$K}; PROFILE=${PROFILE:-1b-0}; LAYERS=${LAYERS:-1}
-LAYERS_ARGS=${LAYERS_ARGS:-}; LAYERS_ONLY=${LAYERS_ONLY:-}
+LAYERS_ARGS=${LAYERS_ARGS:-}; LAYERS_ONLY=${LAYERS_ONLY:-}; SCEN=${SCEN:-burst,single,concurrency,prefix}
+VARIANTS=${VARIANTS:-0}; CONSTRAINED=${CONSTRAINED:-0}; LONG_CTX=${LONG_CTX:-}
 exec > >(tee -a "$L") 2>&1
 if [ ! -d $S/mlx ]; then
   W=$K/$(cat $K/mlx_cuda.name)
@@ -37,7 +43,24 @@ PY
 port() { python3 -c 'import socket;s=socket.socket();s.bind(("127.0.0.1",0));print(s.getsockname()[1])'; }
 wait_ready() { for _ in $(seq 1 480); do curl -s -m 2 -o /dev/null "http://127.0.0.1:$1/health" && return 0; sleep 0.25; done; return 1; }
 B() { timeout 300 python3 $BENCH/bench_openai.py --base-url "http://127.0.0.1:$1/v1" --model "$2" --label "$3" \
-        --scenario burst,single,concurrency,prefix --concurrency "$LEVELS" --conc-max-tokens 128 --max-tokens 256 --out "$R" >/dev/null; }
+        --scenario "$SCEN" --concurrency "$LEVELS" --conc-max-tokens 128 --max-tokens 256 --out "$R" >/dev/null; }
+start_server() {  # $1 server, $2 port, $3 log, $4... extra flags for ours
+  local srv=$1 P=$2 log=$3; shift 3
+  if [ $srv = mlxlm ]; then setsid python3 -m mlx_lm server --model $M --port $P > $log 2>&1 &
+  else setsid python3 -m mlx_server -m $M --port $P --model-id m "$@" > $log 2>&1 & fi
+  SP=$!
+}
+long_ctx() {  # the agent session on each server, one run
+  for srv in ours mlxlm; do
+    P=$(port); name=m; [ $srv = mlxlm ] && name=default_model
+    start_server $srv $P $T/long-$srv-$preset-$bits.log --ctx-size 40000
+    if wait_ready $P; then
+      timeout 300 python3 $BENCH/bench_openai.py --base-url "http://127.0.0.1:$P/v1" --model $name \
+        --label "$srv $preset-$bits" --scenario long_ctx --long-system-tokens "${LONG_TOKENS:-23470}" --warmup 1 --out "$R" > /dev/null
+    else echo "$srv did not start for long_ctx"; fi
+    kill $SP; sleep 2; kill -9 $SP 2>/dev/null
+  done
+}
 for spec in $MODELS; do
   preset=${spec%%:*}; bits=${spec##*:}; M=/tmp/models/$preset-$bits
   [ -f $M/config.json ] || python3 $BENCH/make_random_model.py $M $preset $bits $K/tok || continue
@@ -59,6 +82,14 @@ for spec in $MODELS; do
     if wait_ready $P; then
       echo "$srv ready after $(python3 -c "print(round($(date +%s.%N)-$t0,1))") s"
       B $P $name "$srv $preset-$bits"
+      if [ $srv = ours ] && [ "$VARIANTS" = 1 ]; then
+        timeout 200 python3 $BENCH/variants.py --model $M --base-url "http://127.0.0.1:$P/v1" \
+          --label "variants $preset-$bits" --max-tokens 256 --repeats 3 --out "$R" > $T/variants-$preset-$bits.log 2>&1
+      fi
+      if [ $srv = ours ] && [ "$CONSTRAINED" = 1 ]; then
+        timeout 150 python3 $BENCH/bench_openai.py --base-url "http://127.0.0.1:$P/v1" --model m --label "ours $preset-$bits" \
+          --scenario constrained --concurrency "$LEVELS" --conc-max-tokens 128 --warmup 1 --out "$R" > /dev/null
+      fi
       if [ $srv = ours ] && [ "$preset-$bits" = "$PROFILE" ] && [ -x $S/bin/py-spy ]; then
         $S/bin/py-spy record --pid $SP --duration 8 --rate 250 --threads --idle --format raw -o $T/pyspy-$preset-$bits.txt > /dev/null 2>&1 &
         YP=$!
@@ -69,6 +100,7 @@ for spec in $MODELS; do
     else echo "$srv did not start"; tail -5 $T/$srv-$preset-$bits.log; fi
     kill $SP; sleep 2; kill -9 $SP 2>/dev/null
   done
+  [[ " $LONG_CTX " == *" $preset-$bits "* ]] && long_ctx
   tar czf $OUT/logs.tgz -C $T .
 done
 python3 $BENCH/summary.py "$R"

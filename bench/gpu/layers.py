@@ -27,6 +27,7 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import mlx.core as mx  # noqa: E402
 import phases  # noqa: E402
+import raw_engine  # noqa: E402
 from bench_openai import LONG_PROMPT, TOPICS, make_system_prompt  # noqa: E402
 from mlx_lm import load, stream_generate  # noqa: E402
 from mlx_lm.generate import BatchGenerator  # noqa: E402
@@ -34,6 +35,7 @@ from mlx_lm.sample_utils import make_sampler  # noqa: E402
 
 OUT: str | None = None
 LABEL = ""
+SYSTEM_TOKENS = 1000  # the prefill prompt's system part (bench_openai.py's prefix scenario)
 
 
 def emit(**row: Any) -> None:
@@ -162,7 +164,7 @@ async def engine_once(engine: Any, prompts: list[list[int]], max_tokens: int) ->
         async for ev in h:
             if isinstance(ev, TokenPiece):
                 t_first = t_first or time.perf_counter()
-            else:
+            elif hasattr(ev, "usage"):  # Finished (the start event carries no usage)
                 n = ev.usage.completion_tokens
         return t_first, time.perf_counter(), n
 
@@ -225,7 +227,7 @@ async def engine_layer(model: Any, tok: Any, a: argparse.Namespace) -> None:
                 phases=phase_summary(phases.snapshot(), r["tokens"]),
             )
         # Prefill: a cold ~1,150-token prompt, then the same conversation one turn later.
-        system = make_system_prompt(1000)
+        system = make_system_prompt(SYSTEM_TOKENS)
         for i in range(2):
             ids = chat_ids(
                 tok, "Which rule mentions a refund? Answer briefly.", f"Session {i:08x}.\n{system}"
@@ -254,7 +256,7 @@ async def engine_layer(model: Any, tok: Any, a: argparse.Namespace) -> None:
 
 
 def main() -> int:
-    global OUT, LABEL
+    global OUT, LABEL, SYSTEM_TOKENS
     p = argparse.ArgumentParser()
     p.add_argument("--model", required=True)
     p.add_argument("--label", default="")
@@ -262,9 +264,10 @@ def main() -> int:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--single-tokens", type=int, default=256)
     p.add_argument("--skip", default="", help="layers to skip: stream,batch,engine")
+    p.add_argument("--system-tokens", type=int, default=SYSTEM_TOKENS)
     p.add_argument("--out")
     a = p.parse_args()
-    OUT, LABEL = a.out, a.label
+    OUT, LABEL, SYSTEM_TOKENS = a.out, a.label, a.system_tokens
     phases.install()
     t = time.perf_counter()
     model, tok = load(a.model)
@@ -272,15 +275,15 @@ def main() -> int:
     skip = set(a.skip.split(","))
 
     if "stream" not in skip:
-        ids = chat_ids(tok, LONG_PROMPT)
-        stream_once(model, tok, ids, 16)
-        runs = [stream_once(model, tok, ids, a.single_tokens) for _ in range(2)]
-        best = max(runs, key=lambda r: r["decode_tok_s"])
-        emit(layer="stream_generate", n=1, **best)
+        # The raw engine's own baseline, measured exactly as raw_engine.py does (same
+        # prompt, length, warm-up and repeats), so the two scripts' figures agree.
+        for ignore_eos in (False, True):
+            base = raw_engine.baseline(model, tok, a.single_tokens, 3, ignore_eos)
+            emit(layer="stream_generate", n=1, ignore_eos=ignore_eos, **base)
         long_ids = chat_ids(
             tok,
             "Which rule mentions a refund? Answer briefly.",
-            "Session 00000000.\n" + make_system_prompt(1000),
+            "Session 00000000.\n" + make_system_prompt(SYSTEM_TOKENS),
         )
         pre = [stream_once(model, tok, long_ids, 1) for _ in range(3)]
         emit(

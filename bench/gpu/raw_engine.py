@@ -32,7 +32,7 @@ from mlx_lm import load, stream_generate  # noqa: E402
 from mlx_lm.sample_utils import make_sampler  # noqa: E402
 
 
-def run_once(model, tok, prompt_ids, max_tokens, logits_processors=None):
+def run_once(model, tok, prompt_ids, max_tokens, logits_processors=None, sampler=None):
     t0 = time.perf_counter()
     t_first = t_last = None
     last = None
@@ -42,7 +42,7 @@ def run_once(model, tok, prompt_ids, max_tokens, logits_processors=None):
         tok,
         prompt_ids,
         max_tokens=max_tokens,
-        sampler=make_sampler(temp=0.0),
+        sampler=sampler or make_sampler(temp=0.0),
         logits_processors=logits_processors,
     ):
         now = time.perf_counter()
@@ -61,6 +61,44 @@ def run_once(model, tok, prompt_ids, max_tokens, logits_processors=None):
         "wall_ttft_s": t_first - t0,
         "wall_decode_tok_s": (n - 1) / (t_last - t_first) if n > 1 and t_last > t_first else None,
         "wall_total_s": time.perf_counter() - t0,
+    }
+
+
+def eos_ban(tok):
+    """The logits processor a request with ``ignore_eos`` gets in the server (its own code
+    where importable, so the raw engine does the same work), else an equivalent."""
+    eos = sorted(int(t) for t in tok.eos_token_ids)
+    try:
+        from mlx_server.engine.sampling import mask_tokens
+
+        return mask_tokens(eos)
+    except ImportError:
+
+        def ban_eos(tokens, logits):
+            logits[:, eos] = -float("inf")
+            return logits
+
+        return ban_eos
+
+
+def baseline(model, tok, max_tokens, repeats, ignore_eos, sampler=None, processors=None):
+    """One stream of stream_generate on the kit's single-stream prompt (LONG_PROMPT,
+    chat-templated): one 16-token warm-up, then ``repeats`` timed runs. The one baseline
+    every script of the kit uses. Returns the medians and every run's figures."""
+    ids = tok.apply_chat_template(
+        [{"role": "user", "content": LONG_PROMPT}], add_generation_prompt=True
+    )
+    lp = list(processors or []) + ([eos_ban(tok)] if ignore_eos else [])
+    run_once(model, tok, ids, 16, lp or None, sampler)
+    runs = [run_once(model, tok, ids, max_tokens, lp or None, sampler) for _ in range(repeats)]
+    md = lambda xs: statistics.median([x for x in xs if x is not None])  # noqa: E731
+    return {
+        "prompt_tokens": runs[0]["prompt_tokens"],
+        "decode_tok_s": md([r["generation_tps"] for r in runs]),
+        "decode_tok_s_all": [r["generation_tps"] for r in runs],
+        "wall_decode_tok_s": md([r["wall_decode_tok_s"] for r in runs]),
+        "ttft_s": md([r["wall_ttft_s"] for r in runs]),
+        "tokens": [r["generation_tokens"] for r in runs],
     }
 
 
@@ -93,17 +131,8 @@ def main() -> int:
     ]
     long_ids = tok.apply_chat_template(long_msgs, add_generation_prompt=True)
 
-    lp = None
-    if a.ignore_eos:
-        eos = list(tok.eos_token_ids)
-
-        def ban_eos(tokens, logits):
-            logits[:, eos] = -float("inf")
-            return logits
-
-        lp = [ban_eos]
-
-    run_once(model, tok, ids, 16, lp)  # warm-up
+    lp = [eos_ban(tok)] if a.ignore_eos else None
+    run_once(model, tok, ids, 16, lp)  # warm-up, as baseline() does
     dec = [run_once(model, tok, ids, a.max_tokens, lp) for _ in range(a.repeats)]
     pre = [run_once(model, tok, long_ids, 1) for _ in range(a.prefill_repeats)]
 

@@ -39,8 +39,11 @@ def main(path: str) -> None:
                         f"  stream_generate  prefill {r['prompt_tokens']} tok: ttft {r['ttft_s']:.3f} s"
                     )
                 elif layer == "stream_generate":
-                    f["stream"] = r["decode_tok_s"]
-                    print(f"  stream_generate  decode {r['decode_tok_s']:.0f} tok/s")
+                    key = "stream_ignore_eos" if r.get("ignore_eos") else "stream"
+                    f[key] = r["decode_tok_s"]
+                    print(
+                        f"  stream_generate  decode {r['decode_tok_s']:.0f} tok/s (ignore_eos {bool(r.get('ignore_eos'))})"
+                    )
                 elif layer == "batch_generator":
                     f[f"bg{n}"] = r["aggregate_tok_s"]
                     print(
@@ -86,6 +89,20 @@ def main(path: str) -> None:
                         for x in r["levels"]
                     ],
                 )
+            elif sc == "variants":
+                o, w = r["ours_decode_tok_s"], r["raw_decode_tok_s"]
+                print(
+                    f"  variant {r['variant']:18} ours {o['median'] or 0:.0f} ({o['min'] or 0:.0f}-{o['max'] or 0:.0f}) / raw {w['median'] or 0:.0f} ({w['min'] or 0:.0f}-{w['max'] or 0:.0f}) tok/s = {r['ratio_median'] or 0:.2f}"
+                )
+            elif sc == "long_ctx":
+                turns = ", ".join(
+                    f"{t['ttft_s']:.2f} s cached {t['cached_tokens']}/{t['prompt_tokens']}"
+                    for t in r["turns"]
+                )
+                print(f"  {who:6} long_ctx ttft per turn: {turns}")
+            elif sc == "constrained":
+                parts = ", ".join(f"N={x['n']} {x.get('ratio') or 0:.2f}" for x in r["levels"])
+                print(f"  {who:6} constrained json_schema/free: {parts}")
             elif sc == "prefix":
                 f[f"{who}_cold"] = r["ttft_cold_turn1_s"]
                 f[f"{who}_warm"] = r["ttft_warm_median_s"]

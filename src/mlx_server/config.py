@@ -96,7 +96,13 @@ class Settings:
         "--prompt-cache-size",
         min=0,
     )
-    prompt_cache_gb: float = _opt(2.0, "Prefix-cache size limit in GB", "--prompt-cache-gb", min=0)
+    prompt_cache_gb: float | None = _opt(
+        None,
+        "Prefix-cache RAM tier in GB (default: the KV budget; running requests take memory "
+        "back from it first, so a long agent conversation stays cached between turns)",
+        "--prompt-cache-gb",
+        min=0,
+    )
     prompt_cache_dir: str | None = _opt(
         None,
         "Directory of the prefix cache's disk tier (default: per model under the user cache "

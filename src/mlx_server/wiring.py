@@ -23,6 +23,15 @@ def set_cache_limit(settings: Settings) -> int:
     return limit
 
 
+def prompt_cache_bytes(settings: Settings, kv_budget: int) -> int:
+    """The prefix cache's RAM tier: ``--prompt-cache-gb``, else the whole KV budget. The
+    budget (engine/memory.py) counts the tier and evicts from it before a request waits, so
+    cached prompts use memory only while running requests do not need it."""
+    if settings.prompt_cache_gb is not None:
+        return int(settings.prompt_cache_gb * (1 << 30))
+    return kv_budget
+
+
 def build(settings: Settings) -> tuple[Any, Any]:
     """Load the model and return (app, engine); the engine thread is started."""
     from mlx_server.app import create_app
@@ -72,7 +81,7 @@ def build(settings: Settings) -> tuple[Any, Any]:
             max_queue=settings.max_queue,
             prefill_step_size=settings.prefill_step_size or default_prefill_step(),
             prompt_cache_size=settings.prompt_cache_size,
-            prompt_cache_bytes=int(settings.prompt_cache_gb * (1 << 30)),
+            prompt_cache_bytes=prompt_cache_bytes(settings, kv_budget),
             kv_budget_bytes=kv_budget,
             kv_bytes_per_token=kv_per_token,
             prompt_cache_disk=disk,
@@ -91,7 +100,10 @@ def build(settings: Settings) -> tuple[Any, Any]:
         capabilities=loaded.capabilities,
         trained_ctx=trained_context(loaded.config),
     )
-    log(f"KV budget: {kv_budget // (1 << 20)}MB, max batch size {batch}")
+    log(
+        f"KV budget: {kv_budget // (1 << 20)}MB, max batch size {batch}, prefix cache "
+        f"{engine.config.prompt_cache_bytes // (1 << 20)}MB"
+    )
     engine.start()
     engine.wait_ready()  # kernels for every batch shape are built before the readiness line
     max_body = MAX_BODY_BYTES

@@ -5,11 +5,17 @@ KV arrays of every layer, cut to the tokens they cover, and those tokens. A mani
 (``index.json``) lists the entries with their tokens, size, CRC-32 and last use, so start-up
 reads one file, not every entry.
 
-Threads: the engine (MLX) thread looks entries up, loads them and hands new ones over with
-``save`` after evaluating their arrays; a writer thread writes the files (to a temporary name,
-then renamed: a crash never leaves a half-written entry under a real name), enforces the size
+Threads: the engine (MLX) thread looks entries up and hands new ones over with ``save``
+after evaluating their arrays; a writer thread writes the files (to a temporary name, then
+renamed: a crash never leaves a half-written entry under a real name), enforces the size
 bound (least recently used first) and rewrites the manifest. A file whose size or CRC does
 not match the manifest, or that fails to parse, is logged, deleted and treated as a miss.
+
+An entry still waiting to be written is served from its arrays (the next turn of a
+conversation often arrives before its multi-gigabyte state is on disk). Reading a file is
+slow (gigabytes for a long prompt on a large model), so ``read_async`` reads and checks it on
+a loader thread into host arrays; the engine thread only turns those into MLX arrays
+(``materialize``), and running streams keep going while the file is read.
 """
 
 from __future__ import annotations
@@ -107,12 +113,49 @@ class _Job:
     trimmable: bool
 
 
+@dataclass
+class FileRead:
+    """An entry's file read and checked off the engine thread: host arrays, not MLX ones."""
+
+    name: str
+    arrays: dict[str, tuple[np.ndarray, str]]  # key -> (data, safetensors dtype)
+    metadata: dict[str, str]
+    tokens: list[int]
+    kind: str
+    nbytes: int
+
+
+# safetensors dtypes as numpy can hold them; bfloat16 travels as its 16 bits.
+_NP_DTYPES = {
+    "BF16": "<u2", "F16": "<f2", "F32": "<f4", "F64": "<f8", "U8": "u1", "I8": "i1",
+    "U16": "<u2", "I16": "<i2", "U32": "<u4", "I32": "<i4", "U64": "<u8", "I64": "<i8",
+}  # fmt: skip
+
+
+def _parse_safetensors(buf: bytes) -> tuple[dict[str, tuple[np.ndarray, str]], dict[str, str]]:
+    """The arrays (views of ``buf``) and metadata of a safetensors file's bytes."""
+    n = int.from_bytes(buf[:8], "little")
+    header = json.loads(buf[8 : 8 + n])
+    metadata = header.pop("__metadata__", {}) or {}
+    base = 8 + n
+    arrays = {}
+    for key, t in header.items():
+        start, end = t["data_offsets"]
+        data = np.frombuffer(buf, dtype=_NP_DTYPES[t["dtype"]], count=-1, offset=base + start)
+        arrays[key] = (data[: (end - start) // data.itemsize].reshape(t["shape"]), t["dtype"])
+    return arrays, metadata
+
+
 def _file_crc(path: Path) -> int:
     crc = 0
     with open(path, "rb") as f:
         while chunk := f.read(_CHUNK):
             crc = zlib.crc32(chunk, crc)
     return crc
+
+
+def _entry_name(tokens: np.ndarray) -> str:
+    return hashlib.sha256(tokens.tobytes()).hexdigest()[:32]
 
 
 def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
@@ -143,6 +186,9 @@ class DiskPromptCache:
         self.pending_bytes = 0  # arrays held by queued writes
         self._dirty = False
         self._queue: queue.Queue[_Job | None] = queue.Queue()
+        self._queued: dict[str, tuple[_Entry, _Job]] = {}  # written soon, served from RAM
+        self._loader: Any = None  # the thread pool that reads files (made on first use)
+        self.oversize = 0  # states larger than the whole tier, never written
         self.directory.mkdir(parents=True, exist_ok=True)
         self._entries: dict[str, _Entry] = self._read_index()
         self._writer = threading.Thread(
@@ -187,9 +233,7 @@ class DiskPromptCache:
             return None
         p = np.asarray(tokens, dtype=np.int32)
         best: tuple[str, int] | None = None
-        with self._lock:
-            entries = list(self._entries.values())
-        for e in entries:
+        for e in self._candidates():
             common = _common_prefix(e.tokens, p)
             if common == len(e.tokens) and len(e.tokens) < len(p):
                 keep = common  # the whole entry, then the rest of the prompt
@@ -201,11 +245,25 @@ class DiskPromptCache:
                 best = (e.name, keep)
         return best
 
+    def _candidates(self) -> list[_Entry]:
+        """Entries on disk and those waiting to be written."""
+        with self._lock:
+            return list(self._entries.values()) + [e for e, _ in self._queued.values()]
+
+    def is_queued(self, name: str) -> bool:
+        """Whether ``name`` is waiting to be written (``load`` serves it from RAM, at once)."""
+        with self._lock:
+            return name in self._queued
+
     def load(self, name: str) -> tuple[list[Any], list[int], str] | None:
         """The KV state, tokens and kind of an entry; None (and the file deleted) if it is
-        missing, truncated or corrupt."""
+        missing, truncated or corrupt. Reads the file on the calling thread: the engine
+        uses ``read_async`` and ``materialize`` instead."""
         with self._lock:
             entry = self._entries.get(name)
+            queued = self._queued.get(name)
+        if queued is not None:
+            return self._from_queued(*queued)
         if entry is None:
             return None
         path = self.directory / f"{name}{_SUFFIX}"
@@ -224,9 +282,7 @@ class DiskPromptCache:
                 raise ValueError("tokens differ from the manifest")
             cache = deserialize(arrays, metadata)
         except Exception as e:
-            log(f"Prompt cache: dropping unreadable entry {path.name}: {type(e).__name__}: {e}")
-            self.corrupt += 1
-            self._remove(name)
+            self._drop_unreadable(name, path, e)
             return None
         with self._lock:
             entry.used = time.time()
@@ -235,12 +291,78 @@ class DiskPromptCache:
         self.read_bytes += entry.nbytes
         return cache, entry.tokens.tolist(), entry.kind
 
+    def _from_queued(self, entry: _Entry, job: _Job) -> tuple[list[Any], list[int], str]:
+        arrays = {k: a for k, a in job.arrays.items() if k != "tokens"}
+        self.hits += 1
+        return deserialize(arrays, job.metadata), entry.tokens.tolist(), entry.kind
+
+    def read_async(self, name: str, done: Any = None) -> Any:
+        """Read and check an entry's file on the loader thread. Returns a future of a
+        ``FileRead`` (None when the file is missing or damaged: then logged and deleted);
+        ``done`` is called (on the loader thread) when it is ready."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        if self._loader is None:
+            self._loader = ThreadPoolExecutor(1, thread_name_prefix="prompt-cache-load")
+        future = self._loader.submit(self._read, name)
+        if done is not None:
+            future.add_done_callback(lambda _: done())
+        return future
+
+    def _read(self, name: str) -> FileRead | None:
+        with self._lock:
+            entry = self._entries.get(name)
+        if entry is None:
+            return None
+        path = self.directory / f"{name}{_SUFFIX}"
+        try:
+            buf = path.read_bytes()
+            if len(buf) != entry.nbytes:
+                raise ValueError(f"size {len(buf)} bytes, expected {entry.nbytes}")
+            if zlib.crc32(buf) != entry.crc:
+                raise ValueError("checksum mismatch")
+            arrays, metadata = _parse_safetensors(buf)
+            tokens = arrays.pop("tokens")[0].astype(np.int32)
+            if not np.array_equal(tokens, entry.tokens):
+                raise ValueError("tokens differ from the manifest")
+        except Exception as e:
+            self._drop_unreadable(name, path, e)
+            return None
+        return FileRead(name, arrays, metadata, tokens.tolist(), entry.kind, entry.nbytes)
+
+    def materialize(self, read: FileRead) -> list[Any] | None:
+        """The KV state of a file read by ``read_async``, as MLX arrays (engine thread: one
+        copy from host memory, no file access). None if its contents do not parse."""
+        import mlx.core as mx
+
+        try:
+            arrays = {}
+            for key, (data, dtype) in read.arrays.items():
+                a = mx.array(data)
+                arrays[key] = a.view(mx.bfloat16) if dtype == "BF16" else a
+            cache = deserialize(arrays, read.metadata)
+            mx.eval([a for a in arrays.values()])
+        except Exception as e:
+            self._drop_unreadable(read.name, self.directory / f"{read.name}{_SUFFIX}", e)
+            return None
+        with self._lock:
+            entry = self._entries.get(read.name)
+            if entry is not None:
+                entry.used = time.time()
+                self._dirty = True
+        self.hits += 1
+        self.read_bytes += read.nbytes
+        return cache
+
+    def _drop_unreadable(self, name: str, path: Path, e: Exception) -> None:
+        log(f"Prompt cache: dropping unreadable entry {path.name}: {type(e).__name__}: {e}")
+        self.corrupt += 1
+        self._remove(name)
+
     def covers(self, tokens: list[int]) -> bool:
         """Whether an entry already serves every token of ``tokens``."""
         p = np.asarray(tokens, dtype=np.int32)
-        with self._lock:
-            entries = list(self._entries.values())
-        for e in entries:
+        for e in self._candidates():
             if len(e.tokens) >= len(p) and (e.trimmable or len(e.tokens) == len(p)):
                 if _common_prefix(e.tokens, p) == len(p):
                     return True
@@ -256,7 +378,13 @@ class DiskPromptCache:
         if packed is None:
             return False
         arrays, metadata, trimmable = packed
-        if sum(a.nbytes for a in arrays.values()) > self.max_bytes:
+        size = sum(a.nbytes for a in arrays.values())
+        if size > self.max_bytes:
+            self.oversize += 1
+            log(
+                f"Prompt cache: a {len(tokens)}-token state ({size >> 20}MB) is larger than the "
+                f"disk tier ({self.max_bytes >> 20}MB, --prompt-cache-disk-gb): not written"
+            )
             return False
         with self._lock:
             if self._pending >= self.max_pending:
@@ -267,9 +395,13 @@ class DiskPromptCache:
 
         arrays["tokens"] = mx.array(tokens, dtype=mx.int32)
         mx.eval(list(arrays.values()))
+        job = _Job(np.asarray(tokens, dtype=np.int32), arrays, metadata, kind, trimmable)
+        name = _entry_name(job.tokens)
+        entry = _Entry(name, job.tokens, size, 0, kind, trimmable, time.time())
         with self._lock:
             self.pending_bytes += sum(a.nbytes for a in arrays.values())
-        self._queue.put(_Job(np.asarray(tokens, dtype=np.int32), arrays, metadata, kind, trimmable))
+            self._queued[name] = (entry, job)
+        self._queue.put(job)
         return True
 
     @property
@@ -301,6 +433,7 @@ class DiskPromptCache:
             "prompt_cache_disk_read_bytes": self.read_bytes,
             "prompt_cache_disk_written_bytes": self.written_bytes,
             "prompt_cache_disk_corrupt": self.corrupt,
+            "prompt_cache_disk_oversize": self.oversize,
         }
 
     # ---- writer thread -----------------------------------------------------------------
@@ -316,6 +449,7 @@ class DiskPromptCache:
             with self._idle:
                 if job is not None:
                     self._pending -= 1
+                    self._queued.pop(_entry_name(job.tokens), None)
                     self.pending_bytes -= sum(a.nbytes for a in job.arrays.values())
                     job = None  # the arrays go now, not at the next job
                 if self._queue.empty() and self._dirty:
@@ -325,7 +459,7 @@ class DiskPromptCache:
     def _write(self, job: _Job) -> None:
         import mlx.core as mx
 
-        name = hashlib.sha256(job.tokens.tobytes()).hexdigest()[:32]
+        name = _entry_name(job.tokens)
         tmp = self.directory / f"{_TMP_PREFIX}{name}-{os.getpid()}-{threading.get_ident()}"
         mx.save_safetensors(str(tmp), job.arrays, job.metadata)
         tmp = tmp.with_name(tmp.name + _SUFFIX)

@@ -87,6 +87,7 @@ class Engine:
             prefix_cache=self._prompt_cache,
         )
         self._runner: Runner = runner or self._default_runner()
+        self._watch_disk_reads()
         # Width of the model's logits, to try each request's sampler before it runs.
         args = getattr(model, "args", None)
         self._vocab = int(getattr(args, "vocab_size", 0) or len(tokenizer.vocab))
@@ -252,6 +253,27 @@ class Engine:
             except Exception as e:  # this request's own fault (e.g. its sampler): its error
                 seq.uid = -1
                 self._finish(seq, "error", error=faults.start_failed(seq, e))
+        self._idle_while_reading()
+
+    # ---- disk-tier reads off the engine thread (see PrefixCache.prepare) ---------------
+
+    def _watch_disk_reads(self) -> None:
+        """Wake the engine thread when a prefix read from disk is ready."""
+        wake = self._sched.wake
+
+        def notify() -> None:
+            with wake:
+                wake.notify()
+
+        if self._prompt_cache is not None:
+            self._prompt_cache.on_loaded = notify
+
+    def _idle_while_reading(self) -> None:
+        """With nothing to run but a disk read in flight, wait for it instead of spinning."""
+        pc, sched = self._prompt_cache, self._sched
+        with sched.wake:
+            if not sched.active and not self._calls and pc is not None and pc.loading:
+                sched.wake.wait(0.05)
 
     def _start(self, seq: Seq) -> None:
         req = seq.req

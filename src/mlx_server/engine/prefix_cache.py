@@ -13,7 +13,12 @@ changes the server needs:
 
 With a disk tier (``disk_cache.DiskPromptCache``), entries that leave RAM and system-prompt
 entries are also written to disk, a lookup that the disk serves better than RAM loads the
-entry from there, and ``close`` writes what RAM still holds.
+entry from there, and ``close`` writes what RAM still holds. ``prepare`` reads such an entry
+on the disk tier's loader thread first, so the engine admits the request only once the file
+is in host memory, and running streams do not wait for the disk.
+
+An entry larger than the whole RAM tier cannot stay in it: it goes to the disk tier (or,
+without one, is dropped), and either way it is logged and counted (``prompt_cache_oversize``).
 """
 
 from __future__ import annotations
@@ -24,7 +29,11 @@ from typing import TYPE_CHECKING, Any
 
 from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, trim_prompt_cache
 
+from mlx_server.logs import log
+
 _KEY = "model"  # one model per engine: a constant trie namespace
+_MAX_READS = 2  # disk entries held in host memory, read ahead of their requests' admission
+_STALE_READ_S = 60.0  # a read not taken by then belongs to a request that went away
 SYSTEM = "system"
 CONVERSATION = "assistant"
 
@@ -69,6 +78,9 @@ class PrefixCache(LRUPromptCache):
         self.evictions = 0
         self.disk = disk
         self.on_insert: Any = None  # called after each insert (the memory budget's check)
+        self.on_loaded: Any = None  # called (on the loader thread) when a disk read is done
+        self.oversize = 0  # entries larger than the whole RAM tier
+        self._reads: dict[str, tuple[Any, float]] = {}  # disk entry -> (future, started)
 
     def fetch(self, tokens: list[int]) -> tuple[list[Any] | None, list[int]]:
         """A private copy of the KV state for the longest usable prefix of ``tokens`` and the
@@ -94,7 +106,9 @@ class PrefixCache(LRUPromptCache):
         None on a disk miss or an unreadable entry."""
         assert self.disk is not None
         while (found := self.disk.lookup(tokens, floor)) is not None:
-            loaded = self.disk.load(found[0])  # None: unreadable, and gone; try the next
+            loaded = self._take_read(found[0])
+            if loaded is None:
+                loaded = self.disk.load(found[0])  # None: unreadable, and gone; try the next
             if loaded is not None:
                 break
         else:
@@ -107,6 +121,51 @@ class PrefixCache(LRUPromptCache):
             trim_prompt_cache(cache, len(entry_tokens) - keep)
         self.hits += 1
         return cache, tokens[keep:]
+
+    def prepare(self, tokens: list[int]) -> bool:
+        """Whether ``fetch(tokens)`` can run now without reading a file. When the disk tier
+        serves ``tokens`` best from a file, its read starts on the loader thread (once) and
+        this says False until the file is in host memory."""
+        if self.disk is None:
+            return True
+        key, keep = self._choose(self._trie.search(_KEY, tokens), tokens)
+        if keep >= len(tokens) - 1:
+            return True
+        found = self.disk.lookup(tokens, keep if key is not None else 0)
+        if found is None or self.disk.is_queued(found[0]):
+            return True
+        read = self._reads.get(found[0])
+        if read is None:
+            self._drop_stale_reads()
+            if len(self._reads) >= _MAX_READS:
+                return True  # no room to read ahead: fetch reads it (the old, blocking way)
+            self._reads[found[0]] = (
+                self.disk.read_async(found[0], self.on_loaded),
+                time.monotonic(),
+            )
+            return False
+        return bool(read[0].done())
+
+    def _drop_stale_reads(self) -> None:
+        """Forget reads done long ago and never taken (their requests were cancelled)."""
+        now = time.monotonic()
+        for name, (future, started) in list(self._reads.items()):
+            if future.done() and now - started > _STALE_READ_S:
+                del self._reads[name]
+
+    @property
+    def loading(self) -> bool:
+        """Whether a disk read is in flight."""
+        return any(not future.done() for future, _ in self._reads.values())
+
+    def _take_read(self, name: str) -> tuple[list[Any], list[int], str] | None:
+        """The entry ``prepare`` read off the engine thread, as MLX arrays; None if none."""
+        assert self.disk is not None
+        future, _ = self._reads.pop(name, (None, 0.0))
+        if future is None or not future.done() or (read := future.result()) is None:
+            return None
+        cache = self.disk.materialize(read)
+        return (cache, read.tokens, read.kind) if cache is not None else None
 
     def cached_length(self, tokens: list[int]) -> int:
         """How many leading tokens ``fetch`` would serve from the cache (no copy, no hit
@@ -151,6 +210,9 @@ class PrefixCache(LRUPromptCache):
         entry = LRUPromptCache.CacheEntry(
             prompt_cache, sum(c.nbytes for c in prompt_cache), cache_type
         )
+        if entry.nbytes > self.max_bytes:
+            self._oversize(tokens, entry)
+            return
         prev = self._trie.add(model, tokens, entry)
         if prev is not None:
             self._account(prev, -1)
@@ -164,6 +226,17 @@ class PrefixCache(LRUPromptCache):
         self._enforce_limits()
         if self.on_insert is not None:
             self.on_insert()
+
+    def _oversize(self, tokens: list[int], entry: Any) -> None:
+        """An entry the RAM tier cannot hold even alone: to the disk tier, or dropped."""
+        self.oversize += 1
+        where = "kept on disk only" if self.disk is not None else "not kept (no disk tier)"
+        log(
+            f"Prompt cache: a {len(tokens)}-token state ({entry.nbytes >> 20}MB) is larger "
+            f"than the RAM tier ({self.max_bytes >> 20}MB, --prompt-cache-gb): {where}"
+        )
+        if self.disk is not None:
+            self.disk.save(tokens, entry.prompt_cache, entry.cache_type)
 
     def _drop_prefixes(self, model: Any, tokens: list[int]) -> None:
         """A trimmable entry also serves all its prefixes, so shorter ones only take space;
@@ -235,5 +308,6 @@ class PrefixCache(LRUPromptCache):
             "prompt_cache_hits": self.hits,
             "prompt_cache_misses": self.misses,
             "prompt_cache_evictions": self.evictions,
+            "prompt_cache_oversize": self.oversize,
             **(self.disk.stats() if self.disk is not None else {}),
         }

@@ -125,6 +125,10 @@ class Scheduler:
                     self.pending.remove(seq)
                     on_cancelled(seq)
                     continue
+                if self._prefix_cache is not None and not self._prefix_cache.prepare(
+                    seq.req.prompt_tokens
+                ):
+                    continue  # its cached prefix is being read from disk; others may pass
                 short = self.uncached(seq) <= self.step_size
                 if blocked and not short:
                     continue

@@ -1,0 +1,116 @@
+"""Every script of the GPU kit (bench/gpu/) runs end to end on the tiny model on the CPU, so a
+change to the engine's events, the server's API or a script cannot break the kit unnoticed
+before a GPU run. Few tokens, small prompts: this checks that the scripts work, not speed."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from support import free_port, launch
+
+pytestmark = pytest.mark.tiny
+
+KIT = Path(__file__).resolve().parents[1] / "bench" / "gpu"
+
+
+def kit(script: str, *args: str, timeout: float = 240) -> str:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.run(
+        [sys.executable, str(KIT / script), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
+    assert proc.returncode == 0, f"{script} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc.stdout
+
+
+def rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def results(tiny_model_dir: Path, tmp_path_factory) -> Path:
+    """Run the whole kit once: raw engine, layers, then the server's scenarios."""
+    out = tmp_path_factory.mktemp("kit") / "results.jsonl"
+    m = str(tiny_model_dir)
+    kit("raw_engine.py", "--model", m, "--label", "raw tiny", "--max-tokens", "4",
+        "--repeats", "1", "--prefill-repeats", "1", "--system-tokens", "50", "--ignore-eos",
+        "--out", str(out))  # fmt: skip
+    kit("layers.py", "--model", m, "--label", "layers tiny", "--levels", "1,2",
+        "--max-tokens", "4", "--single-tokens", "4", "--system-tokens", "50",
+        "--out", str(out))  # fmt: skip
+    port = free_port()
+    srv = launch(["-m", m, "--port", str(port), "--model-id", "m", "--ctx-size", "4096",
+                  "--prompt-cache-dir", ""])  # fmt: skip
+    try:
+        assert srv.wait_ready(120), "\n".join(srv.lines[-20:])
+        url = f"http://127.0.0.1:{port}/v1"
+        kit("bench_openai.py", "--base-url", url, "--model", "m", "--label", "ours tiny",
+            "--scenario", "burst,single,concurrency,prefix,nonstream,long_ctx,constrained",
+            "--concurrency", "1,2", "--burst-n", "2", "--max-tokens", "4", "--repeats", "1",
+            "--conc-max-tokens", "4", "--turns", "2", "--prefix-max-tokens", "2",
+            "--system-tokens", "50", "--long-system-tokens", "50", "--long-max-tokens", "2",
+            "--nonstream-repeats", "1", "--out", str(out))  # fmt: skip
+        kit("variants.py", "--model", m, "--base-url", url, "--label", "variants tiny",
+            "--max-tokens", "4", "--repeats", "1", "--out", str(out))  # fmt: skip
+    finally:
+        srv.stop()
+    return out
+
+
+def test_every_script_writes_its_lines(results):
+    out = results
+    got = rows(out)
+    kinds = {(r["scenario"], r.get("layer"), r.get("what")) for r in got}
+    for want in [
+        ("raw_engine", None, None),
+        ("layer", "stream_generate", None),
+        ("layer", "batch_generator", None),
+        ("layer", "engine", None),
+        ("layer", "engine", "prefill"),
+        ("burst", None, None),
+        ("single", None, None),
+        ("concurrency", None, None),
+        ("prefix", None, None),
+        ("long_ctx", None, None),
+        ("constrained", None, None),
+        ("variants", None, None),
+    ]:
+        assert want in kinds, f"no {want} line"
+    engine = [r for r in got if r.get("layer") == "engine" and r.get("n")]
+    assert engine and all(r["tokens"] >= r["n"] for r in engine)  # usage read from Finished
+
+
+def test_the_new_scenarios_report_what_they_promise(results):
+    out = results
+    got = rows(out)
+    (long_ctx,) = [r for r in got if r["scenario"] == "long_ctx"]
+    assert [t["turn"] for t in long_ctx["turns"]] == [1, 2, 3]
+    assert long_ctx["turns"][2]["cached_tokens"] > long_ctx["turns"][0]["prompt_tokens"] // 2
+    (cons,) = [r for r in got if r["scenario"] == "constrained"]
+    assert [x["n"] for x in cons["levels"]] == [1, 2]
+    assert all(x["json_schema"]["aggregate_tok_s"] > 0 for x in cons["levels"])
+    variants = {r["variant"] for r in got if r["scenario"] == "variants"}
+    assert variants == {"greedy", "temp0.7_top_p0.95", "logprobs5", "ignore_eos", "stop"}
+    stream = [r for r in got if r.get("layer") == "stream_generate" and "what" not in r]
+    assert {r["ignore_eos"] for r in stream} == {False, True}
+
+
+def test_the_summary_reads_every_line(results):
+    out = results
+    text = kit("summary.py", str(out))
+    for word in ("raw_engine", "long_ctx", "constrained", "variant greedy", "ratios"):
+        assert word in text
+
+
+def test_random_models_are_made(tiny_model_dir, tmp_path):
+    kit("make_random_model.py", str(tmp_path / "m"), "tiny", "4", str(tiny_model_dir))
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    assert config["quantization"]["bits"] == 4 and (tmp_path / "m" / "tokenizer.json").exists()
