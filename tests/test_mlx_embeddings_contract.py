@@ -11,7 +11,6 @@ from importlib.metadata import version
 import mlx.core as mx
 import pytest
 
-
 TINY_BERT = {
     "model_type": "bert",
     "num_hidden_layers": 1,
@@ -67,6 +66,4 @@ def test_load_model_reads_a_directory(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(TINY_BERT))
     loaded = load_model(tmp_path, path_to_repo=str(tmp_path))
     ids = mx.array([[1, 2, 3]])
-    assert mx.allclose(
-        loaded(ids).last_hidden_state, model(ids).last_hidden_state, atol=1e-6
-    )
+    assert mx.allclose(loaded(ids).last_hidden_state, model(ids).last_hidden_state, atol=1e-6)
