@@ -128,9 +128,11 @@ def main() -> None:
     try:
         for name, make in WORKLOADS.items():
             texts = make()
-            ours_rate, ours_out = best_rate(lambda: ours.encode(texts), len(texts), args.repeats)
+            ours_rate, ours_out = best_rate(
+                lambda t=texts: ours.encode(t), len(texts), args.repeats
+            )
             ref_rate, ref_out = best_rate(
-                lambda: ref.encode(texts, min(batch, len(texts))), len(texts), args.repeats
+                lambda t=texts: ref.encode(t, min(batch, len(t))), len(texts), args.repeats
             )
             cos = float((ours_out * ref_out).sum(-1).min())
             ratio = ours_rate / ref_rate
