@@ -5,6 +5,7 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 .venv/bin/mlx-server-demo
 .venv/bin/mlx-server-demo --dtype float32
+.venv/bin/mlx-server-demo --embedding
 # shellcheck source=/dev/null
 source scripts/openblas.sh
 bash scripts/check.sh

@@ -16,6 +16,8 @@ from mlx_server.protocols.llamacpp import make_router as tokenizer_router
 from mlx_server.protocols.openai import errors as openai_errors
 from mlx_server.protocols.openai.completions import make_router as completions_router
 from mlx_server.protocols.openai.count_tokens import make_router as count_tokens_router
+from mlx_server.protocols.openai.embeddings import make_router as embeddings_router
+from mlx_server.protocols.openai.rerank import make_router as rerank_router
 from mlx_server.protocols.openai.routes import make_router as openai_router
 from mlx_server.protocols.responses.routes import make_router as responses_router
 from mlx_server.protocols.responses.store import ResponseStore
@@ -91,12 +93,17 @@ def create_app(
     app.include_router(count_tokens_router(service, vision=vision))
     app.include_router(tokenizer_router(service))
     app.include_router(responses_router(service, vision=vision, store=responses_store))
+    app.include_router(embeddings_router(None, service.model_id))  # a chat model: 400s
+    app.include_router(rerank_router(None, service.model_id))
     if webui:  # the chat page at / (static files; it uses the API above like any client)
         app.include_router(webui_router())
 
     envelopes = error_envelopes()
     install_error_handlers(app, envelopes)
-    keyed = frozenset({"/tokenize", "/detokenize"} | (set() if metrics_open else {"/metrics"}))
+    keyed = frozenset(
+        {"/tokenize", "/detokenize", "/embeddings", "/rerank"}
+        | (set() if metrics_open else {"/metrics"})
+    )
     app.add_middleware(IgnoredFieldsHeader)
     app.add_middleware(
         GuardMiddleware, envelopes=envelopes, api_key=api_key, max_body=max_body, keyed_paths=keyed

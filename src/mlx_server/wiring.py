@@ -34,6 +34,10 @@ def prompt_cache_bytes(settings: Settings, kv_budget: int) -> int:
 
 def build(settings: Settings) -> tuple[Any, Any]:
     """Load the model and return (app, engine); the engine thread is started."""
+    from mlx_server.embedding_wiring import build_embedding, serves_embeddings
+
+    if (encoder_dir := serves_embeddings(settings)) is not None:
+        return build_embedding(settings, encoder_dir)
     from mlx_server.app import create_app
     from mlx_server.engine.engine import Engine, EngineConfig
     from mlx_server.engine.tuning import builds_kernels_on_first_use, default_prefill_step

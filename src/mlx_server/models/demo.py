@@ -92,7 +92,8 @@ def _sha256(path: Path) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`mlx-server-demo [--dtype float32] [--dest DIR]`: print the demo model's directory."""
+    """`mlx-server-demo [--dtype float32 | --embedding] [--dest DIR]`: print the demo model's
+    directory."""
     parser = argparse.ArgumentParser(prog="mlx-server-demo", description=__doc__.split("\n")[0])
     parser.add_argument(
         "--dtype", choices=sorted(FLOAT_DTYPES), help="dequantize (float32: fast on CPU)"
@@ -100,10 +101,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--dest", type=Path, help="model directory (default: models/smollm2-135m-instruct[-f32])"
     )
+    parser.add_argument(
+        "--embedding",
+        action="store_true",
+        help="the embedding demo model instead (all-MiniLM-L6-v2, models/all-minilm-l6-v2)",
+    )
     args = parser.parse_args(argv)
+    from .demo_embedding import EmbeddingDemoError, ensure_embedding_demo
+
     try:
-        print(ensure_demo_model(args.dest, dtype=args.dtype))
-    except (DemoModelError, GGUFImportError, OSError, zipfile.BadZipFile, KeyError) as exc:
+        if args.embedding:
+            print(ensure_embedding_demo(args.dest))
+        else:
+            print(ensure_demo_model(args.dest, dtype=args.dtype))
+    except (
+        DemoModelError,
+        EmbeddingDemoError,
+        GGUFImportError,
+        OSError,
+        zipfile.BadZipFile,
+        KeyError,
+    ) as exc:
         print(f"mlx-server-demo: error: {exc}", file=sys.stderr)
         return 1
     return 0

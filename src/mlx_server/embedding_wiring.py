@@ -1,0 +1,57 @@
+"""Wires Settings into a loaded embedding or reranker model, its engine and its app."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from mlx_server.config import Settings
+from mlx_server.logs import log
+
+
+def serves_embeddings(settings: Settings) -> Path | None:
+    """The model directory when the model is to be served as an embedding/reranker model
+    (its files say so); None for a chat model, which ``--embedding`` leaves a chat model."""
+    from mlx_server.models.embedding import is_encoder_model
+    from mlx_server.models.loader import resolve_model_dir
+
+    model_dir = resolve_model_dir(settings.model)
+    return model_dir if is_encoder_model(model_dir) else None
+
+
+def build_embedding(settings: Settings, model_dir: Path) -> tuple[Any, Any]:
+    """Load the encoder and return (app, engine); the engine thread is started."""
+    from mlx_server.embedding_app import create_embedding_app
+    from mlx_server.embedding_service import EmbeddingService
+    from mlx_server.engine.embedding_engine import EmbeddingEngine, EmbeddingEngineConfig
+    from mlx_server.engine.encoder_runner import EncoderRunner
+    from mlx_server.models.embedding import load_encoder
+    from mlx_server.models.loader import default_model_id
+    from mlx_server.server.browser_guard import BrowserPolicy
+    from mlx_server.wiring import set_cache_limit
+
+    set_cache_limit(settings)
+    model_id = settings.model_id or default_model_id(settings.model)
+    loaded = load_encoder(model_dir, model_id=model_id, dtype=settings.dtype)
+    spec = loaded.spec
+    log(
+        f"Model id: {loaded.model_id} ({loaded.path}): {spec.kind} model, "
+        f"{spec.pooling if spec.kind == 'embedding' else 'cross-encoder'}, "
+        f"{spec.dimensions} dimensions, up to {spec.max_length} tokens"
+    )
+    config = EmbeddingEngineConfig(max_queue=settings.max_queue)
+    if settings.max_batch_size:
+        config.max_batch_size = settings.max_batch_size
+    engine = EmbeddingEngine(EncoderRunner(loaded.model, spec, loaded.pad_id), config)
+    service = EmbeddingService(
+        loaded.model_id, loaded.tokenizer, engine, spec, ctx_size=settings.ctx_size
+    )
+    engine.start()
+    engine.wait_ready()
+    browser = BrowserPolicy.from_flags(
+        settings.host, settings.allowed_hosts, settings.allowed_origins
+    )
+    app = create_embedding_app(
+        service, api_key=settings.api_key, browser=browser, metrics_open=settings.metrics_open
+    )
+    return app, engine

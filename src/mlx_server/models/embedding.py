@@ -1,0 +1,171 @@
+"""Embedding and reranker models: recognised by their files, loaded with mlx-embeddings.
+
+A sentence-transformers model says how it turns token states into one vector in its own
+files: ``modules.json`` (which modules run: Transformer, Pooling, Normalize),
+``1_Pooling/config.json`` (the pooling mode) and ``sentence_bert_config.json`` (the maximum
+length). A cross-encoder reranker is a ``*ForSequenceClassification`` checkpoint with one
+label. The encoders themselves are mlx-embeddings' models (``mlx_embeddings.models.<type>``);
+its private loader pieces we use are pinned and checked in tests/test_mlx_embeddings_contract.py.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from mlx_server.models.base import ModelLoadError
+
+# Encoder types whose states are read bidirectionally (mean/CLS pooling by default); any
+# other type mlx-embeddings serves is a decoder embedder (last-token pooling by default).
+ENCODER_TYPES = frozenset({"bert", "xlm_roberta", "modernbert"})
+POOLING_MODES = ("mean", "cls", "max", "lasttoken", "mean_sqrt_len_tokens")
+# sentence-transformers' Pooling config keys, in its order of precedence.
+_POOLING_KEYS = {
+    "pooling_mode_cls_token": "cls",
+    "pooling_mode_lasttoken": "lasttoken",
+    "pooling_mode_mean_tokens": "mean",
+    "pooling_mode_max_tokens": "max",
+    "pooling_mode_mean_sqrt_len_tokens": "mean_sqrt_len_tokens",
+}
+
+
+@dataclass(frozen=True)
+class EncoderSpec:
+    """How a model's token states become the answer: a vector or a relevance score."""
+
+    kind: str  # "embedding" or "rerank"
+    pooling: str  # one of POOLING_MODES (embeddings)
+    normalize: bool  # L2-normalise the pooled vector (a Normalize module)
+    max_length: int  # tokens per input, special tokens included
+    dimensions: int  # width of the vector (embeddings)
+    score_activation: str = "sigmoid"  # "sigmoid" or "identity" (rerank)
+
+
+@dataclass
+class LoadedEncoder:
+    model_id: str
+    path: Path
+    model: Any  # an mlx.nn.Module whose call returns ``last_hidden_state`` (or logits)
+    tokenizer: Any  # tokenizers.Tokenizer
+    config: dict[str, Any]
+    spec: EncoderSpec
+    pad_id: int = 0
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"cannot read {path}: {e}") from e
+
+
+def _architectures(config: dict[str, Any]) -> list[str]:
+    arch = config.get("architectures") or []
+    return [arch] if isinstance(arch, str) else [str(a) for a in arch]
+
+
+def is_reranker(config: dict[str, Any]) -> bool:
+    return any(a.endswith("ForSequenceClassification") for a in _architectures(config))
+
+
+def is_encoder_model(model_dir: Path) -> bool:
+    """Whether the directory holds an embedding or reranker model rather than a chat model:
+    a sentence-transformers layout, a sequence classifier, or a bare encoder (``BertModel``)."""
+    if (model_dir / "modules.json").is_file():
+        return True
+    config = _read_json(model_dir / "config.json") or {}
+    if is_reranker(config):
+        return True
+    model_type = str(config.get("model_type", "")).replace("-", "_")
+    causal = any(a.endswith("ForCausalLM") for a in _architectures(config))
+    return model_type in ENCODER_TYPES and not causal
+
+
+def read_spec(model_dir: Path, config: dict[str, Any]) -> EncoderSpec:
+    """Pooling, normalisation and maximum length from the model's sentence-transformers
+    files; where they are absent, the defaults sentence-transformers itself would take."""
+    model_type = str(config.get("model_type", "")).replace("-", "_")
+    positions = int(config.get("max_position_embeddings") or 512)
+    if model_type in ("roberta", "xlm_roberta"):  # positions start after the padding index
+        positions -= int(config.get("pad_token_id", 1) or 1) + 1
+    st_config = _read_json(model_dir / "sentence_bert_config.json") or {}
+    max_length = int(st_config.get("max_seq_length") or positions)
+    dims = int(config.get("hidden_size") or 0)
+    if is_reranker(config):
+        labels = len(config.get("id2label") or {}) or int(config.get("num_labels", 1))
+        if labels != 1:
+            raise ModelLoadError(f"a reranker has one output label; this one has {labels}")
+        activation = config.get("sentence_transformers", {}).get("activation_fn", "")
+        identity = activation.endswith("Identity")
+        return EncoderSpec(
+            "rerank", "cls", False, max_length, 1, "identity" if identity else "sigmoid"
+        )
+    modules = _read_json(model_dir / "modules.json") or []
+    types = [str(m.get("type", "")) for m in modules]
+    normalize = any(t.endswith("Normalize") for t in types) if modules else True
+    pooling = "mean" if model_type in ENCODER_TYPES else "lasttoken"
+    for m in modules:
+        if str(m.get("type", "")).endswith("Pooling"):
+            pooling, dims = _pooling(model_dir / m.get("path", ""), dims)
+    return EncoderSpec("embedding", pooling, normalize, max_length, dims)
+
+
+def _pooling(folder: Path, dims: int) -> tuple[str, int]:
+    config = _read_json(folder / "config.json") or {}
+    mode = config.get("pooling_mode")
+    if mode is None:
+        mode = next((m for k, m in _POOLING_KEYS.items() if config.get(k)), "mean")
+    mode = {"mean_tokens": "mean", "cls_token": "cls", "max_tokens": "max"}.get(mode, mode)
+    if mode not in POOLING_MODES:
+        raise ModelLoadError(f"pooling mode {mode!r} in {folder} is not supported")
+    return mode, int(config.get("word_embedding_dimension") or dims)
+
+
+def load_encoder(model_dir: Path, *, model_id: str, dtype: str | None = None) -> LoadedEncoder:
+    """Load an embedding or reranker model with mlx-embeddings. Raises ModelLoadError."""
+    config = _read_json(model_dir / "config.json")
+    if not isinstance(config, dict):
+        raise ModelLoadError(f"no config.json in {model_dir}")
+    spec = read_spec(model_dir, config)
+    try:
+        import mlx.core as mx
+
+        model = _load_network(model_dir, config, spec)
+        if dtype is not None:
+            model.set_dtype(getattr(mx, dtype))
+            mx.eval(model.parameters())
+        tokenizer = _load_tokenizer(model_dir)
+    except ModelLoadError:
+        raise
+    except Exception as e:
+        raise ModelLoadError(f"{type(e).__name__}: {e}") from e
+    pad = config.get("pad_token_id")
+    return LoadedEncoder(model_id, model_dir, model, tokenizer, config, spec, int(pad or 0))
+
+
+def _load_network(model_dir: Path, config: dict[str, Any], spec: EncoderSpec) -> Any:
+    if spec.kind == "rerank":
+        from mlx_server.models.cross_encoder import load_cross_encoder
+
+        return load_cross_encoder(model_dir, config)
+    from mlx_embeddings.utils import load_model
+
+    return load_model(model_dir, path_to_repo=str(model_dir))
+
+
+def _load_tokenizer(model_dir: Path) -> Any:
+    """The fast tokenizer of ``tokenizer.json``, padding and truncation off (the engine pads,
+    the service checks lengths)."""
+    from tokenizers import Tokenizer
+
+    path = model_dir / "tokenizer.json"
+    if not path.is_file():
+        raise ModelLoadError(f"no tokenizer.json in {model_dir}")
+    tokenizer = Tokenizer.from_file(str(path))
+    tokenizer.no_padding()
+    tokenizer.no_truncation()
+    return tokenizer

@@ -1,0 +1,87 @@
+"""``POST /v1/embeddings`` (and ``/embeddings``): OpenAI's embeddings API.
+
+``input`` is a string, a list of strings, a list of token ids or a list of such lists;
+``encoding_format`` is ``float`` or ``base64`` (little-endian float32, as OpenAI's SDKs
+decode it); ``dimensions`` cuts and re-normalises. ``truncate: true`` (llama.cpp's and
+TEI's extension) cuts over-long inputs instead of refusing them.
+"""
+
+from __future__ import annotations
+
+import base64
+from typing import Any, Literal
+
+import numpy as np
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ConfigDict, StrictInt, StrictStr
+
+from mlx_server.embedding_service import Embeddings, EmbeddingService
+from mlx_server.errors import InvalidRequest
+from mlx_server.server.http import parse_body
+from mlx_server.server.streaming import until_disconnect
+
+PATHS = ("/v1/embeddings", "/embeddings")
+
+
+class EmbeddingRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    input: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
+    model: str | None = None
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: StrictInt | None = None
+    user: str | None = None
+    truncate: bool = False
+
+
+def make_router(service: EmbeddingService | None, model_id: str) -> APIRouter:
+    """The embeddings routes; with no service (a chat model) they answer a 400 naming it."""
+    router = APIRouter()
+
+    async def embeddings(request: Request) -> Response:
+        if service is None:
+            raise InvalidRequest(
+                f"the model '{model_id}' is a chat model and does not serve embeddings; start "
+                "the server with an embedding model (or --embedding)",
+                param="model",
+                code="model_not_supported",
+            )
+        body = await parse_body(request, EmbeddingRequest)
+        inputs = _inputs(body.input)
+        model = body.model or service.model_id
+        done = service.embed(inputs, truncate=body.truncate, dimensions=body.dimensions)
+
+        async def collect() -> dict[str, Any]:
+            return embeddings_json(await done, model, body.encoding_format)
+
+        result = await until_disconnect(request, collect(), lambda: None)
+        return Response(status_code=499) if result is None else JSONResponse(result)
+
+    for path in PATHS:
+        router.add_api_route(path, embeddings, methods=["POST"])
+    return router
+
+
+def _inputs(value: Any) -> list[Any]:
+    """Every shape of ``input`` as a list of strings or a list of token-id lists."""
+    if isinstance(value, str):
+        return [value]
+    if value and all(isinstance(v, int) for v in value):
+        return [list(value)]
+    return list(value)
+
+
+def embeddings_json(result: Embeddings, model: str, encoding: str) -> dict[str, Any]:
+    data = [
+        {"object": "embedding", "index": i, "embedding": _encode(v, encoding)}
+        for i, v in enumerate(result.vectors)
+    ]
+    usage = {"prompt_tokens": result.prompt_tokens, "total_tokens": result.prompt_tokens}
+    return {"object": "list", "data": data, "model": model, "usage": usage}
+
+
+def _encode(vector: np.ndarray, encoding: str) -> Any:
+    if encoding == "base64":
+        return base64.b64encode(vector.astype("<f4").tobytes()).decode("ascii")
+    return [float(x) for x in vector]

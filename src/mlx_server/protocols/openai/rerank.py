@@ -1,0 +1,76 @@
+"""``POST /v1/rerank`` (and ``/rerank``): documents ranked against a query by a cross-encoder.
+
+The shape llama-server, Jina and Cohere share: ``query``, ``documents`` (strings, or objects
+with a ``text``), ``top_n``, ``return_documents``; the answer's ``results`` hold ``index``
+and ``relevance_score``, best first (with ``document: {"text"}`` when asked for).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ConfigDict, Field, StrictStr
+
+from mlx_server.embedding_service import EmbeddingService, Ranking
+from mlx_server.errors import InvalidRequest
+from mlx_server.server.http import parse_body
+from mlx_server.server.streaming import until_disconnect
+
+PATHS = ("/v1/rerank", "/rerank")
+
+
+class Document(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    text: StrictStr
+
+
+class RerankRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    query: StrictStr
+    documents: list[StrictStr | Document]
+    model: str | None = None
+    top_n: int | None = Field(default=None, ge=1)
+    return_documents: bool = False
+    truncate: bool = False
+
+
+def make_router(service: EmbeddingService | None, model_id: str) -> APIRouter:
+    """The rerank routes; with no service (a chat model) they answer a 400 naming it."""
+    router = APIRouter()
+
+    async def rerank(request: Request) -> Response:
+        if service is None:
+            raise InvalidRequest(
+                f"the model '{model_id}' is a chat model and does not rerank; start the "
+                "server with a reranker model",
+                param="model",
+                code="model_not_supported",
+            )
+        body = await parse_body(request, RerankRequest)
+        texts = [d if isinstance(d, str) else d.text for d in body.documents]
+        done = service.rerank(body.query, texts, top_n=body.top_n, truncate=body.truncate)
+        model = body.model or service.model_id
+
+        async def collect() -> dict[str, Any]:
+            return rerank_json(await done, model, texts if body.return_documents else None)
+
+        result = await until_disconnect(request, collect(), lambda: None)
+        return Response(status_code=499) if result is None else JSONResponse(result)
+
+    for path in PATHS:
+        router.add_api_route(path, rerank, methods=["POST"])
+    return router
+
+
+def rerank_json(ranking: Ranking, model: str, documents: list[str] | None) -> dict[str, Any]:
+    results: list[dict[str, Any]] = []
+    for r in ranking.results:
+        entry: dict[str, Any] = {"index": r.index, "relevance_score": r.score}
+        if documents is not None:
+            entry["document"] = {"text": documents[r.index]}
+        results.append(entry)
+    usage = {"prompt_tokens": ranking.prompt_tokens, "total_tokens": ranking.prompt_tokens}
+    return {"object": "list", "model": model, "results": results, "usage": usage}
