@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from pydantic import BaseModel
 
 from mlx_server.choices import DEFAULT_MAX_N
@@ -52,9 +52,11 @@ def create_app(
     webui: bool = True,
     max_n: int = DEFAULT_MAX_N,
     keepalive_s: float = KEEPALIVE_S,
+    extra: APIRouter | None = None,
 ) -> FastAPI:
     """Build the ASGI app around a ChatService (whose engine may be real or scripted).
-    ``keepalive_s``: how long a stream may stay silent before it gets a keep-alive frame."""
+    ``keepalive_s``: how long a stream may stay silent before it gets a keep-alive frame;
+    ``extra``: routes matched before the ones below (several models' /v1/models, /health)."""
     app = FastAPI(title="mlx-server", docs_url=None, redoc_url=None, openapi_url=None)
     # Paths match exactly: no redirect from "/v1/chat/completions/" to the route.
     app.router.redirect_slashes = False
@@ -63,6 +65,8 @@ def create_app(
     app.state.keepalive_s = keepalive_s
     app.state.metrics = metrics = install_metrics(app, service)
     engine = service.engine
+    if extra is not None:
+        app.include_router(extra)
 
     @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> dict[str, Any]:

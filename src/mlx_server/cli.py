@@ -39,24 +39,40 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
         if f.type in ("bool", bool):
             kwargs["action"] = "store_true"
             convert = _flag
+        elif meta.get("repeat"):  # every value kept; joined after parsing (_join_repeated)
+            kwargs["action"] = "append"
         else:
             kwargs["type"] = convert
             if "choices" in meta:
                 kwargs["choices"] = meta["choices"]
         if f.default is not MISSING:
             kwargs["default"] = f.default
-        if env in environ:
+        if meta.get("repeat"):
+            # argparse appends to a list default: the flag's values are joined afterwards,
+            # over the variable's, so that a flag still wins.
+            kwargs["default"] = None
+        elif env in environ:
             try:
                 kwargs["default"] = convert(environ[env])
             except ValueError:
                 parser.error(f"{env}: invalid value {environ[env]!r}")
         elif f.name == "api_key" and JAN_API_KEY_ENV in environ:
             kwargs["default"] = environ[JAN_API_KEY_ENV]
-        elif meta.get("required"):
+        elif meta.get("required") and not meta.get("repeat"):
             kwargs["required"] = True
         parser.add_argument(*meta["flags"], **kwargs)
     add_legacy_flags(parser)
     return parser
+
+
+def _join_repeated(ns: argparse.Namespace, environ: Mapping[str, str]) -> None:
+    """A repeatable option's values, one a line (``Settings.model_paths``); the variable's
+    when the flag was not given."""
+    for f in settings_fields():
+        if f.metadata.get("repeat"):
+            given = getattr(ns, f.name)
+            value = "\n".join(given) if given else environ.get(env_name(f.name), f.default)
+            setattr(ns, f.name, value)
 
 
 def _flag(value: str) -> bool:
@@ -81,6 +97,9 @@ def parse_launch(
     parser = build_parser(environ)
     ns = parser.parse_args(argv)  # unknown flags: usage on stderr, exit 2
     legacy = pop_legacy(vars(ns))
+    _join_repeated(ns, environ if environ is not None else os.environ)
+    if not ns.model and not ns.models_dir:
+        parser.error("the following arguments are required: -m/--model (or --models-dir)")
     for f in settings_fields():
         problem = check_bounds(f.name, getattr(ns, f.name), f.metadata)
         if problem:

@@ -35,10 +35,12 @@ def check_bounds(name: str, value: Any, meta: Any) -> str | None:
 class Settings:
     model: str = _opt(
         "",
-        "Model: a directory, a file inside one, a .gguf file or a Hugging Face repo id",
+        "Model: a directory, a file inside one, a .gguf file or a Hugging Face repo id (give it "
+        "several times to serve several models)",
         "-m",
         "--model",
         required=True,
+        repeat=True,
     )
     port: int = _opt(8080, "Port to listen on", "--port", min=0, max=65535)
     ctx_size: int = _opt(
@@ -216,6 +218,35 @@ class Settings:
     )
     no_webui: bool = _opt(False, "Do not serve the chat page at /", "--no-webui")
     log_level: str = _opt("warning", "Log level for the HTTP layer (uvicorn)", "--log-level")
+    models_dir: str = _opt(
+        "",
+        "Offer every model found in this directory (MLX model directories, .gguf files, a "
+        "Hugging Face hub cache), each loaded on its first request",
+        "--models-dir",
+    )
+    models_memory_gb: float | None = _opt(
+        None,
+        "Several models: memory for loaded models (weights, KV budget, prefix cache) in GB; "
+        "least recently used idle models are unloaded to make room (default: device memory)",
+        "--models-memory-gb",
+        above=0,
+    )
+    models_max: int = _opt(
+        0, "Several models: most models loaded at once (0: no limit)", "--models-max", min=0
+    )
+    idle_unload_s: float = _opt(
+        0.0,
+        "Several models: unload a model idle this many seconds (0: never); a request's "
+        "keep_alive overrides it for its model",
+        "--idle-unload-s",
+        min=0,
+    )
+    pin: str = _opt(
+        "",
+        "Several models: a model id kept loaded (loaded at start, never unloaded); repeatable",
+        "--pin",
+        repeat=True,
+    )
     responses_store_size: int = _opt(
         500,
         "Responses API: stored responses kept in memory (least recently used out first; 0 keeps none)",
@@ -229,6 +260,26 @@ class Settings:
         min=0,
     )
 
+    @property
+    def model_paths(self) -> list[str]:
+        """Every ``--model`` given, in order."""
+        return split_repeated(self.model)
+
+    @property
+    def pinned(self) -> list[str]:
+        return split_repeated(self.pin)
+
+    @property
+    def several_models(self) -> bool:
+        """Several models behind a registry; one ``--model`` alone is served as before."""
+        return len(self.model_paths) > 1 or bool(self.models_dir)
+
 
 def settings_fields() -> list[Any]:
     return list(fields(Settings))
+
+
+def split_repeated(value: str) -> list[str]:
+    """The values of a repeatable option: given several times, they arrive joined by newlines
+    (an environment variable may hold several, one a line)."""
+    return [v for v in value.split("\n") if v.strip()]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from mlx_server.config import Settings
@@ -34,21 +35,38 @@ def prompt_cache_bytes(settings: Settings, kv_budget: int) -> int:
 
 def build(settings: Settings) -> tuple[Any, Any]:
     """Load the model and return (app, engine); the engine thread is started."""
+    if settings.several_models:  # a registry loads and unloads them on request
+        from mlx_server.registry.wiring import build_registry_app
+
+        return build_registry_app(settings)
     from mlx_server.embedding_wiring import build_embedding, serves_embeddings
 
     if (encoder_dir := serves_embeddings(settings)) is not None:
         return build_embedding(settings, encoder_dir)
-    from mlx_server.app import create_app
+    set_cache_limit(settings)
+    parts = load_chat_model(settings)
+    return build_app(settings, parts.service, vision=parts.vision), parts.engine
+
+
+@dataclass
+class ModelParts:
+    """One loaded model as served: its chat service and its started engine."""
+
+    service: Any
+    engine: Any
+    loaded: Any  # the LoadedModel
+    vision: bool
+    kv_budget_bytes: int
+
+
+def load_chat_model(settings: Settings) -> ModelParts:
+    """Load ``settings.model`` and start its engine (kernels built before it returns)."""
     from mlx_server.engine.engine import Engine, EngineConfig
     from mlx_server.engine.tuning import builds_kernels_on_first_use, default_prefill_step
     from mlx_server.models.base import trained_context
     from mlx_server.models.loader import device_memory_bytes, load_model
-    from mlx_server.protocols.responses.store import ResponseStore
-    from mlx_server.server.browser_guard import BrowserPolicy
-    from mlx_server.server.middleware import MAX_BODY_BYTES
     from mlx_server.service import ChatService
 
-    set_cache_limit(settings)
     loaded = load_model(
         settings.model,
         model_id=settings.model_id,
@@ -110,6 +128,17 @@ def build(settings: Settings) -> tuple[Any, Any]:
     )
     engine.start()
     engine.wait_ready()  # kernels for every batch shape are built before the readiness line
+    return ModelParts(service, engine, loaded, vision, kv_budget)
+
+
+def build_app(settings: Settings, service: Any, *, vision: bool, extra: Any = None) -> Any:
+    """The app around a chat service (or a registry's routing service); ``extra``: routes
+    matched before the protocols' own."""
+    from mlx_server.app import create_app
+    from mlx_server.protocols.responses.store import ResponseStore
+    from mlx_server.server.browser_guard import BrowserPolicy
+    from mlx_server.server.middleware import MAX_BODY_BYTES
+
     max_body = MAX_BODY_BYTES
     if vision:  # room for at least one base64 image of the largest size allowed
         max_body = max(max_body, int(settings.max_image_mb * (1 << 20) * 4 / 3) + (1 << 20))
@@ -129,8 +158,9 @@ def build(settings: Settings) -> tuple[Any, Any]:
         responses_store=store,
         webui=not settings.no_webui,
         max_n=settings.max_n,
+        extra=extra,
     )
-    return app, engine
+    return app
 
 
 def _batch_size(settings: Settings, kv_budget: int, kv_per_token: int) -> int:

@@ -33,9 +33,13 @@ async def parse_body(request: Request, schema: type[M]) -> M:
     check_json_values(obj)
     note_ignored(request.scope, obj, schema)
     try:
-        return schema.model_validate(obj)
+        body = schema.model_validate(obj)
     except ValidationError as e:
         raise InvalidRequest(describe_validation_error(e), param=_first_loc(e)) from e
+    bind = getattr(request.app.state, "bind_model", None)
+    if bind is not None:  # several models: the one the body names is leased for the request
+        await bind(request, schema, obj)
+    return body
 
 
 # Deeper bodies than this are refused before anything recurses over them (validation, chat

@@ -1,0 +1,70 @@
+"""Wires several models: the catalog, the registry, the routing service and the app."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from mlx_server.config import Settings
+from mlx_server.logs import log
+from mlx_server.registry.catalog import Offer, discover
+from mlx_server.registry.registry import Limits, ModelRegistry, Slot
+
+
+def limits(settings: Settings) -> Limits:
+    from mlx_server.models.loader import device_memory_bytes
+
+    memory = settings.models_memory_gb
+    kv = settings.kv_budget_gb
+    kv_bytes = int(kv * (1 << 30)) if kv is not None else device_memory_bytes() // 4
+    return Limits(
+        memory_bytes=int(memory * (1 << 30)) if memory is not None else device_memory_bytes(),
+        max_loaded=settings.models_max,
+        idle_s=settings.idle_unload_s,
+        max_waiting=max(1, settings.max_queue),
+        # The KV budget holds the prefix cache's RAM tier too (engine/memory.py).
+        overhead_bytes=kv_bytes,
+    )
+
+
+def build_registry_app(settings: Settings) -> tuple[Any, Any]:
+    """The app over every offered model (pinned ones loaded now) and its routing engine."""
+    import asyncio
+
+    from mlx_server.registry.routes import ModelsCollector, make_router
+    from mlx_server.registry.routing import RequestLeases, RoutedService, binder
+    from mlx_server.server.metrics import InstrumentedEngine
+    from mlx_server.wiring import build_app, load_chat_model, set_cache_limit
+
+    offers = discover(settings)
+    if not offers:
+        raise ValueError(f"no models found in {settings.models_dir}")
+    unknown = [p for p in settings.pinned if p not in {o.id for o in offers}]
+    if unknown:
+        raise ValueError(f"--pin: no offered model {', '.join(unknown)}")
+    for o in offers:
+        log(f"Offered model: {o.id} ({o.kind}, {o.path})")
+    set_cache_limit(settings)
+
+    def load(offer: Offer) -> Any:
+        return load_chat_model(dataclasses.replace(settings, model=offer.path, model_id=offer.id))
+
+    registry = ModelRegistry(offers, limits(settings), load, pinned=tuple(settings.pinned))
+    service = RoutedService(registry)
+    vision = any(o.kind == "vision" for o in offers)
+    app = build_app(
+        settings, service, vision=vision, extra=make_router(registry, settings.ctx_size)
+    )
+    metrics = app.state.metrics
+
+    def instrument(slot: Slot) -> None:  # generations of every model counted on /metrics
+        slot.parts.service.engine = InstrumentedEngine(slot.parts.engine, metrics)
+
+    registry.on_loaded = instrument
+    metrics.registry.register(ModelsCollector(registry))
+    app.state.bind_model = binder(registry)
+    app.state.registry = registry
+    app.add_middleware(RequestLeases, registry=registry)
+    for model_id in settings.pinned:  # loaded before the server reports ready
+        asyncio.run(registry.load(model_id))
+    return app, service.engine
