@@ -1,0 +1,238 @@
+"""The model registry on its own: a loader that records what it loads, fake engines whose
+load the test can hold, and a clock the test moves."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import threading
+from dataclasses import dataclass, field
+
+import pytest
+
+from mlx_server.errors import InvalidRequest, NotFound, Overloaded
+from mlx_server.registry.catalog import Offer, scan_dir
+from mlx_server.registry.keep_alive import parse_keep_alive
+from mlx_server.registry.registry import Limits, ModelRegistry
+
+MB = 1 << 20
+
+
+class FakeModel:
+    def parameters(self) -> dict:
+        return {}
+
+
+@dataclass
+class FakeEngine:
+    active_count: int = 0
+    queue_depth: int = 0
+    stopped: bool = False
+
+    def shutdown(self, timeout: float = 3.0) -> None:
+        self.stopped = True
+
+
+@dataclass
+class FakeParts:
+    engine: FakeEngine = field(default_factory=FakeEngine)
+    loaded: object = field(default_factory=lambda: type("L", (), {"model": FakeModel()})())
+    service: object = None
+
+
+class Loader:
+    def __init__(self) -> None:
+        self.loads: list[str] = []
+        self.gate = threading.Event()
+        self.gate.set()
+
+    def __call__(self, offer: Offer) -> FakeParts:
+        assert self.gate.wait(10), "the test never let the load finish"
+        self.loads.append(offer.id)
+        return FakeParts()
+
+
+class Clock:
+    now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make(ids=("a", "b", "c"), *, memory=100 * MB, max_loaded=0, idle=0.0, pinned=(), kind="chat"):
+    offers = [Offer(i, f"/m/{i}", kind, 0) for i in ids]
+    loader, clock = Loader(), Clock()
+    limits = Limits(memory, max_loaded, idle, max_waiting=4, overhead_bytes=40 * MB)
+    return ModelRegistry(offers, limits, loader, pinned=pinned, clock=clock), loader, clock
+
+
+def states(reg: ModelRegistry) -> dict[str, str]:
+    return {i: s.state for i, s in reg.slots.items()}
+
+
+async def use(reg: ModelRegistry, model: str, clock: Clock, keep_alive=None) -> None:
+    clock.now += 1
+    slot = await reg.acquire(model, keep_alive)
+    reg.release(slot)
+
+
+def test_the_least_recently_used_idle_model_makes_room():
+    async def run():
+        reg, loader, clock = make()  # room for two models of 40 MB in 100 MB
+        await use(reg, "a", clock)
+        await use(reg, "b", clock)
+        await use(reg, "a", clock)  # b is now the least recently used
+        await use(reg, "c", clock)
+        assert states(reg) == {"a": "loaded", "b": "unloaded", "c": "loaded"}
+        assert loader.loads == ["a", "b", "c"]
+
+    asyncio.run(run())
+
+
+def test_a_model_serving_a_request_is_never_unloaded_for_room():
+    async def run():
+        reg, _, clock = make(max_loaded=2)
+        held = await reg.acquire("a")  # a request still running on a
+        await use(reg, "b", clock)
+        await use(reg, "c", clock)  # b goes, a stays
+        assert states(reg) == {"a": "loaded", "b": "unloaded", "c": "loaded"}
+        reg.slots["c"].parts.engine.active_count = 1  # c is generating
+        with pytest.raises(Overloaded, match="busy"):
+            await reg.acquire("b")
+        reg.release(held)
+
+    asyncio.run(run())
+
+
+def test_models_max_caps_the_loaded_models():
+    async def run():
+        reg, _, clock = make(memory=10_000 * MB, max_loaded=1)
+        await use(reg, "a", clock)
+        await use(reg, "b", clock)
+        assert states(reg) == {"a": "unloaded", "b": "loaded", "c": "unloaded"}
+
+    asyncio.run(run())
+
+
+def test_concurrent_requests_wait_for_one_load():
+    async def run():
+        reg, loader, _ = make()
+        loader.gate.clear()
+        tasks = [asyncio.ensure_future(reg.acquire("a")) for _ in range(4)]
+        await asyncio.sleep(0)
+        while reg.slots["a"].state != "loading":
+            await asyncio.sleep(0.01)
+        loader.gate.set()
+        slots = await asyncio.wait_for(asyncio.gather(*tasks), 10)
+        assert loader.loads == ["a"] and {s.id for s in slots} == {"a"}
+        assert reg.slots["a"].leases == 4
+
+    asyncio.run(run())
+
+
+def test_too_many_waiting_for_a_load_is_overloaded():
+    async def run():
+        reg, loader, _ = make()
+        loader.gate.clear()
+        tasks = [asyncio.ensure_future(reg.acquire("a")) for _ in range(4)]
+        while reg.slots["a"].waiting < 4:
+            await asyncio.sleep(0.01)
+        with pytest.raises(Overloaded):
+            await reg.acquire("a")
+        loader.gate.set()
+        await asyncio.wait_for(asyncio.gather(*tasks), 10)
+
+    asyncio.run(run())
+
+
+def test_idle_time_keep_alive_and_pins():
+    async def run():
+        reg, _, clock = make(memory=10_000 * MB, idle=60, pinned=("c",))
+        await reg.load("c")
+        await use(reg, "a", clock)
+        await use(reg, "b", clock, keep_alive=math.inf)
+        clock.now += 58  # a idle 59 s
+        assert not reg.expired(reg.slots["a"], clock.now)
+        clock.now += 2
+        assert reg.expired(reg.slots["a"], clock.now)
+        assert not reg.expired(reg.slots["b"], clock.now + 1e9)  # keep_alive -1
+        assert not reg.expired(reg.slots["c"], clock.now + 1e9)  # pinned
+        with pytest.raises(InvalidRequest, match="pinned"):
+            await reg.unload("c")
+
+    asyncio.run(run())
+
+
+def test_keep_alive_zero_unloads_once_the_request_ends():
+    async def run():
+        reg, _, clock = make()
+        slot = await reg.acquire("a", keep_alive=0)
+        await asyncio.sleep(0.3)
+        assert slot.state == "loaded"  # held by its request
+        reg.release(slot)
+        for _ in range(100):
+            if slot.state == "unloaded":
+                break
+            await asyncio.sleep(0.05)
+        assert slot.state == "unloaded" and slot.unloads == 1
+
+    asyncio.run(run())
+
+
+def test_unknown_and_embedding_models():
+    async def run():
+        reg, _, _ = make()
+        with pytest.raises(NotFound) as e:
+            await reg.acquire("nope")
+        assert e.value.code == "model_not_found" and "a, b, c" in e.value.message
+        emb, _, _ = make(("e",), kind="embedding")
+        with pytest.raises(InvalidRequest, match="embedding"):
+            await emb.acquire("e")
+
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize(
+    ("value", "seconds"),
+    [
+        (None, None),
+        (0, 0.0),
+        ("0", 0.0),
+        (300, 300.0),
+        ("300", 300.0),
+        ("5m", 300.0),
+        ("1h30m", 5400.0),
+        ("1.5s", 1.5),
+        ("250ms", 0.25),
+        (-1, math.inf),
+        ("-1", math.inf),
+        ("-1m", math.inf),
+    ],
+)
+def test_keep_alive_values(value, seconds):
+    assert parse_keep_alive(value) == seconds
+
+
+@pytest.mark.parametrize("value", ["soon", "5 minutes", "", True, [1], "5x"])
+def test_bad_keep_alive_names_the_field(value):
+    with pytest.raises(InvalidRequest) as e:
+        parse_keep_alive(value)
+    assert e.value.param == "keep_alive"
+
+
+def test_models_dir_finds_mlx_dirs_gguf_files_and_hub_entries(tmp_path):
+    (tmp_path / "mlx-model").mkdir()
+    (tmp_path / "mlx-model" / "config.json").write_text("{}")
+    (tmp_path / "notes").mkdir()  # no config.json: not a model
+    (tmp_path / "small.Q4_0.gguf").write_bytes(b"GGUF")
+    snap = tmp_path / "models--org--Some-Model-1.5B" / "snapshots" / "abc123"
+    snap.mkdir(parents=True)
+    (snap / "config.json").write_text("{}")
+    (tmp_path / "models--org--Some-Model-1.5B" / "refs").mkdir()
+    (tmp_path / "models--org--Some-Model-1.5B" / "refs" / "main").write_text("abc123")
+    found = dict(scan_dir(tmp_path))
+    assert found == {
+        "mlx-model": tmp_path / "mlx-model",
+        "small.Q4_0": tmp_path / "small.Q4_0.gguf",
+        "org/Some-Model-1.5B": snap,
+    }
