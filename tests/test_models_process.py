@@ -209,3 +209,31 @@ def test_idle_unload_and_keep_alive_forever(tiny_dir):
         srv.wait_for_line("Unloading model tiny-b (idle)")
     finally:
         srv.stop()
+
+
+def test_a_vision_model_and_a_text_model_side_by_side(tiny_dir, tmp_path):
+    from test_vision_server import data_url, image_part, png
+    from tiny_vlm import build_tiny_vlm
+
+    vlm = build_tiny_vlm(tmp_path / "tiny-vlm")
+    srv = start(["-m", str(vlm), "-m", str(tiny_dir / "tiny-a"), "--ctx-size", "1024"])
+    try:
+        kinds = {m["id"]: m["kind"] for m in httpx.get(srv.base_url + "/v1/models").json()["data"]}
+        assert kinds == {"tiny-vlm": "vision", "tiny-a": "chat"}
+        message = {
+            "role": "user",
+            "content": [image_part(data_url(png(28, 28))), {"type": "text", "text": "What?"}],
+        }
+        body = {"messages": [message], "max_tokens": 2, "ignore_eos": True}
+        r = httpx.post(
+            srv.base_url + "/v1/chat/completions", json={**body, "model": "tiny-vlm"}, timeout=300
+        )
+        assert r.status_code == 200, r.text
+        r = httpx.post(
+            srv.base_url + "/v1/chat/completions", json={**body, "model": "tiny-a"}, timeout=300
+        )
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == "messages[0].content[0]"
+        assert "tiny-a" in r.json()["error"]["message"]
+    finally:
+        srv.stop()

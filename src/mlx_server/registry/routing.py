@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
 
-from mlx_server.errors import Overloaded
+from mlx_server.errors import InvalidRequest, Overloaded
 from mlx_server.registry.keep_alive import parse_keep_alive
 from mlx_server.registry.registry import ModelRegistry, Slot
 
@@ -112,10 +112,27 @@ class RoutedService:
         return list(self._service().capabilities)
 
     async def start(self, chat: Any, request_id: str | None = None) -> Any:
-        return await self._service().start(chat, request_id=request_id)
+        return await self._checked(chat).start(chat, request_id=request_id)
 
     async def count(self, chat: Any) -> int:
-        return int(await self._service().count(chat))
+        return int(await self._checked(chat).count(chat))
+
+    def _checked(self, chat: Any) -> Any:
+        """The request's service; media parts (the routes take them when any offered model
+        is a vision model) are a 400 for a text-only one."""
+        service = self._service()
+        if service.vision is None:
+            for m in chat.messages:
+                content = m.get("content")
+                for part in content if isinstance(content, list) else []:
+                    if part.get("type") != "text":
+                        where = part.get("param") or "messages"
+                        raise InvalidRequest(
+                            f"{where} is an {part.get('type')} part, but model "
+                            f"'{service.model_id}' accepts text only",
+                            param=where,
+                        )
+        return service
 
     def __getattr__(self, name: str) -> Any:  # the rest of ChatService's interface
         return getattr(self._service(), name)
