@@ -13,19 +13,22 @@ import httpx
 import openai
 import pytest
 from support import demo_model_dir, free_port, launch
+from test_vision_server import data_url, image_part, png
 from tiny_model import build_tiny_model
+from tiny_vlm import build_tiny_vlm
 
 KEY = "registry-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 # Each model counts weights plus these: small, so a budget of a few models is small too.
 SMALL = ["--ctx-size", "256", "--kv-budget-gb", "0.01", "--prompt-cache-gb", "0.01"]
 SMALL += ["--prompt-cache-dir", ""]
+CTX = 1024  # room for an image's tokens
 CHAT = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "ignore_eos": True}
 
 
 def start(args: list[str]):
     port = free_port()
-    srv = launch([*args, *SMALL, "--port", str(port)])
+    srv = launch([*SMALL, *args, "--port", str(port)])
     assert srv.wait_ready(300), srv.lines
     return srv
 
@@ -58,10 +61,12 @@ def tiny_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def many(tiny_dir):
-    """The demo model and two tiny ones; tiny-a pinned; with a key."""
+def many(tiny_dir, tmp_path_factory):
+    """The demo model, two tiny ones and a tiny vision model; tiny-a pinned; with a key."""
     demo = demo_model_dir(float32=False)
+    vlm = build_tiny_vlm(tmp_path_factory.mktemp("vlm") / "tiny-vlm")
     args = ["-m", str(demo), "-m", str(tiny_dir / "tiny-a"), "-m", str(tiny_dir / "tiny-b")]
+    args += ["-m", str(vlm), "--ctx-size", str(CTX)]
     srv = start([*args, "--pin", "tiny-a", "--api-key", KEY])
     yield srv
     srv.stop()
@@ -70,17 +75,33 @@ def many(tiny_dir):
 def test_listing_pinned_loaded_at_start_and_the_others_on_first_request(many):
     demo = demo_model_dir(float32=False).name
     data = httpx.get(many.base_url + "/v1/models", headers=AUTH).json()["data"]
-    assert [m["id"] for m in data] == [demo, "tiny-a", "tiny-b"]
+    assert [m["id"] for m in data] == [demo, "tiny-a", "tiny-b", "tiny-vlm"]
     by_id = {m["id"]: m for m in data}
     assert by_id["tiny-a"]["status"] == "loaded" and by_id["tiny-a"]["pinned"] is True
     assert by_id["tiny-a"]["memory_bytes"] > 0
-    assert all(m["kind"] == "chat" and m["context_length"] == 256 for m in data)
+    assert [m["kind"] for m in data] == ["chat", "chat", "chat", "vision"]
+    assert all(m["context_length"] == CTX for m in data)
     if by_id["tiny-b"]["status"] == "unloaded":  # first in this module to use it
         assert "memory_bytes" not in by_id["tiny-b"]
     r = chat(many, "tiny-b", AUTH)
     assert r.status_code == 200, r.text
     assert r.json()["model"] == "tiny-b" and r.json()["usage"]["completion_tokens"] == 3
     assert statuses(many, AUTH)["tiny-b"] == "loaded"
+
+
+def test_a_vision_model_and_a_text_model_side_by_side(many):
+    message = {
+        "role": "user",
+        "content": [image_part(data_url(png(28, 28))), {"type": "text", "text": "What?"}],
+    }
+    body = {"messages": [message], "max_tokens": 2, "ignore_eos": True}
+    url = many.base_url + "/v1/chat/completions"
+    r = httpx.post(url, json={**body, "model": "tiny-vlm"}, headers=AUTH, timeout=300)
+    assert r.status_code == 200, r.text
+    r = httpx.post(url, json={**body, "model": "tiny-a"}, headers=AUTH, timeout=300)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "messages[0].content[0]"
+    assert "tiny-a" in r.json()["error"]["message"]
 
 
 def test_each_model_by_id_on_every_api_interleaved_and_concurrent(many):
@@ -207,33 +228,5 @@ def test_idle_unload_and_keep_alive_forever(tiny_dir):
         until(lambda: statuses(srv)["tiny-b"] == "unloaded")
         assert statuses(srv)["tiny-a"] == "loaded"
         srv.wait_for_line("Unloading model tiny-b (idle)")
-    finally:
-        srv.stop()
-
-
-def test_a_vision_model_and_a_text_model_side_by_side(tiny_dir, tmp_path):
-    from test_vision_server import data_url, image_part, png
-    from tiny_vlm import build_tiny_vlm
-
-    vlm = build_tiny_vlm(tmp_path / "tiny-vlm")
-    srv = start(["-m", str(vlm), "-m", str(tiny_dir / "tiny-a"), "--ctx-size", "1024"])
-    try:
-        kinds = {m["id"]: m["kind"] for m in httpx.get(srv.base_url + "/v1/models").json()["data"]}
-        assert kinds == {"tiny-vlm": "vision", "tiny-a": "chat"}
-        message = {
-            "role": "user",
-            "content": [image_part(data_url(png(28, 28))), {"type": "text", "text": "What?"}],
-        }
-        body = {"messages": [message], "max_tokens": 2, "ignore_eos": True}
-        r = httpx.post(
-            srv.base_url + "/v1/chat/completions", json={**body, "model": "tiny-vlm"}, timeout=300
-        )
-        assert r.status_code == 200, r.text
-        r = httpx.post(
-            srv.base_url + "/v1/chat/completions", json={**body, "model": "tiny-a"}, timeout=300
-        )
-        assert r.status_code == 400, r.text
-        assert r.json()["error"]["param"] == "messages[0].content[0]"
-        assert "tiny-a" in r.json()["error"]["message"]
     finally:
         srv.stop()
