@@ -72,6 +72,7 @@ def many(tiny_dir, tmp_path_factory):
     srv.stop()
 
 
+@pytest.mark.demo  # the shared server serves the demo model
 def test_listing_pinned_loaded_at_start_and_the_others_on_first_request(many):
     demo = demo_model_dir(float32=False).name
     data = httpx.get(many.base_url + "/v1/models", headers=AUTH).json()["data"]
@@ -89,6 +90,7 @@ def test_listing_pinned_loaded_at_start_and_the_others_on_first_request(many):
     assert statuses(many, AUTH)["tiny-b"] == "loaded"
 
 
+@pytest.mark.demo  # the shared server serves the demo model
 def test_a_vision_model_and_a_text_model_side_by_side(many):
     message = {
         "role": "user",
@@ -104,6 +106,7 @@ def test_a_vision_model_and_a_text_model_side_by_side(many):
     assert "tiny-a" in r.json()["error"]["message"]
 
 
+@pytest.mark.demo  # the shared server serves the demo model
 def test_each_model_by_id_on_every_api_interleaved_and_concurrent(many):
     demo = demo_model_dir(float32=False).name
     oai = openai.OpenAI(
@@ -171,6 +174,7 @@ def test_unknown_model_is_404_on_every_api(many):
         assert "tiny-a" in body["error"]["message"]
 
 
+@pytest.mark.demo  # the shared server serves the demo model
 def test_load_and_unload_need_the_key_and_pins_stay(many):
     url = many.base_url
     for path in ("/v1/models/load", "/v1/models/unload"):
@@ -187,6 +191,7 @@ def test_load_and_unload_need_the_key_and_pins_stay(many):
     assert r.json()["status"] == "loaded"
 
 
+@pytest.mark.demo  # the shared server serves the demo model
 def test_keep_alive_zero_unloads_after_the_request(many):
     r = chat(many, "tiny-b", AUTH, keep_alive=0)
     assert r.status_code == 200, r.text
@@ -195,6 +200,7 @@ def test_keep_alive_zero_unloads_after_the_request(many):
     assert r.status_code == 400 and r.json()["error"]["param"] == "keep_alive"
 
 
+@pytest.mark.demo  # the shared server serves the demo model
 def test_health_and_metrics_per_model(many):
     chat(many, "tiny-a", AUTH)
     health = httpx.get(many.base_url + "/health").json()
