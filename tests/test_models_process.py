@@ -236,3 +236,20 @@ def test_idle_unload_and_keep_alive_forever(tiny_dir):
         srv.wait_for_line("Unloading model tiny-b (idle)")
     finally:
         srv.stop()
+
+
+@pytest.mark.demo  # the shared server serves the demo model
+def test_tokenize_follows_the_named_model(many):
+    demo = demo_model_dir(float32=False).name
+    text = "Hello world, the quick brown fox"
+
+    def tokens(model: str) -> list[int]:
+        r = httpx.post(
+            many.base_url + "/tokenize", json={"content": text, "model": model}, headers=AUTH
+        )
+        assert r.status_code == 200, r.text
+        return r.json()["tokens"]
+
+    # SmolLM2's 49k-token vocabulary against the tiny model's 400 tokens.
+    assert tokens(demo) != tokens("tiny-a")
+    assert tokens("tiny-a") == tokens("tiny-b")  # the tiny models share their tokenizer

@@ -103,8 +103,11 @@ class RoutedService:
 
     @property
     def tokenizer(self) -> Any:
-        # Looked up per call: routers that keep the tokenizer (/tokenize) get one that
-        # follows the request's model.
+        """The request's model's tokenizer; outside a request, one that looks the model up
+        per call (for routers that keep the tokenizer, such as /tokenize's)."""
+        leases = _request.get()
+        if leases is not None and leases.slots:
+            return leases.slots[-1].parts.service.tokenizer
         return _RoutedTokenizer(self)
 
     @property

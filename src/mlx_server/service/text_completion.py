@@ -47,16 +47,18 @@ class CompletionService:
 
     def __init__(self, chat: ChatService):
         self.chat = chat
-        self._fim: Any = False  # not looked up yet
+        # Per tokenizer: a server with several models routes to several.
+        self._fim: dict[int, tuple[Any, Any]] = {}
 
     @property
     def tokenizer(self) -> Tokenizer:
         return self.chat.tokenizer
 
     def fim_tokens(self) -> Any:
-        if self._fim is False:
-            self._fim = find_fim_tokens(self.tokenizer)
-        return self._fim
+        tokenizer = self.tokenizer
+        if id(tokenizer) not in self._fim:  # the tokenizer is kept, so its id stays its own
+            self._fim[id(tokenizer)] = (tokenizer, find_fim_tokens(tokenizer))
+        return self._fim[id(tokenizer)][1]
 
     def build_prompt(self, i: int, prompt: PromptInput, suffix: str | None) -> TextPrompt:
         """Token ids for one prompt (raises InvalidRequest naming it)."""
