@@ -19,7 +19,7 @@ from tiny_vlm import build_tiny_vlm
 
 KEY = "registry-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
-# Each model counts weights plus these: small, so a budget of a few models is small too.
+# Each model counts its weights and KV budget: small, so a budget of a few models is too.
 SMALL = ["--ctx-size", "256", "--kv-budget-gb", "0.01", "--prompt-cache-gb", "0.01"]
 SMALL += ["--prompt-cache-dir", ""]
 CTX = 1024  # room for an image's tokens
@@ -211,9 +211,9 @@ def test_health_and_metrics_per_model(many):
 
 
 def test_lru_unload_under_a_small_memory_budget(tiny_dir):
-    # Each tiny model counts about 21 MB (a 10 MB KV budget, a 10 MB prefix cache, its
-    # weights): two fit in 0.05 GB, three do not.
-    srv = start(["--models-dir", str(tiny_dir), "--models-memory-gb", "0.05"])
+    # Each tiny model counts about 11 MB (a 10 MB KV budget, which holds its prefix cache,
+    # and its weights): two fit in 0.025 GB, three do not.
+    srv = start(["--models-dir", str(tiny_dir), "--models-memory-gb", "0.025"])
     try:
         for model in ("tiny-a", "tiny-b", "tiny-a"):  # tiny-b is the least recently used
             assert chat(srv, model).status_code == 200

@@ -54,7 +54,7 @@ class Limits:
     max_loaded: int  # 0: no cap
     idle_s: float  # 0: never unloaded for idleness
     max_waiting: int  # requests allowed to wait for one model's load
-    overhead_bytes: int  # per loaded model besides its weights: KV budget and prefix cache
+    overhead_bytes: int  # per loaded model besides its weights: its KV budget
 
 
 class ModelRegistry:

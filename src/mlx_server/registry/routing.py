@@ -99,7 +99,11 @@ class RoutedService:
 
     @property
     def model_id(self) -> str:
-        return current_slot(self.registry).id
+        """The request's model; outside a request (routers being built), the default's."""
+        leases = _request.get()
+        if leases is not None and leases.slots:
+            return leases.slots[-1].id
+        return self.registry.default_id
 
     @property
     def tokenizer(self) -> Any:
