@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from mlx_server.errors import InvalidRequest, NotFound, Overloaded
-from mlx_server.registry.catalog import Offer, scan_dir
+from mlx_server.registry.catalog import Offer, model_kind, scan_dir
 from mlx_server.registry.keep_alive import parse_keep_alive
 from mlx_server.registry.registry import Limits, ModelRegistry
 
@@ -236,3 +236,14 @@ def test_models_dir_finds_mlx_dirs_gguf_files_and_hub_entries(tmp_path):
         "small.Q4_0": tmp_path / "small.Q4_0.gguf",
         "org/Some-Model-1.5B": snap,
     }
+
+
+def test_model_kinds_from_the_config(tmp_path):
+    chat, encoder = tmp_path / "chat", tmp_path / "encoder"
+    for d, config in (
+        (chat, '{"model_type": "llama", "architectures": ["LlamaForCausalLM"]}'),
+        (encoder, '{"model_type": "bert", "architectures": ["BertModel"]}'),
+    ):
+        d.mkdir()
+        (d / "config.json").write_text(config)
+    assert (model_kind(chat), model_kind(encoder)) == ("chat", "embedding")

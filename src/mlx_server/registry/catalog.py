@@ -11,9 +11,6 @@ from pathlib import Path
 from mlx_server.config import Settings
 from mlx_server.logs import log
 
-# Encoder architectures (sentence-transformers' usual ones) that embed rather than generate.
-_EMBEDDING_TYPES = {"bert", "xlm-roberta", "roberta", "modernbert", "nomic_bert", "distilbert"}
-
 
 @dataclass(frozen=True)
 class Offer:
@@ -89,13 +86,12 @@ def model_kind(path: Path) -> str:
         return "chat"
     if not isinstance(config, dict):
         return "chat"
+    from mlx_server.models.embedding import is_encoder_model
     from mlx_server.models.vision import is_vision_config
 
     if is_vision_config(config):
         return "vision"
-    if str(config.get("model_type", "")).lower() in _EMBEDDING_TYPES:
-        return "embedding"
-    return "chat"
+    return "embedding" if is_encoder_model(path) else "chat"
 
 
 def disk_size(path: Path) -> int:
