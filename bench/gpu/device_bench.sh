@@ -13,7 +13,7 @@
 #      CONSTRAINED=1 (json_schema vs free at LEVELS, ours), LONG_CTX (model names, e.g. "8b-4": the agent session,
 #      ~27,670-token system prompt then two turns, ours with defaults and --ctx-size 40000 vs mlx_lm.server;
 #      LONG_TOKENS=23470 is the target given to make_system_prompt: about 27,670 tokens with SmolLM2's tokenizer).
-#      A server named ours512 is ours with --prefill-step-size 512.
+#      A server named ours512 is ours with --prefill-step-size 512, ourspl ours with --prompt-lookup.
 set -u
 K=/tmp/kit/a; S=/tmp/site; OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; R=$OUT/results.jsonl; L=$OUT/log.txt
 T=/tmp/benchlogs; mkdir -p $T
@@ -71,8 +71,9 @@ for spec in $MODELS; do
   fi
   for srv in $SERVERS; do
     P=$(port); name=m; t0=$(date +%s.%N)
-    if [ $srv = ours ] || [ $srv = ours512 ]; then
+    if [ $srv = ours ] || [ $srv = ours512 ] || [ $srv = ourspl ]; then
       extra=""; [ $srv = ours512 ] && extra="--prefill-step-size 512"
+      [ $srv = ourspl ] && extra="--prompt-lookup"
       setsid python3 -m mlx_server -m $M --port $P --model-id m --ctx-size 8192 $OURS_ARGS $extra > $T/$srv-$preset-$bits.log 2>&1 &
     else
       name=default_model  # mlx_lm.server loads the model named in the request; this is its loaded one
