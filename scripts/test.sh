@@ -9,4 +9,4 @@ bash scripts/setup.sh
 # shellcheck source=/dev/null
 source scripts/openblas.sh
 bash scripts/check.sh
-.venv/bin/python -m pytest -q "$@"
+.venv/bin/python -m pytest -q --durations=30 "$@"

@@ -47,7 +47,9 @@ class Scheduler:
         self.kv_bytes_per_token = kv_bytes_per_token
         self.pending: deque[Seq] = deque()
         self.active: dict[int, Seq] = {}
-        self.lock = threading.Lock()
+        # Re-entrant: a prefix read from disk that is already done when next_admissible asks
+        # for it calls its wake-up at once, on this thread, with the lock held.
+        self.lock = threading.RLock()
         self.wake = threading.Condition(self.lock)
         self.stopping = False
         self.kv_in_use = 0
