@@ -1,7 +1,7 @@
 """Embedding throughput: our engine (MLX) against sentence-transformers (torch), one run.
 
     python bench/embeddings.py [--model models/all-minilm-l6-v2] [--repeats 5]
-        [--torch-device auto|cpu|cuda|mps]
+        [--torch-device auto|cpu|cuda|mps] [--workloads "1 short,16 short,256 short,32 long"]
 
 Measures texts per second for batches of 1, 16 and 256 short texts and for 32 long ones
 (at least 256 tokens, cut at the model's maximum by both sides), ours through the embedding
@@ -9,7 +9,9 @@ service (tokenizer, engine thread, padded length-grouped batches, pooling) and
 sentence-transformers' ``encode`` with the same batch size, on the device each framework
 picks (MLX: Metal, CUDA or CPU; torch: CUDA or MPS when present, else CPU). Prints one row
 per workload with the ratio ours / sentence-transformers (above 1: we are faster) and
-checks that both sides produced the same vectors. Asserts nothing about speed.
+checks that both sides produced the same vectors. Asserts nothing about speed. On a Linux
+CPU, run it after ``source scripts/openblas.sh``: MLX's bundled BLAS makes the encoder's
+float32 matmuls about 20 times slower (docs/benchmarks.md); the header says which is loaded.
 """
 
 from __future__ import annotations
@@ -66,6 +68,15 @@ def best_rate(fn: Callable[[], Any], n_texts: int, repeats: int) -> tuple[float,
     return n_texts / statistics.median(times), out
 
 
+def blas() -> str:
+    """Which CPU BLAS this process runs MLX's matmuls with (Linux: OpenBLAS when preloaded)."""
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return "unknown (not Linux)"
+    return "OpenBLAS (preloaded)" if "libopenblas" in maps else "MLX's bundled BLAS"
+
+
 class Ours:
     def __init__(self, model_dir: Path):
         import mlx.core as mx
@@ -116,18 +127,23 @@ def main() -> None:
     parser.add_argument("--model", type=Path, default=REPO / "models" / "all-minilm-l6-v2")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--torch-device", default="auto")
+    parser.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated")
     args = parser.parse_args()
+    chosen = [w.strip() for w in args.workloads.split(",") if w.strip()]
+    unknown = [w for w in chosen if w not in WORKLOADS]
+    if unknown:
+        parser.error(f"unknown workloads {unknown}; choose from {list(WORKLOADS)}")
     ours = Ours(args.model)
     ref = Reference(args.model, args.torch_device)
     batch = ours.engine.config.max_batch_size
     print(
         f"model {args.model.name}; ours on MLX {ours.device}, sentence-transformers on "
-        f"torch {ref.device}; batch size {batch} on both sides"
+        f"torch {ref.device}; batch size {batch} on both sides; BLAS: {blas()}"
     )
     print(f"{'workload':<10} {'ours texts/s':>13} {'s-t texts/s':>12} {'ratio':>6} {'min cos':>8}")
     try:
-        for name, make in WORKLOADS.items():
-            texts = make()
+        for name in chosen:
+            texts = WORKLOADS[name]()
             ours_rate, ours_out = best_rate(
                 lambda t=texts: ours.encode(t), len(texts), args.repeats
             )

@@ -135,8 +135,9 @@ def load_encoder(model_dir: Path, *, model_id: str, dtype: str | None = None) ->
         import mlx.core as mx
 
         model = _load_network(model_dir, config, spec)
-        if dtype is not None:
-            model.set_dtype(getattr(mx, dtype))
+        target = getattr(mx, dtype) if dtype is not None else _cpu_float32(model)
+        if target is not None:
+            model.set_dtype(target)
             mx.eval(model.parameters())
         tokenizer = _load_tokenizer(model_dir)
     except ModelLoadError:
@@ -145,6 +146,23 @@ def load_encoder(model_dir: Path, *, model_id: str, dtype: str | None = None) ->
         raise ModelLoadError(f"{type(e).__name__}: {e}") from e
     pad = config.get("pad_token_id")
     return LoadedEncoder(model_id, model_dir, model, tokenizer, config, spec, int(pad or 0))
+
+
+def _cpu_float32(model: Any) -> Any:
+    """float32 where MLX runs on the CPU and the stored weights are half precision: MLX's CPU
+    matmuls in float16/bfloat16 do not go through BLAS (the demo embedding model ran 1.2 to
+    1.3x slower in them than in float32 with OpenBLAS; docs/benchmarks.md). On a GPU (Metal,
+    CUDA) the stored dtype is kept; quantized models are left alone."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    if mx.default_device().type != mx.DeviceType.cpu:
+        return None
+    params: Any = tree_flatten(model.parameters())
+    dtypes = {v.dtype for _, v in params}
+    if mx.uint32 in dtypes or not dtypes & {mx.float16, mx.bfloat16}:
+        return None
+    return mx.float32
 
 
 def _load_network(model_dir: Path, config: dict[str, Any], spec: EncoderSpec) -> Any:
