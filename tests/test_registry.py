@@ -185,9 +185,39 @@ def test_unknown_and_embedding_models():
         with pytest.raises(NotFound) as e:
             await reg.acquire("nope")
         assert e.value.code == "model_not_found" and "a, b, c" in e.value.message
-        emb, _, _ = make(("e",), kind="embedding")
-        with pytest.raises(InvalidRequest, match="embedding"):
-            await emb.acquire("e")
+        emb, loader, _ = make(("e",), kind="embedding")
+        with pytest.raises(InvalidRequest, match="embedding model") as e:
+            await emb.acquire("e")  # a chat request
+        assert (e.value.param, e.value.code) == ("model", "model_not_supported")
+        with pytest.raises(InvalidRequest, match="chat model"):
+            await reg.acquire("a", serves="embedding")
+        assert loader.loads == [] and states(reg) == dict.fromkeys("abc", "unloaded")
+
+    asyncio.run(run())
+
+
+def test_embedding_models_load_count_no_kv_budget_and_unload_like_chat_models():
+    async def run():
+        offers = [Offer("chat", "/m/chat", "chat", 0), Offer("emb", "/m/emb", "embedding", 0)]
+        limits = Limits(50 * MB, 0, 0.0, max_waiting=4, overhead_bytes=40 * MB)
+        loader, clock = Loader(), Clock()
+        reg = ModelRegistry(offers, limits, loader, clock=clock)
+        slot = await reg.acquire("emb", None, serves="embedding")
+        reg.release(slot)
+        assert slot.memory_bytes == 0  # its weights (none here), no KV budget
+        await use(reg, "chat", clock)  # 40MB: both fit in 50MB
+        assert states(reg) == {"chat": "loaded", "emb": "loaded"}
+        clock.now += 1
+        slot = await reg.acquire("emb", 0, serves="embedding")
+        reg.release(slot)  # keep_alive 0: unloaded once its response ends
+        for _ in range(100):
+            if slot.state == "unloaded":
+                break
+            await asyncio.sleep(0.05)
+        assert states(reg) == {"chat": "loaded", "emb": "unloaded"}
+        assert loader.loads == ["emb", "chat"]
+        await reg.load("emb")  # the management route loads any kind
+        assert slot.state == "loaded" and slot.loads == 2
 
     asyncio.run(run())
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,18 +20,23 @@ def serves_embeddings(settings: Settings) -> Path | None:
     return model_dir if is_encoder_model(model_dir) else None
 
 
-def build_embedding(settings: Settings, model_dir: Path) -> tuple[Any, Any]:
-    """Load the encoder and return (app, engine); the engine thread is started."""
-    from mlx_server.embedding_app import create_embedding_app
+@dataclass
+class EncoderParts:
+    """One loaded encoder as served: its embedding service and its started engine."""
+
+    service: Any
+    engine: Any
+    loaded: Any  # the LoadedEncoder
+
+
+def load_embedding_model(settings: Settings, model_dir: Path) -> EncoderParts:
+    """Load the encoder and start its engine (as ModelParts are, for the registry too)."""
     from mlx_server.embedding_service import EmbeddingService
     from mlx_server.engine.embedding_engine import EmbeddingEngine, EmbeddingEngineConfig
     from mlx_server.engine.encoder_runner import EncoderRunner
     from mlx_server.models.embedding import load_encoder
     from mlx_server.models.loader import default_model_id
-    from mlx_server.server.browser_guard import BrowserPolicy
-    from mlx_server.wiring import set_cache_limit
 
-    set_cache_limit(settings)
     model_id = settings.model_id or default_model_id(settings.model)
     loaded = load_encoder(model_dir, model_id=model_id, dtype=settings.dtype)
     spec = loaded.spec
@@ -48,10 +54,24 @@ def build_embedding(settings: Settings, model_dir: Path) -> tuple[Any, Any]:
     )
     engine.start()
     engine.wait_ready()
+    return EncoderParts(service, engine, loaded)
+
+
+def build_embedding(settings: Settings, model_dir: Path) -> tuple[Any, Any]:
+    """Load the encoder and return (app, engine); the engine thread is started."""
+    from mlx_server.embedding_app import create_embedding_app
+    from mlx_server.server.browser_guard import BrowserPolicy
+    from mlx_server.wiring import set_cache_limit
+
+    set_cache_limit(settings)
+    parts = load_embedding_model(settings, model_dir)
     browser = BrowserPolicy.from_flags(
         settings.host, settings.allowed_hosts, settings.allowed_origins
     )
     app = create_embedding_app(
-        service, api_key=settings.api_key, browser=browser, metrics_open=settings.metrics_open
+        parts.service,
+        api_key=settings.api_key,
+        browser=browser,
+        metrics_open=settings.metrics_open,
     )
-    return app, engine
+    return app, parts.engine

@@ -98,14 +98,15 @@ class ModelRegistry:
 
     # ---- requests ----------------------------------------------------------------------
 
-    async def acquire(self, model_id: str, keep_alive: float | None = None) -> Slot:
-        """Lease the model for a request, loading it first if need be."""
+    async def acquire(
+        self, model_id: str, keep_alive: float | None = None, serves: str | None = "chat"
+    ) -> Slot:
+        """Lease the model for a request, loading it first if need be. ``serves``: what the
+        request needs, "chat" (text generation) or "embedding" (embeddings and rerank); a
+        model of the other kind is a 400 before anything loads; None: any model."""
         slot = self.slot(model_id)
-        if slot.offer.kind == "embedding":
-            raise InvalidRequest(
-                f"model '{slot.id}' is an embedding model; it does not generate text",
-                param="model",
-            )
+        if serves is not None:
+            _check_serves(slot, serves)
         slot.leases += 1  # from here on it is not a candidate for unloading
         try:
             if slot.state != LOADED:
@@ -140,12 +141,17 @@ class ModelRegistry:
 
     async def load(self, model_id: str) -> Slot:
         """Load a model (``POST /v1/models/load``); a loaded one is left as it is."""
-        slot = await self.acquire(model_id)
+        slot = await self.acquire(model_id, serves=None)
         self.release(slot)
         return slot
 
+    def _overhead(self, slot: Slot) -> int:
+        """Memory a model takes besides its weights: a chat model's KV budget; an encoder
+        keeps no cache."""
+        return 0 if slot.offer.kind == "embedding" else self.limits.overhead_bytes
+
     async def _load(self, slot: Slot) -> None:
-        estimate = slot.offer.disk_bytes + self.limits.overhead_bytes
+        estimate = slot.offer.disk_bytes + self._overhead(slot)
         async with self._room:
             await self._make_room(slot, estimate)
             slot.state, slot.memory_bytes = LOADING, estimate
@@ -157,7 +163,7 @@ class ModelRegistry:
             slot.state, slot.memory_bytes = UNLOADED, 0
             raise
         slot.parts, slot.state, slot.loads = parts, LOADED, slot.loads + 1
-        slot.memory_bytes = weights_bytes(parts.loaded.model) + self.limits.overhead_bytes
+        slot.memory_bytes = weights_bytes(parts.loaded.model) + self._overhead(slot)
         self.on_loaded(slot)
         log(
             f"Model {slot.id} loaded in {time.perf_counter() - t0:.2f}s "
@@ -254,6 +260,23 @@ class ModelRegistry:
         for slot in list(self.slots.values()):
             if slot.parts is not None:
                 slot.parts.engine.shutdown(timeout)
+
+
+def _check_serves(slot: Slot, serves: str) -> None:
+    if slot.offer.kind == "embedding" and serves != "embedding":
+        raise InvalidRequest(
+            f"model '{slot.id}' is an embedding model; it does not generate text "
+            "(it serves /v1/embeddings or /v1/rerank)",
+            param="model",
+            code="model_not_supported",
+        )
+    if slot.offer.kind != "embedding" and serves == "embedding":
+        raise InvalidRequest(
+            f"model '{slot.id}' is a {slot.offer.kind} model; it does not serve embeddings "
+            "or rerank; name an embedding model",
+            param="model",
+            code="model_not_supported",
+        )
 
 
 def _release_parts(parts: Any) -> None:

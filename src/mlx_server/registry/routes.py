@@ -60,7 +60,7 @@ def make_router(registry: ModelRegistry, ctx_size: int) -> APIRouter:
     async def load(request: Request) -> dict[str, Any]:
         body = await parse_body(request, ModelAction)
         keep_alive = parse_keep_alive(body.keep_alive)
-        slot = await registry.acquire(body.model, keep_alive)
+        slot = await registry.acquire(body.model, keep_alive, serves=None)
         registry.release(slot)
         return {"model": slot.id, "status": slot.state}
 

@@ -54,7 +54,8 @@ class RequestLeases:
 def binder(registry: ModelRegistry) -> Any:
     """``app.state.bind_model``: lease the body's model for the request. Bodies of schemas
     without a ``model`` field (``/v1/cancel``) bind only when they name one; schemas that
-    manage models themselves set ``binds_model = False``."""
+    manage models themselves set ``binds_model = False``; those of routes served by
+    embedding models set ``serves = "embedding"``."""
 
     async def bind(request: Any, schema: Any, obj: dict[str, Any]) -> None:
         if not getattr(schema, "binds_model", True):
@@ -66,7 +67,8 @@ def binder(registry: ModelRegistry) -> Any:
             return
         name = obj.get("model")
         keep_alive = parse_keep_alive(obj.get("keep_alive"))
-        slot = await registry.acquire(name if isinstance(name, str) else "", keep_alive)
+        serves = getattr(schema, "serves", "chat")  # the embeddings and rerank bodies say
+        slot = await registry.acquire(name if isinstance(name, str) else "", keep_alive, serves)
         leases.slots.append(slot)
 
     return bind
@@ -143,6 +145,25 @@ class RoutedService:
 
     def __getattr__(self, name: str) -> Any:  # the rest of ChatService's interface
         return getattr(self._service(), name)
+
+
+class RoutedEmbeddings:
+    """An EmbeddingService's interface over the registry, for the embeddings and rerank
+    routes: each request's calls go to the embedding model it bound (its body's schema
+    says ``serves = "embedding"``, so the binder refuses any other kind)."""
+
+    def __init__(self, registry: ModelRegistry):
+        self.registry = registry
+
+    @property
+    def model_id(self) -> str:
+        leases = _request.get()
+        if leases is not None and leases.slots:
+            return leases.slots[-1].id
+        return self.registry.default_id
+
+    def __getattr__(self, name: str) -> Any:  # embed, rerank, kind, capabilities ...
+        return getattr(current_slot(self.registry).parts.service, name)
 
 
 class _RoutedTokenizer:

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from pathlib import Path
+from typing import Any, cast
 
 from mlx_server.config import Settings
 from mlx_server.logs import log
@@ -31,7 +32,8 @@ def build_registry_app(settings: Settings) -> tuple[Any, Any]:
     """The app over every offered model (pinned ones loaded now) and its routing engine."""
     import asyncio
 
-    from mlx_server.registry.routes import ModelsCollector, make_router
+    from mlx_server.embedding_wiring import load_embedding_model
+    from mlx_server.registry.routes import ModelsCollector
     from mlx_server.registry.routing import RequestLeases, RoutedService, binder
     from mlx_server.server.metrics import InstrumentedEngine
     from mlx_server.wiring import build_app, load_chat_model, set_cache_limit
@@ -47,18 +49,20 @@ def build_registry_app(settings: Settings) -> tuple[Any, Any]:
     set_cache_limit(settings)
 
     def load(offer: Offer) -> Any:
-        return load_chat_model(dataclasses.replace(settings, model=offer.path, model_id=offer.id))
+        one = dataclasses.replace(settings, model=offer.path, model_id=offer.id)
+        if offer.kind == "embedding":
+            return load_embedding_model(one, Path(offer.path))
+        return load_chat_model(one)
 
     registry = ModelRegistry(offers, limits(settings), load, pinned=tuple(settings.pinned))
     service = RoutedService(registry)
     vision = any(o.kind == "vision" for o in offers)
-    app = build_app(
-        settings, service, vision=vision, extra=make_router(registry, settings.ctx_size)
-    )
+    app = build_app(settings, service, vision=vision, extra=routes(registry, settings.ctx_size))
     metrics = app.state.metrics
 
     def instrument(slot: Slot) -> None:  # generations of every model counted on /metrics
-        slot.parts.service.engine = InstrumentedEngine(slot.parts.engine, metrics)
+        if slot.offer.kind != "embedding":
+            slot.parts.service.engine = InstrumentedEngine(slot.parts.engine, metrics)
 
     registry.on_loaded = instrument
     metrics.registry.register(ModelsCollector(registry))
@@ -68,3 +72,21 @@ def build_registry_app(settings: Settings) -> tuple[Any, Any]:
     for model_id in settings.pinned:  # loaded before the server reports ready
         asyncio.run(registry.load(model_id))
     return app, service.engine
+
+
+def routes(registry: ModelRegistry, ctx_size: int) -> Any:
+    """The registry's own routes, and the embeddings and rerank routes over its embedding
+    models (matched before the chat app's, which answer a 400 for one chat model)."""
+    from fastapi import APIRouter
+
+    from mlx_server.protocols.openai.embeddings import make_router as embeddings_router
+    from mlx_server.protocols.openai.rerank import make_router as rerank_router
+    from mlx_server.registry.routes import make_router
+    from mlx_server.registry.routing import RoutedEmbeddings
+
+    router = APIRouter()
+    router.include_router(make_router(registry, ctx_size))
+    encoders = cast(Any, RoutedEmbeddings(registry))  # an EmbeddingService per request
+    router.include_router(embeddings_router(encoders, registry.default_id))
+    router.include_router(rerank_router(encoders, registry.default_id))
+    return router

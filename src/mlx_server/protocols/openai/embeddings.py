@@ -9,7 +9,7 @@ TEI's extension) cuts over-long inputs instead of refusing them.
 from __future__ import annotations
 
 import base64
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import numpy as np
 from fastapi import APIRouter, Request
@@ -26,6 +26,7 @@ PATHS = ("/v1/embeddings", "/embeddings")
 
 class EmbeddingRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
+    serves: ClassVar[str] = "embedding"  # several models: the body's model must embed
 
     input: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
     model: str | None = None

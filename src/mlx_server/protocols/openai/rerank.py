@@ -7,7 +7,7 @@ and ``relevance_score``, best first (with ``document: {"text"}`` when asked for)
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
@@ -28,6 +28,7 @@ class Document(BaseModel):
 
 class RerankRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
+    serves: ClassVar[str] = "embedding"  # several models: the body's model must rerank
 
     query: StrictStr
     documents: list[StrictStr | Document]
