@@ -74,4 +74,5 @@ def test_one_render_per_request_and_none_more_for_a_context_error(tiny_tokenizer
     with pytest.raises(ContextLengthExceeded) as err:
         asyncio.run(start(ChatRequest(list(MESSAGES), max_tokens=1000)))
     assert len(calls) == 1
-    assert err.value.prompt_tokens and err.value.max_tokens == 1000
+    assert err.value.n_prompt_tokens > 0 and err.value.n_ctx == 256
+    assert "max_tokens 1000" in str(err.value)

@@ -211,7 +211,7 @@ def test_context_check_counts_image_tokens(vlm_server):
     assert r.status_code == 400
     err = r.json()["error"]
     assert err["code"] == "context_length_exceeded"
-    assert f"({n} in the prompt" in err["message"]
+    assert f"prompt {n} tokens" in err["message"] and err["n_prompt_tokens"] == n
 
 
 def test_video_file_and_legacy_videos(vlm_server, tmp_path):

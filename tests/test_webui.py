@@ -34,11 +34,18 @@ WAIT_MS = 15_000
 
 @pytest.fixture(scope="module")
 def browser() -> Iterator[Browser]:
-    with sync_playwright() as p:
-        # No sandbox: CI runs as root, where Chromium's sandbox cannot start.
-        b = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
-        yield b
-        b.close()
+    # The test script preloads OpenBLAS for MLX (LD_PRELOAD); in Playwright's node driver and
+    # in Chromium it makes thread creation fail, so neither inherits it.
+    preload = os.environ.pop("LD_PRELOAD", None)
+    try:
+        with sync_playwright() as p:
+            # No sandbox: CI runs as root, where Chromium's sandbox cannot start.
+            b = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+            yield b
+            b.close()
+    finally:
+        if preload is not None:
+            os.environ["LD_PRELOAD"] = preload
 
 
 class Console:
