@@ -188,6 +188,13 @@ def stop(procs: dict[str, subprocess.Popen[str]]) -> None:
         t.join(5)  # their last lines (shutdown messages) are printed
 
 
+def find_haproxy() -> str | None:
+    """The ``haproxy`` binary: on the PATH, or where packages put it (/usr/sbin is not on
+    every user's PATH)."""
+    path = os.pathsep.join([os.environ.get("PATH", ""), "/usr/sbin", "/usr/local/sbin"])
+    return shutil.which("haproxy", path=path)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args, server_args = parse_args(sys.argv[1:] if argv is None else argv)
     backends = [f"127.0.0.1:{p}" for p in args.ports]
@@ -195,7 +202,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.print_config:
         sys.stdout.write(config)
         return 0
-    haproxy = shutil.which("haproxy")
+    haproxy = find_haproxy()
     if haproxy is None:
         print(f"{NAME} haproxy not found (apt-get install haproxy)", file=sys.stderr)
         return 2
