@@ -132,15 +132,28 @@ def test_affinity_key_order(cluster):
         assert cluster.replica_for({first: b, later: a}) == "r2", (first, later)
 
 
-def chat_requests(http: httpx.Client, replica_url: str) -> float:
-    """How many chat completions a replica answered, from its own /metrics."""
+def metric(http: httpx.Client, replica_url: str, name: str, **labels: str) -> float:
+    """The sum of a replica's samples of ``name`` with these labels, from its own /metrics."""
     text = http.get(replica_url + "/metrics").text
     return sum(
         s.value
         for family in text_string_to_metric_families(text)
         for s in family.samples
-        if s.name == "mlx_server_requests_total" and s.labels.get("route") == "/v1/chat/completions"
+        if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
     )
+
+
+def chat_requests(http: httpx.Client, replica_url: str) -> float:
+    return metric(http, replica_url, "mlx_server_requests_total", route="/v1/chat/completions")
+
+
+def first_text(lines: Iterator[str]) -> None:
+    """Read a chat stream up to its first text."""
+    for line in lines:
+        if line.startswith("data: {"):
+            if json.loads(line[6:])["choices"][0]["delta"].get("content"):
+                return
+    raise AssertionError("the stream ended before any text")
 
 
 class Conversation:
@@ -194,6 +207,22 @@ def test_conversation_stays_then_moves_when_its_replica_dies(cluster):
     replica, other_prompt, _ = other.turn("Name a fruit.")
     assert replica == "r2"
 
+    # A client that leaves a stream through the balancer frees its slot on the replica.
+    cancelled = metric(cluster.http, cluster.replicas["r2"], "mlx_server_cancellations_total")
+    body = other.body("Count to one thousand.", max_tokens=256, ignore_eos=True, stream=True)
+    headers = {"X-Session-Id": other.session}
+    with cluster.http.stream(
+        "POST", cluster.url + "/v1/chat/completions", json=body, headers=headers
+    ) as r:
+        assert r.headers[REPLICA] == "r2"
+        first_text(r.iter_lines())
+    deadline = time.monotonic() + 30
+    while (
+        metric(cluster.http, cluster.replicas["r2"], "mlx_server_cancellations_total") == cancelled
+    ):
+        assert time.monotonic() < deadline, "the replica kept generating for a client that left"
+        time.sleep(0.1)
+
     # A stream in flight on r1: its first text arrives while r1 is still generating (the
     # balancer does not hold the stream back), then r1 is killed and the stream breaks.
     body = conv.body("Count to one thousand.", max_tokens=256, ignore_eos=True, stream=True)
@@ -203,13 +232,7 @@ def test_conversation_stays_then_moves_when_its_replica_dies(cluster):
     ) as r:
         assert r.status_code == 200 and r.headers[REPLICA] == "r1"
         lines = r.iter_lines()
-        for line in lines:
-            if line.startswith("data: {") and json.loads(line[6:])["choices"][0]["delta"].get(
-                "content"
-            ):
-                break
-        else:
-            raise AssertionError("the stream ended before any text")
+        first_text(lines)
         assert cluster.http.get(cluster.replicas["r1"] + "/health").json()["active"] == 1
         os.kill(cluster.pids["r1"], signal.SIGKILL)
         with pytest.raises((httpx.RemoteProtocolError, httpx.ReadError)):
