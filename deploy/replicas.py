@@ -126,17 +126,42 @@ def with_allowed_host(server_args: list[str], host: str) -> list[str]:
     return [*args, "--allowed-hosts", host]
 
 
+def own_cache_dirs(server_args: list[str], names: list[str]) -> dict[str, list[str]]:
+    """Each replica's arguments with a prefix-cache disk tier of its own (``DIR/r1``, ...):
+    a disk tier belongs to one process (each keeps its own manifest and deletes the files it
+    does not list). ``--prompt-cache-dir ''`` (no disk tier) is left as it is."""
+    args, root = list(server_args), None
+    for i, a in enumerate(args):
+        if a == "--prompt-cache-dir" and i + 1 < len(args):
+            root = args[i + 1]
+            del args[i : i + 2]
+            break
+        if a.startswith("--prompt-cache-dir="):
+            root = a.split("=", 1)[1]
+            del args[i]
+            break
+    if root == "":
+        return {n: [*args, "--prompt-cache-dir", ""] for n in names}
+    if root is None:
+        from mlx_server.engine.disk_cache import default_root  # honours its variable
+
+        root = str(default_root())
+    return {n: [*args, "--prompt-cache-dir", str(Path(root) / n)] for n in names}
+
+
 def start_replicas(
     args: argparse.Namespace, server_args: list[str]
 ) -> dict[str, subprocess.Popen[str]]:
+    names = [f"r{i}" for i in range(1, len(args.ports) + 1)]
+    per_replica = own_cache_dirs(with_allowed_host(server_args, args.host), names)
     procs: dict[str, subprocess.Popen[str]] = {}
-    for i, port in enumerate(args.ports):
+    for i, (name, port) in enumerate(zip(names, args.ports, strict=True)):
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         if args.gpu_per_replica:
             env["CUDA_VISIBLE_DEVICES"] = str(i)
-        cmd = [sys.executable, "-m", "mlx_server", *server_args]
+        cmd = [sys.executable, "-m", "mlx_server", *per_replica[name]]
         cmd += ["--host", "127.0.0.1", "--port", str(port)]
-        procs[f"r{i + 1}"] = start(f"r{i + 1}", cmd, env)
+        procs[name] = start(name, cmd, env)
     return procs
 
 

@@ -13,6 +13,7 @@ and sets ``MLX_SERVER_REQUIRE_HAPROXY=1``) they fail instead.
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
 import json
 import os
@@ -24,6 +25,7 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 import openai
@@ -35,13 +37,21 @@ from support import REPO, ServerProcess, demo_model_dir, free_port
 HAPROXY = shutil.which("haproxy", path=os.pathsep.join([os.environ.get("PATH", ""), "/usr/sbin"]))
 if HAPROXY is None and os.environ.get("MLX_SERVER_REQUIRE_HAPROXY"):
     pytest.fail("haproxy is required here (.ci/run installs it with apt) but not found")
-pytestmark = [
-    pytest.mark.demo,
-    pytest.mark.skipif(
-        HAPROXY is None,
-        reason="no haproxy on this machine (apt-get install haproxy): the replica tests need it",
-    ),
-]
+pytestmark = pytest.mark.skipif(
+    HAPROXY is None,
+    reason="no haproxy on this machine (apt-get install haproxy): the replica tests need it",
+)
+
+
+def _load_launcher():
+    spec = importlib.util.spec_from_file_location("replicas", REPO / "deploy" / "replicas.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+launcher = _load_launcher()
 
 REPLICA = "x-mlx-server-replica"
 # The affinity headers, first one found wins (deploy/haproxy/haproxy.cfg).
@@ -114,6 +124,52 @@ def values_on_each_replica(cluster: Cluster) -> dict[str, str]:
     raise AssertionError(f"32 session ids all hashed to one replica: {found}")
 
 
+def test_rendered_config_is_valid(tmp_path):
+    template = launcher.CONFIG.read_text()
+    backends = ["10.0.0.1:8081", "10.0.0.2:8081", "10.0.0.3:8081"]
+    text = launcher.render(template, "0.0.0.0:9000", backends, "1s")
+    servers = [line.split() for line in text.splitlines() if line.startswith("    server ")]
+    assert servers == [["server", f"r{i}", b, "id", str(i)] for i, b in enumerate(backends, 1)]
+    assert "    bind 0.0.0.0:9000\n" in text and " inter 1s " in text
+    (tmp_path / "haproxy.cfg").write_text(text)
+    check = subprocess.run(
+        [HAPROXY, "-c", "-f", str(tmp_path / "haproxy.cfg")], capture_output=True
+    )
+    assert check.returncode == 0, check.stdout + check.stderr
+    assert (
+        launcher.render(template, "127.0.0.1:8080", ["127.0.0.1:8081", "127.0.0.1:8082"])
+        == template
+    )
+
+
+def test_each_replica_gets_its_own_disk_tier(monkeypatch, tmp_path):
+    names = ["r1", "r2"]
+    given = launcher.own_cache_dirs(["-m", "x", "--prompt-cache-dir", "/d"], names)
+    assert given == {n: ["-m", "x", "--prompt-cache-dir", f"/d/{n}"] for n in names}
+    assert launcher.own_cache_dirs(["--prompt-cache-dir=/d"], names)["r2"][-1] == "/d/r2"
+    off = launcher.own_cache_dirs(["--prompt-cache-dir", ""], names)
+    assert off == {n: ["--prompt-cache-dir", ""] for n in names}  # no disk tier stays none
+    monkeypatch.setenv("MLX_SERVER_PROMPT_CACHE_DIR", str(tmp_path))
+    default = launcher.own_cache_dirs(["-m", "x"], names)
+    assert default["r1"] == ["-m", "x", "--prompt-cache-dir", str(tmp_path / "r1")]
+
+
+def test_replicas_answer_the_balancers_host():
+    assert launcher.with_allowed_host(["-m", "x"], "127.0.0.1") == ["-m", "x"]
+    assert launcher.with_allowed_host([], "10.0.0.5") == ["--allowed-hosts", "10.0.0.5"]
+    given = launcher.with_allowed_host(["--allowed-hosts", "llm.lan"], "10.0.0.5")
+    assert given == ["--allowed-hosts", "llm.lan,10.0.0.5"]
+
+
+@pytest.mark.demo
+def test_replicas_have_disk_tiers_of_their_own(cluster):
+    prefix = "[mlx] Prompt cache disk tier: "
+    lines = [cluster.launcher.wait_for_line(f"[{n}] {prefix}") for n in ("r1", "r2")]
+    tiers = [Path(line.split(prefix, 1)[1].split(" (", 1)[0]) for line in lines]
+    assert tiers[0].parent.name == "r1" and tiers[1].parent.name == "r2", tiers
+
+
+@pytest.mark.demo
 def test_affinity_key_order(cluster):
     # Without any key, requests are spread: both replicas answer.
     seen: set[str] = set()
@@ -193,6 +249,7 @@ class Conversation:
         return {"model": "m", "messages": [*self.messages, {"role": "user", "content": text}], **kw}
 
 
+@pytest.mark.demo
 def test_conversation_stays_then_moves_when_its_replica_dies(cluster):
     on = values_on_each_replica(cluster)
     conv, other = Conversation(cluster.url, on["r1"]), Conversation(cluster.url, on["r2"])
