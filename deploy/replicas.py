@@ -150,11 +150,11 @@ def own_cache_dirs(server_args: list[str], names: list[str]) -> dict[str, list[s
 
 
 def start_replicas(
-    args: argparse.Namespace, server_args: list[str]
-) -> dict[str, subprocess.Popen[str]]:
+    args: argparse.Namespace, server_args: list[str], procs: dict[str, subprocess.Popen[str]]
+) -> None:
+    """Start the replicas, each into ``procs`` as soon as it runs (to be stopped later)."""
     names = [f"r{i}" for i in range(1, len(args.ports) + 1)]
     per_replica = own_cache_dirs(with_allowed_host(server_args, args.host), names)
-    procs: dict[str, subprocess.Popen[str]] = {}
     for i, (name, port) in enumerate(zip(names, args.ports, strict=True)):
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         if args.gpu_per_replica:
@@ -162,7 +162,6 @@ def start_replicas(
         cmd = [sys.executable, "-m", "mlx_server", *per_replica[name]]
         cmd += ["--host", "127.0.0.1", "--port", str(port)]
         procs[name] = start(name, cmd, env)
-    return procs
 
 
 def healthy(url: str) -> bool:
@@ -234,8 +233,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     work = Path(tempfile.mkdtemp(prefix="mlx-server-replicas-"))
     (work / "haproxy.cfg").write_text(config)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # runs the finally below
-    procs = start_replicas(args, server_args)
+    procs: dict[str, subprocess.Popen[str]] = {}
     try:
+        start_replicas(args, server_args, procs)
         urls = [f"http://{b}/health" for b in backends]
         if not wait_healthy(urls, procs, args.ready_timeout):
             print(f"{NAME} the replicas did not all start", file=sys.stderr)
