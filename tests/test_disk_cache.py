@@ -14,6 +14,7 @@ from engine_runner import chat_tokens, load_varied_model, request, running_engin
 from mlx_lm.models.cache import KVCache
 
 from mlx_server.engine.disk_cache import MANIFEST, DiskPromptCache, model_cache_dir
+from mlx_server.engine.folder_lock import LOCK_FILE
 from mlx_server.engine.kv_quant import BatchableQuantizedKVCache
 from mlx_server.engine.prefix_cache import SYSTEM, PrefixCache
 
@@ -41,12 +42,24 @@ def reopen(d: Path, **kw) -> DiskPromptCache:
     return DiskPromptCache(d, kw.pop("max_bytes", 1 << 30), **kw)
 
 
+def stop(disk: DiskPromptCache) -> None:
+    """The end of a process: queued writes finish, the folder is given up."""
+    assert disk.close(10) and disk.released
+
+
+def restart(disk: DiskPromptCache, **kw) -> DiskPromptCache:
+    """A new process on the same folder, once the old one has ended: only the manifest is
+    read."""
+    stop(disk)
+    return reopen(disk.directory, **kw)
+
+
 def test_an_entry_survives_a_restart_with_its_tokens_and_values(tmp_path):
     disk = reopen(tmp_path)
     tokens = list(range(100, 120))
     assert disk.save(tokens, kv(20), "assistant")
     assert disk.flush(10)
-    again = reopen(tmp_path)  # a new process: only the manifest is read
+    again = restart(disk)
     found = again.lookup(tokens + [7, 8])
     assert found is not None and found[1] == 20
     loaded = again.load(found[0])
@@ -75,7 +88,8 @@ def test_quantized_entries_round_trip(tmp_path):
     c.trim(10)  # 30 tokens in a 256-slot buffer
     tokens = list(range(30))
     assert disk.save(tokens, [c], "assistant") and disk.flush(10)
-    loaded = reopen(tmp_path).load(disk.lookup(tokens + [1])[0])  # type: ignore[index]
+    name = disk.lookup(tokens + [1])[0]  # type: ignore[index]
+    loaded = restart(disk).load(name)
     assert loaded is not None
     (back,) = loaded[0]
     assert isinstance(back, BatchableQuantizedKVCache) and (back.bits, back.group_size) == (8, 32)
@@ -93,6 +107,7 @@ def test_a_damaged_entry_is_deleted_logged_and_never_used(tmp_path, capsys, dama
     (path,) = entry_files(tmp_path)
     data = bytearray(path.read_bytes())
     if damage == "flip":
+        stop(disk)
         data[len(data) // 2] ^= 0xFF  # same size: only the checksum can tell
         path.write_bytes(bytes(data))
         disk = reopen(tmp_path)
@@ -111,15 +126,16 @@ def test_crash_leftovers_are_cleaned_at_start(tmp_path):
     disk = reopen(tmp_path)
     disk.save(list(range(30)), kv(30), "assistant")
     disk.save(list(range(500, 540)), kv(40), "assistant")
-    disk.flush(10)
+    stop(disk)
     a, b = entry_files(tmp_path)
     (tmp_path / ".tmp-deadbeef-1-2.safetensors").write_bytes(b"half a file")  # killed mid-write
     (tmp_path / "0123456789abcdef.safetensors").write_bytes(b"renamed, not yet listed")
     b.unlink()  # listed, but gone
     truncated = a.read_bytes()[:100]
     again = reopen(tmp_path)
-    assert [f.name for f in tmp_path.iterdir() if f.name != MANIFEST] == [a.name]
+    assert [f.name for f in tmp_path.iterdir() if f.name not in (MANIFEST, LOCK_FILE)] == [a.name]
     assert again.stats()["prompt_cache_disk_entries"] == 1
+    stop(again)
     a.write_bytes(truncated)  # listed with another size: dropped at the next start
     assert reopen(tmp_path).stats()["prompt_cache_disk_entries"] == 0
     assert entry_files(tmp_path) == []
@@ -128,7 +144,7 @@ def test_crash_leftovers_are_cleaned_at_start(tmp_path):
 def test_an_unreadable_manifest_starts_empty(tmp_path):
     disk = reopen(tmp_path)
     disk.save(list(range(30)), kv(30), "assistant")
-    disk.flush(10)
+    stop(disk)
     (tmp_path / MANIFEST).write_text('{"version": 1, "entries": {"x": ')
     again = reopen(tmp_path)
     assert again.stats()["prompt_cache_disk_entries"] == 0 and entry_files(tmp_path) == []
@@ -187,6 +203,7 @@ def test_system_entries_are_written_through_and_close_writes_the_rest(tmp_path):
     assert disk.stats()["prompt_cache_disk_entries"] == 1  # written at once
     pc.insert(conv, kv(60))
     pc.close(timeout=10)
+    assert disk.released  # closing the prefix cache closes its disk tier
     again = reopen(tmp_path)
     assert again.lookup(conv + [1])[1] == 60  # type: ignore[index]
     assert again.lookup(sys_tokens + [9, 9])[1] == 30  # type: ignore[index]
@@ -224,7 +241,9 @@ def test_a_restarted_engine_serves_the_prompt_from_disk_with_the_same_output(lm,
     with running_engine(model, tokenizer, prompt_cache_size=0) as engine:
         (plain,) = solo(engine, [req()])
     for _ in range(2):  # the second start finds the first one's entries
-        disk = DiskPromptCache(tmp_path, 1 << 30, min_tokens=64)
+        # The first engine's shutdown closes its disk tier; a write still running past its
+        # deadline keeps the folder a moment longer.
+        disk = DiskPromptCache(tmp_path, 1 << 30, min_tokens=64, lock_wait_s=30)
         with running_engine(model, tokenizer, prompt_cache_disk=disk) as engine:
             (res,) = solo(engine, [req()])
             stats = engine.stats()
@@ -253,7 +272,9 @@ def test_an_empty_prompt_cache_dir_turns_the_disk_tier_off(lm, tmp_path):
     loaded = SimpleNamespace(
         model=model, path=path, config=json.loads((path / "config.json").read_text())
     )
-    assert _disk_tier(loaded, Settings(model=str(path), prompt_cache_dir="")) is None
-    disk = _disk_tier(loaded, Settings(model=str(path), prompt_cache_dir=str(tmp_path)))
-    assert disk is not None and disk.directory.parent == tmp_path
+    off, reason = _disk_tier(loaded, Settings(model=str(path), prompt_cache_dir=""))
+    assert off is None and "--prompt-cache-dir" in reason
+    disk, reason = _disk_tier(loaded, Settings(model=str(path), prompt_cache_dir=str(tmp_path)))
+    assert disk is not None and reason == "" and disk.directory.parent == tmp_path
     assert disk.directory.name.startswith(path.name + "-")
+    stop(disk)

@@ -1,6 +1,7 @@
 """The disk tier with the real server process: a restart serves a long prompt from disk,
-``kill -9`` during writes leaves a directory the next start cleans and serves from, and a
-corrupt entry is deleted and logged, never used."""
+``kill -9`` during writes leaves a directory the next start cleans and serves from, a
+corrupt entry is deleted and logged, never used, and a second server on the same directory
+leaves it to the first."""
 
 from __future__ import annotations
 
@@ -148,6 +149,33 @@ def test_a_corrupt_entry_is_deleted_logged_and_not_used(server_factory, wide_mod
     assert sum("dropping unreadable entry" in line for line in second.lines) == 2
     second.stop()  # the same prompts were stored again: fresh, intact files
     assert set(_entries_are_intact(cache_dir)) == {f.stem for f in entries}
+
+
+def test_a_second_server_on_the_same_folder_serves_without_touching_it(
+    server_factory, wide_model, tmp_path
+):
+    first = server_factory(args(wide_model, tmp_path, free_port()))
+    chat(first, "What is the capital of France?")  # its system prompt is written at once
+    (cache_dir,) = model_dirs(tmp_path)
+    written = _wait_for(lambda: _entries_are_intact(cache_dir), 60)
+    in_flight = cache_dir / ".tmp-0123-4-5.safetensors"  # as if the first were writing it
+    in_flight.write_bytes(b"half a file")
+    second = server_factory(args(wide_model, tmp_path, free_port()))
+    cold = chat(second, "What is the capital of France?")
+    warm = chat(second, "What is the capital of France?")
+    assert cold["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert warm["usage"]["prompt_tokens_details"]["cached_tokens"] > 300  # its RAM tier
+    h = health(second)
+    assert h["prompt_cache_disk"] == "off" and "prompt_cache_disk_entries" not in h
+    reason = h["prompt_cache_disk_off_reason"]
+    assert str(cache_dir) in reason and f"pid {first.proc.pid}" in reason
+    assert any("Warning: prompt cache disk tier off" in line for line in second.lines)
+    assert health(first)["prompt_cache_disk"] == "on"
+    assert in_flight.read_bytes() == b"half a file"
+    assert written.items() <= _entries_are_intact(cache_dir).items()
+    second.stop()
+    first.stop()
+    assert len(_entries_are_intact(cache_dir)) >= 2  # the first wrote the rest at its exit
 
 
 def _wait_for(cond, timeout: float):

@@ -205,6 +205,9 @@ def test_health_and_metrics_per_model(many):
     chat(many, "tiny-a", AUTH)
     health = httpx.get(many.base_url + "/health").json()
     assert health["status"] == "ok" and health["models"]["tiny-a"]["status"] == "loaded"
+    tiny_a = health["models"]["tiny-a"]  # --prompt-cache-dir '': no disk tier, and why
+    assert tiny_a["prompt_cache_disk"] == "off"
+    assert "--prompt-cache-dir" in tiny_a["prompt_cache_disk_off_reason"]
     metrics = httpx.get(many.base_url + "/metrics", headers=AUTH).text
     assert 'mlx_server_model_loaded{model="tiny-a"} 1.0' in metrics
     assert 'mlx_server_model_loads_total{model="tiny-a"} 1.0' in metrics  # pinned: once

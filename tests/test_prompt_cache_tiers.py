@@ -11,7 +11,7 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 from engine_runner import chat_tokens, load_varied_model, request, running_engine, solo
-from test_disk_cache import entry_files, kv, reopen
+from test_disk_cache import entry_files, kv, reopen, stop
 
 from mlx_server.config import Settings
 from mlx_server.engine.disk_cache import DiskPromptCache
@@ -125,6 +125,7 @@ def test_a_damaged_file_read_by_the_loader_is_deleted_and_missed(tmp_path, capsy
     disk.save(tokens, kv(64), "assistant")
     disk.flush(10)
     (path,) = entry_files(tmp_path)
+    stop(disk)
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0xFF
     path.write_bytes(bytes(data))
@@ -194,7 +195,8 @@ def test_an_engine_reads_a_disk_hit_off_its_thread_with_the_same_output(lm, tmp_
         lambda self, name: readers.append(threading.current_thread().name) or read(self, name),
     )
     monkeypatch.setattr(DiskPromptCache, "load", lambda *a: pytest.fail("read on the engine"))
-    disk = DiskPromptCache(Path(tmp_path), 1 << 30, min_tokens=64)  # a restart: RAM is empty
+    # A restart: RAM is empty (the first engine's shutdown gave the folder up).
+    disk = DiskPromptCache(Path(tmp_path), 1 << 30, min_tokens=64, lock_wait_s=30)
     with running_engine(model, tokenizer, prompt_cache_disk=disk) as engine:
         (warm,) = solo(engine, [request(second, 12)])
         stats = engine.stats()

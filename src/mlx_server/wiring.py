@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -90,10 +91,10 @@ def load_chat_model(settings: Settings) -> ModelParts:
 
         engine_class = VisionEngine
     model, kv_per_token = loaded.model, loaded.kv_bytes_per_token
-    disk = None
+    disk, disk_off = None, ""
     if not vision:
         model, kv_per_token = _quantized_kv(loaded, settings, model, kv_per_token)
-        disk = _disk_tier(loaded, settings)
+        disk, disk_off = _disk_tier(loaded, settings)
     batch = _batch_size(settings, kv_budget, kv_per_token)
     engine = engine_class(
         model,
@@ -107,6 +108,7 @@ def load_chat_model(settings: Settings) -> ModelParts:
             kv_budget_bytes=kv_budget,
             kv_bytes_per_token=kv_per_token,
             prompt_cache_disk=disk,
+            prompt_cache_disk_off=disk_off,
             warm_up=not vision and builds_kernels_on_first_use(),
             speculation=None if vision else _speculation(loaded, settings, model),
         ),
@@ -192,13 +194,21 @@ def _quantized_kv(loaded: Any, settings: Settings, model: Any, per_token: int) -
     return QuantizedKVModel(model, settings.kv_bits, settings.kv_group_size), per_token
 
 
-def _disk_tier(loaded: Any, settings: Settings) -> Any:
-    """The prefix cache's disk tier (``--prompt-cache-dir``), or None when it is off."""
-    if settings.prompt_cache_dir == "" or settings.prompt_cache_size <= 0:
-        return None
+# A server restarted while the old process still writes its last entries (at most a few
+# seconds: the engine's shutdown is bounded) waits this long for the disk tier's folder.
+_DISK_LOCK_WAIT_S = 10.0
+
+
+def _disk_tier(loaded: Any, settings: Settings) -> tuple[Any, str]:
+    """The prefix cache's disk tier (``--prompt-cache-dir``), or None and why it is off."""
+    if settings.prompt_cache_dir == "":
+        return None, "turned off (--prompt-cache-dir '')"
+    if settings.prompt_cache_size <= 0:
+        return None, "no prefix cache (--prompt-cache-size 0)"
     from pathlib import Path
 
     from mlx_server.engine.disk_cache import DiskPromptCache, default_root, model_cache_dir
+    from mlx_server.engine.folder_lock import FolderLocked
     from mlx_server.models.loader import activation_bytes
 
     cfg = loaded.config.get("text_config", loaded.config)
@@ -218,16 +228,36 @@ def _disk_tier(loaded: Any, settings: Settings) -> Any:
     )
     directory = model_cache_dir(root, Path(loaded.path), layout)
     try:
-        disk = DiskPromptCache(directory, int(settings.prompt_cache_disk_gb * (1 << 30)))
+        disk = DiskPromptCache(
+            directory,
+            int(settings.prompt_cache_disk_gb * (1 << 30)),
+            lock_wait_s=_DISK_LOCK_WAIT_S,
+        )
+    except FolderLocked as e:
+        reason = f"{directory} is in use by {_holder(e.pid)}"
+        log(
+            f"Warning: prompt cache disk tier off: {reason}; this server keeps its prefix cache "
+            "in RAM only and leaves that directory alone (give each server its own "
+            "--prompt-cache-dir to give each a disk tier)"
+        )
+        return None, reason
     except OSError as e:
         log(f"Prompt cache: disk tier off, cannot use {directory}: {e}")
-        return None
+        return None, f"cannot use {directory}: {e}"
     stats = disk.stats()
     log(
         f"Prompt cache disk tier: {directory} ({stats['prompt_cache_disk_entries']} entries, "
         f"{stats['prompt_cache_disk_bytes'] >> 20}MB, limit {settings.prompt_cache_disk_gb:g}GB)"
     )
-    return disk
+    return disk, ""
+
+
+def _holder(pid: int | None) -> str:
+    if pid is None:
+        return "another process"
+    if pid == os.getpid():  # another model loaded from the same files
+        return f"another model of this process (pid {pid})"
+    return f"another process (pid {pid})"
 
 
 def _vision_prompt_builder(loaded: Any, settings: Settings) -> Any:

@@ -16,6 +16,11 @@ conversation often arrives before its multi-gigabyte state is on disk). Reading 
 slow (gigabytes for a long prompt on a large model), so ``read_async`` reads and checks it on
 a loader thread into host arrays; the engine thread only turns those into MLX arrays
 (``materialize``), and running streams keep going while the file is read.
+
+One open cache owns its folder: it holds an exclusive lock on it (``folder_lock``) from
+start-up until ``close`` has stopped its writer. Start-up deletes the files its manifest does
+not list, so a second cache on the same folder (another server for the same model, or a
+second object in this process) must not touch it: it raises ``FolderLocked`` instead.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from typing import Any
 
 import numpy as np
 
+from mlx_server.engine.folder_lock import FolderLock
 from mlx_server.engine.kv_serialize import FORMAT_VERSION, deserialize, serialize
 from mlx_server.logs import log
 
@@ -169,10 +175,18 @@ class DiskPromptCache:
 
     ``min_tokens``: shorter states are not worth a file. ``max_pending``: writes waiting for
     the writer thread (each holds its arrays in memory); beyond it new ones are dropped.
+    Raises ``FolderLocked`` (an ``OSError``), having touched nothing, when another cache
+    holds ``directory``; one that is closing is waited for, at most ``lock_wait_s`` seconds.
     """
 
     def __init__(
-        self, directory: Path, max_bytes: int, *, min_tokens: int = 256, max_pending: int = 4
+        self,
+        directory: Path,
+        max_bytes: int,
+        *,
+        min_tokens: int = 256,
+        max_pending: int = 4,
+        lock_wait_s: float = 0.0,
     ):
         self.directory = Path(directory)
         self.max_bytes = max_bytes
@@ -189,8 +203,16 @@ class DiskPromptCache:
         self._queued: dict[str, tuple[_Entry, _Job]] = {}  # written soon, served from RAM
         self._loader: Any = None  # the thread pool that reads files (made on first use)
         self.oversize = 0  # states larger than the whole tier, never written
+        self._closed = False  # no more saves
+        self._stopping = False  # the writer ends once nothing is pending
+        self._released = False  # the folder is given up: no more deletes
         self.directory.mkdir(parents=True, exist_ok=True)
-        self._entries: dict[str, _Entry] = self._read_index()
+        self._folder = FolderLock.acquire(self.directory, lock_wait_s)
+        try:
+            self._entries: dict[str, _Entry] = self._read_index()
+        except BaseException:
+            self._folder.release()
+            raise
         self._writer = threading.Thread(
             target=self._write_loop, name="prompt-cache-disk", daemon=True
         )
@@ -372,7 +394,7 @@ class DiskPromptCache:
         """Hand a KV state to the writer. Its arrays are cut to ``len(tokens)`` and evaluated
         here (on the MLX thread); the file is written in the background. Returns whether it
         was queued (not: too short, already covered, unsupported, too large, or queue full)."""
-        if len(tokens) < self.min_tokens or self.covers(tokens):
+        if self._closed or len(tokens) < self.min_tokens or self.covers(tokens):
             return False
         packed = serialize(cache, len(tokens))
         if packed is None:
@@ -387,6 +409,8 @@ class DiskPromptCache:
             )
             return False
         with self._lock:
+            if self._closed:
+                return False
             if self._pending >= self.max_pending:
                 self.dropped += 1
                 return False
@@ -414,6 +438,8 @@ class DiskPromptCache:
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._idle:
             while self._pending or self._dirty:
+                if self._released:  # closed: the writer is gone
+                    return False
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     return False
@@ -436,25 +462,62 @@ class DiskPromptCache:
             "prompt_cache_disk_oversize": self.oversize,
         }
 
+    def mark_closing(self) -> None:
+        """Tell a server waiting for this folder that ``close`` is coming (the last writes
+        are under way)."""
+        self._folder.mark_closing()
+
+    def close(self, timeout: float | None = None) -> bool:
+        """Refuse new saves, let the writer finish the queued ones and the manifest, then
+        give the folder up. Waits at most ``timeout`` seconds and returns whether the folder
+        was given up by then; otherwise the writer gives it up when its last write ends (or
+        the process exits), so the next owner never deletes a file still being written."""
+        with self._lock:
+            self._closed = self._stopping = True
+        self._folder.mark_closing()
+        self._queue.put(None)  # wake the writer
+        if self._loader is not None:  # reads nobody will take
+            self._loader.shutdown(wait=False, cancel_futures=True)
+        self._writer.join(timeout)
+        return not self._writer.is_alive()
+
+    @property
+    def released(self) -> bool:
+        """Whether the folder has been given up (after ``close``)."""
+        return not self._folder.held
+
     # ---- writer thread -----------------------------------------------------------------
 
     def _write_loop(self) -> None:
-        while True:
-            job = self._queue.get()
-            if job is not None:
-                try:
-                    self._write(job)
-                except Exception as e:  # a full or read-only disk: skip the entry, go on
-                    log(f"Prompt cache: could not write an entry: {type(e).__name__}: {e}")
+        try:
+            while self._write_next():
+                pass
+        finally:
             with self._idle:
-                if job is not None:
-                    self._pending -= 1
-                    self._queued.pop(_entry_name(job.tokens), None)
-                    self.pending_bytes -= sum(a.nbytes for a in job.arrays.values())
-                    job = None  # the arrays go now, not at the next job
-                if self._queue.empty() and self._dirty:
-                    self._write_manifest_locked()
+                self._released = True
+                self._folder.release()
                 self._idle.notify_all()
+
+    def _write_next(self) -> bool:
+        """Write the next queued entry (or, with None, the manifest); False once closed and
+        nothing is left to write."""
+        job = self._queue.get()
+        if job is not None:
+            try:
+                self._write(job)
+            except Exception as e:  # a full or read-only disk: skip the entry, go on
+                log(f"Prompt cache: could not write an entry: {type(e).__name__}: {e}")
+        with self._idle:
+            if job is not None:
+                self._pending -= 1
+                self._queued.pop(_entry_name(job.tokens), None)
+                self.pending_bytes -= sum(a.nbytes for a in job.arrays.values())
+                job = None  # the arrays go now, not at the next job
+            done = self._stopping and not self._pending
+            if self._dirty and (done or self._queue.empty()):
+                self._write_manifest_locked()
+            self._idle.notify_all()
+        return not done
 
     def _write(self, job: _Job) -> None:
         import mlx.core as mx
@@ -497,6 +560,8 @@ class DiskPromptCache:
 
     def _delete_locked(self, name: str) -> None:
         self._entries.pop(name, None)
+        if self._released:  # the folder may be another cache's now
+            return
         (self.directory / f"{name}{_SUFFIX}").unlink(missing_ok=True)
         self._dirty = True
 

@@ -54,6 +54,7 @@ class EngineConfig:
     kv_budget_bytes: int = 4 << 30
     kv_bytes_per_token: int = 1
     prompt_cache_disk: Any = None  # disk_cache.DiskPromptCache: the prefix cache's disk tier
+    prompt_cache_disk_off: str = ""  # without one: why (reported by /health)
     warm_up: bool = False  # run every batch size once before serving (see tuning.warm_up)
     solo: bool = True  # a lone request runs on a plain KV cache (see solo.py)
     speculation: Any = None  # speculative.runner.Speculation: the lone request speculates
@@ -74,7 +75,12 @@ class Engine:
         self.config = cfg = config or EngineConfig()
         self.eos_ids = sorted(int(t) for t in tokenizer.eos_token_ids)
         self._prompt_cache = (
-            PrefixCache(cfg.prompt_cache_size, cfg.prompt_cache_bytes, disk=cfg.prompt_cache_disk)
+            PrefixCache(
+                cfg.prompt_cache_size,
+                cfg.prompt_cache_bytes,
+                disk=cfg.prompt_cache_disk,
+                disk_off_reason=cfg.prompt_cache_disk_off,
+            )
             if cfg.prompt_cache_size > 0
             else None
         )

@@ -70,13 +70,20 @@ class _SystemLast(LRUPromptCache.CacheOrder):
 class PrefixCache(LRUPromptCache):
     """Prompt KV states bounded by entry count and bytes; see the module docstring."""
 
-    def __init__(self, max_entries: int, max_bytes: int, disk: DiskPromptCache | None = None):
+    def __init__(
+        self,
+        max_entries: int,
+        max_bytes: int,
+        disk: DiskPromptCache | None = None,
+        disk_off_reason: str = "",
+    ):
         super().__init__(max_entries, max_bytes)
         self._lru: _SystemLast = _SystemLast()
         self.hits = 0
         self.misses = 0
         self.evictions = 0
         self.disk = disk
+        self.disk_off_reason = disk_off_reason  # why there is no disk tier (for /health)
         self.on_insert: Any = None  # called after each insert (the memory budget's check)
         self.on_loaded: Any = None  # called (on the loader thread) when a disk read is done
         self.oversize = 0  # entries larger than the whole RAM tier
@@ -275,9 +282,10 @@ class PrefixCache(LRUPromptCache):
 
     def close(self, timeout: float = 2.0) -> None:
         """Write the entries RAM still holds to the disk tier (most recently used first) and
-        wait, at most ``timeout`` seconds, for the writes to finish."""
+        close it, waiting at most ``timeout`` seconds for the writes to finish."""
         if self.disk is None:
             return
+        self.disk.mark_closing()  # a server restarted meanwhile waits for the folder
         deadline = time.monotonic() + timeout
         kinds = (SYSTEM, "user", CONVERSATION)
         for model, tokens in reversed([k for kind in kinds for k in self._lru._lrus[kind]]):
@@ -288,7 +296,7 @@ class PrefixCache(LRUPromptCache):
                 if not self.disk.busy or time.monotonic() >= deadline:
                     break
                 time.sleep(0.01)  # the writer queue is full: wait for a slot
-        self.disk.flush(max(0.0, deadline - time.monotonic()))
+        self.disk.close(max(0.0, deadline - time.monotonic()))
 
     def _account(self, entry: Any, sign: int) -> None:
         self._n_bytes += sign * entry.nbytes
@@ -299,8 +307,8 @@ class PrefixCache(LRUPromptCache):
         kinds = [kind] if kind is not None else list(self._lru._lrus)
         return [list(t) for k in kinds for _, t in self._lru._lrus[k]]
 
-    def stats(self) -> dict[str, int]:
-        """Counters for monitoring."""
+    def stats(self) -> dict[str, Any]:
+        """Counters for monitoring, and whether the disk tier is on (with why not)."""
         return {
             "prompt_cache_entries": len(self),
             "prompt_cache_system_entries": len(self._lru._lrus[SYSTEM]),
@@ -310,4 +318,13 @@ class PrefixCache(LRUPromptCache):
             "prompt_cache_evictions": self.evictions,
             "prompt_cache_oversize": self.oversize,
             **(self.disk.stats() if self.disk is not None else {}),
+            **self._disk_state(),
         }
+
+    def _disk_state(self) -> dict[str, str]:
+        if self.disk is not None:
+            return {"prompt_cache_disk": "on", "prompt_cache_disk_dir": str(self.disk.directory)}
+        state = {"prompt_cache_disk": "off"}
+        if self.disk_off_reason:
+            state["prompt_cache_disk_off_reason"] = self.disk_off_reason
+        return state

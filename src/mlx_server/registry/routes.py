@@ -16,6 +16,8 @@ from mlx_server.registry.keep_alive import parse_keep_alive
 from mlx_server.registry.registry import LOADED, ModelRegistry, Slot
 from mlx_server.server.http import parse_body
 
+_DISK_STATE = ("prompt_cache_disk", "prompt_cache_disk_dir", "prompt_cache_disk_off_reason")
+
 
 class ModelAction(BaseModel):
     model_config = ConfigDict(extra="ignore")
@@ -90,6 +92,9 @@ def _health(slot: Slot) -> dict[str, Any]:
         out.update(
             active=engine.active_count, queued=engine.queue_depth, memory_bytes=slot.memory_bytes
         )
+        stats = getattr(engine, "stats", None)
+        if callable(stats):  # whether its prefix cache has a disk tier, and why not
+            out.update({k: v for k, v in stats().items() if k in _DISK_STATE})
     return out
 
 
