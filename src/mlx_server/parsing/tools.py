@@ -30,7 +30,7 @@ from mlx_server.events import OutputEvent, TextDelta, ToolCallArgsDelta, ToolCal
 from mlx_server.logs import log
 from mlx_server.parsing.call_decoder import CallDecoder
 from mlx_server.parsing.json_scan import JsonObjectScanner, ScanStatus
-from mlx_server.parsing.tags import find_first, held_tail_len
+from mlx_server.parsing.tags import find_first, held_tail_len, hold_trailing_space
 from mlx_server.parsing.tool_formats import (
     ToolFormat,
     available_tool_parsers,
@@ -342,13 +342,8 @@ class ToolCallParser(CallDecoder):
 
     def _emit_text(self, out: list[OutputEvent], text: str) -> None:
         # Whitespace at either end of a segment is held: it is dropped if a call follows.
-        if self._fresh and self._after_call:
-            text = text.lstrip()
-        if not text:
-            return
-        text = self._held_ws + text
-        body = text.rstrip()
-        self._held_ws = text[len(body) :]
+        lead = self._fresh and self._after_call
+        body, self._held_ws = hold_trailing_space(text, self._held_ws, drop_leading=lead)
         if body:
             self._fresh = False
             out.append(TextDelta(body))

@@ -20,6 +20,7 @@ import re
 
 from mlx_server.events import OutputEvent, TextDelta, ToolCallArgsDelta, ToolCallEnd
 from mlx_server.parsing.call_decoder import MessageParser
+from mlx_server.parsing.tags import hold_trailing_space
 
 SEPARATOR = ">>>"
 _RECIPIENT = re.compile(r"[A-Za-z_][\w.-]*")
@@ -100,11 +101,7 @@ class FunctionaryParser(MessageParser):
             self._code = []
 
     def _body(self, out: list[OutputEvent], text: str) -> None:
-        if not text:
-            return
-        text = self._held + text
-        body = text.rstrip()
-        self._held = text[len(body) :]
+        body, self._held = hold_trailing_space(text, self._held, drop_leading=False)
         if not body:
             return
         if self._call is None:
