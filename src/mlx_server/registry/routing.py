@@ -95,6 +95,14 @@ def current_slot(registry: ModelRegistry) -> Slot:
     return slot
 
 
+def request_model_id(registry: ModelRegistry) -> str:
+    """The request's model; outside a request (routers being built), the default's."""
+    leases = _request.get()
+    if leases is not None and leases.slots:
+        return leases.slots[-1].id
+    return registry.default_id
+
+
 class RoutedService:
     """A ChatService's interface over the registry: each request's calls go to the
     service of the model it bound."""
@@ -108,11 +116,7 @@ class RoutedService:
 
     @property
     def model_id(self) -> str:
-        """The request's model; outside a request (routers being built), the default's."""
-        leases = _request.get()
-        if leases is not None and leases.slots:
-            return leases.slots[-1].id
-        return self.registry.default_id
+        return request_model_id(self.registry)
 
     @property
     def tokenizer(self) -> Any:
@@ -164,10 +168,7 @@ class RoutedEmbeddings:
 
     @property
     def model_id(self) -> str:
-        leases = _request.get()
-        if leases is not None and leases.slots:
-            return leases.slots[-1].id
-        return self.registry.default_id
+        return request_model_id(self.registry)
 
     def __getattr__(self, name: str) -> Any:  # embed, rerank, kind, capabilities ...
         return getattr(current_slot(self.registry).parts.service, name)
