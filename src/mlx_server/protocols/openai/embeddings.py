@@ -9,7 +9,6 @@ TEI's extension) cuts over-long inputs instead of refusing them.
 from __future__ import annotations
 
 import base64
-from collections.abc import Awaitable
 from typing import Any, ClassVar, Literal
 
 import numpy as np
@@ -36,22 +35,14 @@ class EmbeddingRequest(BaseModel):
 
 def make_router(service: EmbeddingService | None, model_id: str) -> APIRouter:
     """The embeddings routes; with no service (a chat model) they answer a 400 naming it."""
-    refusal = (
-        f"the model '{model_id}' is a chat model and does not serve embeddings; start "
-        "the server with an embedding model (or --embedding)"
-    )
-    return encoder_router(PATHS, EmbeddingRequest, _answer, service, refusal=refusal)
+    refusal = "does not serve embeddings; start the server with an embedding model (or --embedding)"
+    return encoder_router(PATHS, EmbeddingRequest, _answer, service, model_id, refusal)
 
 
-def _answer(body: EmbeddingRequest, service: EmbeddingService) -> Awaitable[dict[str, Any]]:
-    inputs = _inputs(body.input)
+async def _answer(body: EmbeddingRequest, service: EmbeddingService) -> dict[str, Any]:
     model = body.model or service.model_id
-    done = service.embed(inputs, truncate=body.truncate, dimensions=body.dimensions)
-
-    async def collect() -> dict[str, Any]:
-        return embeddings_json(await done, model, body.encoding_format)
-
-    return collect()
+    done = service.embed(_inputs(body.input), truncate=body.truncate, dimensions=body.dimensions)
+    return embeddings_json(await done, model, body.encoding_format)
 
 
 def _inputs(value: Any) -> list[Any]:

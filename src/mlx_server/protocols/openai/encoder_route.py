@@ -16,8 +16,7 @@ from mlx_server.server.http import parse_body
 from mlx_server.server.streaming import until_disconnect
 
 Body = TypeVar("Body", bound=BaseModel)
-# Queues the body's work on the service (raising what refuses it) and returns what awaits
-# its JSON answer.
+# The body's JSON answer from the service (raising what refuses the body).
 Answer = Callable[[Body, EmbeddingService], Awaitable[dict[str, Any]]]
 
 
@@ -26,16 +25,17 @@ def encoder_router(
     schema: type[Body],
     answer: Answer[Body],
     service: EmbeddingService | None,
-    *,
+    model_id: str,
     refusal: str,
 ) -> APIRouter:
-    """POST ``paths``: ``answer`` each parsed body; with no service, a 400 whose message
-    is ``refusal`` (it names the chat model served instead)."""
+    """POST ``paths``: ``answer`` each parsed body; with no service (``model_id`` is a chat
+    model), a 400 that says it, then ``refusal``."""
     router = APIRouter()
+    message = f"the model '{model_id}' is a chat model and {refusal}"
 
     async def route(request: Request) -> Response:
         if service is None:
-            raise InvalidRequest(refusal, param="model", code="model_not_supported")
+            raise InvalidRequest(message, param="model", code="model_not_supported")
         body = await parse_body(request, schema)
         result = await until_disconnect(request, answer(body, service), lambda: None)
         return Response(status_code=499) if result is None else JSONResponse(result)

@@ -7,7 +7,6 @@ and ``relevance_score``, best first (with ``document: {"text"}`` when asked for)
 
 from __future__ import annotations
 
-from collections.abc import Awaitable
 from typing import Any, ClassVar
 
 from fastapi import APIRouter
@@ -38,22 +37,15 @@ class RerankRequest(BaseModel):
 
 def make_router(service: EmbeddingService | None, model_id: str) -> APIRouter:
     """The rerank routes; with no service (a chat model) they answer a 400 naming it."""
-    refusal = (
-        f"the model '{model_id}' is a chat model and does not rerank; start the "
-        "server with a reranker model"
-    )
-    return encoder_router(PATHS, RerankRequest, _answer, service, refusal=refusal)
+    refusal = "does not rerank; start the server with a reranker model"
+    return encoder_router(PATHS, RerankRequest, _answer, service, model_id, refusal)
 
 
-def _answer(body: RerankRequest, service: EmbeddingService) -> Awaitable[dict[str, Any]]:
+async def _answer(body: RerankRequest, service: EmbeddingService) -> dict[str, Any]:
+    model = body.model or service.model_id
     texts = [d if isinstance(d, str) else d.text for d in body.documents]
     done = service.rerank(body.query, texts, top_n=body.top_n, truncate=body.truncate)
-    model = body.model or service.model_id
-
-    async def collect() -> dict[str, Any]:
-        return rerank_json(await done, model, texts if body.return_documents else None)
-
-    return collect()
+    return rerank_json(await done, model, texts if body.return_documents else None)
 
 
 def rerank_json(ranking: Ranking, model: str, documents: list[str] | None) -> dict[str, Any]:
