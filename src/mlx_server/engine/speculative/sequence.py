@@ -1,9 +1,9 @@
 """A lone sequence that speculates: the lone-request runner, drafting and verifying.
 
-Prefill is the lone runner's (``chunked_prefill.ChunkedPrefill``), in chunks. Each decode step asks the
-drafter for up to ``k`` tokens (``controller.DraftLength`` picks ``k``), verifies them in one forward pass
-(``verify.verify``) and answers with every token it emitted, one response each, like
-``SoloSequence.next``. Unlike the lone runner it does not queue the next step before the
+Prefill runs in chunks, as the lone runner's (``chunked_prefill.ChunkedPrefill``). Each
+decode step asks the drafter for up to ``k`` tokens (``controller.DraftLength`` picks
+``k``), verifies them in one forward pass (``verify.verify``) and answers with every token
+it emitted, one response each, like ``SoloSequence.next``. Unlike the lone runner it does not queue the next step before the
 token is read: what to feed next depends on the acceptance. Between steps the KV cache
 holds exactly ``fed``, and ``_todo`` the one emitted token not yet fed, so a handover to
 the batch (``handover``) works as for the lone runner.
