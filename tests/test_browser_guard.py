@@ -106,6 +106,22 @@ def test_jan_origin_works_and_gets_cors_headers(srv):
         assert r.status_code == 200 and r.headers["access-control-allow-origin"] == origin
 
 
+def test_a_page_may_read_the_ignored_fields_header(srv):
+    r = chat(srv, auth(Origin=JAN), json={**CHAT, "top_K": 3})
+    assert r.status_code == 200 and r.headers["x-mlx-server-ignored-fields"] == "top_K"
+    exposed = [h.strip().lower() for h in r.headers["access-control-expose-headers"].split(",")]
+    assert "x-mlx-server-ignored-fields" in exposed
+    body = {**CHAT, "stream": True, "top_K": 3}
+    with httpx.stream(
+        "POST", srv.base_url + "/v1/chat/completions", json=body, headers=auth(Origin=JAN)
+    ) as s:
+        assert "x-mlx-server-ignored-fields" in s.headers["access-control-expose-headers"]
+        assert "data: [DONE]" in list(s.iter_lines())
+    # No Origin (curl, SDKs): no CORS headers at all.
+    r = chat(srv, auth(), json=CHAT)
+    assert "access-control-expose-headers" not in r.headers
+
+
 def test_streaming_keeps_cors_headers(srv):
     srv.engine.push("a", "b")
     body = {**CHAT, "stream": True}

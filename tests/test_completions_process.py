@@ -129,3 +129,27 @@ def test_demo_model_completes_text_and_has_no_fim(demo_server):
     r = post(demo_server, {"prompt": "def f(", "suffix": "):\n    pass\n"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "suffix"
     assert "<fim_prefix>" in r.json()["error"]["message"]
+
+
+@pytest.mark.demo
+def test_demo_completion_keeps_the_first_tokens_space(demo_server):
+    """The text continues the prompt: it is its tokens' texts joined, the first one's
+    leading space included (" Paris" after "The capital of France is")."""
+    body = {
+        "prompt": "The capital of France is",
+        "max_tokens": 6,
+        "temperature": 0,
+        "ignore_eos": True,
+        "logprobs": 0,
+    }
+    r = post(demo_server, body)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    tokens = choice["logprobs"]["tokens"]
+    assert len(tokens) == 6 and tokens[0].startswith(" ")
+    assert choice["text"] == "".join(tokens)
+    with httpx.stream(
+        "POST", demo_server.base_url + "/v1/completions", json={**body, "stream": True}
+    ) as s:
+        events = [json.loads(x[6:]) for x in s.iter_lines() if x.startswith("data: {")]
+    assert "".join(e["choices"][0]["text"] for e in events if e["choices"]) == choice["text"]

@@ -16,17 +16,30 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "mlx_server"
 
 
 def test_every_engine_is_engine_like(tmp_path_factory):
+    from mlx_server.engine.embedding_engine import EmbeddingEngine
     from mlx_server.engine.vision_engine import VisionEngine
+    from mlx_server.registry.catalog import Offer
+    from mlx_server.registry.registry import Limits, ModelRegistry
+    from mlx_server.registry.routing import RoutedEngine
+    from mlx_server.server.metrics import InstrumentedEngine, Metrics
 
     model, tokenizer, _ = load_varied_model(tmp_path_factory)
+    scripted = ScriptedEngine()
+    registry = ModelRegistry([Offer("m", "/m", "chat", 0)], Limits(0, 0, 0.0, 0, 0), print)
     for engine in (
         Engine(model, tokenizer, EngineConfig()),
         VisionEngine(model, tokenizer, EngineConfig()),
-        ScriptedEngine(),
+        EmbeddingEngine(runner=None),
+        RoutedEngine(registry),
+        InstrumentedEngine(scripted, Metrics(scripted)),
+        scripted,
     ):
         assert isinstance(engine, EngineLike), type(engine)
         stats = engine_stats(engine)
         assert stats["active"] == 0 and stats["queued"] == 0
+        # Each kind declares the protocol's methods itself (not through __getattr__).
+        declared = {n for c in type(engine).__mro__ for n in vars(c)}
+        assert {"call", "stats", "submit", "cancel", "start", "shutdown"} <= declared
 
 
 def imports_of(path: Path) -> set[str]:

@@ -46,17 +46,36 @@ CORPUS = [
 ]
 
 
-def build_tokenizer(path: Path, template: str = CHATML, specials: list[str] = SPECIALS) -> None:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+def build_tokenizer(
+    path: Path, template: str = CHATML, specials: list[str] = SPECIALS, *, spm: bool = False
+) -> None:
+    """A byte-level BPE tokenizer (GPT-2's, SmolLM2's, Qwen's kind); ``spm``: one of
+    sentencepiece's kind instead (Llama 2's, Mistral's: spaces as ``▁``, the decoder drops
+    the text's leading space), which mlx-lm streams with its SPM detokenizer."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
+    tok = Tokenizer(models.BPE(byte_fallback=spm))
+    alphabet = []
+    if spm:
+        tok.normalizer = normalizers.Sequence(
+            [normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")]
+        )
+        # Words start with their "▁", as sentencepiece trains them.
+        tok.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="never")
+        tok.decoder = decoders.Sequence(
+            [
+                decoders.Replace("▁", " "),
+                decoders.ByteFallback(),
+                decoders.Fuse(),
+                decoders.Strip(" ", 1, 0),
+            ]
+        )
+    else:
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        alphabet = pre_tokenizers.ByteLevel.alphabet()
     trainer = trainers.BpeTrainer(
-        vocab_size=400,
-        special_tokens=specials,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
+        vocab_size=400, special_tokens=specials, initial_alphabet=alphabet, show_progress=False
     )
     tok.train_from_iterator(CORPUS * 20, trainer)
     tok.save(str(path / "tokenizer.json"))

@@ -343,6 +343,20 @@ class Bench:
             "text": ((ch.get("message") or {}).get("content") or "")[:80],
         }
 
+    async def chat_turn(self, scenario: str, turn: int, history: list[dict], max_tokens) -> dict:
+        """One turn of a conversation (numbered from 1): its answer joins ``history``; the
+        turn's TTFT and token counts, logged."""
+        r = await self.stream_chat(list(history), max_tokens)
+        if not r["ok"]:
+            raise SystemExit(f"{scenario} turn {turn} failed: {r.get('error')}")
+        history.append({"role": "assistant", "content": r["text"]})
+        log(
+            f"{scenario} turn {turn}: ttft={r['ttft_s']:.3f}s prompt={r['prompt_tokens']} "
+            f"cached={r['cached_tokens']}"
+        )
+        keys = ("ttft_s", "prompt_tokens", "cached_tokens", "completion_tokens")
+        return {"turn": turn, **{k: r[k] for k in keys}}
+
     def common(self, scenario: str) -> dict:
         return {
             "scenario": scenario,
@@ -492,23 +506,7 @@ class Bench:
             msgs = list(history)
             if t == 0:
                 first_msgs = list(msgs)
-            r = await self.stream_chat(msgs, a.prefix_max_tokens)
-            if not r["ok"]:
-                raise SystemExit(f"prefix turn {t} failed: {r.get('error')}")
-            history.append({"role": "assistant", "content": r["text"]})
-            turns.append(
-                {
-                    "turn": t + 1,
-                    "ttft_s": r["ttft_s"],
-                    "prompt_tokens": r["prompt_tokens"],
-                    "cached_tokens": r["cached_tokens"],
-                    "completion_tokens": r["completion_tokens"],
-                }
-            )
-            log(
-                f"prefix turn {t + 1}: ttft={r['ttft_s']:.3f}s prompt={r['prompt_tokens']} "
-                f"cached={r['cached_tokens']}"
-            )
+            turns.append(await self.chat_turn("prefix", t + 1, history, a.prefix_max_tokens))
         # Control 1 (opt-in, costs one more cold prefill): last turn's
         # conversation under a fresh nonce -> cold at the same length.
         cold_last = {"ttft_s": None, "prompt_tokens": None, "cached_tokens": None}
@@ -573,23 +571,7 @@ class Bench:
         turns = []
         for t, question in enumerate(follow_ups):  # bounded: three turns
             history.append({"role": "user", "content": question})
-            r = await self.stream_chat(list(history), a.long_max_tokens)
-            if not r["ok"]:
-                raise SystemExit(f"long_ctx turn {t + 1} failed: {r.get('error')}")
-            history.append({"role": "assistant", "content": r["text"]})
-            turns.append(
-                {
-                    "turn": t + 1,
-                    "ttft_s": r["ttft_s"],
-                    "prompt_tokens": r["prompt_tokens"],
-                    "cached_tokens": r["cached_tokens"],
-                    "completion_tokens": r["completion_tokens"],
-                }
-            )
-            log(
-                f"long_ctx turn {t + 1}: ttft={r['ttft_s']:.3f}s prompt={r['prompt_tokens']} "
-                f"cached={r['cached_tokens']}"
-            )
+            turns.append(await self.chat_turn("long_ctx", t + 1, history, a.long_max_tokens))
         out = self.common("long_ctx")
         out.update(
             {

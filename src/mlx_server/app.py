@@ -76,9 +76,8 @@ def create_app(
             "queued": engine.queue_depth,
             **service.context_info(),
         }
-        stats = getattr(engine, "stats", None)
-        if stats is not None:  # prefix-cache counters (RAM and disk tiers), memory in use
-            body.update({k: v for k, v in stats().items() if k.startswith(_HEALTH_STATS)})
+        # prefix-cache counters (RAM and disk tiers), memory in use
+        body.update({k: v for k, v in engine.stats().items() if k.startswith(_HEALTH_STATS)})
         return body
 
     @app.post("/v1/cancel")

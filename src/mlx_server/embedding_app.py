@@ -4,7 +4,6 @@ answer a 400 that says which model this is and what it serves."""
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -12,6 +11,7 @@ from fastapi import FastAPI, Request
 from mlx_server.embedding_service import EmbeddingService
 from mlx_server.errors import InvalidRequest
 from mlx_server.protocols.openai.embeddings import make_router as embeddings_router
+from mlx_server.protocols.openai.model_list import model_object
 from mlx_server.protocols.openai.rerank import make_router as rerank_router
 from mlx_server.server.browser_guard import BrowserGuard, BrowserPolicy
 from mlx_server.server.errors import install_error_handlers
@@ -51,13 +51,7 @@ def create_embedding_app(
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        entry = {
-            "id": service.model_id,
-            "object": "model",
-            "created": int(time.time()),
-            "owned_by": "mlx",
-            "capabilities": service.capabilities,
-        }
+        entry = model_object(service.model_id, capabilities=service.capabilities)
         return {"object": "list", "data": [entry]}
 
     @app.post("/v1/cancel")

@@ -48,8 +48,24 @@ class Seq:
     def begin_output(self, tokenizer: Any) -> None:
         """Ready the detokenizer and stop strings (when the sequence starts running)."""
         self.detok = tokenizer.detokenizer
+        if self.req.continues_text:
+            _continue_after(self.detok, self.req.prompt_tokens)
         self.stops = StopMatcher(self.req.stop)
         self.t_start = time.perf_counter()
+
+
+def _continue_after(detok: Any, prompt: list[int]) -> None:
+    """Start ``detok`` mid-text, after the prompt. mlx-lm's detokenizers drop a leading space
+    at the start of their text (as a sentencepiece decode does); started mid-text, the first
+    generated token keeps its space (" Paris" after "The capital of France is"). They read
+    each token on its own, so any prompt token with text of its own will do: the last one,
+    unless it is a lone space (dropped itself). What they read here is never output."""
+    for token in reversed(prompt):  # bounded by the prompt; one step but for lone spaces
+        detok.add_token(token)
+        detok.finalize()
+        if detok.text:
+            break
+    _ = detok.last_segment
 
 
 def deliver_token(tokenizer: Any, seq: Seq, r: Response) -> str | None:

@@ -1,5 +1,8 @@
-"""What the chat service and the server need of an engine: the continuous-batching
-``Engine``, the one-at-a-time ``VisionEngine`` and the tests' scripted engine all provide it."""
+"""What the chat service and the server need of an engine. The continuous-batching
+``Engine``, the one-at-a-time ``VisionEngine``, the ``EmbeddingEngine``, the registry's
+``RoutedEngine``, the metrics' ``InstrumentedEngine`` and the tests' scripted engine all
+provide ``EngineLike``; monitoring (``/health``, ``/metrics``) needs only its counters,
+``EngineCounters``."""
 
 from __future__ import annotations
 
@@ -15,7 +18,22 @@ T = TypeVar("T")
 
 
 @runtime_checkable
-class EngineLike(Protocol):
+class EngineCounters(Protocol):
+    """What monitoring reads of an engine; safe from any thread."""
+
+    @property
+    def active_count(self) -> int: ...
+
+    @property
+    def queue_depth(self) -> int: ...
+
+    def stats(self) -> dict[str, Any]:
+        """Monitoring counters: at least ``active`` and ``queued``."""
+        ...
+
+
+@runtime_checkable
+class EngineLike(EngineCounters, Protocol):
     def start(self) -> None:
         """Start the engine's own thread (if it has one)."""
 
@@ -35,20 +53,10 @@ class EngineLike(Protocol):
         steps); the result or exception arrives through the future. From any thread."""
         ...
 
-    def stats(self) -> dict[str, Any]:
-        """Monitoring counters: at least ``active`` and ``queued``; safe from any thread."""
-        ...
-
-    @property
-    def active_count(self) -> int: ...
-
-    @property
-    def queue_depth(self) -> int: ...
-
     def shutdown(self, timeout: float = 3.0) -> None:
         """Cancel everything and stop (bounded by ``timeout``)."""
 
 
-def engine_stats(engine: EngineLike) -> dict[str, Any]:
+def engine_stats(engine: EngineCounters) -> dict[str, Any]:
     """The engine's monitoring counters, with the basics every engine has."""
     return {"active": engine.active_count, "queued": engine.queue_depth, **engine.stats()}

@@ -22,9 +22,10 @@ from typing import Any, Protocol
 
 import mlx.core as mx
 from mlx_lm.generate import generation_stream
-from mlx_lm.models.cache import TokenBuffer, make_prompt_cache
+from mlx_lm.models.cache import TokenBuffer
 
 from mlx_server.engine.batch_runner import BatchRunner
+from mlx_server.engine.chunked_prefill import ChunkedPrefill
 from mlx_server.engine.runner import Insert, KVState, Progress, Response, Runner
 from mlx_server.engine.sampling import LogitsProcessor, Sampler
 
@@ -33,22 +34,23 @@ from mlx_server.engine.sampling import LogitsProcessor, Sampler
 Handover = tuple[int, list[list[int]], Any, list[int], int, Sampler, list[LogitsProcessor]]
 
 
-class SoloSequence:
+class SoloSequence(ChunkedPrefill):
     """A lone sequence's prefill and decode; see the module docstring."""
 
     def __init__(self, model: Any, job: Insert, eos: list[int], prefill_step_size: int):
-        self.model = model
-        self.uid = job.uid
+        super().__init__(
+            model,
+            job.uid,
+            job.prompt,
+            job.cached,
+            job.cache,
+            prefill_step_size=prefill_step_size,
+            system_end=job.system_end,
+        )
         self.sampler = job.sampler
         self.processors = list(job.processors)
-        self.cache = job.cache if job.cache is not None else make_prompt_cache(model)
-        self.fed = list(job.prompt[: job.cached])  # the tokens in the cache
-        self._todo = list(job.prompt[job.cached :])  # prompt tokens still to feed (never empty)
-        self._total = len(self._todo)
         self._max_tokens = job.request.max_tokens
         self._eos = set(eos)
-        self._step_size = prefill_step_size
-        self._system_end = job.system_end
         self._context: TokenBuffer | None = None  # the processors' view: prompt + generated
         self._next: tuple[mx.array, mx.array] | None = None  # sampled, not yet read
         self.emitted = 0
@@ -81,18 +83,6 @@ class SoloSequence:
     def handover(self) -> tuple[list[int], Any, list[int], int]:
         """(tokens still to feed, cache, tokens in the cache, tokens left to generate)."""
         return self._todo, self.cache, self.fed, self._max_tokens - self.emitted
-
-    def _prefill_chunk(self) -> Progress:
-        n = min(self._step_size, len(self._todo) - 1)
-        if self._system_end > len(self.fed):  # pause where the system prompt ends
-            n = min(n, self._system_end - len(self.fed))
-        self.model(mx.array(self._todo[:n])[None], cache=self.cache)
-        mx.eval([c.state for c in self.cache])
-        self.fed += self._todo[:n]
-        self._todo = self._todo[n:]
-        mx.clear_cache()
-        at_system_end = len(self.fed) == self._system_end
-        return Progress(self.uid, (self._total - len(self._todo), self._total), at_system_end)
 
     def _forward(self, tokens: mx.array) -> tuple[mx.array, mx.array]:
         logits = self.model(tokens[None], cache=self.cache)[:, -1, :]

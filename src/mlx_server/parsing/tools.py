@@ -26,10 +26,11 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from mlx_server.events import OutputEvent, TextDelta, ToolCallArgsDelta, ToolCallEnd, ToolCallStart
+from mlx_server.events import OutputEvent, TextDelta, ToolCallArgsDelta, ToolCallEnd
 from mlx_server.logs import log
+from mlx_server.parsing.call_decoder import CallDecoder
 from mlx_server.parsing.json_scan import JsonObjectScanner, ScanStatus
-from mlx_server.parsing.tags import SteppedDecoder, find_first, held_tail_len
+from mlx_server.parsing.tags import find_first, held_tail_len, hold_trailing_space
 from mlx_server.parsing.tool_formats import (
     ToolFormat,
     available_tool_parsers,
@@ -92,7 +93,7 @@ def normalize_call(item: object) -> tuple[str, str] | None:
     return name, json.dumps(args, ensure_ascii=False)
 
 
-class ToolCallParser(SteppedDecoder[OutputEvent]):
+class ToolCallParser(CallDecoder):
     """Incremental decoder of answer text into text and tool-call events."""
 
     def __init__(
@@ -105,14 +106,11 @@ class ToolCallParser(SteppedDecoder[OutputEvent]):
     ) -> None:
         """``tools``: the request's tool list (OpenAI form); calls to other names stay text.
         None accepts any name. ``max_calls``: keep only the first N calls."""
+        super().__init__(id_factory=id_factory, max_calls=max_calls)
         self._fmt = fmt
         self._tools = tools
         self._names = tool_names(tools) if tools is not None else None
-        self._new_id = id_factory
-        self._max_calls = max_calls
         self._state = _TEXT
-        super().__init__()
-        self._count = 0  # calls emitted
         # The text segment between calls.
         self._fresh = True  # nothing emitted in this segment yet
         self._after_call = False  # the segment follows a call
@@ -127,11 +125,6 @@ class ToolCallParser(SteppedDecoder[OutputEvent]):
         self._scanner = JsonObjectScanner()
         self._args: list[str] = []
         self._index: int | None = None  # None: the call is dropped (max_calls)
-
-    @property
-    def saw_tool_calls(self) -> bool:
-        """True once at least one call has been emitted."""
-        return self._count > 0
 
     def flush(self) -> list[OutputEvent]:
         """End of output: finish or return as text whatever is pending."""
@@ -321,12 +314,7 @@ class ToolCallParser(SteppedDecoder[OutputEvent]):
 
     def _begin_call(self, out: list[OutputEvent], name: str) -> None:
         self._held_ws = ""  # whitespace before a call is not content
-        if self._max_calls is not None and self._count >= self._max_calls:
-            self._index = None
-            return
-        self._index = self._count
-        self._count += 1
-        out.append(ToolCallStart(index=self._index, id=self._new_id(), name=name))
+        self._index = self._start_call(out, name)
 
     def _add_args(self, out: list[OutputEvent], text: str) -> None:
         if not text:
@@ -354,13 +342,8 @@ class ToolCallParser(SteppedDecoder[OutputEvent]):
 
     def _emit_text(self, out: list[OutputEvent], text: str) -> None:
         # Whitespace at either end of a segment is held: it is dropped if a call follows.
-        if self._fresh and self._after_call:
-            text = text.lstrip()
-        if not text:
-            return
-        text = self._held_ws + text
-        body = text.rstrip()
-        self._held_ws = text[len(body) :]
+        lead = self._fresh and self._after_call
+        body, self._held_ws = hold_trailing_space(text, self._held_ws, drop_leading=lead)
         if body:
             self._fresh = False
             out.append(TextDelta(body))

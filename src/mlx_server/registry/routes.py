@@ -3,7 +3,6 @@ and unloading on demand, health per model, and per-model gauges on ``/metrics``.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterable
 from typing import Any, ClassVar
 
@@ -12,6 +11,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 from pydantic import BaseModel, ConfigDict
 
+from mlx_server.engine.protocol import EngineLike
+from mlx_server.protocols.openai.model_list import model_object
 from mlx_server.registry.keep_alive import parse_keep_alive
 from mlx_server.registry.registry import LOADED, ModelRegistry, Slot
 from mlx_server.server.http import parse_body
@@ -29,16 +30,13 @@ class ModelAction(BaseModel):
 
 def model_entry(slot: Slot, ctx_size: int) -> dict[str, Any]:
     """One ``/v1/models`` entry: OpenAI's fields, then the model's state."""
-    entry: dict[str, Any] = {
-        "id": slot.id,
-        "object": "model",
-        "created": int(time.time()),
-        "owned_by": "mlx",
-        "status": slot.state,
-        "kind": slot.offer.kind,
-        "context_length": ctx_size,
-        "pinned": slot.pinned,
-    }
+    entry = model_object(
+        slot.id,
+        status=slot.state,
+        kind=slot.offer.kind,
+        context_length=ctx_size,
+        pinned=slot.pinned,
+    )
     if slot.state == LOADED and slot.parts is not None:
         entry["memory_bytes"] = slot.memory_bytes
         service = slot.parts.service
@@ -88,13 +86,12 @@ def make_router(registry: ModelRegistry, ctx_size: int) -> APIRouter:
 def _health(slot: Slot) -> dict[str, Any]:
     out: dict[str, Any] = {"status": slot.state}
     if slot.state == LOADED and slot.parts is not None:
-        engine = slot.parts.engine
+        engine: EngineLike = slot.parts.engine
         out.update(
             active=engine.active_count, queued=engine.queue_depth, memory_bytes=slot.memory_bytes
         )
-        stats = getattr(engine, "stats", None)
-        if callable(stats):  # whether its prefix cache has a disk tier, and why not
-            out.update({k: v for k, v in stats().items() if k in _DISK_STATE})
+        # whether its prefix cache has a disk tier, and why not
+        out.update({k: v for k, v in engine.stats().items() if k in _DISK_STATE})
     return out
 
 

@@ -8,16 +8,23 @@ has ended, streams included."""
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Callable
+from concurrent.futures import Future
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, TypeVar
 
+from mlx_server.engine.handle import GenerationHandle
+from mlx_server.engine.protocol import EngineLike
 from mlx_server.errors import InvalidRequest, Overloaded
 from mlx_server.registry.keep_alive import parse_keep_alive
 from mlx_server.registry.registry import ModelRegistry, Slot
+from mlx_server.types import GenerationRequest
 
 Scope = dict[str, Any]
+T = TypeVar("T")
 
 
 @dataclass
@@ -88,24 +95,28 @@ def current_slot(registry: ModelRegistry) -> Slot:
     return slot
 
 
+def request_model_id(registry: ModelRegistry) -> str:
+    """The request's model; outside a request (routers being built), the default's."""
+    leases = _request.get()
+    if leases is not None and leases.slots:
+        return leases.slots[-1].id
+    return registry.default_id
+
+
 class RoutedService:
     """A ChatService's interface over the registry: each request's calls go to the
     service of the model it bound."""
 
     def __init__(self, registry: ModelRegistry):
         self.registry = registry
-        self.engine: Any = RoutedEngine(registry)  # install_metrics wraps it
+        self.engine: EngineLike = RoutedEngine(registry)  # install_metrics wraps it
 
     def _service(self) -> Any:
         return current_slot(self.registry).parts.service
 
     @property
     def model_id(self) -> str:
-        """The request's model; outside a request (routers being built), the default's."""
-        leases = _request.get()
-        if leases is not None and leases.slots:
-            return leases.slots[-1].id
-        return self.registry.default_id
+        return request_model_id(self.registry)
 
     @property
     def tokenizer(self) -> Any:
@@ -157,10 +168,7 @@ class RoutedEmbeddings:
 
     @property
     def model_id(self) -> str:
-        leases = _request.get()
-        if leases is not None and leases.slots:
-            return leases.slots[-1].id
-        return self.registry.default_id
+        return request_model_id(self.registry)
 
     def __getattr__(self, name: str) -> Any:  # embed, rerank, kind, capabilities ...
         return getattr(current_slot(self.registry).parts.service, name)
@@ -181,25 +189,34 @@ class RoutedEngine:
     def __init__(self, registry: ModelRegistry):
         self.registry = registry
 
-    def _engines(self) -> list[Any]:
+    def _engines(self) -> list[EngineLike]:
         return [s.parts.engine for s in self.registry.loaded() if s.parts is not None]
 
-    def submit(self, req: Any, loop: Any = None) -> Any:
-        return current_slot(self.registry).parts.engine.submit(req, loop)
+    def _request_engine(self) -> EngineLike:
+        engine: EngineLike = current_slot(self.registry).parts.engine
+        return engine
 
-    def call(self, fn: Any) -> Any:
-        return current_slot(self.registry).parts.engine.call(fn)
+    def start(self) -> None:
+        """Each model's engine starts as it loads."""
+
+    def submit(
+        self, req: GenerationRequest, loop: asyncio.AbstractEventLoop | None = None
+    ) -> GenerationHandle:
+        return self._request_engine().submit(req, loop)
+
+    def call(self, fn: Callable[[], T]) -> Future[T]:
+        return self._request_engine().call(fn)
 
     def cancel(self, request_id: str | None = None) -> int:
-        return sum(int(e.cancel(request_id)) for e in self._engines())
+        return sum(e.cancel(request_id) for e in self._engines())
 
     @property
     def active_count(self) -> int:
-        return sum(int(e.active_count) for e in self._engines())
+        return sum(e.active_count for e in self._engines())
 
     @property
     def queue_depth(self) -> int:
-        return sum(int(e.queue_depth) for e in self._engines())
+        return sum(e.queue_depth for e in self._engines())
 
     @property
     def config(self) -> Any:
@@ -212,8 +229,7 @@ class RoutedEngine:
         """The numeric stats of every loaded engine, summed."""
         out: dict[str, Any] = {}
         for e in self._engines():
-            stats = getattr(e, "stats", None)
-            for k, v in (stats() if callable(stats) else {}).items():
+            for k, v in e.stats().items():
                 if isinstance(v, int | float) and not isinstance(v, bool):
                     out[k] = out.get(k, 0) + v
         return out

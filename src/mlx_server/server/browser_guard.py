@@ -29,6 +29,7 @@ from urllib.parse import urlsplit
 
 from mlx_server.errors import Forbidden, UnsupportedMediaType
 from mlx_server.server.errors import Envelopes
+from mlx_server.server.ignored_fields import HEADER as IGNORED_FIELDS_HEADER
 
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[Any]]
@@ -37,6 +38,8 @@ Send = Callable[[Any], Awaitable[None]]
 TAURI_ORIGINS = ("tauri://localhost", "http://tauri.localhost", "https://tauri.localhost")
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
 ALLOW_METHODS = "GET, POST, OPTIONS"
+# Response headers of this server's own that a page may read (CORS hides all but a few).
+EXPOSE_HEADERS = IGNORED_FIELDS_HEADER
 ALLOW_HEADERS = (
     "authorization, content-type, x-api-key, anthropic-version, anthropic-beta, "
     "anthropic-dangerous-direct-browser-access, openai-organization, openai-project"
@@ -166,7 +169,8 @@ class BrowserGuard:
                 )
                 await self.envelopes.send(send, path, refused, cors)
                 return
-        await self.app(scope, receive, _with_headers(send, cors))
+        expose = (b"access-control-expose-headers", EXPOSE_HEADERS.encode())
+        await self.app(scope, receive, _with_headers(send, [*cors, expose]))
 
     async def _preflight(
         self, send: Send, headers: dict[str, str], cors: list[tuple[bytes, bytes]]

@@ -13,9 +13,11 @@ Three sources:
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Awaitable, Callable, Iterable
-from typing import Any
+from concurrent.futures import Future
+from typing import Any, TypeVar
 
 from fastapi.responses import Response
 from prometheus_client import (
@@ -29,12 +31,15 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from mlx_server.engine.handle import TokenPiece
+from mlx_server.engine.handle import GenerationHandle, TokenPiece
+from mlx_server.engine.protocol import EngineCounters, EngineLike, engine_stats
 from mlx_server.events import Finished
+from mlx_server.types import GenerationRequest
 
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[Any]]
 Send = Callable[[Any], Awaitable[None]]
+T = TypeVar("T")
 
 PREFIX = "mlx_server"
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -45,7 +50,7 @@ E2E_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 class Metrics:
     """The server's metrics in their own registry (tests build several apps side by side)."""
 
-    def __init__(self, engine: Any):
+    def __init__(self, engine: EngineCounters):
         r = self.registry = CollectorRegistry(auto_describe=True)
         self.requests = Counter(
             f"{PREFIX}_requests",
@@ -151,7 +156,7 @@ class Metrics:
 class EngineCollector(Collector):
     """Reads the engine's live state at scrape time."""
 
-    def __init__(self, engine: Any):
+    def __init__(self, engine: EngineCounters):
         self.engine = engine
 
     def collect(self) -> Iterable[Metric]:
@@ -183,12 +188,7 @@ class EngineCollector(Collector):
             yield c
 
     def _stats(self) -> dict[str, Any]:
-        stats = getattr(self.engine, "stats", None)
-        out: dict[str, Any] = dict(stats()) if callable(stats) else {}
-        out.setdefault("active", self.engine.active_count)
-        out.setdefault("queued", self.engine.queue_depth)
-        out.setdefault("kv_in_use_bytes", 0)
-        return out
+        return {"kv_in_use_bytes": 0, **engine_stats(self.engine)}
 
 
 def _gauge(name: str, help: str, value: float) -> GaugeMetricFamily:
@@ -198,16 +198,41 @@ def _gauge(name: str, help: str, value: float) -> GaugeMetricFamily:
 class InstrumentedEngine:
     """The engine, with every submitted generation watched by ``metrics``."""
 
-    def __init__(self, engine: Any, metrics: Metrics):
+    def __init__(self, engine: EngineLike, metrics: Metrics):
         self._engine = engine
         self._metrics = metrics
 
-    def submit(self, req: Any, loop: Any = None) -> Any:
+    def submit(
+        self, req: GenerationRequest, loop: asyncio.AbstractEventLoop | None = None
+    ) -> GenerationHandle:
         handle = self._engine.submit(req, loop)
         self._metrics.watch(handle)
         return handle
 
-    def __getattr__(self, name: str) -> Any:
+    def start(self) -> None:
+        self._engine.start()
+
+    def cancel(self, request_id: str | None = None) -> int:
+        return self._engine.cancel(request_id)
+
+    def call(self, fn: Callable[[], T]) -> Future[T]:
+        return self._engine.call(fn)
+
+    def stats(self) -> dict[str, Any]:
+        return self._engine.stats()
+
+    @property
+    def active_count(self) -> int:
+        return self._engine.active_count
+
+    @property
+    def queue_depth(self) -> int:
+        return self._engine.queue_depth
+
+    def shutdown(self, timeout: float = 3.0) -> None:
+        self._engine.shutdown(timeout)
+
+    def __getattr__(self, name: str) -> Any:  # what a kind of engine has beyond EngineLike
         return getattr(self._engine, name)
 
 

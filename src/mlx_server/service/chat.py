@@ -152,9 +152,8 @@ class ChatService:
 
     def _on_engine_thread(self, fn: Callable[[], T]) -> T:
         """Run ``fn`` on the engine's thread (MLX arrays are made there only) and wait for
-        it; an engine without one (the tests' scripted engine) runs it here."""
-        call = getattr(self.engine, "call", None)
-        return call(fn).result() if call is not None else fn()
+        it (an engine without a thread of its own runs it at once)."""
+        return self.engine.call(fn).result()
 
     def _encode(self, chat: ChatRequest, text: str) -> tuple[list[int], dict[str, Any] | None]:
         """Token ids, and a vision model's inputs (image tokens counted in the ids)."""

@@ -120,6 +120,7 @@ class CompletionService:
                     stop=opts.stop,
                     logprobs=opts.top_logprobs is not None,
                     top_logprobs=opts.top_logprobs or 0,
+                    continues_text=True,
                 )
                 # Raw text: no reasoning split, no tool calls.
                 pipeline = OutputPipeline(

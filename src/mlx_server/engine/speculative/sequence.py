@@ -1,9 +1,9 @@
 """A lone sequence that speculates: the lone-request runner, drafting and verifying.
 
-Prefill is the lone runner's (``solo.SoloSequence``), in chunks. Each decode step asks the
-drafter for up to ``k`` tokens (``controller.DraftLength`` picks ``k``), verifies them in one forward pass
-(``verify.verify``) and answers with every token it emitted, one response each, like
-``SoloSequence.next``. Unlike the lone runner it does not queue the next step before the
+Prefill runs in chunks, as the lone runner's (``chunked_prefill.ChunkedPrefill``). Each
+decode step asks the drafter for up to ``k`` tokens (``controller.DraftLength`` picks
+``k``), verifies them in one forward pass (``verify.verify``) and answers with every token
+it emitted, one response each, like ``SoloSequence.next``. Unlike the lone runner it does not queue the next step before the
 token is read: what to feed next depends on the acceptance. Between steps the KV cache
 holds exactly ``fed``, and ``_todo`` the one emitted token not yet fed, so a handover to
 the batch (``handover``) works as for the lone runner.
@@ -17,15 +17,16 @@ from typing import Any
 
 import mlx.core as mx
 from mlx_lm.generate import generation_stream
-from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
+from mlx_lm.models.cache import trim_prompt_cache
 
+from mlx_server.engine.chunked_prefill import ChunkedPrefill
 from mlx_server.engine.runner import Progress, Response
 from mlx_server.engine.speculative.controller import DraftLength
 from mlx_server.engine.speculative.drafters import Drafter
 from mlx_server.engine.speculative.verify import Processor, Verified, verify
 
 
-class SpeculativeSequence:
+class SpeculativeSequence(ChunkedPrefill):
     """A lone sequence's prefill and speculative decode; see the module docstring."""
 
     def __init__(
@@ -47,18 +48,20 @@ class SpeculativeSequence:
         system_end: int = 0,
         adaptive: bool = True,
     ):
-        self.model = model
-        self.uid = uid
+        # _todo: the prompt's rest, then the last emitted token
+        super().__init__(
+            model,
+            uid,
+            prompt,
+            cached,
+            cache,
+            prefill_step_size=prefill_step_size,
+            system_end=system_end,
+        )
         self.sampler = sampler
         self.processors = list(processors)
-        self.cache = cache if cache is not None else make_prompt_cache(model)
-        self.fed = list(prompt[:cached])  # the tokens in the cache
-        self._todo = list(prompt[cached:])  # to feed: the prompt's rest, then the last token
-        self._total = len(self._todo)
         self._max_tokens = max_tokens
         self._eos = set(eos)
-        self._step_size = prefill_step_size
-        self._system_end = system_end
         self.emitted = 0
         self.drafter = drafter
         self._greedy = greedy
@@ -80,18 +83,6 @@ class SpeculativeSequence:
     def handover(self) -> tuple[list[int], Any, list[int], int]:
         """(tokens still to feed, cache, tokens in the cache, tokens left to generate)."""
         return self._todo, self.cache, self.fed, self._max_tokens - self.emitted
-
-    def _prefill_chunk(self) -> Progress:
-        n = min(self._step_size, len(self._todo) - 1)
-        if self._system_end > len(self.fed):  # pause where the system prompt ends
-            n = min(n, self._system_end - len(self.fed))
-        self.model(mx.array(self._todo[:n])[None], cache=self.cache)
-        mx.eval([c.state for c in self.cache])
-        self.fed += self._todo[:n]
-        self._todo = self._todo[n:]
-        mx.clear_cache()
-        at_system_end = len(self.fed) == self._system_end
-        return Progress(self.uid, (self._total - len(self._todo), self._total), at_system_end)
 
     def _decode(self) -> list[Response]:
         t = time.perf_counter()

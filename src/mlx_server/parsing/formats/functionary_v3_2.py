@@ -17,12 +17,10 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable
-from typing import Any
 
-from mlx_server.events import OutputEvent, TextDelta, ToolCallArgsDelta, ToolCallEnd, ToolCallStart
-from mlx_server.parsing.tags import SteppedDecoder
-from mlx_server.parsing.tool_schema import tool_names
+from mlx_server.events import OutputEvent, TextDelta, ToolCallArgsDelta, ToolCallEnd
+from mlx_server.parsing.call_decoder import MessageParser
+from mlx_server.parsing.tags import hold_trailing_space
 
 SEPARATOR = ">>>"
 _RECIPIENT = re.compile(r"[A-Za-z_][\w.-]*")
@@ -35,36 +33,17 @@ _BODY = "body"
 template_markers = ((">>>all", "'>>>' + tool_call"),)
 
 
-class FunctionaryParser(SteppedDecoder[OutputEvent]):
+class FunctionaryParser(MessageParser):
     """Incremental decoder of functionary v3.2 output into text and tool-call events."""
 
-    def __init__(
-        self,
-        tools: list[dict[str, Any]] | None,
-        *,
-        id_factory: Callable[[], str],
-        max_calls: int | None = None,
-    ) -> None:
-        self._names = tool_names(tools) if tools else set()
-        self._new_id = id_factory
-        self._max_calls = max_calls
+    def _begin(self) -> None:
         self._state = _HEADER
-        super().__init__()
         self._recipient = "all"
         self._call: int | None = None
         self._code: list[str] | None = None  # a python call's code, sent at its end
         self._args: list[str] = []
         self._held = ""  # trailing whitespace of the body, dropped if the message ends
-        self._count = 0
         self._texted = False  # content was emitted (a later text message is joined)
-
-    @property
-    def in_reasoning(self) -> bool:
-        return False
-
-    @property
-    def saw_tool_calls(self) -> bool:
-        return self._count > 0
 
     def flush(self) -> list[OutputEvent]:
         out: list[OutputEvent] = []
@@ -116,21 +95,13 @@ class FunctionaryParser(SteppedDecoder[OutputEvent]):
                 self._texted = True
             self._call = None
             return
-        if self._max_calls is not None and self._count >= self._max_calls:
-            self._call = -1  # dropped
-            return
-        self._call = self._count
-        self._count += 1
-        out.append(ToolCallStart(index=self._call, id=self._new_id(), name=recipient))
-        if recipient == "python":
+        index = self._start_call(out, recipient)
+        self._call = -1 if index is None else index  # -1: dropped
+        if index is not None and recipient == "python":
             self._code = []
 
     def _body(self, out: list[OutputEvent], text: str) -> None:
-        if not text:
-            return
-        text = self._held + text
-        body = text.rstrip()
-        self._held = text[len(body) :]
+        body, self._held = hold_trailing_space(text, self._held, drop_leading=False)
         if not body:
             return
         if self._call is None:

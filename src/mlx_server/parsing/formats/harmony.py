@@ -27,8 +27,6 @@ and works with gpt-oss's own tokenizer only; this parser reads the decoded text.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
-from typing import Any
 
 from mlx_server.events import (
     OutputEvent,
@@ -36,10 +34,8 @@ from mlx_server.events import (
     TextDelta,
     ToolCallArgsDelta,
     ToolCallEnd,
-    ToolCallStart,
 )
-from mlx_server.parsing.tags import SteppedDecoder
-from mlx_server.parsing.tool_schema import tool_names
+from mlx_server.parsing.call_decoder import MessageParser
 
 START = "<|start|>"
 CHANNEL = "<|channel|>"
@@ -65,37 +61,22 @@ template_markers = ((CHANNEL, MESSAGE),)
 vocab_markers = (CHANNEL,)
 
 
-class HarmonyParser(SteppedDecoder[OutputEvent]):
+class HarmonyParser(MessageParser):
     """Incremental decoder of Harmony output into reasoning, text and tool-call events."""
 
-    def __init__(
-        self,
-        tools: list[dict[str, Any]] | None,
-        *,
-        id_factory: Callable[[], str],
-        max_calls: int | None = None,
-    ) -> None:
-        """``tools``: the request's tools (OpenAI form); None or empty: calls are text."""
-        self._names = tool_names(tools) if tools else set()
-        self._new_id = id_factory
-        self._max_calls = max_calls
+    def _begin(self) -> None:
         self._state = _HEADER
-        super().__init__()
         self._channel = "final"
         self._call: int | None = None  # index of the call being streamed
         self._dropped = False  # the current message is a call beyond max_calls
         self._args: list[str] = []
-        self._count = 0
         self._raw_header = ""  # the header, for writing an unknown call back as text
+        self._recipient: str | None = None
 
     @property
     def in_reasoning(self) -> bool:
         """True while inside an analysis message (after ``flush``: it was never ended)."""
         return self._state == _BODY and self._channel == "analysis"
-
-    @property
-    def saw_tool_calls(self) -> bool:
-        return self._count > 0
 
     def flush(self) -> list[OutputEvent]:
         out: list[OutputEvent] = []
@@ -163,12 +144,8 @@ class HarmonyParser(SteppedDecoder[OutputEvent]):
         name = _function_name(self._recipient)
         if name is None or name not in self._names:
             return
-        if self._max_calls is not None and self._count >= self._max_calls:
-            self._dropped = True
-            return
-        self._call = self._count
-        self._count += 1
-        out.append(ToolCallStart(index=self._call, id=self._new_id(), name=name))
+        self._call = self._start_call(out, name)
+        self._dropped = self._call is None
 
     def _emit_body(self, out: list[OutputEvent], text: str) -> None:
         if not text:

@@ -15,6 +15,7 @@ from pydantic import ValidationError
 
 from mlx_server.errors import InvalidRequest, UnsupportedFeature
 from mlx_server.models.reasoning_effort import effort_from_budget, effort_level
+from mlx_server.models.system_turns import join_messages
 from mlx_server.parsing.tools import validate_tools
 from mlx_server.protocols.anthropic.schemas import (
     BLOCK_MODELS,
@@ -246,7 +247,7 @@ class MessageConverter:
                     # Like Anthropic's API, consecutive turns of one role are one turn (and
                     # templates that insist on alternating roles accept the result); a
                     # leading system message joins the top-level system prompt.
-                    out[-1] = _merge(out[-1], msg)
+                    out[-1] = join_messages(out[-1], msg, {"role": msg["role"]})
                 else:
                     out.append(msg)
         return out
@@ -378,26 +379,3 @@ def _compose(role: str, parts: list[dict[str, Any]]) -> dict[str, Any]:
     if any(p["type"] == "image" for p in parts):
         return {"role": role, "content": parts}
     return {"role": role, "content": "\n".join(p["text"] for p in parts)}
-
-
-def _merge(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
-    """Two consecutive messages of one role as one: contents, calls and reasoning joined."""
-    merged = {"role": a["role"]}
-    ca, cb = a["content"], b["content"]
-    if isinstance(ca, str) and isinstance(cb, str):
-        merged["content"] = "\n".join(c for c in (ca, cb) if c)
-    else:
-        merged["content"] = _as_parts(ca) + _as_parts(cb)
-    calls = a.get("tool_calls", []) + b.get("tool_calls", [])
-    if calls:
-        merged["tool_calls"] = calls
-    reasoning = [r for r in (a.get("reasoning_content"), b.get("reasoning_content")) if r]
-    if reasoning:
-        merged["reasoning_content"] = "\n".join(reasoning)
-    return merged
-
-
-def _as_parts(content: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
-    if isinstance(content, list):
-        return content
-    return [{"type": "text", "text": content}] if content else []

@@ -12,14 +12,11 @@ import base64
 from typing import Any, ClassVar, Literal
 
 import numpy as np
-from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict, StrictInt, StrictStr
 
 from mlx_server.embedding_service import Embeddings, EmbeddingService
-from mlx_server.errors import InvalidRequest
-from mlx_server.server.http import parse_body
-from mlx_server.server.streaming import until_disconnect
+from mlx_server.protocols.openai.encoder_route import encoder_router
 
 PATHS = ("/v1/embeddings", "/embeddings")
 
@@ -38,30 +35,14 @@ class EmbeddingRequest(BaseModel):
 
 def make_router(service: EmbeddingService | None, model_id: str) -> APIRouter:
     """The embeddings routes; with no service (a chat model) they answer a 400 naming it."""
-    router = APIRouter()
+    refusal = "does not serve embeddings; start the server with an embedding model (or --embedding)"
+    return encoder_router(PATHS, EmbeddingRequest, _answer, service, model_id, refusal)
 
-    async def embeddings(request: Request) -> Response:
-        if service is None:
-            raise InvalidRequest(
-                f"the model '{model_id}' is a chat model and does not serve embeddings; start "
-                "the server with an embedding model (or --embedding)",
-                param="model",
-                code="model_not_supported",
-            )
-        body = await parse_body(request, EmbeddingRequest)
-        inputs = _inputs(body.input)
-        model = body.model or service.model_id
-        done = service.embed(inputs, truncate=body.truncate, dimensions=body.dimensions)
 
-        async def collect() -> dict[str, Any]:
-            return embeddings_json(await done, model, body.encoding_format)
-
-        result = await until_disconnect(request, collect(), lambda: None)
-        return Response(status_code=499) if result is None else JSONResponse(result)
-
-    for path in PATHS:
-        router.add_api_route(path, embeddings, methods=["POST"])
-    return router
+async def _answer(body: EmbeddingRequest, service: EmbeddingService) -> dict[str, Any]:
+    model = body.model or service.model_id
+    done = service.embed(_inputs(body.input), truncate=body.truncate, dimensions=body.dimensions)
+    return embeddings_json(await done, model, body.encoding_format)
 
 
 def _inputs(value: Any) -> list[Any]:

@@ -9,14 +9,11 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict, Field, StrictStr
 
 from mlx_server.embedding_service import EmbeddingService, Ranking
-from mlx_server.errors import InvalidRequest
-from mlx_server.server.http import parse_body
-from mlx_server.server.streaming import until_disconnect
+from mlx_server.protocols.openai.encoder_route import encoder_router
 
 PATHS = ("/v1/rerank", "/rerank")
 
@@ -40,30 +37,15 @@ class RerankRequest(BaseModel):
 
 def make_router(service: EmbeddingService | None, model_id: str) -> APIRouter:
     """The rerank routes; with no service (a chat model) they answer a 400 naming it."""
-    router = APIRouter()
+    refusal = "does not rerank; start the server with a reranker model"
+    return encoder_router(PATHS, RerankRequest, _answer, service, model_id, refusal)
 
-    async def rerank(request: Request) -> Response:
-        if service is None:
-            raise InvalidRequest(
-                f"the model '{model_id}' is a chat model and does not rerank; start the "
-                "server with a reranker model",
-                param="model",
-                code="model_not_supported",
-            )
-        body = await parse_body(request, RerankRequest)
-        texts = [d if isinstance(d, str) else d.text for d in body.documents]
-        done = service.rerank(body.query, texts, top_n=body.top_n, truncate=body.truncate)
-        model = body.model or service.model_id
 
-        async def collect() -> dict[str, Any]:
-            return rerank_json(await done, model, texts if body.return_documents else None)
-
-        result = await until_disconnect(request, collect(), lambda: None)
-        return Response(status_code=499) if result is None else JSONResponse(result)
-
-    for path in PATHS:
-        router.add_api_route(path, rerank, methods=["POST"])
-    return router
+async def _answer(body: RerankRequest, service: EmbeddingService) -> dict[str, Any]:
+    model = body.model or service.model_id
+    texts = [d if isinstance(d, str) else d.text for d in body.documents]
+    done = service.rerank(body.query, texts, top_n=body.top_n, truncate=body.truncate)
+    return rerank_json(await done, model, texts if body.return_documents else None)
 
 
 def rerank_json(ranking: Ranking, model: str, documents: list[str] | None) -> dict[str, Any]:

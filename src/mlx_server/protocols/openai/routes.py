@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -13,6 +12,7 @@ from mlx_server.logs import log
 from mlx_server.protocols.openai.adapter import to_chat_request
 from mlx_server.protocols.openai.choices import ChoicesEncoder
 from mlx_server.protocols.openai.encoder import ChatEncoder
+from mlx_server.protocols.openai.model_list import model_object
 from mlx_server.protocols.openai.schemas import ChatCompletionRequest
 from mlx_server.server.http import parse_body
 from mlx_server.server.streaming import respond
@@ -24,13 +24,7 @@ def make_router(service: ChatService, *, vision: bool = False) -> APIRouter:
 
     @router.get("/v1/models")
     async def models() -> dict[str, Any]:
-        entry = {
-            "id": service.model_id,
-            "object": "model",
-            "created": int(time.time()),
-            "owned_by": "mlx",
-            **service.context_info(),
-        }
+        entry = model_object(service.model_id, **service.context_info())
         if service.capabilities:
             entry["capabilities"] = service.capabilities
         return {"object": "list", "data": [entry]}

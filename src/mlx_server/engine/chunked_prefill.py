@@ -1,0 +1,50 @@
+"""The prompt of a lone sequence fed into its own KV cache in chunks: the lone-request
+runner's (``solo.SoloSequence``) and the speculative one's (``SpeculativeSequence``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.models.cache import make_prompt_cache
+
+from mlx_server.engine.runner import Progress
+
+
+class ChunkedPrefill:
+    """``fed``: the tokens in the cache; ``_todo``: the prompt tokens still to feed. Each
+    ``_prefill_chunk`` feeds up to ``prefill_step_size`` of them, pausing where the system
+    prompt ends (``system_end``, so the prefix cache can keep that prefix), and never the
+    last one: the first decode step feeds it and samples from its logits."""
+
+    def __init__(
+        self,
+        model: Any,
+        uid: int,
+        prompt: list[int],
+        cached: int,
+        cache: Any,
+        *,
+        prefill_step_size: int,
+        system_end: int,
+    ):
+        self.model = model
+        self.uid = uid
+        self.cache = cache if cache is not None else make_prompt_cache(model)
+        self.fed = list(prompt[:cached])
+        self._todo = list(prompt[cached:])
+        self._total = len(self._todo)
+        self._step_size = prefill_step_size
+        self._system_end = system_end
+
+    def _prefill_chunk(self) -> Progress:
+        n = min(self._step_size, len(self._todo) - 1)
+        if self._system_end > len(self.fed):  # pause where the system prompt ends
+            n = min(n, self._system_end - len(self.fed))
+        self.model(mx.array(self._todo[:n])[None], cache=self.cache)
+        mx.eval([c.state for c in self.cache])
+        self.fed += self._todo[:n]
+        self._todo = self._todo[n:]
+        mx.clear_cache()
+        at_system_end = len(self.fed) == self._system_end
+        return Progress(self.uid, (self._total - len(self._todo), self._total), at_system_end)
