@@ -68,6 +68,8 @@ class GrammarMasks:
         self.threads = default_threads() if threads is None else max(1, threads)
         self._executor = llguidance.LLExecutor(self.threads) if self.threads > 1 else None
         self._buffers: dict[tuple[int, int], np.ndarray] = {}
+        self.steps = 0  # steps that masked at least one row
+        self.rows = 0  # rows masked, over all steps
 
     def apply(
         self, grammars: Sequence[BatchGrammar | None], tokens: Sequence[int], logits: mx.array
@@ -78,6 +80,8 @@ class GrammarMasks:
         live = self._advance(grammars, tokens)
         if not live:
             return logits
+        self.steps += 1
+        self.rows += len(live)
         vocab = logits.shape[-1]
         words = self._masks(live, vocab)
         if len(live) == logits.shape[0]:
