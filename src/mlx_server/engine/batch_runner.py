@@ -15,7 +15,7 @@ sequences that have just finished their prefill.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, StopSequences
@@ -204,13 +204,16 @@ class MaskedDecode:
         self._masks = masks  # () -> GrammarMasks
 
     def __call__(self, inputs: mx.array, cache: Any = None) -> mx.array:
-        out: mx.array = self.model(inputs, cache=cache)
         rows = self._rows() if self._grammars else None
         if rows is None:
-            return out
-        logits = out[:, -1, :]
-        mx.async_eval(logits)  # the forward pass runs while the masks are computed
-        tokens: list[int] = inputs[:, -1].tolist()  # type: ignore[assignment]
+            return cast(mx.array, self.model(inputs, cache=cache))
+        # The fed tokens are scheduled apart and before the forward pass, so reading them
+        # waits for the previous step only (a read of anything queued after the pass would
+        # wait for all of it); the masks are then computed while the device runs the pass.
+        mx.async_eval(inputs)
+        logits = self.model(inputs, cache=cache)[:, -1, :]
+        mx.async_eval(logits)
+        tokens = [row[-1] for row in cast(list[list[int]], inputs.tolist())]
         masked = self._masks().apply(rows, tokens, logits)
         return masked[:, None, :]
 

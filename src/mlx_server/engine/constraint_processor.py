@@ -69,17 +69,22 @@ class GrammarLogitsProcessor:
         return self._active and self.matcher.is_accepting()
 
     def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
-        # Start the forward pass now: reading the last token below waits for the previous
-        # step, and the mask is then computed on the CPU while this step runs.
+        # The context's newest tokens are read from a slice scheduled before the forward
+        # pass: a read of anything queued after the pass would wait for all of it. So the
+        # mask is computed on the CPU while the device runs this step.
+        tail = tokens[-(1 if self._active else len(self._trigger)) :]
+        mx.async_eval(tail)
         mx.async_eval(logits)
+        last = cast(list[int], tail.tolist())
         if not self._active:
-            if not self._trigger_seen(tokens):
+            self._recent = last
+            if tuple(last) != self._trigger:
                 return logits
             self._active = True
         if self._skip_next:
             self._skip_next = False
         elif self.error is None:
-            self.consume(_tail(tokens, 1)[0])
+            self.consume(last[-1])
         return apply_bitmask(logits, self._next_words(logits.shape[-1])[None])
 
     # ---- one step at a time, without the context (the batch's path) ---------------------
@@ -125,11 +130,6 @@ class GrammarLogitsProcessor:
 
     # ---- the per-sequence path ----------------------------------------------------------
 
-    def _trigger_seen(self, tokens: mx.array) -> bool:
-        n = len(self._trigger)
-        self._recent = _tail(tokens, min(n, tokens.shape[0]))
-        return tuple(self._recent) == self._trigger
-
     def _next_words(self, vocab: int) -> np.ndarray:
         """The packed mask over the model's ``vocab``: may this token come next?"""
         if self.error is None:
@@ -144,8 +144,3 @@ class GrammarLogitsProcessor:
         # Rust writes the mask straight into our buffer and releases the GIL meanwhile.
         self.matcher.unsafe_compute_mask_ptr(self._bitmask.ctypes.data, self._bitmask.nbytes)
         return self._bitmask
-
-
-def _tail(tokens: mx.array, n: int) -> list[int]:
-    """The last ``n`` token ids (waits for the step that sampled the last one)."""
-    return cast(list[int], tokens[-n:].tolist()) if n else []
