@@ -159,6 +159,8 @@ class BatchRunner:
 
     def close(self) -> None:
         self._gen.close()
+        if self._masks is not None:
+            self._masks.close()
 
     def stats(self) -> dict[str, Any]:
         return {}
@@ -207,15 +209,20 @@ class MaskedDecode:
         rows = self._rows() if self._grammars else None
         if rows is None:
             return cast(mx.array, self.model(inputs, cache=cache))
-        # The fed tokens are scheduled apart and before the forward pass, so reading them
-        # waits for the previous step only (a read of anything queued after the pass would
-        # wait for all of it); the masks are then computed while the device runs the pass.
+        # The fed tokens are scheduled apart, so reading them waits for the previous step
+        # only (a read of anything queued after the forward pass would wait for all of
+        # it). The grammars consume them and fill their masks on the masks' worker thread
+        # while this one launches the pass; the masks are applied before sampling.
         mx.async_eval(inputs)
         logits = self.model(inputs, cache=cache)[:, -1, :]
-        mx.async_eval(logits)
         tokens = [row[-1] for row in cast(list[list[int]], inputs.tolist())]
-        masked = self._masks().apply(rows, tokens, logits)
-        return masked[:, None, :]
+        masks: GrammarMasks = self._masks()
+        plan = masks.plan(rows, tokens)
+        if plan is None:
+            return logits[:, None, :]
+        pending = masks.submit(plan, logits.shape[-1])
+        mx.async_eval(logits)
+        return masks.mask(pending.result(), logits)[:, None, :]
 
     def __getattr__(self, name: str) -> Any:
         if name == "model":  # not set yet

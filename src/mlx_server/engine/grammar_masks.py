@@ -2,11 +2,12 @@
 
 Per step, for the rows whose sequence has a grammar (``GrammarLogitsProcessor``): each
 matcher consumes the token its row sampled last, every mask is filled into one batch
-bitmask, and the masks are applied to the batch's logits in one MLX operation. With
-several CPU cores the consuming and the filling run on llguidance's own thread pool
-(``LLExecutor``: ``consume_token_par``, ``fill_next_token_bitmask_par``), outside the
-interpreter lock, while the device computes the step's forward pass; with one core they
-run inline, one matcher after another (a thread hand-off would cost more than it saves).
+bitmask, and the masks are applied to the batch's logits in one MLX operation. The
+consuming and filling (``compute``) run on a worker thread while the engine's thread
+launches the step's forward pass and the device runs it; with several CPU cores they
+run on llguidance's own thread pool (``LLExecutor``: ``consume_token_par``,
+``fill_next_token_bitmask_par``), outside the interpreter lock, and with one core one
+matcher after another (a pool's hand-offs would cost more than they save).
 
 A row's failure is its own: an exception while advancing or filling one grammar is
 recorded on that row's owner (its sequence's ``fault``, as ``sampling.guard_processor``
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -57,16 +59,27 @@ def default_threads() -> int:
     return max(1, min(32, (os.cpu_count() or 1) * 80 // 100))
 
 
+@dataclass(eq=False)
+class MaskPlan:
+    """One step's work: the rows whose grammar masks this step, the tokens to consume."""
+
+    live: list[tuple[int, BatchGrammar]]
+    feed: list[tuple[BatchGrammar, int]]
+    words: np.ndarray | None = None  # the packed masks of ``live``, once computed
+
+
 class GrammarMasks:
     """Masks a batch's logits by its rows' grammars; see the module docstring.
 
-    ``threads``: the size of llguidance's thread pool; 1 fills inline. Used from one
-    thread (the engine's).
+    ``threads``: the size of llguidance's thread pool; 1 fills inline. ``plan`` and
+    ``mask`` run on the engine's thread; ``compute`` (consuming and filling: no MLX) may
+    run on another while the engine's thread launches the forward pass (``submit``).
     """
 
     def __init__(self, threads: int | None = None):
         self.threads = default_threads() if threads is None else max(1, threads)
         self._executor = llguidance.LLExecutor(self.threads) if self.threads > 1 else None
+        self._worker: ThreadPoolExecutor | None = None
         self._buffers: dict[tuple[int, int], np.ndarray] = {}
         self.steps = 0  # steps that masked at least one row
         self.rows = 0  # rows masked, over all steps
@@ -77,25 +90,56 @@ class GrammarMasks:
         """``logits`` (rows × vocab) with each row masked by its grammar, after the grammar
         consumed ``tokens[row]`` (the token fed this step). Rows without a grammar, or whose
         grammar is not active yet, are returned unchanged."""
-        live = self._advance(grammars, tokens)
-        if not live:
+        plan = self.plan(grammars, tokens)
+        if plan is None:
+            return logits
+        return self.mask(self.compute(plan, logits.shape[-1]), logits)
+
+    def plan(
+        self, grammars: Sequence[BatchGrammar | None], tokens: Sequence[int]
+    ) -> MaskPlan | None:
+        """Show each row's token to its grammar; None when no row is masked this step."""
+        live, feed = self._advance(grammars, tokens)
+        return MaskPlan(live, feed) if live else None
+
+    def compute(self, plan: MaskPlan, vocab: int) -> MaskPlan:
+        """Consume the plan's tokens and fill its masks (covering ``vocab``)."""
+        self._consume(plan.feed)
+        plan.live = [(i, g) for i, g in plan.live if not g.failed]
+        plan.words = self._masks(plan.live, vocab) if plan.live else None
+        return plan
+
+    def submit(self, plan: MaskPlan, vocab: int) -> Future[MaskPlan]:
+        """``compute`` on this object's worker thread."""
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
+        return self._worker.submit(self.compute, plan, vocab)
+
+    def mask(self, plan: MaskPlan, logits: mx.array) -> mx.array:
+        """``logits`` with the computed plan's rows masked."""
+        if plan.words is None:
             return logits
         self.steps += 1
-        self.rows += len(live)
-        vocab = logits.shape[-1]
-        words = self._masks(live, vocab)
-        if len(live) == logits.shape[0]:
-            return mx.where(unpack(words, vocab), logits, -float("inf"))
-        rows = mx.array([i for i, _ in live])
-        logits[rows] = mx.where(unpack(words, vocab), logits[rows], -float("inf"))
+        self.rows += len(plan.live)
+        allowed = unpack(plan.words, logits.shape[-1])
+        if len(plan.live) == logits.shape[0]:
+            return mx.where(allowed, logits, -float("inf"))
+        rows = mx.array([i for i, _ in plan.live])
+        logits[rows] = mx.where(allowed, logits[rows], -float("inf"))
         return logits
+
+    def close(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown(wait=True)
+            self._worker = None
 
     # ---- the grammars take their rows' tokens -------------------------------------------
 
     def _advance(
         self, grammars: Sequence[BatchGrammar | None], tokens: Sequence[int]
-    ) -> list[tuple[int, BatchGrammar]]:
-        """Feed each row's token to its grammar; the rows whose grammar masks this step."""
+    ) -> tuple[list[tuple[int, BatchGrammar]], list[tuple[BatchGrammar, int]]]:
+        """Show each row's token to its grammar: the rows whose grammar masks this step,
+        and the tokens their matchers must consume first."""
         live: list[tuple[int, BatchGrammar]] = []
         feed: list[tuple[BatchGrammar, int]] = []
         for i, g in enumerate(grammars):
@@ -110,8 +154,7 @@ class GrammarMasks:
                 live.append((i, g))
                 if token >= 0:
                     feed.append((g, token))
-        self._consume(feed)
-        return [(i, g) for i, g in live if not g.failed]
+        return live, feed
 
     def _consume(self, feed: list[tuple[BatchGrammar, int]]) -> None:
         # A completed grammar is checked in Python (which end-of-sequence token it accepts
