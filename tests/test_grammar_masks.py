@@ -242,3 +242,43 @@ def test_a_broken_grammar_ends_only_its_own_request(model, tokenizer, compiler):
     for r, schema in zip(good, SCHEMAS[:2], strict=True):
         assert r.reason == "stop", r.text
         jsonschema.validate(json.loads(r.text), schema)
+
+
+def test_tokens_are_read_from_arrays_scheduled_before_the_forward_pass(
+    monkeypatch, tokenizer, compiler
+):
+    """A read of an array queued after the forward pass waits for all of the pass, so both
+    paths schedule what they read (the context's tail; the batch's fed tokens) first, and
+    the masks are computed while the device runs the pass."""
+    from types import SimpleNamespace
+
+    from mlx_server.engine.batch_runner import MaskedDecode, _RowGrammar
+
+    vocab = len(tokenizer)
+    scheduled: list[list[tuple[int, ...]]] = []
+    real = mx.async_eval
+
+    def spy(*arrays: mx.array) -> None:
+        scheduled.append([tuple(a.shape) for a in arrays])
+        real(*arrays)
+
+    monkeypatch.setattr(mx, "async_eval", spy)
+    per_row = compiler.processor(ConstraintSpec.json_object())
+    per_row(mx.array([1, 2, 3]), mx.zeros((1, vocab)) + 1)
+    assert scheduled == [[(1,)], [(1, vocab)]]
+
+    scheduled.clear()
+    grammar = compiler.processor(ConstraintSpec.json_object())
+    batch = SimpleNamespace(uids=[7, 8], logits_processors=[(grammar,), ()])
+    rows = {7: _RowGrammar(grammar, BatchGrammar(grammar))}
+    masks = GrammarMasks(threads=1)
+    decode = MaskedDecode(
+        lambda x, cache=None: mx.zeros((2, 1, vocab)) + 1, batch, rows, lambda: masks
+    )
+    out = decode(mx.array([[3], [4]]), cache=None)
+    assert scheduled == [[(2, 1)], [(2, vocab)]]
+    assert batch.logits_processors == [(), ()]  # the grammar left the per-row list
+    brace = tokenizer.encode("{", add_special_tokens=False)[0]
+    assert out.shape == (2, 1, vocab) and out[0, 0, brace].item() == 1
+    assert out[0, 0, 0].item() == float("-inf") and mx.all(out[1] == 1).item()
+    masks.close()
