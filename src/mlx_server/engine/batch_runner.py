@@ -14,6 +14,7 @@ sequences that have just finished their prefill.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -199,11 +200,17 @@ class MaskedDecode:
     scores to -inf, which those leave at -inf, so the order changes no result.
     """
 
-    def __init__(self, model: Any, batch: Any, grammars: dict[int, _RowGrammar], masks: Any):
+    def __init__(
+        self,
+        model: Any,
+        batch: Any,
+        grammars: dict[int, _RowGrammar],
+        masks: Callable[[], GrammarMasks],
+    ):
         self.model = model
         self._batch = batch
         self._grammars = grammars
-        self._masks = masks  # () -> GrammarMasks
+        self._masks = masks
 
     def __call__(self, inputs: mx.array, cache: Any = None) -> mx.array:
         rows = self._rows() if self._grammars else None
@@ -216,7 +223,7 @@ class MaskedDecode:
         mx.async_eval(inputs)
         logits = self.model(inputs, cache=cache)[:, -1, :]
         tokens = [row[-1] for row in cast(list[list[int]], inputs.tolist())]
-        masks: GrammarMasks = self._masks()
+        masks = self._masks()
         plan = masks.plan(rows, tokens)
         if plan is None:
             return logits[:, None, :]
