@@ -467,3 +467,23 @@ def test_spec_equality_follows_the_canonical_key():
     assert a == b and hash(a) == hash(b) and len({a, b}) == 1
     assert a != ConstraintSpec.json_object()
     assert ConstraintSpec.tool_call([ADD]).tools == (ADD,)
+
+
+def test_a_valid_spec_is_checked_once(monkeypatch):
+    """A burst of requests with one schema validates it once; an invalid one every time."""
+    from mlx_server.engine import constraints
+
+    spec = ConstraintSpec.json_schema({"type": "object", "properties": {"once": {}}})
+    validate_spec(spec)
+    calls = []
+    monkeypatch.setattr(constraints, "_validate", lambda s: calls.append(s.key()))
+    validate_spec(ConstraintSpec.json_schema({"type": "object", "properties": {"once": {}}}))
+    assert calls == []
+    other = ConstraintSpec.json_schema({"type": "object", "properties": {"twice": {}}})
+    validate_spec(other)
+    assert calls == [other.key()]
+    monkeypatch.undo()
+    bad = ConstraintSpec.json_schema({"not": {}})
+    for _ in range(2):
+        with pytest.raises(ConstraintError):
+            validate_spec(bad)

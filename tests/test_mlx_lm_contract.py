@@ -71,3 +71,47 @@ def test_sampling_helpers(name):
     from mlx_lm import sample_utils
 
     assert callable(getattr(sample_utils, name, None)), f"mlx_lm.sample_utils.{name} is gone"
+
+
+def test_the_decode_batch_the_grammar_masks_wrap():
+    """BatchRunner wraps the model of BatchGenerator's decode batch (``MaskedDecode``): that
+    batch must be one object for the generator's life, call ``self.model(inputs[:, None],
+    cache=...)`` each step with the tokens fed, sample from what it returns, and keep
+    ``uids`` and a per-row ``logits_processors`` list in row order."""
+    import mlx.core as mx
+    from mlx_lm.generate import BatchGenerator, GenerationBatch
+    from mlx_lm.models import llama
+
+    args = llama.ModelArgs(
+        model_type="llama",
+        hidden_size=16,
+        num_hidden_layers=1,
+        intermediate_size=32,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        vocab_size=32,
+        rms_norm_eps=1e-5,
+    )
+    model = llama.Model(args)
+    gen = BatchGenerator(model)  # no stop tokens: each sequence runs to max_tokens
+    decode = gen._generation_batch
+    assert isinstance(decode, GenerationBatch)
+    calls: list[tuple[tuple[int, ...], list[int], int]] = []
+
+    def forced(inputs: mx.array, cache: object = None) -> mx.array:
+        logits = model(inputs, cache=cache)
+        calls.append((tuple(inputs.shape), list(decode.uids), len(decode.logits_processors)))
+        return mx.where(mx.arange(32) == 7, 0.0, -mx.inf) + mx.zeros_like(logits)
+
+    decode.model = forced
+    seen = []
+    uids = gen.insert([[1, 2, 3], [4, 5]], max_tokens=[4, 4], logits_processors=[[], []])
+    for _ in range(8):
+        seen += [(r.uid, r.token) for r in gen.next()[1]]
+        assert gen._generation_batch is decode
+    assert calls and all(shape == (2, 1) for shape, _, _ in calls)
+    assert all(order == uids and n == 2 for _, order, n in calls)
+    # The first token comes from the batch mlx-lm makes after the prefill (its own model);
+    # every later one from the decode batch's model.
+    assert len(seen) == 8
+    assert [t for _, t in seen[2:]] == [7] * 6

@@ -4,16 +4,27 @@ Sequences join the running batch after their (chunked) prefill and leave it at t
 step; ``BatchGenerator`` numbers them itself, so the runner maps its numbers to the
 scheduler's uids. A sequence handed over from the solo runner joins as a prefix-cache hit
 would: its cache, the tokens in it, and the tokens still to feed.
+
+Grammars are masked for the whole batch at once (``grammar_masks.GrammarMasks``): the model
+inside mlx-lm's decode batch is wrapped (``MaskedDecode``), and from a sequence's second
+decode step on its grammar leaves mlx-lm's per-row processor list. Its first token is
+sampled under the grammar by that per-row processor, in the batch mlx-lm makes for
+sequences that have just finished their prefill.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, cast
 
+import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, StopSequences
 
+from mlx_server.engine.constraint_processor import GrammarLogitsProcessor
+from mlx_server.engine.grammar_masks import BatchGrammar, GrammarMasks
 from mlx_server.engine.runner import Insert, KVState, Progress, Response
-from mlx_server.engine.sampling import LogitsProcessor, Sampler
+from mlx_server.engine.sampling import GuardedProcessor, LogitsProcessor, Sampler
 
 
 class BatchRunner:
@@ -27,12 +38,19 @@ class BatchRunner:
         max_batch_size: int,
         prefill_step_size: int,
         keep_caches: bool = True,
+        grammar_masks: GrammarMasks | None = None,
+        batch_grammars: bool = True,
     ):
+        """``batch_grammars=False`` leaves grammars to mlx-lm's per-row processor calls
+        (the way before the batched masks; kept to compare against)."""
         self.model = model
         self._eos = eos
         self._max_batch = max_batch_size
         self._step_size = prefill_step_size
         self._keep_caches = keep_caches  # return the KV state of removed sequences
+        self._batch_grammars = batch_grammars
+        self._masks = grammar_masks
+        self._grammars: dict[int, _RowGrammar] = {}  # BatchGenerator's number -> its grammar
         self._gen = self._new_generator()
         self._uid: dict[int, int] = {}  # BatchGenerator's number -> the scheduler's uid
         self._gen_uid: dict[int, int] = {}  # and back
@@ -41,7 +59,7 @@ class BatchRunner:
         return len(self._uid)
 
     def _new_generator(self) -> BatchGenerator:
-        return BatchGenerator(
+        gen = BatchGenerator(
             self.model,
             completion_batch_size=self._max_batch,
             # Prompts that arrive together prefill together; the scheduler bounds the
@@ -50,6 +68,16 @@ class BatchRunner:
             prefill_step_size=self._step_size,
             stop_tokens=[[t] for t in self._eos],
         )
+        if self._batch_grammars:
+            # The decode batch lives as long as the generator (it grows and shrinks in place).
+            decode = gen._generation_batch
+            decode.model = MaskedDecode(decode.model, decode, self._grammars, self._grammar_masks)
+        return gen
+
+    def _grammar_masks(self) -> GrammarMasks:
+        if self._masks is None:  # its thread pool, only once a grammar runs
+            self._masks = GrammarMasks()
+        return self._masks
 
     def insert(self, job: Insert) -> None:
         self.join(
@@ -84,6 +112,9 @@ class BatchRunner:
         )
         self._uid[gen_uid] = uid
         self._gen_uid[uid] = gen_uid
+        grammar = _row_grammar(processors) if self._batch_grammars else None
+        if grammar is not None:
+            self._grammars[gen_uid] = grammar
 
     def step(self) -> tuple[list[Progress], list[Response]]:
         progress, responses = self._gen.next()
@@ -125,9 +156,12 @@ class BatchRunner:
         self._gen = self._new_generator()
         self._uid.clear()
         self._gen_uid.clear()
+        self._grammars.clear()
 
     def close(self) -> None:
         self._gen.close()
+        if self._masks is not None:
+            self._masks.close()
 
     def stats(self) -> dict[str, Any]:
         return {}
@@ -136,3 +170,82 @@ class BatchRunner:
         gen_uid = self._gen_uid.pop(uid, None)
         if gen_uid is not None:
             self._uid.pop(gen_uid, None)
+            self._grammars.pop(gen_uid, None)
+
+
+@dataclass(eq=False)
+class _RowGrammar:
+    """A sequence's grammar: the processor object in its per-row list, and the batch's view."""
+
+    listed: Any  # what mlx-lm's per-row list holds (the guard around the grammar, or it)
+    grammar: BatchGrammar
+    adopted: bool = False  # taken out of the per-row list, masked by the batch
+
+
+def _row_grammar(processors: list[LogitsProcessor]) -> _RowGrammar | None:
+    for p in processors:
+        if isinstance(p, GuardedProcessor) and isinstance(p.processor, GrammarLogitsProcessor):
+            return _RowGrammar(p, BatchGrammar(p.processor, p.owner))
+        if isinstance(p, GrammarLogitsProcessor):
+            return _RowGrammar(p, BatchGrammar(p))
+    return None
+
+
+class MaskedDecode:
+    """Stands in for the model inside mlx-lm's decode batch (``GenerationBatch``, whose
+    step calls ``self.model(inputs[:, None], cache=...)`` and reads the last position):
+    runs the model, then masks the rows of sequences with a grammar, the whole batch in one
+    ``GrammarMasks`` call, while the device computes the forward pass. mlx-lm's per-row
+    processors (penalties, bias, ``ignore_eos``) then see the masked logits; a mask sets
+    scores to -inf, which those leave at -inf, so the order changes no result.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        batch: Any,
+        grammars: dict[int, _RowGrammar],
+        masks: Callable[[], GrammarMasks],
+    ):
+        self.model = model
+        self._batch = batch
+        self._grammars = grammars
+        self._masks = masks
+
+    def __call__(self, inputs: mx.array, cache: Any = None) -> mx.array:
+        rows = self._rows() if self._grammars else None
+        if rows is None:
+            return cast(mx.array, self.model(inputs, cache=cache))
+        # The fed tokens are scheduled apart, so reading them waits for the previous step
+        # only (a read of anything queued after the forward pass would wait for all of
+        # it). The grammars consume them and fill their masks on the masks' worker thread
+        # while this one launches the pass; the masks are applied before sampling.
+        mx.async_eval(inputs)
+        logits = self.model(inputs, cache=cache)[:, -1, :]
+        tokens = [row[-1] for row in cast(list[list[int]], inputs.tolist())]
+        masks = self._masks()
+        plan = masks.plan(rows, tokens)
+        if plan is None:
+            return logits[:, None, :]
+        pending = masks.submit(plan, logits.shape[-1])
+        mx.async_eval(logits)
+        return masks.mask(pending.result(), logits)[:, None, :]
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "model":  # not set yet
+            raise AttributeError(name)
+        return getattr(self.model, name)
+
+    def _rows(self) -> list[BatchGrammar | None] | None:
+        """Each row's grammar (None: none); None when no row has one. A grammar seen here
+        for the first time leaves its row's per-row processor list."""
+        batch = self._batch
+        found = [self._grammars.get(uid) for uid in batch.uids]
+        if not any(found):
+            return None
+        for e, row in enumerate(found):
+            if row is not None and not row.adopted:
+                listed = batch.logits_processors[e] or ()
+                batch.logits_processors[e] = tuple(p for p in listed if p is not row.listed)
+                row.adopted = True
+        return [row.grammar if row is not None else None for row in found]

@@ -4,6 +4,10 @@ It has mlx-lm's processor signature, ``processor(tokens, logits) -> logits``, so
 into ``BatchGenerator.insert(logits_processors=[[processor], ...])`` and ``generate_step``.
 ``tokens`` is the sequence's context: its last element is the token sampled at the previous
 step (on the first call, the last prompt token, which the grammar must not consume).
+
+The same state machine also runs a step at a time without the context (``observe``,
+``consume``, ``record``, ``settle``): ``grammar_masks.GrammarMasks`` drives the grammars of a
+whole batch that way, computing every mask in one call.
 """
 
 from __future__ import annotations
@@ -14,6 +18,8 @@ from typing import cast
 import llguidance
 import mlx.core as mx
 import numpy as np
+
+from mlx_server.engine.mask_bits import apply_bitmask, eos_words, fit_words
 
 
 class GrammarLogitsProcessor:
@@ -34,11 +40,12 @@ class GrammarLogitsProcessor:
         eos_ids: Sequence[int],
         activate_after: Sequence[int] | None = None,
     ):
-        self._matcher = matcher
-        self._mask_words = (mask_vocab + 31) // 32
+        self.matcher = matcher
+        self.mask_words = (mask_vocab + 31) // 32  # llguidance's mask: one bit per token
         self._eos_set = frozenset(eos_ids)
-        self._eos_ids = np.asarray(sorted(self._eos_set), dtype=np.int64)
+        self.eos_ids = tuple(sorted(self._eos_set))
         self._trigger = tuple(activate_after or ())
+        self._recent: list[int] = []  # the context's last len(trigger) tokens while inactive
         self._active = not self._trigger
         # The last context token on the call that activates the grammar was not sampled
         # under it (a prompt token or the trigger), so it is skipped, not consumed.
@@ -59,72 +66,81 @@ class GrammarLogitsProcessor:
         Each token is consumed on the call after it was sampled, so after a stop for
         length the last token is not yet counted.
         """
-        return self._active and self._matcher.is_accepting()
+        return self._active and self.matcher.is_accepting()
 
     def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
-        # Start the forward pass now: reading the last token below waits for the previous
-        # step, and the mask is then computed on the CPU while this step runs.
+        # The context's newest tokens are read from a slice scheduled before the forward
+        # pass: a read of anything queued after the pass would wait for all of it. So the
+        # mask is computed on the CPU while the device runs this step.
+        tail = tokens[-(1 if self._active else len(self._trigger)) :]
+        mx.async_eval(tail)
         mx.async_eval(logits)
+        last = cast(list[int], tail.tolist())
         if not self._active:
-            if not self._trigger_seen(tokens):
+            self._recent = last
+            if tuple(last) != self._trigger:
                 return logits
             self._active = True
         if self._skip_next:
             self._skip_next = False
         elif self.error is None:
-            self._consume(_tail(tokens, 1)[0])
-        return _apply_mask(logits, self._next_allowed(logits.shape[-1]))
+            self.consume(last[-1])
+        return apply_bitmask(logits, self._next_words(logits.shape[-1])[None])
 
-    def _trigger_seen(self, tokens: mx.array) -> bool:
-        n = len(self._trigger)
-        if tokens.shape[0] < n or _tail(tokens, 1)[0] != self._trigger[-1]:
-            return False
-        return n == 1 or tuple(_tail(tokens, n)) == self._trigger
+    # ---- one step at a time, without the context (the batch's path) ---------------------
 
-    def _consume(self, token: int) -> None:
-        if self._matcher.is_stopped():
+    def observe(self, token: int) -> int | None:
+        """The context grew by ``token``: whether the grammar applies to the next logits
+        (None: not yet active, pass them through) and, if so, the token the matcher must
+        consume first (``consume``), or -1 when there is none (just activated)."""
+        if not self._active:
+            self._recent = (self._recent + [token])[-len(self._trigger) :]
+            if tuple(self._recent) != self._trigger:
+                return None
+            self._active = True
+        if self._skip_next:
+            self._skip_next = False
+            return -1
+        return token if self.error is None else -1
+
+    def consume(self, token: int) -> None:
+        """Advance the matcher by a sampled token (or record why it cannot)."""
+        if self.matcher.is_stopped():
             # mlx-lm runs one more step before it retires a sequence that sampled an
             # end-of-sequence token; any other token here means the mask was ignored.
             if token not in self._eos_set:
                 self.error = f"token {token} sampled after the grammar completed"
-        elif not self._matcher.consume_token(token):
-            self.error = self._matcher.get_error() or f"token {token} rejected by grammar"
         else:
-            self.consumed += 1
+            self.record(token, self.matcher.consume_token(token))
 
-    def _next_allowed(self, vocab: int) -> np.ndarray:
-        """A boolean array over the model's vocabulary: may this token come next?"""
+    def record(self, token: int, ok: bool) -> None:
+        """The outcome of the matcher consuming ``token`` (possibly in a batch call)."""
+        if ok:
+            self.consumed += 1
+        else:
+            self.error = self.matcher.get_error() or f"token {token} rejected by grammar"
+
+    def settle(self) -> bool:
+        """After the matcher filled its mask: False (and ``error`` set) if that broke it,
+        when only end-of-sequence tokens may follow."""
+        if self.matcher.is_error():
+            self.error = self.matcher.get_error()
+            return False
+        return True
+
+    # ---- the per-sequence path ----------------------------------------------------------
+
+    def _next_words(self, vocab: int) -> np.ndarray:
+        """The packed mask over the model's ``vocab``: may this token come next?"""
         if self.error is None:
             bits = self._fill_bitmask()
-            if self._matcher.is_error():
-                self.error = self._matcher.get_error()
-            else:
-                allowed = np.unpackbits(bits.view(np.uint8), bitorder="little")
-                return _fit(allowed, vocab)
-        allowed = np.zeros(vocab, dtype=np.uint8)
-        allowed[self._eos_ids[self._eos_ids < vocab]] = 1
-        return allowed
+            if self.settle():
+                return fit_words(bits[None], vocab, fill=0)[0]
+        return eos_words(self.eos_ids, vocab)
 
     def _fill_bitmask(self) -> np.ndarray:
         if self._bitmask is None:
-            self._bitmask = np.zeros(self._mask_words, dtype=np.int32)
+            self._bitmask = np.zeros(self.mask_words, dtype=np.int32)
         # Rust writes the mask straight into our buffer and releases the GIL meanwhile.
-        self._matcher.unsafe_compute_mask_ptr(self._bitmask.ctypes.data, self._bitmask.nbytes)
+        self.matcher.unsafe_compute_mask_ptr(self._bitmask.ctypes.data, self._bitmask.nbytes)
         return self._bitmask
-
-
-def _tail(tokens: mx.array, n: int) -> list[int]:
-    """The last ``n`` token ids (waits for the step that sampled the last one)."""
-    return cast(list[int], tokens[-n:].tolist())
-
-
-def _fit(allowed: np.ndarray, vocab: int) -> np.ndarray:
-    """Trim or zero-pad a mask to the model's vocabulary (their sizes often differ)."""
-    if allowed.shape[0] >= vocab:
-        return allowed[:vocab]
-    return np.concatenate([allowed, np.zeros(vocab - allowed.shape[0], dtype=allowed.dtype)])
-
-
-def _apply_mask(logits: mx.array, allowed: np.ndarray) -> mx.array:
-    # 0/1 bytes reinterpret as booleans without a copy.
-    return mx.where(mx.array(allowed.view(np.bool_)), logits, -float("inf"))

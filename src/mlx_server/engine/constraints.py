@@ -133,8 +133,29 @@ def validate_schema(schema: Any) -> None:
     _raise_for_grammar_error(llguidance.LLMatcher.validate_grammar(grammar), "JSON schema")
 
 
+_VALIDATED: OrderedDict[str, None] = OrderedDict()  # keys of specs found valid, newest last
+_VALIDATED_SIZE = 256
+_validated_lock = threading.Lock()
+
+
 def validate_spec(spec: ConstraintSpec) -> None:
-    """Validate everything a spec carries: its schema, or its tools and their parameters."""
+    """Validate everything a spec carries: its schema, or its tools and their parameters.
+
+    A spec found valid is remembered (by its key, the last 256), so a burst of requests
+    with one schema checks it once rather than once per request."""
+    key = spec.key()
+    with _validated_lock:
+        if key in _VALIDATED:
+            _VALIDATED.move_to_end(key)
+            return
+    _validate(spec)
+    with _validated_lock:
+        _VALIDATED[key] = None
+        while len(_VALIDATED) > _VALIDATED_SIZE:
+            _VALIDATED.popitem(last=False)
+
+
+def _validate(spec: ConstraintSpec) -> None:
     if spec.kind == "json_schema":
         validate_schema(spec.schema)
     elif spec.kind == "tool_call":

@@ -14,7 +14,7 @@ import os
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import replace
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors
@@ -195,20 +195,28 @@ def guard_sampler(owner: _Faultable, sampler: Sampler) -> Sampler:
     return sample
 
 
-def guard_processor(owner: _Faultable, processor: Any) -> Any:
+def guard_processor(owner: _Faultable, processor: Any) -> GuardedProcessor:
     """A logits processor that records its failure on ``owner`` instead of failing the
     batch's step; the logits pass through unchanged for that step."""
+    return GuardedProcessor(owner, processor)
 
-    def process(tokens: mx.array, logits: mx.array) -> mx.array:
-        if owner.fault is not None:
+
+class GuardedProcessor:
+    """``processor`` guarded for ``owner`` (see ``guard_processor``). The batch runner
+    looks inside for grammars, which it masks for the whole batch at once."""
+
+    def __init__(self, owner: _Faultable, processor: Any):
+        self.owner = owner
+        self.processor = processor
+
+    def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
+        if self.owner.fault is not None:
             return logits
         try:
-            return processor(tokens, logits)
+            return cast(mx.array, self.processor(tokens, logits))
         except Exception as e:
-            owner.fault = f"logits processing failed: {type(e).__name__}: {e}"
+            self.owner.fault = f"logits processing failed: {type(e).__name__}: {e}"
             return logits
-
-    return process
 
 
 def mask_tokens(token_ids: list[int]) -> Callable[[mx.array, mx.array], mx.array]:

@@ -1,0 +1,169 @@
+"""Constrained against free decoding through the engine (no HTTP), N streams at a time.
+
+For each N (``--streams``) and round, three runs of N concurrent requests on one model, in
+an order that rotates each round: ``free`` (``ignore_eos``, so it runs to ``--max-tokens``),
+``batched`` (a ``response_format``-style JSON schema, grammars masked for the whole batch:
+the default ``BatchRunner``) and ``per_row`` (the same schema through mlx-lm's per-row
+processor calls: ``BatchRunner(batch_grammars=False)``). The schema asks for a string longer
+than ``--max-tokens`` can hold, so a constrained answer runs to the limit too. One stream
+takes the lone-request path in every mode (its grammar is one per-row processor either way).
+
+Decode tok/s counts every stream's tokens after its first, over the time from the first
+stream's first token to the last stream's last one. Prints one JSON line per run and a
+summary per N with the median ratios constrained / free.
+
+    PYTHONPATH=src .venv/bin/python bench/constrained_engine.py [--model DIR]
+        [--streams 1,8] [--rounds 3] [--max-tokens 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import time
+from typing import Any
+
+from mlx_lm import load
+
+from mlx_server.engine.batch_runner import BatchRunner
+from mlx_server.engine.constraints import ConstraintCompiler, ConstraintSpec
+from mlx_server.engine.engine import Engine, EngineConfig
+from mlx_server.engine.handle import TokenPiece
+from mlx_server.engine.solo import LoneFirstRunner, SoloRunner
+from mlx_server.events import Finished
+from mlx_server.types import GenerationRequest, SamplingParams
+
+MODES = ("free", "batched", "per_row")
+
+
+def essay_schema(max_tokens: int) -> dict[str, Any]:
+    return {
+        "type": "object",
+        "properties": {
+            "title": {"type": "string", "maxLength": 40},
+            "essay": {"type": "string", "minLength": 8 * max_tokens},
+        },
+        "required": ["title", "essay"],
+        "additionalProperties": False,
+    }
+
+
+def make_engine(model: Any, tokenizer: Any, batch_grammars: bool, streams: int) -> Engine:
+    eos = sorted(int(t) for t in tokenizer.eos_token_ids)
+    step = 512
+    batch = BatchRunner(
+        model,
+        eos,
+        max_batch_size=streams,
+        prefill_step_size=step,
+        keep_caches=False,
+        batch_grammars=batch_grammars,
+    )
+    runner = LoneFirstRunner(SoloRunner(model, eos, prefill_step_size=step), batch)
+    config = EngineConfig(
+        max_batch_size=streams, prompt_cache_size=0, prefill_step_size=step, kv_bytes_per_token=1
+    )
+    engine = Engine(model, tokenizer, config, runner=runner)
+    engine.start()
+    return engine
+
+
+async def one_run(engine: Engine, reqs: list[GenerationRequest]) -> dict[str, Any]:
+    firsts: list[float] = []
+    lasts: list[float] = []
+    counts: list[int] = []
+
+    async def consume(req: GenerationRequest) -> str:
+        handle = engine.submit(req)
+        first, reason = 0.0, ""
+        async for ev in handle:
+            if isinstance(ev, TokenPiece):
+                first = first or time.perf_counter()
+            elif isinstance(ev, Finished):
+                reason = ev.reason
+                counts.append(ev.usage.completion_tokens)
+        firsts.append(first)
+        lasts.append(time.perf_counter())
+        return reason
+
+    start = time.perf_counter()
+    reasons = await asyncio.gather(*(consume(r) for r in reqs))
+    end = time.perf_counter()
+    decode = sum(c - 1 for c in counts) / (max(lasts) - min(firsts))
+    return {
+        "decode_tok_s": decode,
+        "aggregate_tok_s": sum(counts) / (end - start),
+        "tokens": counts,
+        "reasons": sorted(set(reasons)),
+    }
+
+
+def requests(tokenizer: Any, compiler: ConstraintCompiler, mode: str, n: int, max_tokens: int):
+    reqs = []
+    for i in range(n):
+        messages = [{"role": "user", "content": f"[{mode} {i}] Reply in JSON: a long essay."}]
+        prompt = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+        processors: tuple[Any, ...] = ()
+        if mode != "free":
+            spec = ConstraintSpec.json_schema(essay_schema(max_tokens))
+            processors = (compiler.processor(spec),)
+        reqs.append(
+            GenerationRequest(
+                f"{mode}-{i}-{time.monotonic_ns()}",
+                prompt,
+                max_tokens,
+                sampling=SamplingParams(temperature=0.0),
+                ignore_eos=mode == "free",
+                logits_processors=processors,
+            )
+        )
+    return reqs
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="models/smollm2-135m-instruct-f32")
+    p.add_argument("--streams", default="1,8")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--max-tokens", type=int, default=64)
+    a = p.parse_args()
+    model, tokenizer = load(a.model)[:2]
+    compiler = ConstraintCompiler(tokenizer)
+    for n in [int(x) for x in a.streams.split(",")]:
+        batched = make_engine(model, tokenizer, True, n)
+        engines = {
+            "free": batched,
+            "batched": batched,
+            "per_row": make_engine(model, tokenizer, False, n),
+        }
+        ratios: dict[str, list[float]] = {"batched": [], "per_row": []}
+        try:
+            for r in range(a.rounds + 1):  # round 0 warms up, untimed
+                order = MODES[r % 3 :] + MODES[: r % 3]
+                rates = {}
+                for mode in order:
+                    reqs = requests(tokenizer, compiler, mode, n, a.max_tokens)
+                    res = asyncio.run(one_run(engines[mode], reqs))
+                    rates[mode] = res["decode_tok_s"]
+                    if r:
+                        load_avg = round(os.getloadavg()[0], 1)
+                        print(
+                            json.dumps(
+                                {"streams": n, "round": r, "mode": mode, **res, "load": load_avg}
+                            )
+                        )
+                if r:
+                    for mode in ratios:
+                        ratios[mode].append(rates[mode] / rates["free"])
+        finally:
+            engines["free"].shutdown(timeout=10)
+            engines["per_row"].shutdown(timeout=10)
+        summary = {f"{m}_over_free": round(statistics.median(v), 3) for m, v in ratios.items()}
+        print(json.dumps({"summary": a.model, "streams": n, **summary}), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,233 @@
+"""The grammar masks of a whole batch, one call per decode step.
+
+Per step, for the rows whose sequence has a grammar (``GrammarLogitsProcessor``): each
+matcher consumes the token its row sampled last, every mask is filled into one batch
+bitmask, and the masks are applied to the batch's logits in one MLX operation. The
+consuming and filling (``compute``) run on a worker thread while the engine's thread
+launches the step's forward pass and the device runs it; with several CPU cores they
+run on llguidance's own thread pool (``LLExecutor``: ``consume_token_par``,
+``fill_next_token_bitmask_par``), outside the interpreter lock, and with one core one
+matcher after another (a pool's hand-offs would cost more than they save).
+
+A row's failure is its own: an exception while advancing or filling one grammar is
+recorded on that row's owner (its sequence's ``fault``, as ``sampling.guard_processor``
+does for per-row processors) and the row's logits pass through; the engine then ends that
+sequence alone.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Protocol
+
+import llguidance
+import llguidance.numpy
+import mlx.core as mx
+import numpy as np
+
+from mlx_server.engine.constraint_processor import GrammarLogitsProcessor
+from mlx_server.engine.mask_bits import eos_words, fit_words, unpack, words_for
+
+
+class _Faultable(Protocol):
+    fault: str | None
+
+
+@dataclass(eq=False)
+class BatchGrammar:
+    """One row's grammar and where its failure is recorded (None: raise it)."""
+
+    processor: GrammarLogitsProcessor
+    owner: _Faultable | None = None
+
+    def blame(self, e: Exception) -> None:
+        if self.owner is None:
+            raise e
+        if self.owner.fault is None:
+            self.owner.fault = f"logits processing failed: {type(e).__name__}: {e}"
+
+    @property
+    def failed(self) -> bool:
+        return self.owner is not None and self.owner.fault is not None
+
+
+def default_threads() -> int:
+    """llguidance's own default: 80 % of the CPUs, at most 32."""
+    return max(1, min(32, (os.cpu_count() or 1) * 80 // 100))
+
+
+@dataclass(eq=False)
+class MaskPlan:
+    """One step's work: the rows whose grammar masks this step, the tokens to consume."""
+
+    live: list[tuple[int, BatchGrammar]]
+    feed: list[tuple[BatchGrammar, int]]
+    words: np.ndarray | None = None  # the packed masks of ``live``, once computed
+
+
+class GrammarMasks:
+    """Masks a batch's logits by its rows' grammars; see the module docstring.
+
+    ``threads``: the size of llguidance's thread pool; 1 fills inline. ``plan`` and
+    ``mask`` run on the engine's thread; ``compute`` (consuming and filling: no MLX) may
+    run on another while the engine's thread launches the forward pass (``submit``).
+    """
+
+    def __init__(self, threads: int | None = None):
+        self.threads = default_threads() if threads is None else max(1, threads)
+        self._executor = llguidance.LLExecutor(self.threads) if self.threads > 1 else None
+        self._worker: ThreadPoolExecutor | None = None
+        self._buffers: dict[tuple[int, int], np.ndarray] = {}
+        self.steps = 0  # steps that masked at least one row
+        self.rows = 0  # rows masked, over all steps
+
+    def apply(
+        self, grammars: Sequence[BatchGrammar | None], tokens: Sequence[int], logits: mx.array
+    ) -> mx.array:
+        """``logits`` (rows × vocab) with each row masked by its grammar, after the grammar
+        consumed ``tokens[row]`` (the token fed this step). Rows without a grammar, or whose
+        grammar is not active yet, are returned unchanged."""
+        plan = self.plan(grammars, tokens)
+        if plan is None:
+            return logits
+        return self.mask(self.compute(plan, logits.shape[-1]), logits)
+
+    def plan(
+        self, grammars: Sequence[BatchGrammar | None], tokens: Sequence[int]
+    ) -> MaskPlan | None:
+        """Show each row's token to its grammar; None when no row is masked this step."""
+        live, feed = self._advance(grammars, tokens)
+        return MaskPlan(live, feed) if live else None
+
+    def compute(self, plan: MaskPlan, vocab: int) -> MaskPlan:
+        """Consume the plan's tokens and fill its masks (covering ``vocab``)."""
+        self._consume(plan.feed)
+        plan.live = [(i, g) for i, g in plan.live if not g.failed]
+        plan.words = self._masks(plan.live, vocab) if plan.live else None
+        return plan
+
+    def submit(self, plan: MaskPlan, vocab: int) -> Future[MaskPlan]:
+        """``compute`` on this object's worker thread."""
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
+        return self._worker.submit(self.compute, plan, vocab)
+
+    def mask(self, plan: MaskPlan, logits: mx.array) -> mx.array:
+        """``logits`` with the computed plan's rows masked."""
+        if plan.words is None:
+            return logits
+        self.steps += 1
+        self.rows += len(plan.live)
+        allowed = unpack(plan.words, logits.shape[-1])
+        if len(plan.live) == logits.shape[0]:
+            return mx.where(allowed, logits, -float("inf"))
+        rows = mx.array([i for i, _ in plan.live])
+        logits[rows] = mx.where(allowed, logits[rows], -float("inf"))
+        return logits
+
+    def close(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown(wait=True)
+            self._worker = None
+
+    # ---- the grammars take their rows' tokens -------------------------------------------
+
+    def _advance(
+        self, grammars: Sequence[BatchGrammar | None], tokens: Sequence[int]
+    ) -> tuple[list[tuple[int, BatchGrammar]], list[tuple[BatchGrammar, int]]]:
+        """Show each row's token to its grammar: the rows whose grammar masks this step,
+        and the tokens their matchers must consume first."""
+        live: list[tuple[int, BatchGrammar]] = []
+        feed: list[tuple[BatchGrammar, int]] = []
+        for i, g in enumerate(grammars):
+            if g is None or g.failed:
+                continue
+            try:
+                token = g.processor.observe(tokens[i])
+            except Exception as e:
+                g.blame(e)
+                continue
+            if token is not None:
+                live.append((i, g))
+                if token >= 0:
+                    feed.append((g, token))
+        return live, feed
+
+    def _consume(self, feed: list[tuple[BatchGrammar, int]]) -> None:
+        # A completed grammar is checked in Python (which end-of-sequence token it accepts
+        # is ours to say); the others advance in one call when there is a pool.
+        alone, together = feed, []
+        if self._executor is not None and len(feed) > 1:
+            stopped = [g.processor.matcher.is_stopped() for g, _ in feed]
+            alone = [f for f, s in zip(feed, stopped, strict=True) if s]
+            together = [f for f, s in zip(feed, stopped, strict=True) if not s]
+        results: list[bool] | None = None
+        if self._executor is not None and len(together) > 1:
+            pairs = [(g.processor.matcher, t) for g, t in together]
+            try:
+                results = llguidance.numpy.consume_token_par(self._executor, pairs)
+            except Exception:  # which row failed is unknown: find it one by one
+                results = None
+        if results is None:
+            alone, together = alone + together, []
+        for g, t in alone:
+            try:
+                g.processor.consume(t)
+            except Exception as e:
+                g.blame(e)
+        for (g, t), ok in zip(together, results or [], strict=True):
+            g.processor.record(t, ok)
+
+    # ---- the masks ----------------------------------------------------------------------
+
+    def _masks(self, live: list[tuple[int, BatchGrammar]], vocab: int) -> np.ndarray:
+        """The packed masks of the ``live`` rows, in their order, covering ``vocab``."""
+        out = np.zeros((len(live), words_for(vocab)), dtype=np.int32)
+        width = live[0][1].processor.mask_words
+        todo = [j for j, (_, g) in enumerate(live) if g.processor.error is None]
+        if todo and all(live[j][1].processor.mask_words == width for j in todo):
+            bits = self._fill([live[j][1] for j in todo], width)
+            out[todo] = fit_words(bits, vocab, fill=0)
+        else:  # grammars of several tokenizers in one batch: each its own width
+            for j in todo:
+                bits = self._fill([live[j][1]], live[j][1].processor.mask_words)
+                out[j] = fit_words(bits, vocab, fill=0)[0]
+        for j, (_, g) in enumerate(live):
+            if g.processor.error is not None or not _settled(g):
+                out[j] = eos_words(g.processor.eos_ids, vocab)
+        return out
+
+    def _fill(self, grammars: list[BatchGrammar], width: int) -> np.ndarray:
+        """Each grammar's next mask, one row each (a buffer reused across steps)."""
+        key = (len(grammars), width)
+        buf = self._buffers.get(key)
+        if buf is None:
+            if len(self._buffers) > 64:
+                self._buffers.clear()
+            buf = self._buffers[key] = np.zeros(key, dtype=np.int32)
+        if self._executor is not None and len(grammars) > 1:
+            pairs = [(g.processor.matcher, j) for j, g in enumerate(grammars)]
+            try:
+                llguidance.numpy.fill_next_token_bitmask_par(self._executor, pairs, buf)
+                return buf
+            except Exception:  # which row failed is unknown: fill them one by one
+                pass
+        for j, g in enumerate(grammars):
+            row = buf[j]
+            try:
+                g.processor.matcher.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
+            except Exception as e:
+                g.blame(e)
+        return buf
+
+
+def _settled(g: BatchGrammar) -> bool:
+    """The grammar is still sound after filling its mask (and its row did not fail)."""
+    try:
+        return not g.failed and g.processor.settle()
+    except Exception as e:
+        g.blame(e)
+        return False

@@ -1,0 +1,284 @@
+"""Grammar masks for a whole batch in one call (``GrammarMasks``, the batch runner's path).
+
+The batched masks must be exactly the per-sequence processor's (the way before them) and
+llguidance's own, rows without a grammar untouched, and one broken grammar must end only its
+own request. The tiny random-weight model of ``test_constraints`` makes every JSON output
+here the constraint's doing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+from typing import Any
+
+import jsonschema
+import llguidance
+import llguidance.hf
+import mlx.core as mx
+import numpy as np
+import pytest
+from engine_runner import generate_all, request
+from mlx_lm.tokenizer_utils import TokenizerWrapper
+from test_constraints import SCHEMAS, make_hf_tokenizer, make_model
+
+from mlx_server.engine.batch_runner import BatchRunner
+from mlx_server.engine.constraint_processor import GrammarLogitsProcessor
+from mlx_server.engine.constraints import ConstraintCompiler, ConstraintSpec, build_grammar
+from mlx_server.engine.engine import Engine, EngineConfig
+from mlx_server.engine.grammar_masks import BatchGrammar, GrammarMasks
+from mlx_server.engine.mask_bits import unpack_on_device, unpack_on_host
+from mlx_server.types import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> TokenizerWrapper:
+    return TokenizerWrapper(make_hf_tokenizer())
+
+
+@pytest.fixture(scope="module")
+def model(tokenizer: TokenizerWrapper) -> Any:
+    return make_model(len(tokenizer))
+
+
+@pytest.fixture(scope="module")
+def compiler(tokenizer: TokenizerWrapper) -> ConstraintCompiler:
+    return ConstraintCompiler(tokenizer)
+
+
+@pytest.mark.parametrize("vocab", [150, 160, 200])
+def test_host_and_device_unpacking_agree(vocab):
+    rng = np.random.default_rng(vocab)
+    words = rng.integers(-(2**31), 2**31 - 1, (3, (vocab + 31) // 32), dtype=np.int64)
+    words = words.astype(np.int32)
+    host, device = unpack_on_host(words, vocab), unpack_on_device(words, vocab)
+    assert host.shape == (3, vocab) and host.dtype == mx.bool_
+    assert mx.array_equal(host, device).item()
+    bits = np.unpackbits(words.view(np.uint8), axis=1, bitorder="little")[:, :vocab]
+    assert np.array_equal(np.array(host), bits.astype(bool))
+
+
+def reference_allowed(matcher: llguidance.LLMatcher, vocab: int) -> set[int]:
+    """What llguidance itself allows next, read from its own bitmask."""
+    bits = np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8)
+    return {int(t) for t in np.flatnonzero(np.unpackbits(bits, bitorder="little")) if t < vocab}
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_batched_masks_are_the_per_row_masks_and_llguidance_s(tokenizer, compiler, threads):
+    """Rows: four schemas, a row without a grammar, and one that activates after a trigger.
+    Each step every row takes a random allowed token (the trigger row its trigger at step
+    3); the batch's masked logits equal the per-row processor's on a twin, row by row,
+    and allow what a third copy of the matcher allows."""
+    vocab = len(tokenizer) + 5  # the model's logits are wider than the tokenizer
+    think_end = tokenizer.convert_tokens_to_ids("</think>")
+    specs = [ConstraintSpec.json_schema(s) for s in SCHEMAS] + [None, ConstraintSpec.json_object()]
+    triggers = [None] * 5 + [[think_end]]
+
+    def make(i: int) -> GrammarLogitsProcessor | None:
+        spec = specs[i]
+        return None if spec is None else compiler.processor(spec, activate_after=triggers[i])
+
+    batched = [make(i) for i in range(len(specs))]
+    per_row = [make(i) for i in range(len(specs))]
+    refs = [compiler.compile(s).deep_copy() if s is not None else None for s in specs]
+    masks = GrammarMasks(threads=threads)
+    rng = random.Random(threads)
+    contexts = [tokenizer.encode("Answer:") for _ in specs]
+    ended = [False] * len(specs)
+    for step in range(300):
+        logits = mx.array(np.random.default_rng(step).normal(size=(len(specs), vocab)))
+        logits = logits.astype(mx.float32)
+        rows = [BatchGrammar(p) if p is not None else None for p in batched]
+        out = masks.apply(rows, [c[-1] for c in contexts], logits)
+        for i, p in enumerate(per_row):
+            if p is None:
+                assert mx.array_equal(out[i], logits[i]).item()  # no grammar: untouched
+                continue
+            expected = p(mx.array(contexts[i]), logits[i : i + 1])[0]
+            assert mx.array_equal(out[i], expected).item(), (step, i)
+            allowed = set(np.flatnonzero(np.array(out[i]) > -np.inf).tolist())
+            grammar_on = p.active
+            if grammar_on and not ended[i]:
+                assert allowed == reference_allowed(refs[i], vocab), (step, i)
+        if all(ended[i] or specs[i] is None for i in range(len(specs))):
+            break
+        for i in range(len(specs)):
+            allowed = np.flatnonzero(np.array(out[i]) > -np.inf).tolist()
+            if i == 5 and step == 3:
+                token = think_end
+            elif i == 5 and step < 3:
+                token = rng.choice([t for t in allowed if t != think_end])
+            else:
+                token = rng.choice(allowed)
+            contexts[i].append(token)
+            ref = refs[i]
+            if ref is not None and not ended[i] and (i != 5 or step > 3):
+                if ref.is_stopped():
+                    ended[i] = True
+                else:
+                    assert ref.consume_token(token)
+    assert all(ended[i] for i in range(5) if specs[i] is not None)
+    assert batched[5] is not None and batched[5].active and batched[5].consumed > 0
+    for p in batched:
+        assert p is None or p.error is None
+
+
+def engine_with(model: Any, tokenizer: Any, **runner: Any) -> Engine:
+    batch = BatchRunner(
+        model,
+        sorted(tokenizer.eos_token_ids),
+        max_batch_size=8,
+        prefill_step_size=64,
+        keep_caches=False,
+        **runner,
+    )
+    config = EngineConfig(max_batch_size=8, prompt_cache_size=0, kv_bytes_per_token=256)
+    engine = Engine(model, tokenizer, config, runner=batch)
+    engine.start()
+    return engine
+
+
+def mixed_requests(tokenizer: Any, compiler: ConstraintCompiler) -> list[Any]:
+    """Four schemas and two free requests, each seeded (its own random stream)."""
+    prompt = tokenizer.encode("Answer in JSON:")
+    reqs = []
+    for i, schema in enumerate(SCHEMAS[:2] + [None] + SCHEMAS[2:] + [None]):
+        processors = (
+            () if schema is None else (compiler.processor(ConstraintSpec.json_schema(schema)),)
+        )
+        sampling = SamplingParams(temperature=1.0, seed=100 + i)
+        reqs.append(
+            request(
+                prompt,
+                600 if schema else 40,
+                sampling=sampling,
+                logits_processors=processors,
+                ignore_eos=schema is None,
+            )
+        )
+    return reqs
+
+
+def test_a_mixed_batch_gives_valid_json_and_the_per_row_path_s_tokens(model, tokenizer, compiler):
+    schemas = SCHEMAS[:2] + [None] + SCHEMAS[2:] + [None]
+    outputs = {}
+    for batched in (True, False):
+        engine = engine_with(
+            model, tokenizer, batch_grammars=batched, grammar_masks=GrammarMasks(threads=2)
+        )
+        try:
+            outputs[batched] = asyncio.run(
+                generate_all(engine, mixed_requests(tokenizer, compiler))
+            )
+        finally:
+            engine.shutdown(timeout=10)
+    for new, old, schema in zip(outputs[True], outputs[False], schemas, strict=True):
+        assert (new.text, new.reason) == (old.text, old.reason)
+        assert new.finished.usage.completion_tokens == old.finished.usage.completion_tokens
+        if schema is not None:
+            assert new.reason == "stop", new.text
+            jsonschema.validate(json.loads(new.text), schema)
+    free = [r for r, s in zip(outputs[True], schemas, strict=True) if s is None]
+    assert all(r.reason == "length" for r in free)  # random weights: no JSON, no early end
+
+
+class Exploding(GrammarLogitsProcessor):
+    """A grammar whose step fails after a few tokens (as a bug in it would)."""
+
+    def observe(self, token: int) -> int | None:
+        if self.consumed >= 3:
+            raise RuntimeError("grammar exploded")
+        return super().observe(token)
+
+
+class Misfit(GrammarLogitsProcessor):
+    """After two tokens its matcher is swapped for one over a wider vocabulary, so the
+    batch's one fill call refuses it (the buffer is one width for all rows)."""
+
+    other: llguidance.LLMatcher
+
+    def record(self, token: int, ok: bool) -> None:
+        super().record(token, ok)
+        if self.consumed == 2:
+            self.matcher = self.other
+
+
+def test_a_broken_grammar_ends_only_its_own_request(model, tokenizer, compiler):
+    """In one batch: a grammar whose step raises (that request fails, with its error), a
+    matcher broken from the start (only end-of-sequence allowed: it stops at once), one
+    whose mask the batch's fill call refuses (that request fails), and two sound schemas
+    (valid JSON)."""
+    obj = ConstraintSpec.json_object()
+    eos = compiler.processor(obj).eos_ids
+    exploding = Exploding(compiler.compile(obj).deep_copy(), mask_vocab=len(tokenizer), eos_ids=eos)
+    broken = GrammarLogitsProcessor(
+        llguidance.LLMatcher(compiler._tokenizer, "start: nope_undefined", log_level=0),
+        mask_vocab=len(tokenizer),
+        eos_ids=eos,
+    )
+    misfit = Misfit(compiler.compile(obj).deep_copy(), mask_vocab=len(tokenizer), eos_ids=eos)
+    wider = llguidance.hf.from_tokenizer(tokenizer._tokenizer, n_vocab=len(tokenizer) + 64)
+    misfit.other = llguidance.LLMatcher(wider, build_grammar(obj), log_level=0)
+    sound = [compiler.processor(ConstraintSpec.json_schema(s)) for s in SCHEMAS[:2]]
+    prompt = tokenizer.encode("Answer in JSON:")
+    reqs = [
+        request(
+            prompt, 200, sampling=SamplingParams(temperature=1.0, seed=i), logits_processors=(p,)
+        )
+        for i, p in enumerate([exploding, broken, misfit, *sound])
+    ]
+    engine = engine_with(model, tokenizer, grammar_masks=GrammarMasks(threads=2))
+    try:
+        results = asyncio.run(generate_all(engine, reqs))
+    finally:
+        engine.shutdown(timeout=10)
+    exploded, stopped, refused, *good = results
+    assert exploded.reason == "error" and "grammar exploded" in (exploded.finished.error or "")
+    assert stopped.reason == "stop" and stopped.text == "" and broken.error
+    assert refused.reason == "error", refused.text
+    assert "Invalid buffer size" in (refused.finished.error or "")
+    for r, schema in zip(good, SCHEMAS[:2], strict=True):
+        assert r.reason == "stop", r.text
+        jsonschema.validate(json.loads(r.text), schema)
+
+
+def test_tokens_are_read_from_arrays_scheduled_before_the_forward_pass(
+    monkeypatch, tokenizer, compiler
+):
+    """A read of an array queued after the forward pass waits for all of the pass, so both
+    paths schedule what they read (the context's tail; the batch's fed tokens) first, and
+    the masks are computed while the device runs the pass."""
+    from types import SimpleNamespace
+
+    from mlx_server.engine.batch_runner import MaskedDecode, _RowGrammar
+
+    vocab = len(tokenizer)
+    scheduled: list[list[tuple[int, ...]]] = []
+    real = mx.async_eval
+
+    def spy(*arrays: mx.array) -> None:
+        scheduled.append([tuple(a.shape) for a in arrays])
+        real(*arrays)
+
+    monkeypatch.setattr(mx, "async_eval", spy)
+    per_row = compiler.processor(ConstraintSpec.json_object())
+    per_row(mx.array([1, 2, 3]), mx.zeros((1, vocab)) + 1)
+    assert scheduled == [[(1,)], [(1, vocab)]]
+
+    scheduled.clear()
+    grammar = compiler.processor(ConstraintSpec.json_object())
+    batch = SimpleNamespace(uids=[7, 8], logits_processors=[(grammar,), ()])
+    rows = {7: _RowGrammar(grammar, BatchGrammar(grammar))}
+    masks = GrammarMasks(threads=1)
+    decode = MaskedDecode(
+        lambda x, cache=None: mx.zeros((2, 1, vocab)) + 1, batch, rows, lambda: masks
+    )
+    out = decode(mx.array([[3], [4]]), cache=None)
+    assert scheduled == [[(2, 1)], [(2, vocab)]]
+    assert batch.logits_processors == [(), ()]  # the grammar left the per-row list
+    brace = tokenizer.encode("{", add_special_tokens=False)[0]
+    assert out.shape == (2, 1, vocab) and out[0, 0, brace].item() == 1
+    assert out[0, 0, 0].item() == float("-inf") and mx.all(out[1] == 1).item()
+    masks.close()
