@@ -1,12 +1,15 @@
 """A lone sequence that speculates: the lone-request runner, drafting and verifying.
 
-Prefill is the lone runner's (``solo.SoloSequence``), in chunks. Each decode step asks the
-drafter for up to ``k`` tokens (``controller.DraftLength`` picks ``k``), verifies them in one forward pass
-(``verify.verify``) and answers with every token it emitted, one response each, like
-``SoloSequence.next``. Unlike the lone runner it does not queue the next step before the
-token is read: what to feed next depends on the acceptance. Between steps the KV cache
-holds exactly ``fed``, and ``_todo`` the one emitted token not yet fed, so a handover to
-the batch (``handover``) works as for the lone runner.
+It is a ``solo.SoloSequence`` (prefill in chunks, pipelined decoding) whose decode steps
+may draft: ``controller.DraftLength`` picks ``k`` for each step. With ``k`` zero the step
+is the solo sequence's own, queued before its token is read, so a sequence whose drafts
+are not accepted (the controller backs off) decodes at the solo runner's speed. With ``k``
+above zero the pending token is read, the drafter proposes up to ``k`` tokens after it,
+one forward pass verifies them (``verify.verify``), and the step answers with every token
+it emitted, one response each. Such a step is not pipelined: what to feed next depends on
+the acceptance. After it the KV cache holds exactly ``fed`` and ``_todo`` the last emitted
+token, which the next step (of either kind) feeds first; a handover to the batch
+(``handover``) works from either state as for the solo sequence.
 """
 
 from __future__ import annotations
@@ -17,15 +20,17 @@ from typing import Any
 
 import mlx.core as mx
 from mlx_lm.generate import generation_stream
-from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
+from mlx_lm.models.cache import trim_prompt_cache
 
-from mlx_server.engine.runner import Progress, Response
+from mlx_server.engine.runner import Insert, Progress, Response
+from mlx_server.engine.solo import SoloSequence
 from mlx_server.engine.speculative.controller import DraftLength
 from mlx_server.engine.speculative.drafters import Drafter
 from mlx_server.engine.speculative.verify import Processor, Verified, verify
+from mlx_server.types import GenerationRequest
 
 
-class SpeculativeSequence:
+class SpeculativeSequence(SoloSequence):
     """A lone sequence's prefill and speculative decode; see the module docstring."""
 
     def __init__(
@@ -46,25 +51,17 @@ class SpeculativeSequence:
         processors: Sequence[Processor] = (),
         system_end: int = 0,
         adaptive: bool = True,
+        length: DraftLength | None = None,
     ):
-        self.model = model
-        self.uid = uid
-        self.sampler = sampler
-        self.processors = list(processors)
-        self.cache = cache if cache is not None else make_prompt_cache(model)
-        self.fed = list(prompt[:cached])  # the tokens in the cache
-        self._todo = list(prompt[cached:])  # to feed: the prompt's rest, then the last token
-        self._total = len(self._todo)
-        self._max_tokens = max_tokens
-        self._eos = set(eos)
-        self._step_size = prefill_step_size
-        self._system_end = system_end
-        self.emitted = 0
+        request = GenerationRequest(f"speculative-{uid}", prompt, max_tokens)
+        job = Insert(uid, request, prompt, cached, cache, sampler, list(processors), system_end)
+        super().__init__(model, job, eos, prefill_step_size)
         self.drafter = drafter
         self._greedy = greedy
-        self.length = DraftLength(num_draft_tokens)
+        self.length = length or DraftLength(num_draft_tokens)
         self._adaptive = adaptive
         self._num_draft = num_draft_tokens
+        self._plain_run = 0  # plain steps in a row: from the second on, they are timed
         self.draft_n = 0  # tokens drafted
         self.draft_accepted = 0  # of those, accepted
 
@@ -72,33 +69,33 @@ class SpeculativeSequence:
         with mx.stream(generation_stream):
             if len(self._todo) > 1:
                 return [self._prefill_chunk()], []
-            return [], self._decode()
+            left = self._max_tokens - self.emitted - (self._next is not None)
+            k = min(self.length.next_k() if self._adaptive else self._num_draft, left - 1)
+            if k <= 0:
+                return [], [self._plain()]
+            return [], self._speculate(k)
 
-    def take_pending(self) -> Response | None:
-        return None  # nothing is queued ahead: the emitted tokens were all answered
+    def _plain(self) -> Response:
+        t = time.perf_counter()
+        timed = self._plain_run > 0 and self._next is not None  # a pipelined step
+        r = self._decode()
+        if timed:
+            self.length.record_plain(time.perf_counter() - t)
+        self._plain_run += 1
+        return r
 
-    def handover(self) -> tuple[list[int], Any, list[int], int]:
-        """(tokens still to feed, cache, tokens in the cache, tokens left to generate)."""
-        return self._todo, self.cache, self.fed, self._max_tokens - self.emitted
-
-    def _prefill_chunk(self) -> Progress:
-        n = min(self._step_size, len(self._todo) - 1)
-        if self._system_end > len(self.fed):  # pause where the system prompt ends
-            n = min(n, self._system_end - len(self.fed))
-        self.model(mx.array(self._todo[:n])[None], cache=self.cache)
-        mx.eval([c.state for c in self.cache])
-        self.fed += self._todo[:n]
-        self._todo = self._todo[n:]
-        mx.clear_cache()
-        at_system_end = len(self.fed) == self._system_end
-        return Progress(self.uid, (self._total - len(self._todo), self._total), at_system_end)
-
-    def _decode(self) -> list[Response]:
+    def _speculate(self, k: int) -> list[Response]:
+        self._plain_run = 0
+        first = self.take_pending()  # the token the last plain step sampled, if any
+        if first is not None and first.finish_reason is not None:
+            return [first]
+        head = [first] if first is not None else []
         t = time.perf_counter()
         last = self._todo[0]
-        left = self._max_tokens - self.emitted
-        k = min(self.length.next_k() if self._adaptive else self._num_draft, left - 1)
-        draft = self.drafter.propose([*self.fed, last], k) if k > 0 else []
+        draft = self.drafter.propose([*self.fed, last], k)
+        if not draft:
+            self.length.record(0, 0, 0.0)
+            return [*head, self._decode()]
         out = verify(
             self.model,
             self.cache,
@@ -108,12 +105,13 @@ class SpeculativeSequence:
             processors=self.processors,
             history=self.fed,
         )
+        self._context = None  # the processors' token buffer is rebuilt from ``fed``
         self.length.record(len(draft), out.accepted, time.perf_counter() - t)
         self.draft_n += len(draft)
         self.draft_accepted += out.accepted
         responses = self._answer(last, out)
         responses[0].drafted, responses[0].draft_accepted = len(draft), out.accepted
-        return responses
+        return [*head, *responses]
 
     def _answer(self, last: int, out: Verified) -> list[Response]:
         """One response per emitted token, up to the first that ends the sequence; the cache
