@@ -94,7 +94,7 @@ def test_draft_length_stops_after_two_failures_and_backs_off_exponentially() -> 
     ks = _drive(c, 2000, lambda k: 0, 0.010, 0.0005)
     tries = [i for i, k in enumerate(ks) if k]
     assert len(tries) <= 14  # two, then one per back-off: 4, 8, ... 256, 256, ...
-    gaps = [b - a for a, b in zip(tries[1:], tries[2:])]
+    gaps = [b - a for a, b in zip(tries[1:], tries[2:], strict=False)]
     assert gaps == sorted(gaps) and gaps[-1] >= 200
 
 

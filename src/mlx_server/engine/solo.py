@@ -248,4 +248,7 @@ class LoneFirstRunner:
         self.batch.close()
 
     def stats(self) -> dict[str, Any]:
-        return {**self.lone.stats(), **self.batch.stats()}
+        """Both runners' counters; a counter both keep (drafted tokens) is their sum."""
+        lone, batch = self.lone.stats(), self.batch.stats()
+        both = {k: lone[k] + batch[k] for k in lone.keys() & batch.keys()}
+        return {**lone, **batch, **both}

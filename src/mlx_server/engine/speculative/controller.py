@@ -117,9 +117,7 @@ class StepCosts:
             return top
         best, best_speed = 0, len(rates) / t0
         for k in range(1, top + 1):
-            tokens = sum(
-                expected_tokens(r, min(k, n)) for r, n in zip(rates, lengths, strict=True)
-            )
+            tokens = sum(expected_tokens(r, min(k, n)) for r, n in zip(rates, lengths, strict=True))
             speed = tokens / (t0 + c * k)
             if speed > best_speed * MARGIN:
                 best, best_speed = k, speed
@@ -183,44 +181,44 @@ class BatchPlan:
     """One draft length for the whole batch: each row is padded to it, so a row whose
     draft is shorter (or empty) costs the batch as much as a full one; the length that
     maximises the batch's expected tokens per second wins, zero when the batch is busy
-    enough that verifying no longer pays."""
+    enough that verifying no longer pays. Now and then (``EXPLORE_EVERY`` steps at a batch
+    size that does not draft) one step drafts anyway, to measure its cost afresh."""
 
-    EXPLORE_EVERY = 256  # plain steps at a batch size before its draft cost is measured again
+    EXPLORE_EVERY = 256
 
     def __init__(self, max_k: int):
         self.max_k = max_k
         self.costs = StepCosts()
-        self._plain_run: dict[int, int] = {}
+        self._undrafted: dict[int, int] = {}  # steps since the last drafting one, by size
+        self._exploring = False
 
     def worth_trying(self, rows: Sequence[Acceptance | None]) -> bool:
         """Before reading the batch's tokens: could drafting pay at this step, if every
         ready row drafted ``max_k``? (Reading them costs the step its pipelining.)"""
+        self._exploring = False
         b = len(rows)
-        ready = [r for r in rows if r is not None and r.ready]
-        if not ready or self.max_k <= 0:
+        if self.max_k <= 0 or b not in self.costs.t0:
+            return False
+        if not any(r is not None and r.ready for r in rows):
             return False
         rates = [r.rate if r is not None else 0.0 for r in rows]
         lengths = [self.max_k if r is not None and r.ready else 0 for r in rows]
         if self.costs.best(b, rates, lengths) > 0:
             return True
-        if b not in self.costs.t0:
-            return False
-        run = self._plain_run.get(b, 0) + 1
-        self._plain_run[b] = run
-        return run % self.EXPLORE_EVERY == 0  # measure the cost again now and then
+        n = self._undrafted[b] = self._undrafted.get(b, 0) + 1
+        self._exploring = n % self.EXPLORE_EVERY == 0
+        return self._exploring
 
     def choose(self, rows: Sequence[Acceptance | None], lengths: Sequence[int]) -> int:
         """The draft length for the step, given each row's available draft length."""
+        if self._exploring:
+            return max(lengths, default=0)
         rates = [r.rate if r is not None else 0.0 for r in rows]
-        b = len(rows)
-        k = self.costs.best(b, rates, lengths)
-        if k == 0 and self._plain_run.get(b, 0) % self.EXPLORE_EVERY == 0:
-            k = max(lengths, default=0)  # the exploring step drafts
-        return k
+        return self.costs.best(len(rows), rates, lengths)
 
     def record_plain(self, batch: int, seconds: float) -> None:
         self.costs.record_plain(batch, seconds)
 
     def record_draft(self, batch: int, k: int, seconds: float) -> None:
-        self._plain_run[batch] = 0
+        self._undrafted[batch] = 0
         self.costs.record_draft(batch, k, seconds)
