@@ -9,6 +9,10 @@ import asyncio
 from typing import Any
 
 import pytest
+from conftest_gguf import (  # noqa: F401  (fixtures)
+    demo_f32_dir_fixture,
+    demo_gguf_fixture,
+)
 from engine_runner import collect, generate_all, load_varied_model, request, running_engine
 
 from mlx_server.engine.constraints import ConstraintCompiler, ConstraintSpec
@@ -211,3 +215,47 @@ def test_cancelling_a_speculating_row_leaves_the_others_exact(lm: Any) -> None:
         same(g, w, "beside a cancelled row")
     for g, w in zip(again, want, strict=True):
         same(g, w, "after the cancel")
+
+
+# ---- the demo model, float32 -----------------------------------------------------------
+
+DEMO_PROMPTS = [
+    "Repeat this list exactly: alpha, beta, gamma, delta, epsilon, zeta, eta, theta.",
+    "Write a Python function that returns the sum of squares of a list.",
+    "Tell me a short story about a lighthouse keeper.",
+    "Copy this sentence twice: the cat sat on the mat.",
+]
+
+
+@pytest.fixture(scope="module")
+def demo(demo_f32_dir: Any) -> tuple[Any, Any]:
+    from mlx_lm import load
+
+    return load(str(demo_f32_dir))[:2]
+
+
+@pytest.mark.demo
+def test_demo_model_greedy_output_is_identical_in_a_batch(demo: Any) -> None:
+    """Greedy, float32, four requests together: prompt lookup for all of them, then
+    predictions for two (the other two plain), against the batch without drafts. (Alone,
+    tests/test_speculative.py compares the lone path with mlx-lm's plain decoding.)"""
+    from engine_runner import chat_tokens
+
+    model, tokenizer = demo
+    ps = [chat_tokens(tokenizer, [{"role": "user", "content": t}]) for t in DEMO_PROMPTS]
+    reqs = lambda preds=None: [  # noqa: E731
+        request(p, 32, prediction_tokens=pr) for p, pr in zip(ps, preds or [()] * 4, strict=True)
+    ]
+    with running_engine(model, tokenizer, **CFG) as plain:
+        want = batch(plain, reqs())
+    preds = predicted(tokenizer, want, [0, 3])
+    lookup = Speculation(num_draft_tokens=4, prompt_lookup=True, adaptive=False)
+    with running_engine(model, tokenizer, speculation=ALWAYS, **CFG) as fast:
+        mixed = batch(fast, reqs(preds))
+    with running_engine(model, tokenizer, speculation=lookup, **CFG) as fast:
+        looked_up = batch(fast, reqs())
+        assert fast.stats()["draft_tokens"] > 0
+    for g, h, w in zip(mixed, looked_up, want, strict=True):
+        same(g, w, "batch, predictions")
+        same(h, w, "batch, prompt lookup")
+    assert mixed[0].finished.usage.accepted_prediction_tokens
