@@ -22,6 +22,7 @@ from mlx_server.engine.speculative.drafters import (
     PredictedOutput,
     PromptLookup,
 )
+from mlx_server.engine.speculative.rejection import wants_rejection
 from mlx_server.engine.speculative.sequence import SpeculativeSequence
 
 
@@ -98,6 +99,7 @@ class SpeculativeRunner(SoloRunner):
             drafter=drafter,
             num_draft_tokens=self.spec.num_draft_tokens,
             adaptive=self.spec.adaptive,
+            rejection=wants_rejection(job.request.sampling, bool(job.processors)),
             max_tokens=job.request.max_tokens,
             eos=self._eos,
             prefill_step_size=self._step_size,

@@ -25,8 +25,9 @@ from mlx_lm.models.cache import trim_prompt_cache
 from mlx_server.engine.runner import Insert, Progress, Response
 from mlx_server.engine.solo import SoloSequence
 from mlx_server.engine.speculative.controller import DraftLength
-from mlx_server.engine.speculative.drafters import Drafter
-from mlx_server.engine.speculative.verify import Processor, Verified, verify
+from mlx_server.engine.speculative.drafters import Drafter, DraftModel
+from mlx_server.engine.speculative.rejection import Rejection
+from mlx_server.engine.speculative.verify import Processor, Verified, verify, verify_sampled
 from mlx_server.types import GenerationRequest
 
 
@@ -52,11 +53,14 @@ class SpeculativeSequence(SoloSequence):
         system_end: int = 0,
         adaptive: bool = True,
         length: DraftLength | None = None,
+        rejection: Rejection | None = None,
     ):
         request = GenerationRequest(f"speculative-{uid}", prompt, max_tokens)
         job = Insert(uid, request, prompt, cached, cache, sampler, list(processors), system_end)
         super().__init__(model, job, eos, prefill_step_size)
         self.drafter = drafter
+        # Sampled drafts verified by rejection sampling (a draft model, temperature > 0).
+        self.rejection = rejection if isinstance(drafter, DraftModel) else None
         self._greedy = greedy
         self.length = length or DraftLength(num_draft_tokens)
         self._adaptive = adaptive
@@ -92,10 +96,29 @@ class SpeculativeSequence(SoloSequence):
         head = [first] if first is not None else []
         t = time.perf_counter()
         last = self._todo[0]
-        draft = self.drafter.propose([*self.fed, last], k)
-        if not draft:
+        draft, out = self._verify(last, k)
+        if out is None:
             self.length.record(0, 0, 0.0)
             return [*head, self._decode()]
+        self._context = None  # the processors' token buffer is rebuilt from ``fed``
+        self.length.record(len(draft), out.accepted, time.perf_counter() - t)
+        self.draft_n += len(draft)
+        self.draft_accepted += out.accepted
+        responses = self._answer(last, out)
+        responses[0].drafted, responses[0].draft_accepted = len(draft), out.accepted
+        return [*head, *responses]
+
+    def _verify(self, last: int, k: int) -> tuple[list[int], Verified | None]:
+        """Draft up to ``k`` tokens after ``last`` and verify them (None: no draft)."""
+        context = [*self.fed, last]
+        if self.rejection is not None and isinstance(self.drafter, DraftModel):
+            draft, q = self.drafter.propose_sampled(context, k, self.rejection)
+            if not draft or q is None:
+                return [], None
+            return draft, verify_sampled(self.model, self.cache, last, draft, q, self.rejection)
+        draft = self.drafter.propose(context, k)
+        if not draft:
+            return [], None
         out = verify(
             self.model,
             self.cache,
@@ -105,13 +128,7 @@ class SpeculativeSequence(SoloSequence):
             processors=self.processors,
             history=self.fed,
         )
-        self._context = None  # the processors' token buffer is rebuilt from ``fed``
-        self.length.record(len(draft), out.accepted, time.perf_counter() - t)
-        self.draft_n += len(draft)
-        self.draft_accepted += out.accepted
-        responses = self._answer(last, out)
-        responses[0].drafted, responses[0].draft_accepted = len(draft), out.accepted
-        return [*head, *responses]
+        return draft, out
 
     def _answer(self, last: int, out: Verified) -> list[Response]:
         """One response per emitted token, up to the first that ends the sequence; the cache
