@@ -88,7 +88,7 @@ def _run(
     )
     for uid, d in zip(uids, drafters or [], strict=False):
         if d is not None:
-            spec.rows[uid] = RowSpec(d)
+            spec.rows[uid] = d if isinstance(d, RowSpec) else RowSpec(d)
     out: dict[int, list[int]] = {u: [] for u in uids}
     reasons: dict[int, str] = {}
     tally = {u: [0, 0] for u in uids}
@@ -207,3 +207,24 @@ def test_the_batch_plan_stops_drafting_when_verifying_costs_more_than_it_yields(
     assert plan.worth_trying(rows)
     assert plan.choose(rows, [4, 0, 0, 0]) > 0
     assert plan.choose(rows, [0, 0, 0, 0]) == 0
+
+
+def test_a_row_sampling_its_drafts_from_a_draft_model_is_verified_by_rejection(tiny: Any) -> None:
+    """The model drafting for itself at temperature 1: the draft's distribution is the
+    target's, so rejection sampling accepts (nearly) every drafted token, where drafting
+    the draft model's likeliest token would be accepted at the rate of its probability."""
+    from mlx_server.engine.sampling import SharedSampler, make_distribution
+    from mlx_server.engine.speculative.drafters import DraftModel
+    from mlx_server.engine.speculative.rejection import Draws, Rejection
+
+    model, tok = tiny
+    prompts = [_prompt(tok, t) for t in TEXTS[:2]]
+    hot = SamplingParams(temperature=1.0)
+    mx.random.seed(3)  # the shared sampler's draws (a position without a draft)
+    row = RowSpec(DraftModel(model), rejection=Rejection(make_distribution(hot), Draws(seed=4)))
+    greedy = Oracle(len(prompts[1]), [], k=0)
+    samplers = [SharedSampler(make_sampler(hot)), make_sampler(SamplingParams(temperature=0))]
+    got, why = _run(model, prompts, [40, 20], drafters=[row, greedy], samplers=samplers, k=3)
+    assert [len(g) for g in got] == [40, 20] and why == ["length", "length"]
+    (drafted, accepted), _ = ACCEPTED
+    assert drafted > 20 and accepted >= 0.9 * drafted

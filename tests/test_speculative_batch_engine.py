@@ -132,6 +132,24 @@ def test_prompt_lookup_in_a_batch_gives_unchanged_output(lm: Any) -> None:
         same(g, w, "lookup")
 
 
+def test_a_draft_model_drafts_for_every_row_of_a_batch(lm: Any) -> None:
+    """The model drafting for itself, each row with its own draft cache: the rows keep
+    their output and accept every draft."""
+    model, tokenizer = lm
+    ps = prompts(tokenizer)
+    spec = Speculation(num_draft_tokens=3, draft_model=model, adaptive=False)
+    with (
+        running_engine(model, tokenizer, speculation=spec, **CFG) as fast,
+        running_engine(model, tokenizer, **CFG) as plain,
+    ):
+        want = batch(plain, [request(p, 30, ignore_eos=True) for p in ps])
+        got = batch(fast, [request(p, 30, ignore_eos=True) for p in ps])
+    for g, w in zip(got, want, strict=True):
+        same(g, w, "draft model")
+        t = g.finished.timings
+        assert t is not None and t.draft_n_accepted == t.draft_n > 0
+
+
 def test_a_lone_speculating_request_goes_on_speculating_in_the_batch(lm: Any) -> None:
     """The first request starts alone and speculates; three more join it in the batch; it
     keeps its drafter there."""

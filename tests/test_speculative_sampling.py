@@ -143,3 +143,33 @@ def test_a_draft_model_sampled_at_temperature_verifies_to_the_targets_distributi
     assert 0.2 < overlap < 0.95  # the draft differs from the target, but not entirely
     sd = math.sqrt(overlap * (1 - overlap) / n)
     assert abs(accepted / n - overlap) < 4 * sd, (accepted / n, overlap)
+
+
+def test_a_batch_row_verifies_its_sampled_draft_by_rejection_beside_a_greedy_row() -> None:
+    """``batch_verify.decide`` over two rows: row 0 sampled its draft from ``Q`` (rejection
+    sampling against ``P``), row 1 is greedy with a draft of its own."""
+    from types import SimpleNamespace
+
+    from mlx_server.engine.sampling import SharedSampler, make_sampler
+    from mlx_server.engine.speculative.batch_verify import decide
+
+    greedy = SharedSampler(make_sampler(SamplingParams(temperature=0.0)))
+    batch = SimpleNamespace(
+        samplers=[greedy, greedy],
+        fallback_sampler=greedy,
+        logits_processors=[(), ()],
+        tokens=[[1, 2], [3, 4]],
+    )
+    # Logits whose softmax is P at row 0's first position (P2 after), a peak at 4 for row 1.
+    peak = mx.log(normalised([1, 1, 1, 1, 50, 1, 1, 1, 1, 1]))
+    logits = mx.stack([mx.stack([mx.log(P), mx.log(P2), mx.log(P2)]), mx.stack([peak] * 3)])
+    rejection = Rejection(make_distribution(SamplingParams(temperature=1.0)), Draws(seed=5))
+    draws, n = Draws(seed=6), 3000
+    firsts: Counter[int] = Counter()
+    for _ in range(n):
+        draft = [draws.categorical(Q), draws.categorical(Q2)]
+        rows = decide(batch, logits, [0, 0], [draft, [4, 7]], {0: (mx.stack([Q, Q2]), rejection)})
+        firsts[rows[0].tokens[0]] += 1
+        assert rows[1].tokens == [4, 4]  # greedy: 4 accepted, 7 rejected for the argmax 4
+    stat, dof = chi_square(firsts, P.tolist(), n)  # type: ignore[arg-type]
+    assert stat < CRITICAL[dof], (stat, firsts)

@@ -21,9 +21,10 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, GenerationBatch
 
-from mlx_server.engine.speculative.batch_verify import can_roll_back, verify_batch
+from mlx_server.engine.speculative.batch_verify import Sampled, can_roll_back, verify_batch
 from mlx_server.engine.speculative.controller import Acceptance, BatchPlan
 from mlx_server.engine.speculative.drafters import Drafter, DraftModel
+from mlx_server.engine.speculative.rejection import Rejection
 
 
 @dataclass
@@ -32,8 +33,7 @@ class RowSpec:
 
     drafter: Drafter
     acceptance: Acceptance = field(default_factory=Acceptance)
-    drafted: int = 0  # this step's draft length and accepted count (for the responses)
-    accepted: int = 0
+    rejection: Rejection | None = None  # a draft model sampling at the request's temperature
 
     @property
     def cheap(self) -> bool:
@@ -52,6 +52,7 @@ class BatchSpeculator:
         self.counts: dict[int, tuple[int, int]] = {}  # uid -> drafted, accepted: last step
         self._plain_run = 0  # plain steps in a row (from the second on, they are timed)
         self._plain_size = 0  # at this batch size
+        self._sampled: dict[int, Sampled] = {}  # this step's sampled drafts, by row
 
     def next(self, batch: GenerationBatch) -> list[Any]:
         self.counts = {}
@@ -63,6 +64,7 @@ class BatchSpeculator:
         mx.eval(batch._next_tokens)  # the last plain step's work, not this one's
         t = time.perf_counter()
         pending: list[int] = batch._next_tokens.tolist()  # type: ignore[assignment]
+        self._sampled = {}
         drafts = self._drafts(batch, specs, pending)
         k = self.plan.choose(accs, [len(d) for d in drafts])
         tried = [s is not None and self._ready(s) for s in specs]
@@ -74,7 +76,7 @@ class BatchSpeculator:
             return GenerationBatch.next(batch)
         drafts = [d[:k] for d in drafts]
         uids = list(batch.uids)
-        responses = verify_batch(batch, pending, drafts)
+        responses = verify_batch(batch, pending, drafts, self._sampled)
         self.plan.record_draft(len(uids), k, time.perf_counter() - t)
         self._record(uids, specs, tried, drafts, responses)
         return responses
@@ -106,8 +108,17 @@ class BatchSpeculator:
             if s is None or not self._ready(s) or cap <= 0:
                 out.append([])
                 continue
-            out.append(s.drafter.propose([*batch.tokens[i], pending[i]], cap))
+            out.append(self._propose(i, s, [*batch.tokens[i], pending[i]], cap))
         return out
+
+    def _propose(self, i: int, s: RowSpec, context: list[int], k: int) -> list[int]:
+        """Row ``i``'s draft; a sampled one's distribution goes to ``_sampled``."""
+        if s.rejection is not None and isinstance(s.drafter, DraftModel):
+            draft, q = s.drafter.propose_sampled(context, k, s.rejection)
+            if draft and q is not None:
+                self._sampled[i] = (q, s.rejection)
+            return draft
+        return s.drafter.propose(context, k)
 
     def _free_rides(
         self,
@@ -124,7 +135,7 @@ class BatchSpeculator:
         for i, s in enumerate(specs):
             cap = min(k, batch.max_tokens[i] - batch._num_tokens[i] - 1)
             if s is not None and not self._ready(s) and s.cheap and cap > 0:
-                drafts[i] = s.drafter.propose([*batch.tokens[i], pending[i]], cap)
+                drafts[i] = self._propose(i, s, [*batch.tokens[i], pending[i]], cap)
         return k
 
     def _record(

@@ -18,6 +18,8 @@ from mlx_server.engine.batch_runner import BatchRunner
 from mlx_server.engine.runner import Insert, Progress, Response
 from mlx_server.engine.sampling import LogitsProcessor, Sampler
 from mlx_server.engine.speculative.batch import BatchSpeculator, RowSpec, install
+from mlx_server.engine.speculative.drafters import DraftModel
+from mlx_server.engine.speculative.rejection import wants_rejection
 from mlx_server.engine.speculative.runner import Speculation, make_drafter
 
 # A sequence handed over by the lone runner: its drafter and record, by the scheduler's uid.
@@ -57,8 +59,12 @@ class SpeculativeBatchRunner(BatchRunner):
     def insert(self, job: Insert) -> None:
         super().insert(job)
         drafter = make_drafter(self.spec, job, None)
-        if drafter is not None:
-            self.speculator.rows[self._gen_uid[job.uid]] = RowSpec(drafter)
+        if drafter is None:
+            return
+        rejection = None
+        if isinstance(drafter, DraftModel):
+            rejection = wants_rejection(job.request.sampling, bool(job.processors))
+        self.speculator.rows[self._gen_uid[job.uid]] = RowSpec(drafter, rejection=rejection)
 
     def join(
         self,

@@ -27,7 +27,9 @@ import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, TokenBuffer, trim_prompt_cache
 
 from mlx_server.engine.sampling import SharedSampler
+from mlx_server.engine.speculative.rejection import Rejection, speculative_sample
 
+Sampled = tuple[mx.array, Rejection]  # a row's draft distribution (k, vocab), its settings
 COMPACT_AT = 256  # padding every row shares, in positions, before the cache drops it
 
 
@@ -48,34 +50,48 @@ def can_roll_back(cache: Sequence[Any]) -> bool:
     return bool(cache) and all(type(c) is BatchKVCache for c in cache)
 
 
-def verify_batch(batch: Any, pending: list[int], drafts: list[list[int]]) -> list[Any]:
+def verify_batch(
+    batch: Any,
+    pending: list[int],
+    drafts: list[list[int]],
+    sampled: dict[int, Sampled] | None = None,
+) -> list[Any]:
     """One verifying step of ``batch`` (a ``GenerationBatch``): feed each row its pending
     token and draft, answer what was accepted, roll the rest back, and let finished rows
-    go. Returns the step's ``GenerationBatch.Response`` list, several per row in order."""
+    go. Rows in ``sampled`` (by index) drafted from a draft model's distribution and are
+    verified by rejection sampling. Returns the step's ``GenerationBatch.Response`` list,
+    several per row in order."""
     width = max(len(d) for d in drafts)
-    inputs = mx.array(
-        [[p, *d, *[0] * (width - len(d))] for p, d in zip(pending, drafts, strict=True)]
-    )
-    logits = batch.model(inputs, cache=batch.prompt_cache)
-    decided = decide(batch, logits, pending, drafts)
+    rows = [[p, *d, *[0] * (width - len(d))] for p, d in zip(pending, drafts, strict=True)]
+    logits = batch.model(mx.array(rows), cache=batch.prompt_cache)
+    decided = decide(batch, logits, pending, drafts, sampled or {})
     roll_back(batch.prompt_cache, [width - d.accepted for d in decided])
     return _answer(batch, pending, decided)
 
 
 def decide(
-    batch: Any, logits: mx.array, pending: list[int], drafts: list[list[int]]
+    batch: Any,
+    logits: mx.array,
+    pending: list[int],
+    drafts: list[list[int]],
+    sampled: dict[int, Sampled],
 ) -> list[Decided]:
     """Each row's emitted tokens, chosen as plain decoding would choose them: rows with
     logits processors or a sampler of their own (a seed) position by position, calling
     each once per emitted token in order; rows sharing a sampler in one call over all their
     positions (each position's draw is independent, so the first mismatch is distributed
-    as plain decoding's token there)."""
+    as plain decoding's token there); rows in ``sampled`` by rejection sampling."""
     logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
     out: list[Decided | None] = [None] * len(drafts)
     groups: dict[int, list[int]] = {}
     for i in range(len(drafts)):
         sampler = _sampler(batch, i)
-        if batch.logits_processors[i] or not _shared(batch, sampler):
+        if i in sampled and drafts[i]:
+            q, rej = sampled[i]
+            p = rej.distribution(logprobs[i, : len(drafts[i]) + 1])
+            toks = speculative_sample(p, drafts[i], q[: len(drafts[i])], rej.draws)
+            out[i] = Decided(toks, [logprobs[i, j] for j in range(len(toks))])
+        elif batch.logits_processors[i] or not _shared(batch, sampler):
             out[i] = _one_by_one(batch, i, logits[i], pending[i], drafts[i])
         else:
             groups.setdefault(id(sampler), []).append(i)

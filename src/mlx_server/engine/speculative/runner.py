@@ -74,7 +74,7 @@ class SpeculativeRunner(SoloRunner):
         seq = self.seq
         pending, rest = super().hand_over()
         if rest is not None and isinstance(seq, SpeculativeSequence):
-            self._handed[seq.uid] = RowSpec(seq.drafter, seq.length.acceptance)
+            self._handed[seq.uid] = RowSpec(seq.drafter, seq.length.acceptance, seq.rejection)
         return pending, rest
 
     def take_handed(self, uid: int) -> RowSpec | None:
