@@ -14,9 +14,12 @@ tokens/s while every stream decodes, and whether each stream's text is the same.
     source scripts/openblas.sh
     python bench/speculative.py [--model models/smollm2-135m-instruct-f32] [--tokens 200]
         [--num-draft-tokens 4,8] [--repeat 2] [--streams 8] [--only lone|streams] [--random]
+        [--predict]
 
 ``--random`` replaces the model's weights with random ones of the same shapes (seeded): its
 text is noise, so drafts are rarely accepted and the figures are the cost of trying.
+``--predict`` adds, for the streams, a run where each request predicts its own answer (as
+decoded alone): the most a verified draft can give on this machine.
 
 Prints decode tokens/s, acceptance and ratios; asserts nothing. The machine may be shared:
 run it more than once and read the ratios, not the absolute figures.
@@ -129,9 +132,17 @@ def workloads(n: int) -> dict[str, list[str]]:
     return {"code edit": code, "prose": prose}
 
 
-def streams(model: Any, tokenizer: Any, prompts: list[list[int]], n: int, spec: Any) -> dict:
+def streams(
+    model: Any,
+    tokenizer: Any,
+    prompts: list[list[int]],
+    n: int,
+    spec: Any,
+    predictions: list[list[int]] | None = None,
+) -> dict:
     """``len(prompts)`` streams of ``n`` tokens (EOS ignored) through one engine at once:
-    decode tokens/s over the window in which every stream decodes, and the texts."""
+    decode tokens/s over the window in which every stream decodes, and the texts. With
+    ``predictions``, each stream's request carries one (OpenAI's Predicted Outputs)."""
     import asyncio
 
     from mlx_server.engine.engine import Engine, EngineConfig
@@ -144,8 +155,15 @@ def streams(model: Any, tokenizer: Any, prompts: list[list[int]], n: int, spec: 
     engine.start()
 
     async def one(i: int, p: list[int]) -> tuple[str, list[tuple[float, int]], Any]:
+        pred = tuple(predictions[i]) if predictions else ()
         req = GenerationRequest(
-            f"s{i}", p, n, SamplingParams(temperature=0.0), logprobs=True, ignore_eos=True
+            f"s{i}",
+            p,
+            n,
+            SamplingParams(temperature=0.0),
+            logprobs=True,
+            ignore_eos=True,
+            prediction_tokens=pred,
         )
         text, times = "", []
         async for ev in engine.submit(req):
@@ -198,6 +216,9 @@ def main() -> None:
     ap.add_argument("--streams", type=int, default=8)
     ap.add_argument("--only", choices=["lone", "streams"], default=None)
     ap.add_argument("--random", action="store_true", help="random weights of the same shapes")
+    ap.add_argument(
+        "--predict", action="store_true", help="streams also with their answers as predictions"
+    )
     args = ap.parse_args()
 
     from mlx_lm import load
@@ -222,18 +243,26 @@ def batched(model: Any, tokenizer: Any, chat: Any, args: Any, ks: list[int]) -> 
 
     for name, texts in workloads(args.streams).items():
         prompts = [chat(t) for t in texts]
+        preds = None
+        if args.predict:  # each stream's own answer (alone) as its prediction
+            preds = [decode(model, p, args.tokens, None, 0)["tokens"] for p in prompts]
         for rep in range(args.repeat):
             base = streams(model, tokenizer, prompts, args.tokens, None)
-            spec = Speculation(num_draft_tokens=ks[0], prompt_lookup=True)
-            r = streams(model, tokenizer, prompts, args.tokens, spec)
-            same = sum(a == b for a, b in zip(r["texts"], base["texts"], strict=True))
-            acc = r["accepted"] / r["drafted"] if r["drafted"] else 0.0
-            print(
-                f"{name}, {args.streams} streams, run {rep + 1}: plain {base['tps']:.1f} tok/s, "
-                f"prompt lookup k<={ks[0]} {r['tps']:.1f} tok/s = {r['tps'] / base['tps']:.2f}x, "
-                f"drafted {r['drafted']}, accepted {acc:.0%}, "
-                f"{same}/{args.streams} streams the same text"
-            )
+            runs = [("prompt lookup", Speculation(num_draft_tokens=ks[0], prompt_lookup=True))]
+            if preds is not None:
+                runs.append(("predicted outputs", Speculation(num_draft_tokens=ks[0])))
+            for label, spec in runs:
+                r = streams(
+                    model, tokenizer, prompts, args.tokens, spec, preds if "pred" in label else None
+                )
+                same = sum(a == b for a, b in zip(r["texts"], base["texts"], strict=True))
+                acc = r["accepted"] / r["drafted"] if r["drafted"] else 0.0
+                print(
+                    f"{name}, {args.streams} streams, run {rep + 1}: plain {base['tps']:.1f} "
+                    f"tok/s, {label} k<={ks[0]} {r['tps']:.1f} tok/s = "
+                    f"{r['tps'] / base['tps']:.2f}x, drafted {r['drafted']}, accepted {acc:.0%}, "
+                    f"{same}/{args.streams} streams the same text"
+                )
 
 
 def lone(model: Any, chat: Any, args: Any, ks: list[int]) -> None:
