@@ -6,10 +6,20 @@ lone-request runner without speculation (``SoloSequence``) and with it
 (``SpeculativeSequence``: prompt lookup, then the model drafting for itself), and the
 output of each run is checked to be the same tokens. Then the step-cost model: a forward
 pass over k + 1 tokens against a one-token decode step, which is what a draft of k costs.
+Then ``--streams`` concurrent streams through the engine (continuous batching), each
+workload with a different prompt per stream (renaming another class; another essay), with
+prompt lookup (adaptive draft length, the server's default) and without: aggregate decode
+tokens/s while every stream decodes, and whether each stream's text is the same.
 
     source scripts/openblas.sh
     python bench/speculative.py [--model models/smollm2-135m-instruct-f32] [--tokens 200]
-        [--num-draft-tokens 4,8] [--repeat 2]
+        [--num-draft-tokens 4,8] [--repeat 2] [--streams 8] [--only lone|streams] [--random]
+        [--predict]
+
+``--random`` replaces the model's weights with random ones of the same shapes (seeded): its
+text is noise, so drafts are rarely accepted and the figures are the cost of trying.
+``--predict`` adds, for the streams, a run where each request predicts its own answer (as
+decoded alone): the most a verified draft can give on this machine.
 
 Prints decode tokens/s, acceptance and ratios; asserts nothing. The machine may be shared:
 run it more than once and read the ratios, not the absolute figures.
@@ -102,24 +112,161 @@ def step_costs(model: Any, prompt: list[int], ks: list[int], reps: int = 8) -> d
     return out
 
 
+RENAMES = ["DraftCount", "Drafts", "DraftSize", "Lengths", "Planner", "Chooser", "KPick", "Dk"]
+TOPICS = [
+    "lighthouses",
+    "the printing press",
+    "bridges",
+    "clocks",
+    "sailing ships",
+    "windmills",
+    "paper money",
+    "telescopes",
+]
+
+
+def workloads(n: int) -> dict[str, list[str]]:
+    """Per workload, ``n`` prompts of the same kind."""
+    code = [CODE_EDIT.replace("DraftCount", RENAMES[i % len(RENAMES)]) for i in range(n)]
+    prose = [PROSE.replace("lighthouses", TOPICS[i % len(TOPICS)]) for i in range(n)]
+    return {"code edit": code, "prose": prose}
+
+
+def streams(
+    model: Any,
+    tokenizer: Any,
+    prompts: list[list[int]],
+    n: int,
+    spec: Any,
+    predictions: list[list[int]] | None = None,
+) -> dict:
+    """``len(prompts)`` streams of ``n`` tokens (EOS ignored) through one engine at once:
+    decode tokens/s over the window in which every stream decodes, and the texts. With
+    ``predictions``, each stream's request carries one (OpenAI's Predicted Outputs)."""
+    import asyncio
+
+    from mlx_server.engine.engine import Engine, EngineConfig
+    from mlx_server.engine.handle import TokenPiece
+    from mlx_server.events import Finished
+    from mlx_server.types import GenerationRequest, SamplingParams
+
+    cfg = EngineConfig(max_batch_size=len(prompts), prompt_cache_size=0, speculation=spec)
+    engine = Engine(model, tokenizer, cfg)
+    engine.start()
+
+    async def one(i: int, p: list[int]) -> tuple[str, list[tuple[float, int]], Any]:
+        pred = tuple(predictions[i]) if predictions else ()
+        req = GenerationRequest(
+            f"s{i}",
+            p,
+            n,
+            SamplingParams(temperature=0.0),
+            logprobs=True,
+            ignore_eos=True,
+            prediction_tokens=pred,
+        )
+        text, times = "", []
+        async for ev in engine.submit(req):
+            if isinstance(ev, TokenPiece):  # one log-probability entry per token
+                text += ev.text
+                times.append((time.perf_counter(), len(ev.logprobs)))
+            elif isinstance(ev, Finished):
+                return text, times, ev
+        raise RuntimeError("no Finished")
+
+    async def run() -> list[Any]:
+        return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts))))
+
+    try:
+        results = asyncio.run(run())
+    finally:
+        engine.shutdown(10)
+    start = max(times[0][0] for _, times, _ in results)  # the last stream's first token
+    end = min(times[-1][0] for _, times, _ in results)  # the first stream's last
+    count = sum(k for _, times, _ in results for t, k in times if start < t <= end)
+    drafted = sum(f.timings.draft_n for *_, f in results if f.timings)
+    accepted = sum(f.timings.draft_n_accepted for *_, f in results if f.timings)
+    return {
+        "tps": count / (end - start) if end > start else 0.0,
+        "texts": [text for text, _, _ in results],
+        "drafted": drafted,
+        "accepted": accepted,
+    }
+
+
+def randomize(model: Any) -> None:
+    """Random weights of the same shapes and dtypes, seeded (norm weights stay at one)."""
+    from mlx.utils import tree_flatten, tree_unflatten
+
+    mx.random.seed(0)
+    weights = [
+        (k, v if k.endswith("norm.weight") else mx.random.normal(v.shape, v.dtype) * 0.05)
+        for k, v in tree_flatten(model.parameters())
+    ]
+    model.update(tree_unflatten(weights))
+    mx.eval(model.parameters())
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=str(REPO / "models" / "smollm2-135m-instruct-f32"))
     ap.add_argument("--tokens", type=int, default=200)
     ap.add_argument("--num-draft-tokens", default="4,8")
     ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--streams", type=int, default=8)
+    ap.add_argument("--only", choices=["lone", "streams"], default=None)
+    ap.add_argument("--random", action="store_true", help="random weights of the same shapes")
+    ap.add_argument(
+        "--predict", action="store_true", help="streams also with their answers as predictions"
+    )
     args = ap.parse_args()
 
     from mlx_lm import load
 
-    from mlx_server.engine.speculative.drafters import DraftModel, PromptLookup
-
     model, tokenizer = load(args.model)
+    if args.random:
+        randomize(model)
     ks = [int(k) for k in args.num_draft_tokens.split(",")]
 
     def chat(text: str) -> list[int]:
         msgs = [{"role": "user", "content": text}]
         return list(tokenizer.apply_chat_template(msgs, add_generation_prompt=True))
+
+    if args.only != "streams":
+        lone(model, chat, args, ks)
+    if args.only != "lone" and args.streams > 0:
+        batched(model, tokenizer, chat, args, ks)
+
+
+def batched(model: Any, tokenizer: Any, chat: Any, args: Any, ks: list[int]) -> None:
+    from mlx_server.engine.speculative.runner import Speculation
+
+    for name, texts in workloads(args.streams).items():
+        prompts = [chat(t) for t in texts]
+        preds = None
+        if args.predict:  # each stream's own answer (alone) as its prediction
+            preds = [decode(model, p, args.tokens, None, 0)["tokens"] for p in prompts]
+        for rep in range(args.repeat):
+            base = streams(model, tokenizer, prompts, args.tokens, None)
+            runs = [("prompt lookup", Speculation(num_draft_tokens=ks[0], prompt_lookup=True))]
+            if preds is not None:
+                runs.append(("predicted outputs", Speculation(num_draft_tokens=ks[0])))
+            for label, spec in runs:
+                r = streams(
+                    model, tokenizer, prompts, args.tokens, spec, preds if "pred" in label else None
+                )
+                same = sum(a == b for a, b in zip(r["texts"], base["texts"], strict=True))
+                acc = r["accepted"] / r["drafted"] if r["drafted"] else 0.0
+                print(
+                    f"{name}, {args.streams} streams, run {rep + 1}: plain {base['tps']:.1f} "
+                    f"tok/s, {label} k<={ks[0]} {r['tps']:.1f} tok/s = "
+                    f"{r['tps'] / base['tps']:.2f}x, drafted {r['drafted']}, accepted {acc:.0%}, "
+                    f"{same}/{args.streams} streams the same text"
+                )
+
+
+def lone(model: Any, chat: Any, args: Any, ks: list[int]) -> None:
+    from mlx_server.engine.speculative.drafters import DraftModel, PromptLookup
 
     decode(model, chat("Hi"), 8, None, 0)  # warm-up
     for name, text in (("code edit", CODE_EDIT), ("prose", PROSE)):

@@ -74,23 +74,48 @@ def test_predicted_output_follows_the_prediction_and_realigns_after_an_edit() ->
     assert d.propose([*prompt, 1, 2, 30, 31, 4, 5, 6, 7, 8], 3) == []  # the end
 
 
-def test_draft_length_drops_to_zero_when_drafts_fail_and_probes_again() -> None:
-    c = DraftLength(4, probe_every=8)
-    assert c.next_k() == 4  # nothing measured: try
-    for _ in range(30):
+def _drive(c: DraftLength, steps: int, accepted: Any, t0: float, per_token: float) -> list[int]:
+    """Run ``c`` for ``steps``: plain steps cost ``t0``, a draft of k ``t0 + per_token*k``,
+    and ``accepted(k)`` of a draft are accepted. The draft lengths chosen, in order."""
+    ks = []
+    for _ in range(steps):
         k = c.next_k()
-        c.record(k, 0, 0.010 + 0.004 * k)  # every draft rejected, each costs 40 %
-    assert c.rate < 0.3
-    ks = [c.next_k() for _ in range(16)]
-    assert ks.count(0) >= 14 and 1 in ks  # zero, with a probe of one
+        ks.append(k)
+        if k:
+            c.record(k, accepted(k), t0 + per_token * k)
+        else:
+            c.record_plain(t0)
+    return ks
+
+
+def test_draft_length_stops_after_two_failures_and_backs_off_exponentially() -> None:
+    c = DraftLength(4)
+    # A GPU-like cost (a draft costs little): only the failures make it stop.
+    ks = _drive(c, 2000, lambda k: 0, 0.010, 0.0005)
+    tries = [i for i, k in enumerate(ks) if k]
+    assert len(tries) <= 14  # two, then one per back-off: 4, 8, ... 256, 256, ...
+    gaps = [b - a for a, b in zip(tries[1:], tries[2:], strict=False)]
+    assert gaps == sorted(gaps) and gaps[-1] >= 200
+
+
+def test_draft_length_starts_again_when_drafts_are_accepted_again() -> None:
+    c = DraftLength(4)
+    _drive(c, 300, lambda k: 0, 0.010, 0.0005)  # backed off far
+    ks = _drive(c, 600, lambda k: k, 0.010, 0.0005)  # the text turns repetitive
+    assert ks[-100:].count(4) >= 95
 
 
 def test_draft_length_stays_up_when_drafts_pay() -> None:
     c = DraftLength(6)
-    for _ in range(40):
-        k = c.next_k()
-        c.record(k, k, 0.010 + 0.001 * k)
-    assert c.next_k() == 6
+    ks = _drive(c, 200, lambda k: k, 0.010, 0.001)
+    assert ks[-1] == 6 and ks[-100:].count(6) >= 95
+
+
+def test_draft_length_drops_to_zero_when_verifying_costs_more_than_it_yields() -> None:
+    c = DraftLength(4)
+    # Half the drafted tokens accepted, but each costs as much as a step (a CPU).
+    ks = _drive(c, 1000, lambda k: k // 2, 0.010, 0.010)
+    assert ks[-500:].count(0) >= 480
 
 
 # ---- on a tiny random-weight model -----------------------------------------------------

@@ -57,7 +57,7 @@ class EngineConfig:
     prompt_cache_disk_off: str = ""  # without one: why (reported by /health)
     warm_up: bool = False  # run every batch size once before serving (see tuning.warm_up)
     solo: bool = True  # a lone request runs on a plain KV cache (see solo.py)
-    speculation: Any = None  # speculative.runner.Speculation: the lone request speculates
+    speculation: Any = None  # speculative.runner.Speculation: requests speculate, alone or batched
 
 
 class Engine:
@@ -105,24 +105,36 @@ class Engine:
 
     def _default_runner(self) -> Runner:
         cfg = self.config
-        batch = BatchRunner(
-            self.model,
-            self.eos_ids,
-            max_batch_size=cfg.max_batch_size,
-            prefill_step_size=cfg.prefill_step_size,
-            keep_caches=self._prompt_cache is not None,
-        )
+        spec = cfg.speculation
+        batch: BatchRunner
+        if spec is not None:  # the batch speculates too (speculative/batch.py)
+            from mlx_server.engine.speculative.batch_runner import SpeculativeBatchRunner
+
+            batch = SpeculativeBatchRunner(
+                self.model,
+                self.eos_ids,
+                max_batch_size=cfg.max_batch_size,
+                prefill_step_size=cfg.prefill_step_size,
+                keep_caches=self._prompt_cache is not None,
+                spec=spec,
+            )
+        else:
+            batch = BatchRunner(
+                self.model,
+                self.eos_ids,
+                max_batch_size=cfg.max_batch_size,
+                prefill_step_size=cfg.prefill_step_size,
+                keep_caches=self._prompt_cache is not None,
+            )
         if not cfg.solo:
             return batch
-        if cfg.speculation is not None:
+        if spec is not None:
             from mlx_server.engine.speculative.runner import SpeculativeRunner
 
             lone: SoloRunner = SpeculativeRunner(
-                self.model,
-                self.eos_ids,
-                prefill_step_size=cfg.prefill_step_size,
-                spec=cfg.speculation,
+                self.model, self.eos_ids, prefill_step_size=cfg.prefill_step_size, spec=spec
             )
+            batch.adopt = lone.take_handed  # type: ignore[attr-defined]
         else:
             lone = SoloRunner(self.model, self.eos_ids, prefill_step_size=cfg.prefill_step_size)
         return LoneFirstRunner(lone, batch)

@@ -29,10 +29,8 @@ def _greedy(logprobs: mx.array) -> mx.array:
     return mx.argmax(logprobs, axis=-1)
 
 
-def make_sampler(params: SamplingParams) -> Sampler:
-    """A sampler over log-probabilities of shape (1, vocab) returning token ids of shape (1,)."""
-    if params.temperature <= 0:
-        return _greedy
+def _filters(params: SamplingParams) -> list[Callable[[mx.array], mx.array]]:
+    """The truncations (top-p, min-p, top-k) applied to log-probabilities before sampling."""
     filters: list[Callable[[mx.array], mx.array]] = []
     if 0 < params.top_p < 1.0:
         filters.append(lambda x: apply_top_p(x, params.top_p))
@@ -40,13 +38,39 @@ def make_sampler(params: SamplingParams) -> Sampler:
         filters.append(lambda x: apply_min_p(x, params.min_p))
     if params.top_k > 0:
         filters.append(lambda x: apply_top_k(x, params.top_k))
+    return filters
+
+
+def make_distribution(params: SamplingParams) -> Callable[[mx.array], mx.array]:
+    """The probabilities ``make_sampler(params)`` draws from, for log-probabilities of shape
+    (n, vocab): truncated, then at the temperature (speculative rejection sampling needs
+    them explicitly). Temperature must be above zero."""
+    filters, inv_temp = _filters(params), 1.0 / params.temperature
+
+    def distribution(logprobs: mx.array) -> mx.array:
+        for f in filters:
+            logprobs = f(logprobs)
+        return mx.softmax(logprobs * inv_temp, axis=-1)
+
+    return distribution
+
+
+def seed_key(seed: int | None) -> mx.array | None:
+    """A PRNG key for a request's seed (None: the global generator). Seeds are unsigned
+    64-bit; a negative one (OpenAI's seed is a signed int64) is read as its two's complement."""
+    if seed is None:
+        return None
+    return mx.random.key(seed + (1 << 64) if seed < 0 else seed)
+
+
+def make_sampler(params: SamplingParams) -> Sampler:
+    """A sampler over log-probabilities of shape (1, vocab) returning token ids of shape (1,)."""
+    if params.temperature <= 0:
+        return _greedy
+    filters = _filters(params)
     inv_temp = 1.0 / params.temperature
-    # Seeds are unsigned 64-bit; a negative one (OpenAI's seed is a signed int64) is read as
-    # its two's complement.
-    seed = params.seed
-    if seed is not None and seed < 0:
-        seed += 1 << 64
-    key = [mx.random.key(seed)] if seed is not None else None
+    seeded = seed_key(params.seed)
+    key = [seeded] if seeded is not None else None
 
     def sample(logprobs: mx.array) -> mx.array:
         for f in filters:

@@ -59,14 +59,18 @@ class SoloSequence(ChunkedPrefill):
         with mx.stream(generation_stream):
             if len(self._todo) > 1:
                 return [self._prefill_chunk()], []
-            if self._next is None:  # the prompt's last token gives the first sample
-                self._next = self._forward(mx.array(self._todo))
-                self.fed += self._todo
-                self._todo = []
-            token, logprobs = self._next
-            self._next = self._forward(token)  # queued before this token is read
-            mx.async_eval(*self._next)
-            return [], [self._emit(token, logprobs, fed=True)]
+            return [], [self._decode()]
+
+    def _decode(self) -> Response:
+        """One token, the next step queued before it is read."""
+        if self._next is None:  # the prompt's (or a handover's) last token: the first sample
+            self._next = self._forward(mx.array(self._todo))
+            self.fed += self._todo
+            self._todo = []
+        token, logprobs = self._next
+        self._next = self._forward(token)  # queued before this token is read
+        mx.async_eval(*self._next)
+        return self._emit(token, logprobs, fed=True)
 
     def take_pending(self) -> Response | None:
         """The token sampled but not yet read (None while prefilling), as a response; the
@@ -234,4 +238,7 @@ class LoneFirstRunner:
         self.batch.close()
 
     def stats(self) -> dict[str, Any]:
-        return {**self.lone.stats(), **self.batch.stats()}
+        """Both runners' counters; a counter both keep (drafted tokens) is their sum."""
+        lone, batch = self.lone.stats(), self.batch.stats()
+        both = {k: lone[k] + batch[k] for k in lone.keys() & batch.keys()}
+        return {**lone, **batch, **both}

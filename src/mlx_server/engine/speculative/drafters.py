@@ -13,6 +13,8 @@ from typing import Any, Protocol
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
+from mlx_server.engine.speculative.rejection import Rejection
+
 
 class Drafter(Protocol):
     """Proposes tokens to follow ``context``; see the module docstring."""
@@ -137,8 +139,20 @@ class DraftModel:
         self._step = prefill_step_size
 
     def propose(self, context: list[int], k: int) -> list[int]:
+        return self._draft(context, k, None)[0]
+
+    def propose_sampled(
+        self, context: list[int], k: int, rejection: Rejection
+    ) -> tuple[list[int], mx.array | None]:
+        """Up to ``k`` tokens sampled from the draft model's distribution (the request's
+        temperature and truncation), and that distribution at each, (k, vocab)."""
+        return self._draft(context, k, rejection)
+
+    def _draft(
+        self, context: list[int], k: int, rejection: Rejection | None
+    ) -> tuple[list[int], mx.array | None]:
         if k <= 0 or not context:
-            return []
+            return [], None
         self._rewind(context)
         todo = context[len(self.fed) :]
         while len(todo) > self._step:  # a long new context prefills in chunks
@@ -147,15 +161,21 @@ class DraftModel:
             self.fed += todo[: self._step]
             todo = todo[self._step :]
         out: list[int] = []
+        dists: list[mx.array] = []
         logits = _forward(self.model, todo, self.cache)
         self.fed += todo
         for i in range(k):
-            tok = int(mx.argmax(logits).item())  # type: ignore[arg-type]
+            if rejection is None:
+                tok = int(mx.argmax(logits).item())  # type: ignore[arg-type]
+            else:
+                lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+                dists.append(rejection.distribution(lp[None])[0])
+                tok = rejection.draws.categorical(dists[-1])
             out.append(tok)
             if i + 1 < k:
                 logits = _forward(self.model, [tok], self.cache)
                 self.fed.append(tok)
-        return out
+        return out, mx.stack(dists) if dists else None
 
     def _rewind(self, context: list[int]) -> None:
         common = 0

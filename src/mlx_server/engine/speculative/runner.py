@@ -4,7 +4,8 @@
 (``sequence.SpeculativeSequence``) when the request has a drafter: its predicted output,
 else the server's draft model, else prompt lookup (``--prompt-lookup``). A request without
 one runs on the plain solo sequence. Inside ``LoneFirstRunner`` a second request still
-joins the batch: the speculating sequence hands its cache and tokens over like the solo one.
+joins the batch: the speculating sequence hands its cache and tokens over like the solo one,
+and its drafter and drafting record to the speculating batch runner (``take_handed``).
 """
 
 from __future__ import annotations
@@ -13,13 +14,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from mlx_server.engine.runner import Insert, Progress, Response
-from mlx_server.engine.solo import SoloRunner
+from mlx_server.engine.solo import Handover, SoloRunner
+from mlx_server.engine.speculative.batch import RowSpec
 from mlx_server.engine.speculative.drafters import (
     Drafter,
     DraftModel,
     PredictedOutput,
     PromptLookup,
 )
+from mlx_server.engine.speculative.rejection import wants_rejection
 from mlx_server.engine.speculative.sequence import SpeculativeSequence
 
 
@@ -30,6 +33,23 @@ class Speculation:
     num_draft_tokens: int = 4
     prompt_lookup: bool = False
     draft_model: Any = None  # a loaded model with the target's tokenizer, or None
+    # False: draft the full length at every step, whatever it costs (tests, benchmarks).
+    adaptive: bool = True
+
+
+def make_drafter(
+    spec: Speculation, job: Insert, draft: DraftModel | None, prefill_step_size: int = 512
+) -> Drafter | None:
+    """The request's drafter: its predicted output, else the draft model (``draft``, or a
+    new one with its own cache), else prompt lookup when enabled; None: no speculation."""
+    prediction = job.request.prediction_tokens
+    if prediction:
+        return PredictedOutput(list(prediction), len(job.prompt))
+    if spec.draft_model is not None:
+        return draft if draft is not None else DraftModel(spec.draft_model, prefill_step_size)
+    if spec.prompt_lookup:
+        return PromptLookup()
+    return None
 
 
 class SpeculativeRunner(SoloRunner):
@@ -45,16 +65,21 @@ class SpeculativeRunner(SoloRunner):
         )
         self.draft_n = 0
         self.draft_accepted = 0
+        self._handed: dict[int, RowSpec] = {}
 
     def drafter(self, job: Insert) -> Drafter | None:
-        prediction = job.request.prediction_tokens
-        if prediction:
-            return PredictedOutput(list(prediction), len(job.prompt))
-        if self._draft is not None:
-            return self._draft
-        if self.spec.prompt_lookup:
-            return PromptLookup()
-        return None
+        return make_drafter(self.spec, job, self._draft, self._step_size)
+
+    def hand_over(self) -> tuple[Response | None, Handover | None]:
+        seq = self.seq
+        pending, rest = super().hand_over()
+        if rest is not None and isinstance(seq, SpeculativeSequence):
+            self._handed[seq.uid] = RowSpec(seq.drafter, seq.length.acceptance, seq.rejection)
+        return pending, rest
+
+    def take_handed(self, uid: int) -> RowSpec | None:
+        """The drafter and record of the sequence ``uid`` handed over (once)."""
+        return self._handed.pop(uid, None)
 
     def insert(self, job: Insert) -> None:
         drafter = self.drafter(job)
@@ -73,13 +98,15 @@ class SpeculativeRunner(SoloRunner):
             greedy=job.request.sampling.temperature <= 0,
             drafter=drafter,
             num_draft_tokens=self.spec.num_draft_tokens,
+            adaptive=self.spec.adaptive,
+            rejection=wants_rejection(job.request.sampling, bool(job.processors)),
             max_tokens=job.request.max_tokens,
             eos=self._eos,
             prefill_step_size=self._step_size,
             processors=job.processors,
             system_end=job.system_end,
         )
-        self.seq = seq  # type: ignore[assignment]  # the solo sequence's interface
+        self.seq = seq
         self.runs += 1
 
     def step(self) -> tuple[list[Progress], list[Response]]:

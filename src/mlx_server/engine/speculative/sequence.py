@@ -1,12 +1,15 @@
 """A lone sequence that speculates: the lone-request runner, drafting and verifying.
 
-Prefill runs in chunks, as the lone runner's (``chunked_prefill.ChunkedPrefill``). Each
-decode step asks the drafter for up to ``k`` tokens (``controller.DraftLength`` picks
-``k``), verifies them in one forward pass (``verify.verify``) and answers with every token
-it emitted, one response each, like ``SoloSequence.next``. Unlike the lone runner it does not queue the next step before the
-token is read: what to feed next depends on the acceptance. Between steps the KV cache
-holds exactly ``fed``, and ``_todo`` the one emitted token not yet fed, so a handover to
-the batch (``handover``) works as for the lone runner.
+It is a ``solo.SoloSequence`` (prefill in chunks, pipelined decoding) whose decode steps
+may draft: ``controller.DraftLength`` picks ``k`` for each step. With ``k`` zero the step
+is the solo sequence's own, queued before its token is read, so a sequence whose drafts
+are not accepted (the controller backs off) decodes at the solo runner's speed. With ``k``
+above zero the pending token is read, the drafter proposes up to ``k`` tokens after it,
+one forward pass verifies them (``verify.verify``), and the step answers with every token
+it emitted, one response each. Such a step is not pipelined: what to feed next depends on
+the acceptance. After it the KV cache holds exactly ``fed`` and ``_todo`` the last emitted
+token, which the next step (of either kind) feeds first; a handover to the batch
+(``handover``) works from either state as for the solo sequence.
 """
 
 from __future__ import annotations
@@ -19,14 +22,16 @@ import mlx.core as mx
 from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import trim_prompt_cache
 
-from mlx_server.engine.chunked_prefill import ChunkedPrefill
-from mlx_server.engine.runner import Progress, Response
+from mlx_server.engine.runner import Insert, Progress, Response
+from mlx_server.engine.solo import SoloSequence
 from mlx_server.engine.speculative.controller import DraftLength
-from mlx_server.engine.speculative.drafters import Drafter
-from mlx_server.engine.speculative.verify import Processor, Verified, verify
+from mlx_server.engine.speculative.drafters import Drafter, DraftModel
+from mlx_server.engine.speculative.rejection import Rejection
+from mlx_server.engine.speculative.verify import Processor, Verified, verify, verify_sampled
+from mlx_server.types import GenerationRequest
 
 
-class SpeculativeSequence(ChunkedPrefill):
+class SpeculativeSequence(SoloSequence):
     """A lone sequence's prefill and speculative decode; see the module docstring."""
 
     def __init__(
@@ -47,27 +52,20 @@ class SpeculativeSequence(ChunkedPrefill):
         processors: Sequence[Processor] = (),
         system_end: int = 0,
         adaptive: bool = True,
+        length: DraftLength | None = None,
+        rejection: Rejection | None = None,
     ):
-        # _todo: the prompt's rest, then the last emitted token
-        super().__init__(
-            model,
-            uid,
-            prompt,
-            cached,
-            cache,
-            prefill_step_size=prefill_step_size,
-            system_end=system_end,
-        )
-        self.sampler = sampler
-        self.processors = list(processors)
-        self._max_tokens = max_tokens
-        self._eos = set(eos)
-        self.emitted = 0
+        request = GenerationRequest(f"speculative-{uid}", prompt, max_tokens)
+        job = Insert(uid, request, prompt, cached, cache, sampler, list(processors), system_end)
+        super().__init__(model, job, eos, prefill_step_size)
         self.drafter = drafter
+        # Sampled drafts verified by rejection sampling (a draft model, temperature > 0).
+        self.rejection = rejection if isinstance(drafter, DraftModel) else None
         self._greedy = greedy
-        self.length = DraftLength(num_draft_tokens)
+        self.length = length or DraftLength(num_draft_tokens)
         self._adaptive = adaptive
         self._num_draft = num_draft_tokens
+        self._plain_run = 0  # plain steps in a row: from the second on, they are timed
         self.draft_n = 0  # tokens drafted
         self.draft_accepted = 0  # of those, accepted
 
@@ -75,21 +73,52 @@ class SpeculativeSequence(ChunkedPrefill):
         with mx.stream(generation_stream):
             if len(self._todo) > 1:
                 return [self._prefill_chunk()], []
-            return [], self._decode()
+            left = self._max_tokens - self.emitted - (self._next is not None)
+            k = min(self.length.next_k() if self._adaptive else self._num_draft, left - 1)
+            if k <= 0:
+                return [], [self._plain()]
+            return [], self._speculate(k)
 
-    def take_pending(self) -> Response | None:
-        return None  # nothing is queued ahead: the emitted tokens were all answered
+    def _plain(self) -> Response:
+        t = time.perf_counter()
+        timed = self._plain_run > 0 and self._next is not None  # a pipelined step
+        r = self._decode()
+        if timed:
+            self.length.record_plain(time.perf_counter() - t)
+        self._plain_run += 1
+        return r
 
-    def handover(self) -> tuple[list[int], Any, list[int], int]:
-        """(tokens still to feed, cache, tokens in the cache, tokens left to generate)."""
-        return self._todo, self.cache, self.fed, self._max_tokens - self.emitted
-
-    def _decode(self) -> list[Response]:
+    def _speculate(self, k: int) -> list[Response]:
+        self._plain_run = 0
+        first = self.take_pending()  # the token the last plain step sampled, if any
+        if first is not None and first.finish_reason is not None:
+            return [first]
+        head = [first] if first is not None else []
         t = time.perf_counter()
         last = self._todo[0]
-        left = self._max_tokens - self.emitted
-        k = min(self.length.next_k() if self._adaptive else self._num_draft, left - 1)
-        draft = self.drafter.propose([*self.fed, last], k) if k > 0 else []
+        draft, out = self._verify(last, k)
+        if out is None:
+            self.length.record(0, 0, 0.0)
+            return [*head, self._decode()]
+        self._context = None  # the processors' token buffer is rebuilt from ``fed``
+        self.length.record(len(draft), out.accepted, time.perf_counter() - t)
+        self.draft_n += len(draft)
+        self.draft_accepted += out.accepted
+        responses = self._answer(last, out)
+        responses[0].drafted, responses[0].draft_accepted = len(draft), out.accepted
+        return [*head, *responses]
+
+    def _verify(self, last: int, k: int) -> tuple[list[int], Verified | None]:
+        """Draft up to ``k`` tokens after ``last`` and verify them (None: no draft)."""
+        context = [*self.fed, last]
+        if self.rejection is not None and isinstance(self.drafter, DraftModel):
+            draft, q = self.drafter.propose_sampled(context, k, self.rejection)
+            if not draft or q is None:
+                return [], None
+            return draft, verify_sampled(self.model, self.cache, last, draft, q, self.rejection)
+        draft = self.drafter.propose(context, k)
+        if not draft:
+            return [], None
         out = verify(
             self.model,
             self.cache,
@@ -99,12 +128,7 @@ class SpeculativeSequence(ChunkedPrefill):
             processors=self.processors,
             history=self.fed,
         )
-        self.length.record(len(draft), out.accepted, time.perf_counter() - t)
-        self.draft_n += len(draft)
-        self.draft_accepted += out.accepted
-        responses = self._answer(last, out)
-        responses[0].drafted, responses[0].draft_accepted = len(draft), out.accepted
-        return responses
+        return draft, out
 
     def _answer(self, last: int, out: Verified) -> list[Response]:
         """One response per emitted token, up to the first that ends the sequence; the cache

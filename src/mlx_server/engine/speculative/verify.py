@@ -26,6 +26,8 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import trim_prompt_cache
 
+from mlx_server.engine.speculative.rejection import Rejection, speculative_sample
+
 Processor = Callable[[mx.array, mx.array], mx.array]
 
 
@@ -105,3 +107,17 @@ def _sequential(
         if i == len(draft) or tok != draft[i]:
             break
     return Verified(tokens, lps, len(tokens) - 1)
+
+
+def verify_sampled(
+    model: Any, cache: Any, last: int, draft: list[int], q: mx.array, rejection: Rejection
+) -> Verified:
+    """``verify`` for a draft sampled from the draft model's distribution ``q`` (k, vocab):
+    rejection sampling against the target's (``rejection.speculative_sample``)."""
+    logits = forward(model, cache, [last, *draft])
+    logprobs = _logprobs(logits)
+    tokens = speculative_sample(rejection.distribution(logprobs), draft, q, rejection.draws)
+    accepted = len(tokens) - 1
+    if len(draft) > accepted:
+        trim_prompt_cache(cache, len(draft) - accepted)
+    return Verified(tokens, [logprobs[i] for i in range(len(tokens))], accepted)

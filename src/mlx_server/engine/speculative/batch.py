@@ -1,0 +1,192 @@
+"""Speculation inside mlx-lm's continuous batching: which rows draft, and when it pays.
+
+``SpeculativeGenerationBatch`` is mlx-lm's ``GenerationBatch`` with one change: its
+``next`` asks a ``BatchSpeculator`` first. The speculator decides each step, from every
+row's acceptance and the batch's measured step costs (``controller.BatchPlan``), whether
+to verify drafts; if not, the step is mlx-lm's own (pipelined: queued before the previous
+token is read). If so, it reads the rows' pending tokens, asks each speculating row's
+drafter for a draft, and runs one verifying step for the whole batch
+(``batch_verify.verify_batch``); rows without a drafter, or without a draft this step,
+take part with their one token. Everything else (prefill, joining, removal, the caches
+handed to the prefix cache) stays mlx-lm's.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.generate import BatchGenerator, GenerationBatch
+
+from mlx_server.engine.speculative.batch_verify import Sampled, can_roll_back, verify_batch
+from mlx_server.engine.speculative.controller import Acceptance, BatchPlan
+from mlx_server.engine.speculative.drafters import Drafter, DraftModel
+from mlx_server.engine.speculative.rejection import Rejection
+
+
+@dataclass
+class RowSpec:
+    """A speculating row: its drafter and its drafting record."""
+
+    drafter: Drafter
+    acceptance: Acceptance = field(default_factory=Acceptance)
+    rejection: Rejection | None = None  # a draft model sampling at the request's temperature
+
+    @property
+    def cheap(self) -> bool:
+        """Drafting costs next to nothing (a lookup, not a model)."""
+        return not isinstance(self.drafter, DraftModel)
+
+
+class BatchSpeculator:
+    """The speculating rows of one ``BatchGenerator`` (by its uids) and the step plan."""
+
+    def __init__(self, max_k: int, *, adaptive: bool = True):
+        self.max_k = max_k
+        self.rows: dict[int, RowSpec] = {}
+        self.adaptive = adaptive
+        self.plan: BatchPlan = BatchPlan(max_k) if adaptive else AlwaysDraft(max_k)
+        self.counts: dict[int, tuple[int, int]] = {}  # uid -> drafted, accepted: last step
+        self._plain_run = 0  # plain steps in a row (from the second on, they are timed)
+        self._plain_size = 0  # at this batch size
+        self._sampled: dict[int, Sampled] = {}  # this step's sampled drafts, by row
+
+    def next(self, batch: GenerationBatch) -> list[Any]:
+        self.counts = {}
+        specs = [self.rows.get(u) for u in batch.uids]
+        accs = [s.acceptance if s is not None else None for s in specs]
+        if not can_roll_back(batch.prompt_cache) or not self.plan.worth_trying(accs):
+            return self._plain(batch, specs)
+        self._plain_run = 0
+        mx.eval(batch._next_tokens)  # the last plain step's work, not this one's
+        t = time.perf_counter()
+        pending: list[int] = batch._next_tokens.tolist()  # type: ignore[assignment]
+        self._sampled = {}
+        drafts = self._drafts(batch, specs, pending)
+        k = self.plan.choose(accs, [len(d) for d in drafts])
+        tried = [s is not None and self._ready(s) for s in specs]
+        k = self._free_rides(batch, specs, pending, drafts, k)
+        if k == 0:
+            for s, was in zip(specs, tried, strict=True):
+                if s is not None and was:
+                    s.acceptance.record(0, 0)  # nothing worth verifying: a failed try
+            return GenerationBatch.next(batch)
+        drafts = [d[:k] for d in drafts]
+        uids = list(batch.uids)
+        responses = verify_batch(batch, pending, drafts, self._sampled)
+        self.plan.record_draft(len(uids), k, time.perf_counter() - t)
+        self._record(uids, specs, tried, drafts, responses)
+        return responses
+
+    def _ready(self, s: RowSpec) -> bool:
+        return s.acceptance.ready or not self.adaptive
+
+    def _plain(self, batch: GenerationBatch, specs: list[RowSpec | None]) -> list[Any]:
+        for s in specs:
+            if s is not None:
+                s.acceptance.tick()
+        size = len(batch.uids)
+        timed = self._plain_run > 0 and self._plain_size == size
+        t = time.perf_counter()
+        responses: list[Any] = GenerationBatch.next(batch)
+        if timed:
+            self.plan.record_plain(size, time.perf_counter() - t)
+        self._plain_run += 1
+        self._plain_size = size
+        return responses
+
+    def _drafts(
+        self, batch: GenerationBatch, specs: list[RowSpec | None], pending: list[int]
+    ) -> list[list[int]]:
+        """The ready rows' drafts (at most ``max_k``, and what their max_tokens leave)."""
+        out: list[list[int]] = []
+        for i, s in enumerate(specs):
+            cap = min(self.max_k, batch.max_tokens[i] - batch._num_tokens[i] - 1)
+            if s is None or not self._ready(s) or cap <= 0:
+                out.append([])
+                continue
+            out.append(self._propose(i, s, [*batch.tokens[i], pending[i]], cap))
+        return out
+
+    def _propose(self, i: int, s: RowSpec, context: list[int], k: int) -> list[int]:
+        """Row ``i``'s draft; a sampled one's distribution goes to ``_sampled``."""
+        if s.rejection is not None and isinstance(s.drafter, DraftModel):
+            draft, q = s.drafter.propose_sampled(context, k, s.rejection)
+            if draft and q is not None:
+                self._sampled[i] = (q, s.rejection)
+            return draft
+        return s.drafter.propose(context, k)
+
+    def _free_rides(
+        self,
+        batch: GenerationBatch,
+        specs: list[RowSpec | None],
+        pending: list[int],
+        drafts: list[list[int]],
+        k: int,
+    ) -> int:
+        """When the step verifies anyway, rows backing off draft too if drafting is cheap:
+        their positions are paid for by the padding."""
+        if k == 0:
+            return 0
+        for i, s in enumerate(specs):
+            cap = min(k, batch.max_tokens[i] - batch._num_tokens[i] - 1)
+            if s is not None and not self._ready(s) and s.cheap and cap > 0:
+                drafts[i] = self._propose(i, s, [*batch.tokens[i], pending[i]], cap)
+        return k
+
+    def _record(
+        self,
+        uids: list[int],
+        specs: list[RowSpec | None],
+        tried: list[bool],
+        drafts: list[list[int]],
+        responses: list[Any],
+    ) -> None:
+        emitted: dict[int, int] = {}
+        for r in responses:
+            emitted[r.uid] = emitted.get(r.uid, 0) + 1
+        for uid, s, was, d in zip(uids, specs, tried, drafts, strict=True):
+            if s is None:
+                continue
+            accepted = min(len(d), emitted.get(uid, 1) - 1)
+            if was or d:
+                s.acceptance.record(len(d), accepted, tried=was)
+                if accepted:
+                    s.acceptance.paid()
+            else:
+                s.acceptance.tick()
+            self.counts[uid] = (len(d), accepted)
+
+
+class AlwaysDraft(BatchPlan):
+    """Every step verifies the longest draft the rows have (tests, benchmarks)."""
+
+    def worth_trying(self, rows: Sequence[Acceptance | None]) -> bool:
+        return any(r is not None for r in rows)
+
+    def choose(self, rows: Sequence[Acceptance | None], lengths: Sequence[int]) -> int:
+        return max(lengths, default=0)
+
+
+class SpeculativeGenerationBatch(GenerationBatch):
+    """mlx-lm's generation batch whose steps may verify drafts (see the module docstring)."""
+
+    speculator: BatchSpeculator | None = None
+
+    def next(self) -> list[Any]:
+        spec = self.speculator
+        if spec is None or not self.uids or not spec.rows:
+            return super().next()
+        return spec.next(self)
+
+
+def install(gen: BatchGenerator, speculator: BatchSpeculator) -> None:
+    """Make ``gen``'s running batch a speculating one. Prefilled sequences join it through
+    ``extend``, so it stays this object for the generator's life."""
+    batch = SpeculativeGenerationBatch.empty(gen.model, gen.sampler)
+    batch.speculator = speculator
+    gen._generation_batch = batch

@@ -1,0 +1,226 @@
+"""Verify several sequences' drafts in one batched forward pass, and roll back per row.
+
+The batch is mlx-lm's ``GenerationBatch``: between steps each row's KV cache holds
+``tokens[i]`` and ``_next_tokens[i]`` is the token sampled last, not yet fed nor answered.
+A verifying step feeds every row its pending token ``n_i`` followed by its draft ``d_i``
+(length ``k_i``, right-padded to the longest, ``K``; a row without a draft is padded from
+its one token). Each row's positions are decided as plain decoding decides them
+(``decide``): the pending token is answered, then each accepted draft token; the target's
+own choice at the first rejection (or after a fully accepted draft) becomes the row's new
+pending token, so the invariant holds after the step as before it.
+
+Rollback: ``BatchKVCache`` has one write index for all rows, right-aligned, with left
+padding masked. After the pass row ``i`` holds ``K - a_i`` positions it rejected (or
+padded) at its end. The cache is trimmed by the fewest of them; a row with more rolls its
+content right by the difference, which turns its rejected tail into left padding (the
+cache's own ``prepare(right_padding=...)`` and ``finalize``, which its prefill uses for
+right-padded prompts). Positions stay right: each row's RoPE offset counts its own tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.models.cache import BatchKVCache, TokenBuffer, trim_prompt_cache
+
+from mlx_server.engine.sampling import SharedSampler
+from mlx_server.engine.speculative.rejection import Rejection, speculative_sample
+
+Sampled = tuple[mx.array, Rejection]  # a row's draft distribution (k, vocab), its settings
+COMPACT_AT = 256  # padding every row shares, in positions, before the cache drops it
+
+
+@dataclass
+class Decided:
+    """One row's verification: the accepted draft tokens, then the target's own token."""
+
+    tokens: list[int]
+    logprobs: list[mx.array]  # (vocab,) for each of ``tokens``
+
+    @property
+    def accepted(self) -> int:
+        return len(self.tokens) - 1
+
+
+def can_roll_back(cache: Sequence[Any]) -> bool:
+    """Whether every layer's cache is one this module can roll back per row."""
+    return bool(cache) and all(type(c) is BatchKVCache for c in cache)
+
+
+def verify_batch(
+    batch: Any,
+    pending: list[int],
+    drafts: list[list[int]],
+    sampled: dict[int, Sampled] | None = None,
+) -> list[Any]:
+    """One verifying step of ``batch`` (a ``GenerationBatch``): feed each row its pending
+    token and draft, answer what was accepted, roll the rest back, and let finished rows
+    go. Rows in ``sampled`` (by index) drafted from a draft model's distribution and are
+    verified by rejection sampling. Returns the step's ``GenerationBatch.Response`` list,
+    several per row in order."""
+    width = max(len(d) for d in drafts)
+    rows = [[p, *d, *[0] * (width - len(d))] for p, d in zip(pending, drafts, strict=True)]
+    logits = batch.model(mx.array(rows), cache=batch.prompt_cache)
+    decided = decide(batch, logits, pending, drafts, sampled or {})
+    roll_back(batch.prompt_cache, [width - d.accepted for d in decided])
+    return _answer(batch, pending, decided)
+
+
+def decide(
+    batch: Any,
+    logits: mx.array,
+    pending: list[int],
+    drafts: list[list[int]],
+    sampled: dict[int, Sampled],
+) -> list[Decided]:
+    """Each row's emitted tokens, chosen as plain decoding would choose them: rows with
+    logits processors or a sampler of their own (a seed) position by position, calling
+    each once per emitted token in order; rows sharing a sampler in one call over all their
+    positions (each position's draw is independent, so the first mismatch is distributed
+    as plain decoding's token there); rows in ``sampled`` by rejection sampling."""
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    out: list[Decided | None] = [None] * len(drafts)
+    groups: dict[int, list[int]] = {}
+    for i in range(len(drafts)):
+        sampler = _sampler(batch, i)
+        if i in sampled and drafts[i]:
+            q, rej = sampled[i]
+            p = rej.distribution(logprobs[i, : len(drafts[i]) + 1])
+            toks = speculative_sample(p, drafts[i], q[: len(drafts[i])], rej.draws)
+            out[i] = Decided(toks, [logprobs[i, j] for j in range(len(toks))])
+        elif batch.logits_processors[i] or not _shared(batch, sampler):
+            out[i] = _one_by_one(batch, i, logits[i], pending[i], drafts[i])
+        else:
+            groups.setdefault(id(sampler), []).append(i)
+    for rows in groups.values():
+        sampler = _sampler(batch, rows[0])
+        lp = logprobs[mx.array(rows)]
+        picked = sampler(lp.reshape(-1, lp.shape[-1])).reshape(len(rows), -1).tolist()
+        for r, i in enumerate(rows):
+            n = _agree(picked[r], drafts[i])
+            out[i] = Decided(picked[r][: n + 1], [logprobs[i, j] for j in range(n + 1)])
+    return [d for d in out if d is not None]
+
+
+def _sampler(batch: Any, i: int) -> Any:
+    s = batch.samplers[i] if batch.samplers else None
+    return batch.fallback_sampler if s is None else s
+
+
+def _shared(batch: Any, sampler: Any) -> bool:
+    """A sampler that may draw for many rows at once: no state of its own to keep in step."""
+    return isinstance(sampler, SharedSampler) or sampler is batch.fallback_sampler
+
+
+def _agree(choices: list[int], draft: list[int]) -> int:
+    n = 0
+    while n < len(draft) and choices[n] == draft[n]:
+        n += 1
+    return n
+
+
+def _one_by_one(batch: Any, i: int, logits: mx.array, pending: int, draft: list[int]) -> Decided:
+    """Row ``i`` position by position: processors see the row's context ending with the
+    position's input, as in ``GenerationBatch._step``."""
+    context = [*batch.tokens[i], pending]
+    processors = batch.logits_processors[i] or ()
+    sampler = _sampler(batch, i)
+    tokens: list[int] = []
+    lps: list[mx.array] = []
+    for j in range(len(draft) + 1):
+        row = logits[j : j + 1]
+        if processors:
+            seen = mx.array(context + tokens)
+            for p in processors:
+                row = p(seen, row)
+        lp = row - mx.logsumexp(row, axis=-1, keepdims=True)
+        tok = int(sampler(lp).item())
+        tokens.append(tok)
+        lps.append(lp[0])
+        if j == len(draft) or tok != draft[j]:
+            break
+    return Decided(tokens, lps)
+
+
+def roll_back(cache: Sequence[Any], rejected: list[int]) -> None:
+    """Drop each row's last ``rejected[i]`` positions (see the module docstring)."""
+    common = min(rejected)
+    extra = [r - common for r in rejected]
+    for c in cache:
+        if common:
+            c.trim(common)
+        if max(extra) > 0:
+            c.prepare(right_padding=extra)
+            c.finalize()
+    _compact(cache)
+
+
+def _compact(cache: Sequence[Any]) -> None:
+    """Drop the left padding every row has, once it is long (the cache's ``filter`` does
+    this when rows leave)."""
+    shared = int(mx.min(cache[0].left_padding).item())  # type: ignore[arg-type]
+    if shared >= COMPACT_AT:
+        keep = list(range(cache[0].left_padding.shape[0]))
+        for c in cache:
+            c.filter(keep)
+
+
+def _answer(batch: Any, pending: list[int], decided: list[Decided]) -> list[Any]:
+    """Answer each row's pending and accepted tokens, up to the first that ends it; set the
+    new pending tokens; rows that ended leave the batch."""
+    responses: list[Any] = []
+    keep: list[int] = []
+    old_logprobs = batch._next_logprobs
+    for i, d in enumerate(decided):
+        emitted = [pending[i], *d.tokens[:-1]]
+        lps = [old_logprobs[i], *d.logprobs[:-1]]
+        end, reason = _finish(batch, i, emitted)
+        batch.tokens[i].extend(emitted[: end + 1])
+        for j in range(end + 1):
+            last = j == end and reason is not None
+            cache = _finished_cache(batch, i, len(emitted) - 1 - end) if last else None
+            responses.append(
+                batch.Response(
+                    uid=batch.uids[i],
+                    token=emitted[j],
+                    logprobs=lps[j],
+                    finish_reason=reason if last else None,
+                    prompt_cache=cache,
+                    all_tokens=batch.tokens[i] if last else None,
+                )
+            )
+        if reason is None:
+            keep.append(i)
+        if batch.logits_processors[i]:
+            batch._token_context[i] = TokenBuffer(batch.tokens[i])
+    batch._current_tokens = mx.array(pending, dtype=mx.uint32)
+    batch._current_logprobs = list(old_logprobs)
+    batch._next_tokens = mx.array([d.tokens[-1] for d in decided], dtype=mx.uint32)
+    batch._next_logprobs = [d.logprobs[-1] for d in decided]
+    if len(keep) < len(decided):
+        batch.filter(keep)
+    return responses
+
+
+def _finish(batch: Any, i: int, emitted: list[int]) -> tuple[int, str | None]:
+    """Where row ``i`` ends among ``emitted`` (its last index when it goes on), and why."""
+    for j, tok in enumerate(emitted):
+        batch._num_tokens[i] += 1
+        reason = "length" if batch._num_tokens[i] >= batch.max_tokens[i] else None
+        if batch._matchers[i].advance(tok):
+            reason = "stop"
+        if reason is not None:
+            return j, reason
+    return len(emitted) - 1, None
+
+
+def _finished_cache(batch: Any, i: int, extra: int) -> list[Any]:
+    """Row ``i``'s KV state for the prefix cache, without the ``extra`` accepted tokens
+    after the one it ended on."""
+    cache = batch.extract_cache(i)
+    if extra:
+        trim_prompt_cache(cache, extra)
+    return list(cache)

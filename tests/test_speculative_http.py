@@ -1,0 +1,129 @@
+"""Speculative decoding over HTTP: a real server process on the tiny model, driven by the
+official OpenAI SDK in strict mode. Predicted Outputs report their accepted and rejected
+tokens in ``usage.completion_tokens_details``; concurrent requests with and without a
+prediction (so speculating and plain rows in one batch), streamed and not, give the text
+they give one at a time; /metrics counts the drafts."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import openai
+import pytest
+from engine_runner import build_varied_model
+from support import free_port, launch
+from test_metrics import scrape, value
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    model = build_varied_model(tmp_path_factory.mktemp("spec-http") / "tiny-varied")
+    port = free_port()
+    sp = launch(["-m", str(model), "--port", str(port), "--max-batch-size", "4"])
+    assert sp.wait_ready(), sp.lines
+    sp.bias = word_bias(model)  # type: ignore[attr-defined]
+    yield sp
+    sp.stop()
+
+
+def word_bias(model_dir: Any) -> dict[str, int]:
+    """A logit bias that makes the random model speak in whole words (" the", " fox"): its
+    text then tokenizes back to the tokens it chose, so a prediction taken from an answer
+    matches it token for token (the random model's free output has bytes that do not)."""
+    from mlx_lm import load
+
+    _, tok = load(str(model_dir))[:2]
+    words = sorted(i for t, i in tok.vocab.items() if t[:1] == "Ġ" and t[1:].isalpha())
+    whole = [i for i in words if tok.encode(tok.decode([i]), add_special_tokens=False) == [i]]
+    assert len(whole) >= 8
+    return {str(i): 100 for i in whole[:24]}
+
+
+def client(srv: Any) -> openai.OpenAI:
+    return openai.OpenAI(
+        base_url=srv.base_url + "/v1", api_key="x", _strict_response_validation=True, max_retries=0
+    )
+
+
+QUESTIONS = ["the quick brown fox", "hello world", "def add(a, b):", "Paris is the capital"]
+
+
+def ask(
+    c: openai.OpenAI, srv: Any, text: str, *, stream: bool, prediction: str | None = None
+) -> Any:
+    """(content, usage) of a greedy 40-token answer in whole words."""
+    kw: dict[str, Any] = dict(
+        model="m",
+        messages=[{"role": "user", "content": text}],
+        max_tokens=40,
+        temperature=0,
+        logit_bias=srv.bias,
+        extra_body={"ignore_eos": True},
+    )
+    if prediction is not None:
+        kw["prediction"] = {"type": "content", "content": prediction}
+    if not stream:
+        r = c.chat.completions.create(**kw)
+        return r.choices[0].message.content, r.usage
+    content, usage = "", None
+    for chunk in c.chat.completions.create(
+        **kw, stream=True, stream_options={"include_usage": True}
+    ):
+        if chunk.choices and chunk.choices[0].delta.content:
+            content += chunk.choices[0].delta.content
+        if chunk.usage is not None:
+            usage = chunk.usage
+    return content, usage
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_prediction_reports_accepted_and_rejected_tokens(server: Any, stream: bool) -> None:
+    c = client(server)
+    plain, usage = ask(c, server, QUESTIONS[0], stream=stream)
+    assert usage.completion_tokens_details is None or (
+        usage.completion_tokens_details.accepted_prediction_tokens in (None, 0)
+    )
+    words = plain.split(" ")
+    edited = " ".join(words[:5] + ["lazy lazy"] + words[6:])  # wrong in one place
+    got, usage = ask(c, server, QUESTIONS[0], stream=stream, prediction=edited)
+    assert got == plain
+    details = usage.completion_tokens_details
+    assert details is not None
+    assert details.accepted_prediction_tokens > 0
+    assert details.rejected_prediction_tokens > 0  # the edit, at least
+    wrong, usage = ask(c, server, QUESTIONS[0], stream=stream, prediction="nothing like it " * 4)
+    assert wrong == plain
+    assert usage.completion_tokens_details.rejected_prediction_tokens > 0
+
+
+def test_concurrent_requests_with_and_without_predictions_give_their_own_text(
+    server: Any,
+) -> None:
+    c = client(server)
+    alone = [ask(c, server, q, stream=False)[0] for q in QUESTIONS]
+    preds = [alone[0], None, alone[2][: len(alone[2]) // 2], None]  # rows 0 and 2 speculate
+    before = scrape(server.base_url)
+    with ThreadPoolExecutor(8) as pool:
+        jobs = [
+            pool.submit(ask, c, server, q, stream=s, prediction=p)
+            for s in (False, True)
+            for q, p in zip(QUESTIONS, preds, strict=True)
+        ]
+        results = [j.result(timeout=300) for j in jobs]
+    assert [text for text, _ in results] == alone + alone
+    for (_, usage), p in zip(results, preds + preds, strict=True):
+        details = usage.completion_tokens_details
+        if p is None:
+            assert details is None or details.accepted_prediction_tokens in (None, 0)
+        else:
+            assert details is not None and details.accepted_prediction_tokens > 0
+    after = scrape(server.base_url)
+    drafted = value(after, "mlx_server_draft_tokens_total") - value(
+        before, "mlx_server_draft_tokens_total"
+    )
+    accepted = value(after, "mlx_server_draft_accepted_tokens_total") - value(
+        before, "mlx_server_draft_accepted_tokens_total"
+    )
+    assert drafted >= accepted > 0
+    assert 0 < value(after, "mlx_server_draft_acceptance_rate") <= 1
