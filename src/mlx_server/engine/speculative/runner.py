@@ -70,7 +70,8 @@ class SpeculativeRunner(SoloRunner):
             job.cached,
             job.cache,
             sampler=job.sampler,
-            greedy=job.request.sampling.temperature <= 0,
+            # ignore_eos lives in the sampler: a plain argmax would not honour it
+            greedy=job.request.sampling.temperature <= 0 and not job.request.ignore_eos,
             drafter=drafter,
             num_draft_tokens=self.spec.num_draft_tokens,
             max_tokens=job.request.max_tokens,
