@@ -75,6 +75,7 @@ def test_every_script_writes_its_lines(results):
         ("layer", "batch_generator", None),
         ("layer", "engine", None),
         ("layer", "engine", "prefill"),
+        ("layer", "stream_generate", "shapes"),
         ("burst", None, None),
         ("single", None, None),
         ("concurrency", None, None),
@@ -112,7 +113,14 @@ def test_the_new_scenarios_report_what_they_promise(results):
 def test_the_summary_reads_every_line(results):
     out = results
     text = kit("summary.py", str(out))
-    for word in ("raw_engine", "long_ctx", "constrained", "variant greedy", "ratios"):
+    for word in (
+        "raw_engine",
+        "long_ctx",
+        "constrained",
+        "variant greedy",
+        "ratios",
+        "new chunk lengths",
+    ):
         assert word in text
 
 

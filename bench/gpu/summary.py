@@ -33,6 +33,11 @@ def main(path: str) -> None:
                     print(
                         f"  {layer:16} ttft ms, new prompt lengths: {new}; a seen one: {r['ttft_seen_s'] * 1000:.0f}"
                     )
+                elif what == "shapes":
+                    ms = lambda xs: ", ".join(f"{x * 1000:.1f}" for x in xs)  # noqa: E731
+                    print(
+                        f"  {layer:16} chunk after {r['prefix_tokens']} cached, ms: new chunk lengths {ms(r['new_chunk_len_s'])}, seen {r['seen_chunk_len_s'] * 1000:.1f}; new prefix lengths {ms(r['new_prefix_len_s'])}, seen {r['seen_prefix_len_s'] * 1000:.1f}"
+                    )
                 elif layer == "stream_generate" and what == "prefill":
                     f["raw_prefill"] = r["ttft_s"]
                     print(
