@@ -108,6 +108,7 @@ def load_chat_model(settings: Settings) -> ModelParts:
             kv_bytes_per_token=kv_per_token,
             prompt_cache_disk=disk,
             warm_up=not vision and builds_kernels_on_first_use(),
+            prefill_buckets=not vision and builds_kernels_on_first_use(),
             speculation=None if vision else _speculation(loaded, settings, model),
         ),
     )

@@ -58,6 +58,7 @@ class EngineConfig:
     solo: bool = True  # a lone request runs on a plain KV cache (see solo.py)
     speculation: Any = None  # speculative.runner.Speculation: the lone request speculates
     gather_s: float = 0.05  # how long queued requests wait for announced ones (Scheduler)
+    prefill_buckets: bool = False  # the lone path pads prefill chunks (tuning.PREFILL_BUCKETS)
 
 
 class Engine:
@@ -120,7 +121,12 @@ class Engine:
                 spec=cfg.speculation,
             )
         else:
-            lone = SoloRunner(self.model, self.eos_ids, prefill_step_size=cfg.prefill_step_size)
+            lone = SoloRunner(
+                self.model,
+                self.eos_ids,
+                prefill_step_size=cfg.prefill_step_size,
+                prefill_buckets=cfg.prefill_buckets,
+            )
         return LoneFirstRunner(lone, batch)
 
     # ---- public API (any thread) -------------------------------------------------------
@@ -249,8 +255,10 @@ class Engine:
         if self.config.warm_up:
             try:
                 n, step = self.config.max_batch_size, self.config.prefill_step_size
-                secs = warm_up(self.model, n, step)
-                log(f"Warm-up: batch sizes 1-{n} and a {step}-token prefill in {secs:.1f}s")
+                buckets = self.config.prefill_buckets
+                secs = warm_up(self.model, n, step, buckets=buckets)
+                what = ", the prefill buckets" if buckets else ""
+                log(f"Warm-up: batch sizes 1-{n}{what} and a {step}-token prefill in {secs:.1f}s")
             except Exception as e:  # serving without it is slower at first, not wrong
                 log(f"Warm-up failed: {faults.describe(e)}")
         self._ready.set()

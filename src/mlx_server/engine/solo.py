@@ -22,11 +22,12 @@ from typing import Any, Protocol
 
 import mlx.core as mx
 from mlx_lm.generate import generation_stream
-from mlx_lm.models.cache import TokenBuffer, make_prompt_cache
+from mlx_lm.models.cache import KVCache, TokenBuffer, make_prompt_cache
 
 from mlx_server.engine.batch_runner import BatchRunner
 from mlx_server.engine.runner import Insert, KVState, Progress, Response, Runner
 from mlx_server.engine.sampling import LogitsProcessor, Sampler
+from mlx_server.engine.tuning import bucket
 
 # What BatchRunner.join takes: uid, segments to feed, cache, tokens in it, tokens left to
 # generate, sampler, processors.
@@ -36,7 +37,14 @@ Handover = tuple[int, list[list[int]], Any, list[int], int, Sampler, list[Logits
 class SoloSequence:
     """A lone sequence's prefill and decode; see the module docstring."""
 
-    def __init__(self, model: Any, job: Insert, eos: list[int], prefill_step_size: int):
+    def __init__(
+        self,
+        model: Any,
+        job: Insert,
+        eos: list[int],
+        prefill_step_size: int,
+        buckets: bool = False,
+    ):
         self.model = model
         self.uid = job.uid
         self.sampler = job.sampler
@@ -48,6 +56,9 @@ class SoloSequence:
         self._max_tokens = job.request.max_tokens
         self._eos = set(eos)
         self._step_size = prefill_step_size
+        # Pad prefill chunks to bucket lengths (kernels built per shape meet a known one); a
+        # plain KV cache can drop the padding again.
+        self._buckets = buckets and all(type(c) is KVCache for c in self.cache)
         self._system_end = job.system_end
         self._context: TokenBuffer | None = None  # the processors' view: prompt + generated
         self._next: tuple[mx.array, mx.array] | None = None  # sampled, not yet read
@@ -86,7 +97,14 @@ class SoloSequence:
         n = min(self._step_size, len(self._todo) - 1)
         if self._system_end > len(self.fed):  # pause where the system prompt ends
             n = min(n, self._system_end - len(self.fed))
-        self.model(mx.array(self._todo[:n])[None], cache=self.cache)
+        chunk = self._todo[:n]
+        padded = bucket(n, self._step_size) if self._buckets else n
+        # The padding comes after the chunk: causal attention keeps it out of the chunk's
+        # keys and values, and trimming the cache drops its own.
+        self.model(mx.array(chunk + chunk[-1:] * (padded - n))[None], cache=self.cache)
+        if padded > n:
+            for c in self.cache:
+                c.trim(padded - n)
         mx.eval([c.state for c in self.cache])
         self.fed += self._todo[:n]
         self._todo = self._todo[n:]
@@ -123,10 +141,13 @@ class SoloSequence:
 class SoloRunner:
     """The runner of at most one sequence at a time, on a plain KV cache."""
 
-    def __init__(self, model: Any, eos: list[int], *, prefill_step_size: int):
+    def __init__(
+        self, model: Any, eos: list[int], *, prefill_step_size: int, prefill_buckets: bool = False
+    ):
         self.model = model
         self._eos = eos
         self._step_size = prefill_step_size
+        self._buckets = prefill_buckets
         self.seq: SoloSequence | None = None
         self.runs = 0  # sequences started here (monitoring, and tests that the path is taken)
 
@@ -153,7 +174,7 @@ class SoloRunner:
     def insert(self, job: Insert) -> None:
         if self.seq is not None:
             raise RuntimeError("the solo runner runs one sequence at a time")
-        self.seq = SoloSequence(self.model, job, self._eos, self._step_size)
+        self.seq = SoloSequence(self.model, job, self._eos, self._step_size, self._buckets)
         self.runs += 1
 
     def step(self) -> tuple[list[Progress], list[Response]]:
