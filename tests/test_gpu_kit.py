@@ -59,7 +59,7 @@ def results(tiny_model_dir: Path, tmp_path_factory) -> Path:
             "--system-tokens", "50", "--long-system-tokens", "50", "--long-max-tokens", "2",
             "--nonstream-repeats", "1", "--out", str(out))  # fmt: skip
         kit("variants.py", "--model", m, "--base-url", url, "--label", "variants tiny",
-            "--max-tokens", "4", "--repeats", "1", "--out", str(out))  # fmt: skip
+            "--max-tokens", "4", "--repeats", "2", "--out", str(out))  # fmt: skip
     finally:
         srv.stop()
     return out
@@ -75,6 +75,7 @@ def test_every_script_writes_its_lines(results):
         ("layer", "batch_generator", None),
         ("layer", "engine", None),
         ("layer", "engine", "prefill"),
+        ("layer", "stream_generate", "shapes"),
         ("burst", None, None),
         ("single", None, None),
         ("concurrency", None, None),
@@ -97,8 +98,14 @@ def test_the_new_scenarios_report_what_they_promise(results):
     (cons,) = [r for r in got if r["scenario"] == "constrained"]
     assert [x["n"] for x in cons["levels"]] == [1, 2]
     assert all(x["json_schema"]["aggregate_tok_s"] > 0 for x in cons["levels"])
-    variants = {r["variant"] for r in got if r["scenario"] == "variants"}
-    assert variants == {"greedy", "temp0.7_top_p0.95", "logprobs5", "ignore_eos", "stop"}
+    variants = {r["variant"]: r for r in got if r["scenario"] == "variants"}
+    assert set(variants) == {"greedy", "temp0.7_top_p0.95", "logprobs5", "ignore_eos", "stop"}
+    for row in variants.values():  # each round turns the order: no variant is always last
+        positions = [x["position"] for x in row["rounds"]]
+        assert len(positions) == 2 and positions[0] != positions[1], row["variant"]
+        assert len(row["ours_tokens"]) == len(row["raw_tokens"]) == 2
+    eos = variants["ignore_eos"]  # both sides run to max_tokens
+    assert eos["raw_tokens"] == eos["ours_tokens"] == [4, 4]
     stream = [r for r in got if r.get("layer") == "stream_generate" and "what" not in r]
     assert {r["ignore_eos"] for r in stream} == {False, True}
 
@@ -106,7 +113,14 @@ def test_the_new_scenarios_report_what_they_promise(results):
 def test_the_summary_reads_every_line(results):
     out = results
     text = kit("summary.py", str(out))
-    for word in ("raw_engine", "long_ctx", "constrained", "variant greedy", "ratios"):
+    for word in (
+        "raw_engine",
+        "long_ctx",
+        "constrained",
+        "variant greedy",
+        "ratios",
+        "new chunk lengths",
+    ):
         assert word in text
 
 

@@ -39,3 +39,18 @@ def test_nothing_after_a_match_and_no_stop_text_ever_emitted():
     assert "".join(emitted) == "abc" and m.matched == "END"
     assert emitted[1] == "c"  # "E" held back: it could start END
     assert m.flush() == ""
+
+
+def test_the_matcher_holds_back_less_than_a_stop_string_whatever_the_text_length():
+    """Each piece is scanned with at most a stop string's length of held text before it:
+    the work per token does not grow with the text generated so far."""
+    stop = "\n\nTHE END."
+    m = StopMatcher((stop, "THE END!"))
+    fed = emitted = 0
+    text = "a line\n\nTHE EN\n\nTHE END\n" * 400  # starts of the stop strings, again and again
+    for i in range(0, len(text), 3):
+        piece = text[i : i + 3]
+        fed += len(piece)
+        emitted += len(m.feed(piece))
+        assert fed - emitted < len(stop)
+    assert m.matched is None

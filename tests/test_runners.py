@@ -181,3 +181,42 @@ def test_a_new_runner_plugs_in_and_the_engine_delivers_its_tokens(lm):
         assert engine.stats()["list_runner_running"] == 0
     finally:
         engine.shutdown(timeout=10)
+
+
+class ShapeSpy:
+    """The model, recording the length of every input it is given."""
+
+    def __init__(self, model: Any):
+        self.model = model
+        self.lengths: list[int] = []
+
+    def __call__(self, inputs: mx.array, cache: Any = None) -> mx.array:
+        self.lengths.append(int(inputs.shape[1]))
+        return self.model(inputs, cache=cache)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.model, name)
+
+
+def test_bucketed_prefill_chunks_give_the_same_output(lm):
+    """Where kernels are built per shape, the lone path pads prefill chunks to a few bucket
+    lengths and drops the padding from the cache: the output is the unpadded one's, also
+    after a prefix-cache hit."""
+    model, tokenizer = lm
+    cfg = {"prefill_step_size": 64, "max_batch_size": 2}
+    spy = ShapeSpy(model)
+    with (
+        running_engine(spy, tokenizer, prefill_buckets=True, **cfg) as padded,
+        running_engine(model, tokenizer, **cfg) as plain,
+    ):
+        for i, settings in enumerate(({}, {"logprobs": True, "top_logprobs": 3})):
+            history = prompt(tokenizer, 30, seed=4 + i)
+            turns = [history, history + prompt(tokenizer, 7, seed=6 + i)]  # then a warm turn
+            spy.lengths.clear()
+            got = solo(padded, [request(t, 12, ignore_eos=True, **settings) for t in turns])
+            want = solo(plain, [request(t, 12, ignore_eos=True, **settings) for t in turns])
+            for a, b in zip(got, want, strict=True):
+                same(a, b)
+            assert got[1].cached > 0  # the warm turn was served from the prefix cache
+            chunks = [n for n in spy.lengths if n > 1]
+            assert chunks and set(chunks) <= {16, 32, 64}, spy.lengths

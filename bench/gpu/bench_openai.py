@@ -68,6 +68,7 @@ import random
 import statistics
 import sys
 import time
+import urllib.parse
 from typing import Any
 
 try:
@@ -171,6 +172,20 @@ def make_system_prompt(approx_tokens: int, seed: int = 1234) -> str:
     return "\n".join(lines)
 
 
+async def _sse_data(r: httpx.Response):
+    """The ``data:`` payloads of an SSE response with the time each was read. The bytes are
+    split here rather than by httpx's line iterator: at tens of streams of a fast server the
+    client's own per-line work would otherwise bound what it measures."""
+    buf = b""
+    async for raw in r.aiter_raw():
+        now = time.perf_counter()
+        buf += raw
+        *lines, buf = buf.split(b"\n")
+        for line in lines:
+            if line.startswith(b"data:"):  # not blank lines, SSE comments (keepalives)
+                yield line[5:].strip(), now
+
+
 class Bench:
     def __init__(self, args: argparse.Namespace):
         if httpx is None:
@@ -248,10 +263,73 @@ class Bench:
 
     # ---------------------------------------------------------------- requests
     async def stream_chat(self, messages, max_tokens, extra=None) -> dict:
+        read = self._raw_stream_chat if self.args.client == "raw" else self._stream_chat
         try:
-            return await self._stream_chat(messages, max_tokens, extra)
-        except httpx.HTTPError as e:  # a server that drops connections under load
-            return {"ok": False, "error": repr(e)}
+            return await read(messages, max_tokens, extra)
+        except (httpx.HTTPError, OSError, asyncio.IncompleteReadError) as e:
+            return {"ok": False, "error": repr(e)}  # a server that drops connections under load
+
+    async def _raw_stream_chat(self, messages, max_tokens, extra=None) -> dict:
+        """``_stream_chat`` over a bare socket (HTTP/1.1, one connection per request): the
+        client's per-chunk work is a line split and a JSON parse, so that at tens of streams
+        it measures the server, not httpx's HTTP parser."""
+        url = urllib.parse.urlsplit(self.base)
+        data = json.dumps(self.body(messages, max_tokens, stream=True, extra=extra)).encode()
+        head = [
+            f"POST {url.path}/chat/completions HTTP/1.1",
+            f"Host: {url.netloc}",
+            "Content-Type: application/json",
+            f"Content-Length: {len(data)}",
+            "Connection: close",
+        ]
+        if self.args.api_key:
+            head.append(f"Authorization: Bearer {self.args.api_key}")
+        res: dict[str, Any] = {"ok": False, "ttft_s": None, "chunks": 0, "usage": None}
+        res.update(finish_reason=None, text="", chunk_times=[])
+        parts: list[str] = []
+        t0 = time.perf_counter()
+        t_first = t_last = None
+        reader, writer = await asyncio.wait_for(
+            asyncio.open_connection(url.hostname, url.port or 80), 10
+        )
+        try:
+            writer.write(("\r\n".join(head) + "\r\n\r\n").encode() + data)
+            status_line = await asyncio.wait_for(reader.readline(), self.args.timeout)
+            status = int(status_line.split()[1]) if status_line.split()[1:] else 0
+            buf = b""
+            while chunk := await asyncio.wait_for(reader.read(1 << 16), self.args.timeout):
+                now = time.perf_counter()
+                buf += chunk
+                *lines, buf = buf.split(b"\n")
+                for line in lines:
+                    if not line.startswith(b"data:"):
+                        continue  # headers, chunk sizes, blank lines, keep-alive comments
+                    payload = line[5:].strip()
+                    if payload == b"[DONE]":
+                        break
+                    try:
+                        obj = json.loads(payload)
+                    except json.JSONDecodeError:
+                        continue
+                    if obj.get("usage"):
+                        res["usage"] = obj["usage"]
+                    for ch in obj.get("choices") or []:
+                        content = (ch.get("delta") or {}).get("content")
+                        if content:
+                            t_first = t_first or now
+                            t_last = now
+                            res["chunks"] += 1
+                            res["chunk_times"].append(now)
+                            parts.append(content)
+                        if ch.get("finish_reason"):
+                            res["finish_reason"] = ch["finish_reason"]
+                            t_last = now if t_first is not None else t_last
+        finally:
+            writer.close()
+        if status >= 400:
+            res["error"] = f"HTTP {status}"
+            return res
+        return self._finish(res, parts, t0, t_first, t_last, status)
 
     async def _stream_chat(self, messages, max_tokens, extra=None) -> dict:
         body = self.body(messages, max_tokens, stream=True, extra=extra)
@@ -271,17 +349,13 @@ class Bench:
             if r.status_code >= 400:
                 res["error"] = f"HTTP {r.status_code}: {(await r.aread())[:300]!r}"
                 return res
-            async for line in r.aiter_lines():
-                if not line.startswith("data:"):
-                    continue  # blank lines, SSE comments (keepalives)
-                data = line[5:].strip()
-                if data == "[DONE]":
+            async for line, now in _sse_data(r):
+                if line == b"[DONE]":
                     break
                 try:
-                    obj = json.loads(data)
+                    obj = json.loads(line)
                 except json.JSONDecodeError:
                     continue
-                now = time.perf_counter()
                 if obj.get("usage"):
                     res["usage"] = obj["usage"]
                 for ch in obj.get("choices") or []:
@@ -298,13 +372,17 @@ class Bench:
                         res["finish_reason"] = ch["finish_reason"]
                         if t_first is not None:
                             t_last = now
+        return self._finish(res, parts, t0, t_first, t_last, r.status_code)
+
+    def _finish(self, res: dict, parts: list[str], t0: float, t_first, t_last, status) -> dict:
+        """The figures of one streamed answer, from what its reader collected."""
         t_end = time.perf_counter()
         res["text"] = "".join(parts)
         res["ok"] = t_first is not None
         if not res["ok"]:
             res["error"] = (
                 f"stream ended without content (finish_reason="
-                f"{res['finish_reason']}, HTTP {r.status_code})"
+                f"{res['finish_reason']}, HTTP {status})"
             )
         usage = res["usage"] or {}
         if usage.get("completion_tokens") is not None:
@@ -366,6 +444,7 @@ class Bench:
             "ts": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "ignore_eos_sent": self.send_ignore_eos,
             "stream_usage_requested": self.send_stream_usage,
+            "client": self.args.client,
         }
 
     async def warmup(self) -> None:
@@ -762,6 +841,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--timeout", type=float, default=300.0, help="per-request read timeout, s")
     p.add_argument("--no-ignore-eos", action="store_true")
+    p.add_argument(
+        "--client",
+        choices=["raw", "httpx"],
+        default="raw",
+        help="streamed requests over bare sockets (default: cheap enough per chunk for tens "
+        "of streams of a fast server) or httpx (the kit's reader before 2026-12-02)",
+    )
     a = p.parse_args(argv)
     bounds = [
         ("repeats", 1, 20),

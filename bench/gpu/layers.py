@@ -103,6 +103,48 @@ def compile_probe(model: Any, tok: Any) -> None:
         emit(layer=path, what="new_lengths", ttft_new_s=fresh, ttft_seen_s=again)
 
 
+def shape_probe(model: Any, tok: Any, prefix_tokens: int = 1000) -> None:
+    """Which shape makes MLX build kernels on first use, for a prompt whose prefix is cached
+    (a warm chat turn): the time of one prefill chunk after a cached prefix, (a) for chunk
+    lengths not seen before at one prefix length, (b) for one chunk length at prefix lengths
+    not seen before, each then once more at a length seen. If only (a) is slow, padding
+    chunks to a few bucket lengths (and warming those up) bounds the builds; if (b) is, the
+    KV length must be bucketed too."""
+    import copy
+
+    from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
+
+    ids = (chat_ids(tok, make_system_prompt(SYSTEM_TOKENS)) * 4)[:prefix_tokens]
+    base = make_prompt_cache(model)
+    model(mx.array(ids)[None], cache=base)
+    mx.eval([c.state for c in base])
+
+    def chunk_s(n_chunk: int, trim: int) -> float:
+        cache = copy.deepcopy(base)
+        if trim:
+            trim_prompt_cache(cache, trim)
+        mx.eval([c.state for c in cache])
+        t = time.perf_counter()
+        logits = model(mx.array(ids[:n_chunk])[None], cache=cache)
+        mx.eval(logits[:, -1, :])
+        return time.perf_counter() - t
+
+    chunk_s(24, 0)  # the first call of all: whatever is built once, whatever the shape
+    new_len = [chunk_s(n, 0) for n in (17, 19, 21, 23, 25)]
+    seen_len = chunk_s(17, 0)
+    new_kv = [chunk_s(20, trim) for trim in (1, 3, 5, 7, 9)]
+    seen_kv = chunk_s(20, 1)
+    emit(
+        layer="stream_generate",
+        what="shapes",
+        prefix_tokens=len(ids),
+        new_chunk_len_s=new_len,
+        seen_chunk_len_s=seen_len,
+        new_prefix_len_s=new_kv,
+        seen_prefix_len_s=seen_kv,
+    )
+
+
 # ---- layer 2: BatchGenerator alone --------------------------------------------------------
 
 
@@ -263,7 +305,7 @@ def main() -> int:
     p.add_argument("--levels", default="1,8,32", type=lambda s: [int(x) for x in s.split(",")])
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--single-tokens", type=int, default=256)
-    p.add_argument("--skip", default="", help="layers to skip: stream,batch,engine")
+    p.add_argument("--skip", default="", help="parts to skip: stream,compile,shapes,batch,engine")
     p.add_argument("--system-tokens", type=int, default=SYSTEM_TOKENS)
     p.add_argument("--out")
     a = p.parse_args()
@@ -295,6 +337,8 @@ def main() -> int:
 
     if "compile" not in skip:
         compile_probe(model, tok)
+    if "shapes" not in skip:
+        shape_probe(model, tok)
 
     if "batch" not in skip:
         for n in a.levels:

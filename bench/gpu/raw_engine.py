@@ -64,21 +64,28 @@ def run_once(model, tok, prompt_ids, max_tokens, logits_processors=None, sampler
     }
 
 
-def eos_ban(tok):
-    """The logits processor a request with ``ignore_eos`` gets in the server (its own code
-    where importable, so the raw engine does the same work), else an equivalent."""
+def eos_sampler(tok, sampler=None):
+    """The sampler a request with ``ignore_eos`` gets in the server: ``sampler`` (greedy by
+    default) that never picks an EOS id, by one row added to the log-probabilities (the
+    server's own ``ban_tokens`` where importable, else an equivalent)."""
     eos = sorted(int(t) for t in tok.eos_token_ids)
+    sampler = sampler or make_sampler(temp=0.0)
     try:
-        from mlx_server.engine.sampling import mask_tokens
+        from mlx_server.engine.sampling import ban_tokens
 
-        return mask_tokens(eos)
+        ban = ban_tokens(eos)
     except ImportError:
+        rows = {}
 
-        def ban_eos(tokens, logits):
-            logits[:, eos] = -float("inf")
-            return logits
+        def ban(logprobs):
+            key = (logprobs.shape[-1], logprobs.dtype)
+            if key not in rows:
+                row = mx.zeros((key[0],), dtype=key[1])
+                row[mx.array(eos)] = -float("inf")
+                rows[key] = row
+            return logprobs + rows[key]
 
-        return ban_eos
+    return lambda logprobs: sampler(ban(logprobs))
 
 
 def baseline(model, tok, max_tokens, repeats, ignore_eos, sampler=None, processors=None):
@@ -88,7 +95,9 @@ def baseline(model, tok, max_tokens, repeats, ignore_eos, sampler=None, processo
     ids = tok.apply_chat_template(
         [{"role": "user", "content": LONG_PROMPT}], add_generation_prompt=True
     )
-    lp = list(processors or []) + ([eos_ban(tok)] if ignore_eos else [])
+    lp = list(processors or [])
+    if ignore_eos:
+        sampler = eos_sampler(tok, sampler)
     run_once(model, tok, ids, 16, lp or None, sampler)
     runs = [run_once(model, tok, ids, max_tokens, lp or None, sampler) for _ in range(repeats)]
     md = lambda xs: statistics.median([x for x in xs if x is not None])  # noqa: E731
@@ -113,7 +122,7 @@ def main() -> int:
     p.add_argument(
         "--ignore-eos",
         action="store_true",
-        help="ban EOS tokens with a logits processor (servers tested do not)",
+        help="never sample an EOS token, as the server's ignore_eos does",
     )
     p.add_argument("--out", default=None)
     a = p.parse_args()
@@ -131,9 +140,9 @@ def main() -> int:
     ]
     long_ids = tok.apply_chat_template(long_msgs, add_generation_prompt=True)
 
-    lp = [eos_ban(tok)] if a.ignore_eos else None
-    run_once(model, tok, ids, 16, lp)  # warm-up, as baseline() does
-    dec = [run_once(model, tok, ids, a.max_tokens, lp) for _ in range(a.repeats)]
+    sampler = eos_sampler(tok) if a.ignore_eos else None
+    run_once(model, tok, ids, 16, None, sampler)  # warm-up, as baseline() does
+    dec = [run_once(model, tok, ids, a.max_tokens, None, sampler) for _ in range(a.repeats)]
     pre = [run_once(model, tok, long_ids, 1) for _ in range(a.prefill_repeats)]
 
     md = lambda xs: statistics.median([x for x in xs if x is not None])  # noqa: E731

@@ -33,6 +33,11 @@ def main(path: str) -> None:
                     print(
                         f"  {layer:16} ttft ms, new prompt lengths: {new}; a seen one: {r['ttft_seen_s'] * 1000:.0f}"
                     )
+                elif what == "shapes":
+                    ms = lambda xs: ", ".join(f"{x * 1000:.1f}" for x in xs)  # noqa: E731
+                    print(
+                        f"  {layer:16} chunk after {r['prefix_tokens']} cached, ms: new chunk lengths {ms(r['new_chunk_len_s'])}, seen {r['seen_chunk_len_s'] * 1000:.1f}; new prefix lengths {ms(r['new_prefix_len_s'])}, seen {r['seen_prefix_len_s'] * 1000:.1f}"
+                    )
                 elif layer == "stream_generate" and what == "prefill":
                     f["raw_prefill"] = r["ttft_s"]
                     print(
@@ -91,8 +96,13 @@ def main(path: str) -> None:
                 )
             elif sc == "variants":
                 o, w = r["ours_decode_tok_s"], r["raw_decode_tok_s"]
+                q = r.get("ratio_per_round") or {}  # kits before the rounds lack it
+                per_round = f" (rounds {q['min']:.2f}-{q['max']:.2f})" if q.get("min") else ""
+                order = ""
+                if r.get("rounds"):
+                    order = ", positions " + "/".join(str(x["position"]) for x in r["rounds"])
                 print(
-                    f"  variant {r['variant']:18} ours {o['median'] or 0:.0f} ({o['min'] or 0:.0f}-{o['max'] or 0:.0f}) / raw {w['median'] or 0:.0f} ({w['min'] or 0:.0f}-{w['max'] or 0:.0f}) tok/s = {r['ratio_median'] or 0:.2f}"
+                    f"  variant {r['variant']:18} ours {o['median'] or 0:.0f} ({o['min'] or 0:.0f}-{o['max'] or 0:.0f}) / raw {w['median'] or 0:.0f} ({w['min'] or 0:.0f}-{w['max'] or 0:.0f}) tok/s = {r['ratio_median'] or 0:.2f}{per_round}{order}"
                 )
             elif sc == "long_ctx":
                 turns = ", ".join(

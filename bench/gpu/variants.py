@@ -3,11 +3,18 @@
 
 Variants: greedy; temperature 0.7 with top_p 0.95; logprobs with top_logprobs 5; ignore_eos;
 a stop string. The raw counterpart of each is ``mlx_lm.stream_generate`` in this process with
-the same sampler and logits processors (the server's own EOS mask for ``ignore_eos``), taking
+the same sampler (for ``ignore_eos``, the server's own: EOS ids banned in the sampler), taking
 the top 5 log-probabilities of each token for ``logprobs`` and matching the stop string in
-the detokenized text for ``stop``. The raw runs come first, then the server (already running
-at --base-url, idle meanwhile). Each side: one warm-up, then --repeats timed runs of the same
-prompt (the kit's single-stream prompt) and max_tokens; the spread over the runs is reported.
+the detokenized text for ``stop``. The server runs at --base-url and is idle while the raw
+engine runs.
+
+Order: one warm-up of every variant on both sides, then --repeats rounds; each round runs
+every variant once on each side (raw, then the server; the next round the server first), and
+the variants' order turns by one each round, so each variant runs at a different position
+in each round: an effect of the server's state after the earlier variants (or of the
+device warming) shows as a spread across rounds rather than as a cost of one variant. Each
+variant's line gives both sides' rates per round with their position, the median, the
+spread (min-max) of the rates and of the per-round ratios.
 
     python3 variants.py --model DIR --base-url http://127.0.0.1:PORT/v1 --label "variants 1b-0" --out r.jsonl
 """
@@ -43,14 +50,13 @@ VARIANTS: dict[str, tuple[dict[str, Any], dict[str, float], str]] = {
 
 
 def raw_run(model: Any, tok: Any, ids: list[int], max_tokens: int, sampler: Any, work: str) -> dict:
-    lp = [raw_engine.eos_ban(tok)] if work == "ignore_eos" else None
+    if work == "ignore_eos":
+        sampler = raw_engine.eos_sampler(tok, sampler)
     t0 = time.perf_counter()
     t_first = t_last = 0.0
     n = 0
     text = ""
-    for resp in stream_generate(
-        model, tok, ids, max_tokens=max_tokens, sampler=sampler, logits_processors=lp
-    ):
+    for resp in stream_generate(model, tok, ids, max_tokens=max_tokens, sampler=sampler):
         if work == "top5":
             top = mx.argpartition(-resp.logprobs, 5)[:5]
             _ = (top.tolist(), resp.logprobs[top].tolist())
@@ -75,21 +81,73 @@ def spread(xs: list[float | None]) -> dict[str, Any]:
     return {"median": statistics.median(v), "min": min(v), "max": max(v), "all": v}
 
 
-async def ours(args: argparse.Namespace, fields: dict[str, Any], repeats: int) -> list[dict]:
+async def ours_once(args: argparse.Namespace, fields: dict[str, Any]) -> dict:
     b = Bench(parse_args(["--base-url", args.base_url, "--model", args.server_model]))
     b.send_ignore_eos = False  # the variant says
     try:
         msgs = [{"role": "user", "content": LONG_PROMPT}]
-        runs = []
-        for i in range(repeats + 1):  # the first is the warm-up
-            r = await b.stream_chat(msgs, args.max_tokens, extra=dict(fields))
-            if not r["ok"]:
-                raise SystemExit(f"request failed: {r.get('error')}")
-            if i:
-                runs.append(r)
-        return runs
+        r = await b.stream_chat(msgs, args.max_tokens, extra=dict(fields))
+        if not r["ok"]:
+            raise SystemExit(f"request failed: {r.get('error')}")
+        return r
     finally:
         await b.close()
+
+
+def rounds(names: list[str], repeats: int) -> list[list[str]]:
+    """The variants' order in each round: turned by one each round."""
+    return [names[i % len(names) :] + names[: i % len(names)] for i in range(repeats)]
+
+
+def measure(a: argparse.Namespace, names: list[str], model: Any, tok: Any) -> dict[str, list]:
+    """Per variant, one entry per round: (position, raw run, our run)."""
+    ids = tok.apply_chat_template(
+        [{"role": "user", "content": LONG_PROMPT}], add_generation_prompt=True
+    )
+    samplers = {n: make_sampler(**VARIANTS[n][1]) for n in names}
+    for name in names:  # warm-up: kernels for every variant's shapes, both sides
+        raw_run(model, tok, ids, 16, samplers[name], VARIANTS[name][2])
+        asyncio.run(ours_once(a, VARIANTS[name][0]))
+    runs: dict[str, list] = {n: [] for n in names}
+    for i, order in enumerate(rounds(names, a.repeats)):
+        for pos, name in enumerate(order):
+            fields, _, work = VARIANTS[name]
+            raw_first = i % 2 == 0
+            if raw_first:
+                raw = raw_run(model, tok, ids, a.max_tokens, samplers[name], work)
+            srv = asyncio.run(ours_once(a, fields))
+            if not raw_first:
+                raw = raw_run(model, tok, ids, a.max_tokens, samplers[name], work)
+            runs[name].append((pos, raw, srv))
+    return runs
+
+
+def variant_row(a: argparse.Namespace, name: str, runs: list) -> dict[str, Any]:
+    raws = [r["decode_tok_s"] for _, r, _ in runs]
+    ours = [o["decode_tok_s"] for _, _, o in runs]
+    r_raw, r_ours = spread(raws), spread(ours)
+    ratios = [o / r if o and r else None for o, r in zip(ours, raws, strict=True)]
+    return {
+        "scenario": "variants",
+        "label": a.label,
+        "variant": name,
+        "max_tokens": a.max_tokens,
+        "raw_decode_tok_s": r_raw,
+        "ours_decode_tok_s": r_ours,
+        "ratio_median": (r_ours["median"] / r_raw["median"])
+        if r_ours["median"] and r_raw["median"]
+        else None,
+        "ratio_per_round": spread(ratios),
+        "rounds": [
+            {"round": i, "position": pos, "raw": r["decode_tok_s"], "ours": o["decode_tok_s"]}
+            for i, (pos, r, o) in enumerate(runs)
+        ],
+        "raw_tokens": [r["tokens"] for _, r, _ in runs],
+        "ours_tokens": [o["completion_tokens"] for _, _, o in runs],
+        "raw_ttft_s": spread([r["ttft_s"] for _, r, _ in runs])["median"],
+        "ours_ttft_s": spread([o["ttft_s"] for _, _, o in runs])["median"],
+        "ts": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
 
 
 def main() -> int:
@@ -99,46 +157,15 @@ def main() -> int:
     p.add_argument("--server-model", default="m")
     p.add_argument("--label", default="")
     p.add_argument("--max-tokens", type=int, default=256)
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=3, help="rounds over every variant")
     p.add_argument("--only", default="", help="comma list of variants (default: all)")
     p.add_argument("--out")
     a = p.parse_args()
     names = [n for n in VARIANTS if not a.only or n in a.only.split(",")]
     model, tok = load(a.model)
-    ids = tok.apply_chat_template(
-        [{"role": "user", "content": LONG_PROMPT}], add_generation_prompt=True
-    )
-    raw: dict[str, list[dict]] = {}
+    runs = measure(a, names, model, tok)
     for name in names:
-        _, settings, work = VARIANTS[name]
-        sampler = make_sampler(**settings)
-        raw_run(model, tok, ids, 16, sampler, work)  # warm-up
-        raw[name] = [
-            raw_run(model, tok, ids, a.max_tokens, sampler, work) for _ in range(a.repeats)
-        ]
-    del model
-    mx.clear_cache()
-    for name in names:
-        runs = asyncio.run(ours(a, VARIANTS[name][0], a.repeats))
-        r_raw = spread([r["decode_tok_s"] for r in raw[name]])
-        r_ours = spread([r["decode_tok_s"] for r in runs])
-        row = {
-            "scenario": "variants",
-            "label": a.label,
-            "variant": name,
-            "max_tokens": a.max_tokens,
-            "raw_decode_tok_s": r_raw,
-            "ours_decode_tok_s": r_ours,
-            "ratio_median": (r_ours["median"] / r_raw["median"])
-            if r_ours["median"] and r_raw["median"]
-            else None,
-            "raw_tokens": [r["tokens"] for r in raw[name]],
-            "ours_tokens": [r["completion_tokens"] for r in runs],
-            "raw_ttft_s": spread([r["ttft_s"] for r in raw[name]])["median"],
-            "ours_ttft_s": spread([r["ttft_s"] for r in runs])["median"],
-            "ts": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        }
-        line = json.dumps(rnd(row), separators=(",", ":"))
+        line = json.dumps(rnd(variant_row(a, name, runs[name])), separators=(",", ":"))
         print(line, flush=True)
         if a.out:
             with open(a.out, "a") as f:

@@ -110,6 +110,7 @@ def load_chat_model(settings: Settings) -> ModelParts:
             prompt_cache_disk=disk,
             prompt_cache_disk_off=disk_off,
             warm_up=not vision and builds_kernels_on_first_use(),
+            prefill_buckets=not vision and builds_kernels_on_first_use(),
             speculation=None if vision else _speculation(loaded, settings, model),
         ),
     )

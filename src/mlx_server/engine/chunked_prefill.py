@@ -6,9 +6,10 @@ from __future__ import annotations
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from mlx_server.engine.runner import Progress
+from mlx_server.engine.tuning import bucket
 
 
 class ChunkedPrefill:
@@ -27,6 +28,7 @@ class ChunkedPrefill:
         *,
         prefill_step_size: int,
         system_end: int,
+        buckets: bool = False,
     ):
         self.model = model
         self.uid = uid
@@ -36,12 +38,22 @@ class ChunkedPrefill:
         self._total = len(self._todo)
         self._step_size = prefill_step_size
         self._system_end = system_end
+        # Pad prefill chunks to bucket lengths (kernels built per shape meet a known one); a
+        # plain KV cache can drop the padding again.
+        self._buckets = buckets and all(type(c) is KVCache for c in self.cache)
 
     def _prefill_chunk(self) -> Progress:
         n = min(self._step_size, len(self._todo) - 1)
         if self._system_end > len(self.fed):  # pause where the system prompt ends
             n = min(n, self._system_end - len(self.fed))
-        self.model(mx.array(self._todo[:n])[None], cache=self.cache)
+        chunk = self._todo[:n]
+        padded = bucket(n, self._step_size) if self._buckets else n
+        # The padding comes after the chunk: causal attention keeps it out of the chunk's
+        # keys and values, and trimming the cache drops its own.
+        self.model(mx.array(chunk + chunk[-1:] * (padded - n))[None], cache=self.cache)
+        if padded > n:
+            for c in self.cache:
+                c.trim(padded - n)
         mx.eval([c.state for c in self.cache])
         self.fed += self._todo[:n]
         self._todo = self._todo[n:]

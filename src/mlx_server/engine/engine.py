@@ -58,6 +58,8 @@ class EngineConfig:
     warm_up: bool = False  # run every batch size once before serving (see tuning.warm_up)
     solo: bool = True  # a lone request runs on a plain KV cache (see solo.py)
     speculation: Any = None  # speculative.runner.Speculation: requests speculate, alone or batched
+    gather_s: float = 0.05  # how long queued requests wait for announced ones (Scheduler)
+    prefill_buckets: bool = False  # the lone path pads prefill chunks (tuning.PREFILL_BUCKETS)
 
 
 class Engine:
@@ -91,6 +93,7 @@ class Engine:
             kv_budget_bytes=cfg.kv_budget_bytes,
             kv_bytes_per_token=cfg.kv_bytes_per_token,
             prefix_cache=self._prompt_cache,
+            gather_s=cfg.gather_s,
         )
         self._runner: Runner = runner or self._default_runner()
         self._watch_disk_reads()
@@ -136,7 +139,12 @@ class Engine:
             )
             batch.adopt = lone.take_handed  # type: ignore[attr-defined]
         else:
-            lone = SoloRunner(self.model, self.eos_ids, prefill_step_size=cfg.prefill_step_size)
+            lone = SoloRunner(
+                self.model,
+                self.eos_ids,
+                prefill_step_size=cfg.prefill_step_size,
+                prefill_buckets=cfg.prefill_buckets,
+            )
         return LoneFirstRunner(lone, batch)
 
     # ---- public API (any thread) -------------------------------------------------------
@@ -154,6 +162,13 @@ class Engine:
         handle = GenerationHandle(req.request_id, loop, self._outbox, coalesce=True)
         self._sched.queue(req, handle)
         return handle
+
+    def expect(self, request_id: str) -> Callable[[], None]:
+        """Announce a request whose prompt is being built, so that requests arriving together
+        start together (see ``scheduler``); returns what to call once it was submitted or
+        will not be (a no-op after ``submit``). From any thread."""
+        self._sched.expect(request_id)
+        return lambda: self._sched.withdraw(request_id)
 
     def call(self, fn: Callable[[], T]) -> Future[T]:
         """Run ``fn`` on the engine thread (the one thread that may make MLX arrays) between
@@ -230,8 +245,11 @@ class Engine:
         """Sleep until there is something to do; False once stopping and nothing runs."""
         sched = self._sched
         with sched.wake:
-            while not (sched.stopping or sched.pending or sched.active or self._calls):
-                sched.wake.wait(0.5)
+            while not (sched.stopping or sched.active or self._calls):
+                hold = sched.gather_left() if sched.pending else 0.5
+                if not hold:  # queued requests that need not wait for others
+                    break
+                sched.wake.wait(hold)
             return not (sched.stopping and not sched.active and not sched.pending)
 
     def _run_calls(self) -> None:
@@ -255,8 +273,10 @@ class Engine:
         if self.config.warm_up:
             try:
                 n, step = self.config.max_batch_size, self.config.prefill_step_size
-                secs = warm_up(self.model, n, step)
-                log(f"Warm-up: batch sizes 1-{n} and a {step}-token prefill in {secs:.1f}s")
+                buckets = self.config.prefill_buckets
+                secs = warm_up(self.model, n, step, buckets=buckets)
+                what = ", the prefill buckets" if buckets else ""
+                log(f"Warm-up: batch sizes 1-{n}{what} and a {step}-token prefill in {secs:.1f}s")
             except Exception as e:  # serving without it is slower at first, not wrong
                 log(f"Warm-up failed: {faults.describe(e)}")
         self._ready.set()

@@ -6,6 +6,13 @@ which batching would interleave); each seeded sequence gets its own. Unseeded se
 with the same settings share one sampler object (``SamplerPool``): mlx-lm's BatchGenerator
 samples the whole batch in one call when every sequence has the same sampler, and row by
 row otherwise, which on a GPU costs a few kernels per sequence per step.
+
+``ignore_eos`` is part of the sampler, not a logits processor: the end-of-sequence ids get
+-inf from one row added to the log-probabilities (built once per vocabulary width). A
+processor runs per sequence (a slice, the processor, a concatenation, and the token context
+it is given), which on a GPU at 32 sequences costs more than the sampling itself. The
+log-probabilities a request reports are then the model's own, end-of-sequence included; the
+tokens sampled are those a mask before the normalisation would give.
 """
 
 from __future__ import annotations
@@ -17,7 +24,13 @@ from dataclasses import replace
 from typing import Any, Protocol, cast
 
 import mlx.core as mx
-from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors
+from mlx_lm.sample_utils import (
+    apply_min_p,
+    apply_top_k,
+    apply_top_p,
+    categorical_sampling,
+    make_logits_processors,
+)
 
 from mlx_server.types import GenerationRequest, SamplingParams
 
@@ -63,22 +76,54 @@ def seed_key(seed: int | None) -> mx.array | None:
     return mx.random.key(seed + (1 << 64) if seed < 0 else seed)
 
 
-def make_sampler(params: SamplingParams) -> Sampler:
-    """A sampler over log-probabilities of shape (1, vocab) returning token ids of shape (1,)."""
+@mx.compile
+def _categorical_keyed(logprobs: mx.array, inv_temp: float, key: mx.array) -> mx.array:
+    """``categorical_sampling`` with a PRNG key of the request's own (one fused kernel)."""
+    return mx.random.categorical(logprobs * inv_temp, key=key)
+
+
+def ban_tokens(token_ids: tuple[int, ...] | list[int]) -> Callable[[mx.array], mx.array]:
+    """Log-probabilities with ``token_ids`` at -inf: one added row over the vocabulary, made
+    on the first call for each width and dtype met (ids past the width are left out)."""
+    ids = sorted(set(token_ids))
+    rows: dict[tuple[int, mx.Dtype], mx.array] = {}
+
+    def ban(logprobs: mx.array) -> mx.array:
+        width, dtype = logprobs.shape[-1], logprobs.dtype
+        row = rows.get((width, dtype))
+        if row is None:
+            row = mx.zeros((width,), dtype=dtype)
+            inside = [i for i in ids if i < width]
+            if inside:
+                row[mx.array(inside)] = -float("inf")
+            mx.eval(row)
+            rows[(width, dtype)] = row
+        return logprobs + row
+
+    return ban
+
+
+def make_sampler(params: SamplingParams, ban: tuple[int, ...] = ()) -> Sampler:
+    """A sampler over log-probabilities of shape (n, vocab) returning token ids of shape
+    (n,); it never picks the ids in ``ban`` (``ignore_eos``)."""
+    banned = ban_tokens(ban) if ban else None
     if params.temperature <= 0:
-        return _greedy
-    filters = _filters(params)
-    inv_temp = 1.0 / params.temperature
+        if banned is None:
+            return _greedy
+        return lambda logprobs: _greedy(banned(logprobs))
+    filters: list[Callable[[mx.array], mx.array]] = [banned] if banned is not None else []
+    filters += _filters(params)
+    temp, inv_temp = params.temperature, 1.0 / params.temperature
     seeded = seed_key(params.seed)
     key = [seeded] if seeded is not None else None
 
     def sample(logprobs: mx.array) -> mx.array:
         for f in filters:
             logprobs = f(logprobs)
-        if key is None:
-            return mx.random.categorical(logprobs * inv_temp)
+        if key is None:  # mlx-lm's compiled draw from the global generator
+            return categorical_sampling(logprobs, temp)
         key[0], sub = mx.random.split(key[0])
-        return mx.random.categorical(logprobs * inv_temp, key=sub)
+        return _categorical_keyed(logprobs, inv_temp, sub)
 
     return sample
 
@@ -106,12 +151,16 @@ class SamplerPool:
 
     def __init__(self, size: int = 64):
         self.size = size
-        self._shared: OrderedDict[SamplingParams, SharedSampler] = OrderedDict()
+        self._shared: OrderedDict[tuple[SamplingParams, tuple[int, ...]], SharedSampler] = (
+            OrderedDict()
+        )
 
-    def get(self, params: SamplingParams, check: Callable[[Sampler], None]) -> SharedSampler | None:
-        """The shared sampler for ``params``, or None when the request needs its own (a
-        seeded one). A new sampler is first run through ``check``; what it raises
-        propagates, and the settings get no shared sampler."""
+    def get(
+        self, params: SamplingParams, check: Callable[[Sampler], None], ban: tuple[int, ...] = ()
+    ) -> SharedSampler | None:
+        """The shared sampler for ``params`` (never picking the ids in ``ban``), or None when
+        the request needs its own (a seeded one). A new sampler is first run through
+        ``check``; what it raises propagates, and the settings get no shared sampler."""
         if params.temperature <= 0:
             params = SamplingParams(temperature=0.0)  # every greedy request: one argmax
         elif params.seed is not None:
@@ -123,14 +172,15 @@ class SamplerPool:
             frequency_penalty=None,
             logit_bias=(),
         )
-        shared = self._shared.get(params)
+        key = (params, ban)
+        shared = self._shared.get(key)
         if shared is not None and shared.fault is None:
-            self._shared.move_to_end(params)
+            self._shared.move_to_end(key)
             return shared
-        sampler = make_sampler(params)
+        sampler = make_sampler(params, ban)
         check(sampler)
-        shared = self._shared[params] = SharedSampler(sampler)
-        self._shared.move_to_end(params)
+        shared = self._shared[key] = SharedSampler(sampler)
+        self._shared.move_to_end(key)
         while len(self._shared) > self.size:
             self._shared.popitem(last=False)
         return shared
@@ -182,9 +232,9 @@ class _Sequence(_Faultable, Protocol):
 def sequence_sampling(
     seq: _Sequence, req: GenerationRequest, pool: SamplerPool, vocab: int, eos: list[int]
 ) -> tuple[Sampler, list[LogitsProcessor]]:
-    """A request's sampler and its logits processors (penalties, the request's own such as
-    a grammar, the end-of-sequence mask of ``ignore_eos``), each guarded so that its failure
-    ends ``seq`` alone. The sampler is tried once on a row of the model's logits width
+    """A request's sampler (which never picks an end-of-sequence id with ``ignore_eos``) and
+    its logits processors (penalties, the request's own such as a grammar), each guarded so
+    that its failure ends ``seq`` alone. The sampler is tried once on a row of the model's logits width
     (``vocab``): one that cannot work fails its own request here, before it joins (and
     breaks) a batch. Unseeded requests with the same settings share one (``seq.shared``),
     so the batch samples in one call."""
@@ -192,16 +242,16 @@ def sequence_sampling(
     def check(sampler: Sampler) -> None:
         mx.eval(sampler(mx.zeros((1, vocab), dtype=mx.float32)))
 
-    seq.shared = pool.get(req.sampling, check)
+    ban = tuple(eos) if req.ignore_eos else ()
+    seq.shared = pool.get(req.sampling, check, ban)
     sampler: Sampler
     if seq.shared is not None:
         sampler = seq.shared
     else:
-        own = make_sampler(req.sampling)
+        own = make_sampler(req.sampling, ban)
         check(own)
         sampler = guard_sampler(seq, own)
-    extra = [mask_tokens(eos)] if req.ignore_eos else []
-    processors = list(make_processors(req.sampling)) + list(req.logits_processors) + extra
+    processors = list(make_processors(req.sampling)) + list(req.logits_processors)
     return sampler, [guard_processor(seq, p) for p in processors]
 
 
@@ -241,17 +291,6 @@ class GuardedProcessor:
         except Exception as e:
             self.owner.fault = f"logits processing failed: {type(e).__name__}: {e}"
             return logits
-
-
-def mask_tokens(token_ids: list[int]) -> Callable[[mx.array, mx.array], mx.array]:
-    """A logits processor that never lets ``token_ids`` be chosen (``ignore_eos``)."""
-    ids = mx.array(token_ids)
-
-    def process(tokens: mx.array, logits: mx.array) -> mx.array:
-        logits[..., ids] = -float("inf")
-        return logits
-
-    return process
 
 
 def reset_random_state() -> None:

@@ -7,6 +7,15 @@ waiting behind it, but a short one may pass: it needs little memory and prefills
 step, so it starts within a step or two of arriving. Prefill is paced so running streams
 keep producing (``may_start_prefill``).
 
+Requests that arrive together start together. The chat service announces a request
+(``expect``) before it renders and tokenizes the prompt in a worker thread; while announced
+requests are still on their way, the queued ones wait for them, up to ``gather_s`` after the
+oldest was queued. A burst of N then prefills as one batch and decodes at batch size N from
+its first step, instead of the first request starting alone and the rest joining in waves:
+each wave would be another prefill pass and, on MLX's CUDA backend, new shapes whose kernels
+are built on first use. A lone request is never held: its own announcement ends as it is
+queued.
+
 ``submit``, ``cancel`` and ``stats`` are safe from any thread; the rest belongs to the
 engine thread, under ``lock`` where the queue is touched.
 """
@@ -39,6 +48,7 @@ class Scheduler:
         kv_budget_bytes: int,
         kv_bytes_per_token: int,
         prefix_cache: PrefixCache | None,
+        gather_s: float = 0.0,
     ):
         self.max_batch_size = max_batch_size
         self.max_queue = max_queue
@@ -53,6 +63,8 @@ class Scheduler:
         self.wake = threading.Condition(self.lock)
         self.stopping = False
         self.kv_in_use = 0
+        self.gather_s = gather_s
+        self.expected: set[str] = set()  # request ids announced, not yet queued
         self._prefix_cache = prefix_cache
         self.memory = MemoryBudget(kv_budget_bytes, prefix_cache, lambda: self.kv_in_use)
         self._uids = iter(range(1 << 62))
@@ -78,8 +90,28 @@ class Scheduler:
                 raise Overloaded(
                     f"the request queue is full ({self.max_queue} waiting); retry shortly"
                 )
+            self.expected.discard(req.request_id)
             self.pending.append(seq)
             self.wake.notify()
+
+    def expect(self, request_id: str) -> None:
+        """A request is on its way (its prompt is being built); see the module docstring."""
+        if self.gather_s > 0:
+            with self.wake:
+                self.expected.add(request_id)
+
+    def withdraw(self, request_id: str) -> None:
+        """An announced request will not come (or came: then nothing changes)."""
+        with self.wake:
+            if request_id in self.expected:
+                self.expected.discard(request_id)
+                self.wake.notify()
+
+    def gather_left(self) -> float:
+        """Seconds the queued requests still wait for announced ones (0: none)."""
+        if not self.expected or not self.pending:
+            return 0.0
+        return max(0.0, self.pending[0].t_submit + self.gather_s - time.perf_counter())
 
     def cancel(self, request_id: str | None = None) -> int:
         """Mark one request (by id) or every queued and running one cancelled; how many."""
@@ -119,6 +151,8 @@ class Scheduler:
         """Take the first queued request that may start now out of the queue (None if none
         may); cancelled ones met on the way leave through ``on_cancelled``."""
         with self.wake:
+            if self.gather_left() > 0:
+                return None  # the rest of a burst is on its way
             blocked = False
             for seq in list(self.pending):
                 if len(self.active) >= self.max_batch_size:

@@ -37,7 +37,14 @@ Handover = tuple[int, list[list[int]], Any, list[int], int, Sampler, list[Logits
 class SoloSequence(ChunkedPrefill):
     """A lone sequence's prefill and decode; see the module docstring."""
 
-    def __init__(self, model: Any, job: Insert, eos: list[int], prefill_step_size: int):
+    def __init__(
+        self,
+        model: Any,
+        job: Insert,
+        eos: list[int],
+        prefill_step_size: int,
+        buckets: bool = False,
+    ):
         super().__init__(
             model,
             job.uid,
@@ -46,6 +53,7 @@ class SoloSequence(ChunkedPrefill):
             job.cache,
             prefill_step_size=prefill_step_size,
             system_end=job.system_end,
+            buckets=buckets,
         )
         self.sampler = job.sampler
         self.processors = list(job.processors)
@@ -117,10 +125,13 @@ class SoloSequence(ChunkedPrefill):
 class SoloRunner:
     """The runner of at most one sequence at a time, on a plain KV cache."""
 
-    def __init__(self, model: Any, eos: list[int], *, prefill_step_size: int):
+    def __init__(
+        self, model: Any, eos: list[int], *, prefill_step_size: int, prefill_buckets: bool = False
+    ):
         self.model = model
         self._eos = eos
         self._step_size = prefill_step_size
+        self._buckets = prefill_buckets
         self.seq: SoloSequence | None = None
         self.runs = 0  # sequences started here (monitoring, and tests that the path is taken)
 
@@ -147,7 +158,7 @@ class SoloRunner:
     def insert(self, job: Insert) -> None:
         if self.seq is not None:
             raise RuntimeError("the solo runner runs one sequence at a time")
-        self.seq = SoloSequence(self.model, job, self._eos, self._step_size)
+        self.seq = SoloSequence(self.model, job, self._eos, self._step_size, self._buckets)
         self.runs += 1
 
     def step(self) -> tuple[list[Progress], list[Response]]:

@@ -18,6 +18,17 @@ CPU_BATCH = 8
 GPU_BATCH = 32
 CPU_PREFILL_STEP = 512
 GPU_PREFILL_STEP = 2048
+# Prefill chunk lengths the lone path pads to where kernels are built per shape, so that a
+# warm chat turn (its history cached, a few dozen new tokens) meets a length built before.
+PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048)
+
+
+def bucket(n: int, limit: int) -> int:
+    """The smallest bucket length that holds ``n`` tokens, at most ``limit`` (never below n)."""
+    for b in PREFILL_BUCKETS:
+        if b >= n:
+            return max(n, min(b, limit))
+    return n
 
 
 def on_gpu() -> bool:
@@ -46,14 +57,21 @@ def default_prefill_step() -> int:
 
 
 def warm_up(
-    model: Any, max_batch_size: int, prefill_step_size: int, budget_s: float = 30.0
+    model: Any,
+    max_batch_size: int,
+    prefill_step_size: int,
+    budget_s: float = 30.0,
+    buckets: bool = False,
 ) -> float:
     """Run one full prefill chunk and a few decode steps at every batch size up to
-    ``max_batch_size``, with a generator of its own (nothing reaches the prefix cache).
-    Stops early after ``budget_s``. Returns the seconds it took."""
+    ``max_batch_size``, with a generator of its own (nothing reaches the prefix cache), and
+    with ``buckets`` a lone prefill of every bucket length after a cached prefix. Stops
+    early after ``budget_s``. Returns the seconds it took."""
     from mlx_lm.generate import BatchGenerator
 
     t0 = time.perf_counter()
+    if buckets:
+        _prefill_buckets(model, prefill_step_size)
     gen = BatchGenerator(
         model,
         completion_batch_size=max_batch_size,
@@ -71,6 +89,17 @@ def warm_up(
         gen.close()
         mx.clear_cache()
     return time.perf_counter() - t0
+
+
+def _prefill_buckets(model: Any, step: int) -> None:
+    """A lone prefill chunk of every bucket length up to ``step``, after a short prefix."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    for n in sorted({bucket(b, step) for b in PREFILL_BUCKETS}):
+        cache = make_prompt_cache(model)
+        model(mx.array([[1 + i % 7 for i in range(64)]]), cache=cache)  # a "cached" prefix
+        logits = model(mx.array([[1 + i % 7 for i in range(n)]]), cache=cache)
+        mx.eval(logits[:, -1, :], [c.state for c in cache])
 
 
 def _drain(gen: Any, prompts: list[list[int]], max_tokens: int) -> None:

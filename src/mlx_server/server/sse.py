@@ -10,6 +10,14 @@ HEADERS = {"Cache-Control": "no-cache", "Connection": "keep-alive", "X-Accel-Buf
 
 
 @dataclass(frozen=True)
+class RawJSON:
+    """A JSON text already encoded: a stream's most frequent frames are made from a
+    template instead of a dictionary serialised per token."""
+
+    text: bytes
+
+
+@dataclass(frozen=True)
 class Frame:
     """One SSE block: a ``data`` line (a JSON value, or a literal string such as ``[DONE]``)
     with an optional ``event`` name; or a ``comment`` line; or an ``error`` line."""
@@ -27,7 +35,11 @@ def encode(frame: Frame) -> bytes:
         return f": {frame.comment}\n\n".encode()
     if frame.error is not None:
         return b"error: " + _json({"message": frame.error}) + b"\n\n"
-    data = frame.data.encode() if isinstance(frame.data, str) else _json(frame.data)
+    data = frame.data
+    if isinstance(data, RawJSON):
+        data = data.text
+    else:
+        data = data.encode() if isinstance(data, str) else _json(data)
     head = f"event: {frame.event}\n".encode() if frame.event else b""
     return head + b"data: " + data + b"\n\n"
 

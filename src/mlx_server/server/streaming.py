@@ -144,9 +144,11 @@ async def _stream(
 ) -> AsyncIterator[bytes]:
     steps = with_keepalive(_steps(encoder, sources), interval)
     try:
-        async for frames in steps:
-            for frame in frames if frames is not None else [encoder.keepalive]:
-                yield encode(frame)
+        async for frames in steps:  # one write per step of the generation
+            if frames is None:
+                yield encode(encoder.keepalive)
+            elif frames:
+                yield b"".join(encode(frame) for frame in frames)
     except GenerationFailed as e:
         for frame in _failure(encoder, str(e), e.fin):
             yield encode(frame)
@@ -206,27 +208,56 @@ async def with_keepalive(
     items: AsyncIterator[T], interval: float
 ) -> AsyncGenerator[T | None, None]:
     """``items``, with a None each time ``interval`` seconds pass without one. Closing
-    this closes ``items`` (a generation's cleanup frees its slot)."""
-    pending: asyncio.Future[T] = asyncio.ensure_future(anext(items))
-    try:
-        while True:
-            done, _ = await asyncio.wait({pending}, timeout=interval)
-            if not done:
-                yield None
-                continue
-            try:
-                item = pending.result()
-            except StopAsyncIteration:
-                return
-            yield item
-            pending = asyncio.ensure_future(anext(items))
-    finally:
-        if pending.done():
+    this closes ``items`` (a generation's cleanup frees its slot).
+
+    ``items`` is read by one task of its own into a slot of one item, so it runs at most
+    one item ahead of the consumer (a consumer that falls behind still gets the engine's
+    pieces merged), and one timer per stream looks for silence: no task, wait or timer per
+    item, which at tens of streams of a fast model is much of the event loop's work."""
+    loop = asyncio.get_running_loop()
+    slot: asyncio.Queue[tuple[int, Any]] = asyncio.Queue(maxsize=1)
+    last = loop.time()  # when the consumer last got something
+
+    async def pump() -> None:
+        try:
+            async for item in items:
+                await slot.put((_ITEM, item))
+        except Exception as e:  # the consumer raises it
+            await slot.put((_RAISED, e))
+        else:
+            await slot.put((_END, None))
+        finally:
             close = getattr(items, "aclose", None)
             if close is not None:
-                await close()
-        else:
-            pending.cancel()  # raised inside ``items``, whose cleanup then runs
+                await close()  # cancelled at a put: ``items`` waits at a yield
+
+    def look() -> None:
+        nonlocal last
+        now = loop.time()
+        if now - last >= interval and slot.empty():
+            slot.put_nowait((_SILENT, None))
+            last = now
+        timer[0] = loop.call_at(last + interval, look)
+
+    reader = asyncio.ensure_future(pump())
+    timer = [loop.call_at(last + interval, look)]
+    try:
+        while True:
+            kind, item = await slot.get()
+            last = loop.time()
+            if kind == _END:
+                return
+            if kind == _RAISED:
+                raise item
+            yield None if kind == _SILENT else item
+    finally:
+        timer[0].cancel()
+        if not reader.done():
+            reader.cancel()  # raised inside ``items``, whose cleanup then runs
+            await asyncio.gather(reader, return_exceptions=True)
+
+
+_ITEM, _SILENT, _RAISED, _END = range(4)  # what with_keepalive's slot holds
 
 
 class EventStreamResponse(StreamingResponse):

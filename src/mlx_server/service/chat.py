@@ -212,8 +212,15 @@ class ChatService:
         arrays, runs on the engine thread (``Engine.call``).
         """
         request_id = request_id or f"chatcmpl-{uuid.uuid4().hex[:24]}"
-        req, prepared = await asyncio.to_thread(self.build_request, chat, request_id)
-        return self.submit(chat, req, prepared)
+        # Announced to the engine first, so requests that arrive together start together.
+        expect = getattr(self.engine, "expect", None)
+        withdraw = expect(request_id) if callable(expect) else None
+        try:
+            req, prepared = await asyncio.to_thread(self.build_request, chat, request_id)
+            return self.submit(chat, req, prepared)
+        finally:
+            if withdraw is not None:
+                withdraw()
 
     def build_request(
         self, chat: ChatRequest, request_id: str

@@ -63,7 +63,9 @@ class SpeculativeBatchRunner(BatchRunner):
             return
         rejection = None
         if isinstance(drafter, DraftModel):
-            rejection = wants_rejection(job.request.sampling, bool(job.processors))
+            rejection = wants_rejection(
+                job.request.sampling, bool(job.processors) or job.request.ignore_eos
+            )
         self.speculator.rows[self._gen_uid[job.uid]] = RowSpec(drafter, rejection=rejection)
 
     def join(

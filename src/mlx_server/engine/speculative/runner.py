@@ -95,11 +95,14 @@ class SpeculativeRunner(SoloRunner):
             job.cached,
             job.cache,
             sampler=job.sampler,
-            greedy=job.request.sampling.temperature <= 0,
+            # ignore_eos lives in the sampler: a plain argmax would not honour it
+            greedy=job.request.sampling.temperature <= 0 and not job.request.ignore_eos,
             drafter=drafter,
             num_draft_tokens=self.spec.num_draft_tokens,
             adaptive=self.spec.adaptive,
-            rejection=wants_rejection(job.request.sampling, bool(job.processors)),
+            rejection=wants_rejection(
+                job.request.sampling, bool(job.processors) or job.request.ignore_eos
+            ),
             max_tokens=job.request.max_tokens,
             eos=self._eos,
             prefill_step_size=self._step_size,

@@ -34,8 +34,9 @@ class ChoicesEncoder:
         self, request_id: str, model: str, include_usage: bool, want_logprobs: bool, n: int
     ):
         self.encs = [ChatEncoder(request_id, model, False, want_logprobs) for _ in range(n)]
-        for e in self.encs:
+        for i, e in enumerate(self.encs):
             e.chunks.created = self.encs[0].chunks.created
+            e.chunks.index = i  # frames made from a template carry it already
         self.include_usage = include_usage
         self.finals: dict[int, Finished] = {}
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any, Literal
 
@@ -20,7 +21,7 @@ from mlx_server.events import (
 )
 from mlx_server.logs import log
 from mlx_server.protocols.openai.errors import stream_error
-from mlx_server.server.sse import Frame
+from mlx_server.server.sse import Frame, RawJSON
 
 OpenAIFinish = Literal["stop", "length", "tool_calls"]
 # OpenAI has no 'stop_sequence', 'cancelled' or 'error'.
@@ -153,15 +154,17 @@ def completion_json(
 class ChunkEncoder:
     """Builds chat.completion.chunk frames for one streamed response."""
 
-    def __init__(self, request_id: str, model: str):
+    def __init__(self, request_id: str, model: str, index: int = 0):
         self.id = request_id
         self.model = model
         self.created = int(time.time())
+        self.index = index  # the choice's
+        self._content: tuple[bytes, bytes] | None = None  # content chunk: before, after
 
     def _chunk(
         self, delta: dict[str, Any], finish: str | None = None, **extra: Any
     ) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish}
+        choice: dict[str, Any] = {"index": self.index, "delta": delta, "finish_reason": finish}
         choice.update(extra)
         return {
             "id": self.id,
@@ -170,6 +173,16 @@ class ChunkEncoder:
             "model": self.model,
             "choices": [choice],
         }
+
+    def content(self, text: str) -> RawJSON:
+        """The chunk of a piece of content, as ``_chunk({"content": text})`` serialises,
+        from a template made on first use (most of a stream's chunks are these)."""
+        if self._content is None:
+            marker = json.dumps(self._chunk({"content": "\x00"}), ensure_ascii=False).encode()
+            before, _, after = marker.rpartition(b'"\\u0000"')
+            self._content = before, after
+        before, after = self._content
+        return RawJSON(before + json.dumps(text, ensure_ascii=False).encode() + after)
 
     def role(self) -> dict[str, Any]:
         return self._chunk({"role": "assistant", "content": ""})
@@ -242,6 +255,8 @@ class ChatEncoder:
 
     def event(self, index: int, ev: Any) -> list[Frame]:
         self.builder.add(ev)
+        if isinstance(ev, TextDelta):  # the hot path
+            return [Frame(self.chunks.content(ev.text))] if ev.text else []
         chunk = self.chunks.event(ev)
         return [Frame(chunk)] if chunk is not None else []
 

@@ -1,0 +1,78 @@
+"""Samplers: ``ignore_eos`` is a row added inside the sampler (no logits processor, so the
+lone path keeps no token context and a batch samples in one call), and it holds for every
+row of a batch, greedy or sampled, seeded or not."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+
+from mlx_server.engine.sampling import SamplerPool, ban_tokens, make_sampler, sequence_sampling
+from mlx_server.types import GenerationRequest, SamplingParams
+
+pytestmark = pytest.mark.tiny
+
+VOCAB = 64
+EOS = (3, 7)
+
+
+def favouring(ids: tuple[int, ...], rows: int = 2) -> mx.array:
+    """Log-probabilities of ``rows`` rows where ``ids`` are by far the likeliest."""
+    logits = mx.zeros((rows, VOCAB))
+    logits[:, mx.array(list(ids))] = 30.0
+    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+
+
+def test_the_ban_sets_only_the_banned_ids_to_minus_infinity():
+    lp = favouring(EOS)
+    out = ban_tokens([7, 3, 3, VOCAB + 5])(lp)  # an id past the width is left out
+    assert out.shape == lp.shape
+    row = out[1].tolist()
+    assert row[3] == row[7] == -float("inf")
+    others = [(v, w) for i, (v, w) in enumerate(zip(row, lp[1].tolist(), strict=True))]
+    assert all(v == pytest.approx(w) for i, (v, w) in enumerate(others) if i not in EOS)
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=1.0, top_p=0.9, seed=11),
+        SamplingParams(temperature=0.7, min_p=0.05, top_k=5),
+    ],
+    ids=["greedy", "unseeded", "seeded-top-p", "min-p-top-k"],
+)
+def test_a_banning_sampler_never_picks_a_banned_id(params):
+    sampler = make_sampler(params, ban=EOS)
+    lp = favouring(EOS, rows=4)
+    picks = [t for _ in range(25) for t in sampler(lp).tolist()]
+    assert len(picks) == 100 and not set(picks) & set(EOS)
+    assert set(make_sampler(params)(lp).tolist()) <= set(EOS)  # without the ban they win
+
+
+def test_same_settings_share_one_sampler_and_the_ban_is_part_of_them():
+    pool = SamplerPool()
+    greedy = SamplingParams(temperature=0.0)
+    checked: list[object] = []
+    a = pool.get(greedy, checked.append, EOS)
+    b = pool.get(SamplingParams(temperature=0.0, repetition_penalty=1.2), checked.append, EOS)
+    c = pool.get(greedy, checked.append)
+    assert a is b and a is not c and len(checked) == 2
+    assert a is not None and c is not None
+    lp = favouring(EOS)
+    assert not set(a(lp).tolist()) & set(EOS) and set(c(lp).tolist()) <= set(EOS)
+
+
+class _Seq:
+    fault: str | None = None
+    shared = None
+
+
+@pytest.mark.parametrize("seed", [None, 5])
+def test_ignore_eos_adds_no_logits_processor(seed):
+    params = SamplingParams(temperature=0.0 if seed is None else 0.8, seed=seed)
+    req = GenerationRequest("r", [1, 2], 8, sampling=params, ignore_eos=True)
+    sampler, processors = sequence_sampling(_Seq(), req, SamplerPool(), VOCAB, list(EOS))
+    assert processors == []
+    assert not set(sampler(favouring(EOS)).tolist()) & set(EOS)
