@@ -72,7 +72,11 @@ def spawn(n: int, argv: list[str]) -> int:
     log(f"Ranks: starting {n} with {' '.join(cmd[:7])}")
     # A pipe that stays open and silent: the launcher polls its stdin (a closed or /dev/null
     # one would be read without end) and hands what it reads to the ranks.
-    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE)
+    env = dict(os.environ)
+    # The ranks share this machine's cores: without a limit, each rank's BLAS (OpenBLAS on
+    # Linux) starts a thread per core and they crowd each other out.
+    env.setdefault("OPENBLAS_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // n)))
+    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, env=env)
     asked = False
 
     def stop(signum: int, frame: FrameType | None) -> None:
