@@ -177,9 +177,16 @@ def reference() -> dict:
     return out
 
 
+def start_ranks(model: Path, *flags: str) -> Launched:
+    """``mlx-server --model MODEL --ranks 2 ... --port P`` (this server starts the ranks)."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "mlx_server", "--model", str(model), "--ranks", "2"]
+    return start([*cmd, *flags, "--port", str(port)], port)
+
+
 @pytest.fixture(scope="module")
 def sharded():
-    sp = ready(launch_ranks(["--model", str(demo_model_dir())]))
+    sp = ready(start_ranks(demo_model_dir()))
     yield sp
     sp.stop()
 
@@ -286,12 +293,28 @@ def test_sigterm_to_rank_0_ends_every_rank(sharded):
     pids = rank_pids(sharded)
     os.kill(pids[0], signal.SIGTERM)
     assert all_gone(pids), "a rank outlived SIGTERM to rank 0"
-    assert sharded.wait_exit(60) == 0  # mlx.launch exits 0 whatever its ranks did
+    assert sharded.wait_exit(60) == 0  # a stop that was asked for
     assert "rank 1: Ranks: rank 0 said stop" in "\n".join(sharded.lines)
 
 
+def test_mlx_launch_form_serves_and_sigterm_to_the_launcher_ends_every_rank(tiny_model_dir):
+    sp = ready(launch_ranks(["--model", str(tiny_model_dir), "--shard", "tensor"]))
+    pids = rank_pids(sp)
+    try:
+        assert "rank 1: Sharding: tensor parallel" in "\n".join(sp.lines)
+        payload = body("hello", max_tokens=12, ignore_eos=True)
+        with ThreadPoolExecutor(4) as pool:
+            got = list(pool.map(lambda _: complete(sp, payload), range(4)))
+        assert [r["usage"]["completion_tokens"] for r in got] == [12] * 4
+        assert len({r["choices"][0]["message"]["content"] for r in got}) == 1  # greedy
+        sp.proc.send_signal(signal.SIGTERM)  # mlx.launch dies at once; its ranks see it go
+        assert all_gone(pids), "ranks left running after mlx.launch was stopped"
+    finally:
+        sp.stop()
+
+
 def test_a_killed_rank_ends_the_server_with_an_error(tiny_model_dir):
-    sp = ready(launch_ranks(["--model", str(tiny_model_dir)]))
+    sp = ready(start_ranks(tiny_model_dir))
     pids = rank_pids(sp)
     since = len(sp.lines)
     streamed: list[str] = []
@@ -316,8 +339,9 @@ def test_a_killed_rank_ends_the_server_with_an_error(tiny_model_dir):
         assert len(streamed) >= 3, "the stream did not start"
         os.kill(pids[1], signal.SIGKILL)
         line = sp.wait_for_line("Error: sharded serving stopped on rank 0", since, timeout=30)
-        assert "rank 1" in line
+        assert f"rank 1 (pid {pids[1]}) exited" in line
         assert all_gone(pids, 30)
+        assert sp.wait_exit(60) == 1
         reader.join(60)
         assert not reader.is_alive(), "the client's stream hung after the rank died"
         assert "data: [DONE]" not in streamed
@@ -325,29 +349,10 @@ def test_a_killed_rank_ends_the_server_with_an_error(tiny_model_dir):
         sp.stop()
 
 
-def test_ranks_flag_serves_tensor_parallel_and_sigterm_stops_every_rank(tiny_model_dir):
-    port = free_port()
-    cmd = [sys.executable, "-m", "mlx_server", "--model", str(tiny_model_dir), "--ranks", "2"]
-    sp = ready(start([*cmd, "--shard", "tensor", "--port", str(port)], port))
-    pids = rank_pids(sp)
-    try:
-        assert "rank 1: Sharding: tensor parallel" in "\n".join(sp.lines)
-        payload = body("hello", max_tokens=12, ignore_eos=True)
-        with ThreadPoolExecutor(4) as pool:
-            got = list(pool.map(lambda _: complete(sp, payload), range(4)))
-        assert [r["usage"]["completion_tokens"] for r in got] == [12] * 4
-        assert len({r["choices"][0]["message"]["content"] for r in got}) == 1  # greedy
-        sp.proc.send_signal(signal.SIGTERM)  # to the launcher: the ranks see it go
-        assert sp.wait_exit(60) == 0
-        assert all_gone(pids), "ranks left running after --ranks was stopped"
-    finally:
-        sp.stop()
-
-
 def test_a_kind_the_model_lacks_is_a_start_up_error():
-    sp = launch_ranks(["--model", str(demo_model_dir()), "--shard", "tensor"])
+    sp = start_ranks(demo_model_dir(), "--shard", "tensor")
     try:
-        assert sp.wait_exit(300) == 0
+        assert sp.wait_exit(300) == 1
         out = "\n".join(sp.lines)
         assert "the model's 9 attention heads do not divide evenly by 2 ranks" in out
         assert "http server listening" not in out

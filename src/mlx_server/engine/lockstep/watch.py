@@ -91,9 +91,12 @@ class RankWatch:
             self._section = None
 
     def lost(self, reason: str) -> None:
-        """End this rank: the ranks can no longer serve together."""
+        """End this rank: the ranks can no longer serve together. While shutting down that
+        is expected: rank 0 finishes its own shutdown, the others exit."""
         if self.stopping:
-            log(f"Ranks: {reason}; stopping")
+            log(f"Ranks: {reason}")
+            if self.rank == 0:
+                return
             _exit(0)
         message = f"sharded serving stopped on rank {self.rank}: {reason}"
         log(f"Error: {message}")
@@ -104,11 +107,13 @@ class RankWatch:
         parent_gone = False
         while True:
             time.sleep(POLL_S)
-            for r, pid in self._local.items():
+            for r, pid in list(self._local.items()):
                 if not _alive(pid):
+                    del self._local[r]
                     self.lost(f"rank {r} (pid {pid}) exited")
             section = self._section
             if section is not None and time.monotonic() - section[1] > self.timeout_s:
+                self._section = None
                 self.lost(
                     f"the other ranks did not answer within {self.timeout_s:g}s (waiting for "
                     f"{section[0]})"
