@@ -41,6 +41,7 @@ class FollowerEngine(Engine):
             kv_budget_bytes=_UNBOUNDED,
             warm_up=config.warm_up,
             solo=config.solo,
+            prefill_buckets=config.prefill_buckets,
         )
         super().__init__(model, tokenizer, config)
         if self._prompt_cache is not None:
@@ -114,7 +115,16 @@ class FollowerEngine(Engine):
             )
         sampler, _ = self._groups.join(uid, group, None)
         request = GenerationRequest(f"rank0-{uid}", prompt, max_tokens)
-        job = Insert(uid, request, prompt, cached, cache, sampler, [], system_end, alone)
+        job = Insert(
+            uid=uid,
+            request=request,
+            prompt=prompt,
+            cached=cached,
+            cache=cache,
+            sampler=sampler,
+            system_end=system_end,
+            alone=alone,
+        )
         try:
             self._runner.insert(job)
         except Exception as e:  # rank 0's insert failed the same way

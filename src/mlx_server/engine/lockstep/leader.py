@@ -139,6 +139,7 @@ def follower_settings(config: Any) -> dict[str, Any]:
         "prompt_cache_size": config.prompt_cache_size,
         "warm_up": config.warm_up,
         "solo": config.solo,
+        "prefill_buckets": config.prefill_buckets,
     }
 
 
