@@ -115,3 +115,68 @@ def test_the_decode_batch_the_grammar_masks_wrap():
     # every later one from the decode batch's model.
     assert len(seen) == 8
     assert [t for _, t in seen[2:]] == [7] * 6
+
+
+TINY_LLAMA = {
+    "model_type": "llama",
+    "hidden_size": 32,
+    "num_hidden_layers": 3,
+    "intermediate_size": 64,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "rms_norm_eps": 1e-5,
+    "vocab_size": 50,
+    "tie_word_embeddings": True,
+}
+
+
+def test_llama_internals_the_pipeline_rewires():
+    """models/llama_pipeline.py keeps a rank's layers of ``LlamaModel`` and rebuilds its
+    mask indices; sharding.py uses mlx-lm's own pipeline where a model has one."""
+    from mlx_lm.models import llama
+    from mlx_lm.models.pipeline import PipelineMixin
+
+    model = llama.Model(llama.ModelArgs.from_dict(TINY_LLAMA))
+    for name in ("layers", "fa_idx", "swa_idx", "embed_tokens", "norm"):
+        assert hasattr(model.model, name), f"LlamaModel lost {name}"
+    assert hasattr(model.model.layers[0], "use_sliding"), "TransformerBlock lost use_sliding"
+    params = list(inspect.signature(llama.TransformerBlock.__call__).parameters)
+    assert params[1:4] == ["x", "mask", "cache"], "a layer's call changed"
+    assert callable(getattr(model, "shard", None)), "Llama lost tensor parallelism"
+    assert not hasattr(model.model, "pipeline"), (
+        "mlx-lm pipelines Llama now: sharding.py will use it; llama_pipeline may go"
+    )
+    assert callable(getattr(PipelineMixin, "pipeline", None))
+
+
+def test_batch_generator_samples_shared_samplers_in_one_call():
+    """engine/lockstep/samplers.py: every rank must make the same sampler calls, so it
+    mirrors the sharing of sampler objects that BatchGenerator batches by."""
+    import mlx.core as mx
+    from mlx_lm.generate import BatchGenerator
+    from mlx_lm.models import llama
+
+    model = llama.Model(llama.ModelArgs.from_dict(TINY_LLAMA))
+    calls: list[tuple[str, int]] = []
+
+    def sampler(name: str):
+        def sample(logprobs: mx.array) -> mx.array:
+            calls.append((name, logprobs.shape[0]))
+            return mx.argmax(logprobs, axis=-1)
+
+        return sample
+
+    shared, own = sampler("shared"), sampler("own")
+    gen = BatchGenerator(model, completion_batch_size=4, prefill_batch_size=4, stop_tokens=[])
+    try:
+        gen.insert([[1, 2, 3], [4, 5, 6]], max_tokens=[8, 8], samplers=[shared, shared])
+        for _ in range(3):
+            gen.next()
+        assert ("shared", 2) in calls and ("shared", 1) not in calls
+        calls.clear()
+        gen.insert([[7, 8, 9]], max_tokens=[4], samplers=[own])
+        for _ in range(3):
+            gen.next()
+        assert ("own", 1) in calls and ("shared", 1) in calls
+    finally:
+        gen.close()

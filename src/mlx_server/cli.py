@@ -132,6 +132,17 @@ def _fail(message: str) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     settings, notes = parse_launch(argv)
+    from mlx_server.sharded import announce, follow, launched_group
+
+    group = launched_group()  # started by mlx.launch with several ranks
+    if group is None and settings.ranks > 1:
+        from mlx_server.ranks_launch import spawn
+
+        return spawn(settings.ranks, sys.argv[1:] if argv is None else argv)
+    if group is not None:
+        announce(group)
+        if group.rank() != 0:
+            return follow(settings, group)
     log("MLX Server starting...")
     log(f"Model path: {settings.model}")
     log(f"Port: {settings.port}")
@@ -156,7 +167,12 @@ def main(argv: list[str] | None = None) -> int:
 
     t0 = time.perf_counter()
     try:
-        app, engine = build(settings)
+        if group is None:
+            app, engine = build(settings)
+        else:
+            from mlx_server.sharded import build as build_sharded
+
+            app, engine = build_sharded(settings, group)
     except Exception as e:  # ModelLoadError and anything the loaders raise
         sock.close()
         return _fail(str(e) or type(e).__name__)

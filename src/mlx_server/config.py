@@ -247,6 +247,28 @@ class Settings:
         "--pin",
         repeat=True,
     )
+    shard: str = _opt(
+        "auto",
+        "Started under mlx.launch, how the model is split across the ranks: 'pipeline' "
+        "(each rank a run of layers), 'tensor' (each rank a slice of every layer), 'auto' "
+        "(pipeline where mlx-lm has it for the model, else tensor)",
+        "--shard",
+        choices=("auto", "pipeline", "tensor"),
+    )
+    ranks: int = _opt(
+        1,
+        "Serve the model sharded across this many processes on this machine: starts them "
+        "with mlx.launch (ring backend over 127.0.0.1); 1: one process",
+        "--ranks",
+        min=1,
+    )
+    rank_timeout_s: float = _opt(
+        60.0,
+        "Sharded: seconds a step, or the wait for rank 0's next message, may take before the "
+        "server decides a rank stopped answering and exits with an error",
+        "--rank-timeout-s",
+        above=0,
+    )
     responses_store_size: int = _opt(
         500,
         "Responses API: stored responses kept in memory (least recently used out first; 0 keeps none)",

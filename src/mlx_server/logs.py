@@ -6,11 +6,18 @@ import sys
 import threading
 
 _lock = threading.Lock()
+_prefix = ""  # "rank 1: " on the other ranks of a sharded server (their lines share stdout)
+
+
+def set_prefix(prefix: str) -> None:
+    """Start every later line with ``prefix`` (after ``[mlx] ``)."""
+    global _prefix
+    _prefix = prefix
 
 
 def log(message: str) -> None:
     """Write one ``[mlx] message`` line to stdout and flush it at once."""
-    line = f"[mlx] {message}\n"
+    line = f"[mlx] {_prefix}{message}\n"
     with _lock:
         try:
             sys.stdout.write(line)

@@ -60,8 +60,10 @@ class ModelParts:
     kv_budget_bytes: int
 
 
-def load_chat_model(settings: Settings) -> ModelParts:
-    """Load ``settings.model`` and start its engine (kernels built before it returns)."""
+def load_chat_model(settings: Settings, sharded: Any = None) -> ModelParts:
+    """Load ``settings.model`` and start its engine (kernels built before it returns).
+    ``sharded``: rank 0 of several (``sharded.Rank``): the model is split across the ranks
+    and the engine runs in lockstep with theirs."""
     from mlx_server.engine.engine import Engine, EngineConfig
     from mlx_server.engine.tuning import builds_kernels_on_first_use, default_prefill_step
     from mlx_server.models.base import trained_context
@@ -73,6 +75,7 @@ def load_chat_model(settings: Settings) -> ModelParts:
         model_id=settings.model_id,
         dtype=settings.dtype,
         chat_template=settings.chat_template,
+        shard=sharded.shard if sharded is not None else None,
     )
     log(f"Model id: {loaded.model_id} ({loaded.path})")
     if settings.chat_template:
@@ -94,7 +97,10 @@ def load_chat_model(settings: Settings) -> ModelParts:
     disk, disk_off = None, ""
     if not vision:
         model, kv_per_token = _quantized_kv(loaded, settings, model, kv_per_token)
-        disk, disk_off = _disk_tier(loaded, settings)
+        if sharded is None:
+            disk, disk_off = _disk_tier(loaded, settings)
+        else:
+            disk_off = "the disk tier is off across ranks"
     batch = _batch_size(settings, kv_budget, kv_per_token)
     engine = engine_class(
         model,
@@ -111,7 +117,8 @@ def load_chat_model(settings: Settings) -> ModelParts:
             prompt_cache_disk_off=disk_off,
             warm_up=not vision and builds_kernels_on_first_use(),
             prefill_buckets=not vision and builds_kernels_on_first_use(),
-            speculation=None if vision else _speculation(loaded, settings, model),
+            speculation=None if vision or sharded else _speculation(loaded, settings, model),
+            lockstep=sharded.lead() if sharded is not None else None,
         ),
     )
     service = ChatService(

@@ -60,6 +60,9 @@ class EngineConfig:
     speculation: Any = None  # speculative.runner.Speculation: requests speculate, alone or batched
     gather_s: float = 0.05  # how long queued requests wait for announced ones (Scheduler)
     prefill_buckets: bool = False  # the lone path pads prefill chunks (tuning.PREFILL_BUCKETS)
+    # lockstep.leader.Lead: rank 0 of several ranks that compute each step together (the
+    # model sharded across them); its runner is wrapped to journal for the other ranks.
+    lockstep: Any = None
 
 
 class Engine:
@@ -96,6 +99,8 @@ class Engine:
             gather_s=cfg.gather_s,
         )
         self._runner: Runner = runner or self._default_runner()
+        if cfg.lockstep is not None:
+            self._runner = cfg.lockstep.lead(self._runner, self._prompt_cache, cfg)
         self._watch_disk_reads()
         # Width of the model's logits, to try each request's sampler before it runs.
         args = getattr(model, "args", None)
@@ -230,6 +235,8 @@ class Engine:
                 if sched.active:
                     self._step()
             except Exception as e:
+                if self.config.lockstep is not None:
+                    self.config.lockstep.broken(e)  # the ranks no longer agree: stop
                 # A fault no single sequence could be blamed for: end the running ones,
                 # start the runner over; queued requests keep their place.
                 self._fail(faults.step_failed(e), queued=False)
@@ -244,13 +251,16 @@ class Engine:
     def _wait_for_work(self) -> bool:
         """Sleep until there is something to do; False once stopping and nothing runs."""
         sched = self._sched
-        with sched.wake:
-            while not (sched.stopping or sched.active or self._calls):
+        while True:
+            with sched.wake:
+                if sched.stopping or sched.active or self._calls:
+                    return not (sched.stopping and not sched.active and not sched.pending)
                 hold = sched.gather_left() if sched.pending else 0.5
                 if not hold:  # queued requests that need not wait for others
-                    break
+                    return True
                 sched.wake.wait(hold)
-            return not (sched.stopping and not sched.active and not sched.pending)
+            if self.config.lockstep is not None:
+                self.config.lockstep.idle()  # the other ranks hear from rank 0 while idle
 
     def _run_calls(self) -> None:
         """Run the calls other threads asked for."""
@@ -274,12 +284,17 @@ class Engine:
             try:
                 n, step = self.config.max_batch_size, self.config.prefill_step_size
                 buckets = self.config.prefill_buckets
-                secs = warm_up(self.model, n, step, buckets=buckets)
+                budget = self._warm_up_budget()
+                secs = warm_up(self.model, n, step, budget, buckets=buckets)
                 what = ", the prefill buckets" if buckets else ""
                 log(f"Warm-up: batch sizes 1-{n}{what} and a {step}-token prefill in {secs:.1f}s")
             except Exception as e:  # serving without it is slower at first, not wrong
                 log(f"Warm-up failed: {faults.describe(e)}")
         self._ready.set()
+
+    def _warm_up_budget(self) -> float:
+        """Seconds the warm-up may take; ranks in lockstep all run every warm-up step."""
+        return 30.0 if self.config.lockstep is None else float("inf")
 
     # ---- engine thread: starting sequences ---------------------------------------------
 

@@ -86,6 +86,9 @@ class PrefixCache(LRUPromptCache):
         self.disk_off_reason = disk_off_reason  # why there is no disk tier (for /health)
         self.on_insert: Any = None  # called after each insert (the memory budget's check)
         self.on_loaded: Any = None  # called (on the loader thread) when a disk read is done
+        # Called with ("store", tokens, kind) when an entry enters the trie and ("evict",
+        # tokens, kind) when one leaves it by eviction: what other ranks replay (lockstep/).
+        self.on_change: Any = None
         self.oversize = 0  # entries larger than the whole RAM tier
         self._reads: dict[str, tuple[Any, float]] = {}  # disk entry -> (future, started)
 
@@ -226,6 +229,8 @@ class PrefixCache(LRUPromptCache):
             self._lru.remove(model, tokens)
         self._account(entry, +1)
         self._lru.push(model, tokens, cache_type)
+        if self.on_change is not None:
+            self.on_change("store", tokens, cache_type)
         if can_trim_prompt_cache(prompt_cache):
             self._drop_prefixes(model, tokens)
         if cache_type == SYSTEM and self.disk is not None:
@@ -268,8 +273,18 @@ class PrefixCache(LRUPromptCache):
         entry = self._trie.pop(model, tokens)
         self._account(entry, -1)
         self.evictions += 1
+        if self.on_change is not None:
+            self.on_change("evict", tokens, entry.cache_type)
         if self.disk is not None:
             self.disk.save(tokens, entry.prompt_cache, entry.cache_type)
+
+    def forget(self, tokens: list[int]) -> None:
+        """Drop the entry of exactly ``tokens`` (a no-op when there is none): replays an
+        eviction another rank made."""
+        if self._trie.search(_KEY, tokens).exact is None:
+            return
+        self._lru.remove(_KEY, tokens)
+        self._evict(_KEY, tokens)
 
     def evict_bytes(self, n_bytes: int, keep_newest: bool = False) -> int:
         """Give back at least ``n_bytes`` of RAM (to the disk tier if there is one), least

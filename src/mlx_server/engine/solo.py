@@ -73,6 +73,9 @@ class SoloSequence(ChunkedPrefill):
         """One token, the next step queued before it is read."""
         if self._next is None:  # the prompt's (or a handover's) last token: the first sample
             self._next = self._forward(mx.array(self._todo))
+            # Queued whole before the next step is built on it, as every later sample is:
+            # ranks sharing a model then meet its collectives in the same order.
+            mx.async_eval(*self._next)
             self.fed += self._todo
             self._todo = []
         token, logprobs = self._next

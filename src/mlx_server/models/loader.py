@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from mlx_server.logs import log
 from mlx_server.models.base import (  # re-exported: the loader's public names
@@ -103,16 +105,24 @@ def _download(repo_id: str) -> Path:
 
 
 def load_model(
-    model: str, *, model_id: str = "", dtype: str | None = None, chat_template: str = ""
+    model: str,
+    *,
+    model_id: str = "",
+    dtype: str | None = None,
+    chat_template: str = "",
+    shard: Callable[[Any, dict[str, Any]], str] | None = None,
 ) -> LoadedModel:
     """Resolve, load and describe a model: mlx-lm for text, mlx-vlm for vision-language
     models (a config with a vision tower). ``chat_template``: ``--chat-template``, in place of
-    the model's. Raises ModelLoadError."""
+    the model's. ``shard``: split the model for this rank before its weights are read
+    (``sharding.sharder``; text models only). Raises ModelLoadError."""
     log(f"Loading model from: {model}")
     model_dir = resolve_model_dir(model)
     from mlx_server.models.vision import is_vision_model, load_vision_model
 
     if is_vision_model(model_dir):
+        if shard is not None:
+            raise ModelLoadError("vision models cannot be served across ranks")
         return load_vision_model(
             model_dir,
             model_id=model_id or default_model_id(model),
@@ -124,11 +134,16 @@ def load_model(
         from mlx_lm.utils import dequantize_model
         from mlx_lm.utils import load as mlx_load
 
-        net, tokenizer, config = mlx_load(str(model_dir), return_config=True)  # type: ignore[misc]
+        net, tokenizer, config = mlx_load(  # type: ignore[misc]
+            str(model_dir), return_config=True, lazy=shard is not None
+        )
+        if shard is not None:
+            log(f"Sharding: {shard(net, config)} parallel")
         if dtype is not None:
             if config.get("quantization"):
                 net = dequantize_model(net)
             net.set_dtype(getattr(mx, dtype))
+        if dtype is not None or shard is not None:
             mx.eval(net.parameters())
     except ModelLoadError:
         raise

@@ -1,0 +1,1 @@
+"""Several ranks running one engine in lockstep (``mlx.launch``; see ``leader.py``)."""

@@ -1,0 +1,149 @@
+"""One model served across several ranks started by ``mlx.launch`` (MLX's distributed
+backend: the ring over TCP, or MPI, NCCL, JACCL as the launcher sets them up).
+
+Every rank runs this same program with the same flags. Each loads its share of the model
+(``models.sharding``: pipeline or tensor parallel, mlx-lm's), then all meet at a barrier
+that also tells each rank the others' process ids (``RankWatch``). Rank 0 serves HTTP and
+owns scheduling; its engine runs in lockstep with the other ranks' (``engine.lockstep``),
+which serve nothing and follow its journal until it says stop.
+
+What runs sharded: text models with continuous batching, the prefix cache (RAM tier),
+cancellation, structured output and tool calls, logprobs. What is refused at start, with
+an error saying so: several models in one server, vision models, embedding and reranker
+models, draft models and prompt lookup (speculative decoding), the quantized KV cache
+(``--kv-bits``); the prefix cache's disk tier is turned off.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+from mlx_server.config import Settings
+from mlx_server.logs import log, set_prefix
+
+
+def launched_group() -> Any | None:
+    """The group of ranks when this process was started by ``mlx.launch`` (or mpirun) with
+    more than one rank; None otherwise (nothing is initialised then)."""
+    if "MLX_RANK" not in os.environ and "OMPI_COMM_WORLD_SIZE" not in os.environ:
+        return None
+    import mlx.core as mx
+
+    if not mx.distributed.is_available():
+        return None
+    group = mx.distributed.init()
+    return group if group.size() > 1 else None
+
+
+def refusal(settings: Settings, size: int) -> str | None:
+    """Why these settings cannot be served across ranks, or None."""
+    if settings.ranks > 1 and settings.ranks != size:
+        return f"--ranks {settings.ranks}, but mlx.launch started {size} ranks"
+    if settings.several_models:
+        return "several models in one server cannot be served across ranks; serve one --model"
+    if settings.draft_model or settings.prompt_lookup:
+        return "speculative decoding (--draft-model, --prompt-lookup) does not run across ranks"
+    if settings.kv_bits:
+        return "the quantized KV cache (--kv-bits) does not run across ranks"
+    from mlx_server.embedding_wiring import serves_embeddings
+
+    if serves_embeddings(settings) is not None:
+        return "embedding and reranker models cannot be served across ranks"
+    return None
+
+
+@dataclass
+class Rank:
+    """This process's place among the ranks, and what its loader and engine need."""
+
+    settings: Settings
+    group: Any
+    watch: Any = field(default=None)
+
+    @property
+    def shard(self) -> Any:
+        from mlx_server.models.sharding import sharder
+
+        return sharder(self.settings.shard, self.group)
+
+    def join(self) -> Any:
+        """The barrier after loading (every rank has its share), then the watch starts."""
+        from mlx_server.engine.lockstep.watch import RankWatch, exchange_pids
+
+        peers = exchange_pids(self.group)
+        log(f"Ranks: all {len(peers)} loaded (pids {', '.join(str(p) for _, p in peers)})")
+        self.watch = RankWatch(self.group.rank(), peers, self.settings.rank_timeout_s)
+        self.watch.start()
+        return self.watch
+
+    def lead(self) -> Any:
+        """Rank 0: the engine's lockstep side (after the barrier)."""
+        from mlx_server.engine.lockstep.channel import Channel
+        from mlx_server.engine.lockstep.leader import Lead
+
+        return Lead(Channel(self.group), self.join())
+
+
+def announce(group: Any) -> None:
+    rank, size = group.rank(), group.size()
+    if rank:
+        set_prefix(f"rank {rank}: ")
+    log(f"Ranks: this is rank {rank} of {size}")
+
+
+def build(settings: Settings, group: Any) -> tuple[Any, Any]:
+    """Rank 0: load its share and return (app, engine), the engine in lockstep."""
+    from mlx_server.wiring import build_app, load_chat_model, set_cache_limit
+
+    problem = refusal(settings, group.size())
+    if problem:
+        raise ValueError(problem)
+    set_cache_limit(settings)
+    parts = load_chat_model(settings, Rank(settings, group))
+    if settings.prompt_cache_dir != "":
+        log("Prompt cache: the disk tier is off across ranks (RAM tier only)")
+    return build_app(settings, parts.service, vision=False), parts.engine
+
+
+def follow(settings: Settings, group: Any) -> int:
+    """A rank other than 0: load its share and follow rank 0 until it stops."""
+    from mlx_server.engine.engine import EngineConfig
+    from mlx_server.engine.lockstep.channel import Channel
+    from mlx_server.engine.lockstep.follower import FollowerEngine
+    from mlx_server.models.loader import load_model
+    from mlx_server.wiring import set_cache_limit
+
+    # Ctrl-C reaches every process of the terminal: rank 0 shuts down and says stop.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    problem = refusal(settings, group.size())
+    if problem:
+        return _fail(problem)
+    set_cache_limit(settings)
+    rank = Rank(settings, group)
+    try:
+        loaded = load_model(
+            settings.model,
+            model_id=settings.model_id,
+            dtype=settings.dtype,
+            chat_template=settings.chat_template,
+            shard=rank.shard,
+        )
+    except Exception as e:
+        return _fail(str(e) or type(e).__name__)
+    watch = rank.join()
+    channel = Channel(group)
+    config = EngineConfig(**json.loads(channel.receive()))
+    FollowerEngine(loaded.model, loaded.tokenizer, config, channel, watch).run()
+    log("Ranks: rank 0 said stop")
+    return 0
+
+
+def _fail(message: str) -> int:
+    log(f"Failed to load model: {message}")
+    print(f"Error: {message}", file=sys.stderr, flush=True)
+    return 1
