@@ -56,7 +56,11 @@ class FollowerEngine(Engine):
         self._warm_up()
         while True:
             with self._watch.section("rank 0's next message"):
-                journal = json.loads(self._channel.receive())
+                try:
+                    journal = json.loads(self._channel.receive())
+                except Exception as e:
+                    self._watch.failed("waiting for rank 0", e)
+                    return
             for entry in journal:
                 if entry[0] == "stop":
                     self._watch.stopping = True
@@ -66,7 +70,7 @@ class FollowerEngine(Engine):
                     try:
                         self._replay(entry)
                     except Exception as e:
-                        self._watch.lost(f"{entry[0]} failed: {type(e).__name__}: {e}")
+                        self._watch.failed(f"{entry[0]} from rank 0", e)
 
     def _warm_up_budget(self) -> float:
         return float("inf")  # every rank runs the same warm-up steps

@@ -165,9 +165,9 @@ class Lead:
             try:
                 self.runner.heartbeat()
             except Exception as e:
-                self.broken(e)
+                self.watch.failed("a heartbeat to the other ranks", e)
 
     def broken(self, error: BaseException) -> None:
         """A step failed: the ranks may no longer agree on what they compute, so serving
         stops (the watch ends the process)."""
-        self.watch.lost(f"a step failed on rank 0: {type(error).__name__}: {error}")
+        self.watch.failed("a step on rank 0", error)

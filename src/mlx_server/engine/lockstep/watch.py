@@ -76,6 +76,8 @@ class RankWatch:
         self._local = {r: pid for r, (h, pid) in enumerate(peers) if h == here and r != rank}
         self._parent = os.getppid()
         self._section: tuple[str, float] | None = None
+        self._reported: set[int] = set()  # ranks whose exit was reported (while stopping)
+        self._ending = threading.Lock()  # one thread reports the end and exits
         self._thread = threading.Thread(target=self._run, name="rank-watch", daemon=True)
 
     def start(self) -> None:
@@ -90,6 +92,25 @@ class RankWatch:
         finally:
             self._section = None
 
+    def failed(self, what: str, error: BaseException) -> None:
+        """Work that waits on the other ranks raised (the ring's "connection to a peer was
+        lost", ...): end this rank, naming the rank that is gone when one on this host is."""
+        reason = f"{what} failed: {type(error).__name__}: {error}"
+        gone = self._gone_peer(wait_s=1.0)
+        self.lost(f"{gone} ({reason})" if gone else reason)
+
+    def _gone_peer(self, wait_s: float) -> str | None:
+        """A rank on this host that has exited, waiting up to ``wait_s`` for its parent to
+        reap it (until then it still answers as a process)."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            for r, pid in self._local.items():
+                if not _alive(pid):
+                    return f"rank {r} (pid {pid}) exited"
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.05)
+
     def lost(self, reason: str) -> None:
         """End this rank: the ranks can no longer serve together. While shutting down that
         is expected: rank 0 finishes its own shutdown, the others exit."""
@@ -98,18 +119,19 @@ class RankWatch:
             if self.rank == 0:
                 return
             _exit(0)
-        message = f"sharded serving stopped on rank {self.rank}: {reason}"
-        log(f"Error: {message}")
-        print(f"Error: {message}", file=sys.stderr, flush=True)
-        _exit(1)
+        with self._ending:
+            message = f"sharded serving stopped on rank {self.rank}: {reason}"
+            log(f"Error: {message}")
+            print(f"Error: {message}", file=sys.stderr, flush=True)
+            _exit(1)
 
     def _run(self) -> None:
         parent_gone = False
         while True:
             time.sleep(POLL_S)
-            for r, pid in list(self._local.items()):
-                if not _alive(pid):
-                    del self._local[r]
+            for r, pid in self._local.items():
+                if r not in self._reported and not _alive(pid):
+                    self._reported.add(r)
                     self.lost(f"rank {r} (pid {pid}) exited")
             section = self._section
             if section is not None and time.monotonic() - section[1] > self.timeout_s:
