@@ -92,7 +92,8 @@ class Engine:
             kv_bytes_per_token=cfg.kv_bytes_per_token,
             prefix_cache=self._prompt_cache,
         )
-        self._runner: Runner = runner or self._default_runner()
+        # A runner with no sequences is falsy (it has a length): test for None.
+        self._runner: Runner = runner if runner is not None else self._default_runner()
         self._watch_disk_reads()
         # Width of the model's logits, to try each request's sampler before it runs.
         args = getattr(model, "args", None)
