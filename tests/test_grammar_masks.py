@@ -162,25 +162,30 @@ def mixed_requests(tokenizer: Any, compiler: ConstraintCompiler) -> list[Any]:
 
 
 def test_a_mixed_batch_gives_valid_json_and_the_per_row_path_s_tokens(model, tokenizer, compiler):
+    """The batch path (masks computed inline after the launch with one thread, on the
+    worker thread with two) and the per-row path give the same tokens, the constrained
+    ones valid JSON that ends at the grammar's end."""
     schemas = SCHEMAS[:2] + [None] + SCHEMAS[2:] + [None]
-    outputs = {}
-    for batched in (True, False):
-        engine = engine_with(
-            model, tokenizer, batch_grammars=batched, grammar_masks=GrammarMasks(threads=2)
-        )
+    runs = {"per_row": (False, 1), "inline": (True, 1), "worker": (True, 2)}
+    outputs, masks = {}, {}
+    for name, (batched, threads) in runs.items():
+        masks[name] = GrammarMasks(threads=threads)
+        assert masks[name].overlap == (threads > 1)
+        engine = engine_with(model, tokenizer, batch_grammars=batched, grammar_masks=masks[name])
         try:
-            outputs[batched] = asyncio.run(
-                generate_all(engine, mixed_requests(tokenizer, compiler))
-            )
+            outputs[name] = asyncio.run(generate_all(engine, mixed_requests(tokenizer, compiler)))
         finally:
             engine.shutdown(timeout=10)
-    for new, old, schema in zip(outputs[True], outputs[False], schemas, strict=True):
-        assert (new.text, new.reason) == (old.text, old.reason)
-        assert new.finished.usage.completion_tokens == old.finished.usage.completion_tokens
-        if schema is not None:
-            assert new.reason == "stop", new.text
-            jsonschema.validate(json.loads(new.text), schema)
-    free = [r for r, s in zip(outputs[True], schemas, strict=True) if s is None]
+    assert masks["per_row"].steps == 0  # mlx-lm's per-row calls did all the masking
+    for name in ("inline", "worker"):
+        assert masks[name].steps > 10 and masks[name].rows > 2 * masks[name].steps
+        for new, old, schema in zip(outputs[name], outputs["per_row"], schemas, strict=True):
+            assert (new.text, new.reason) == (old.text, old.reason), name
+            assert new.finished.usage.completion_tokens == old.finished.usage.completion_tokens
+            if schema is not None:
+                assert new.reason == "stop", new.text
+                jsonschema.validate(json.loads(new.text), schema)
+    free = [r for r, s in zip(outputs["worker"], schemas, strict=True) if s is None]
     assert all(r.reason == "length" for r in free)  # random weights: no JSON, no early end
 
 

@@ -219,7 +219,8 @@ class MaskedDecode:
         # The fed tokens are scheduled apart, so reading them waits for the previous step
         # only (a read of anything queued after the forward pass would wait for all of
         # it). The grammars consume them and fill their masks on the masks' worker thread
-        # while this one launches the pass; the masks are applied before sampling.
+        # while this one launches the pass (with one core to spare, here after the launch,
+        # while the device runs it); the masks are applied before sampling.
         mx.async_eval(inputs)
         logits = self.model(inputs, cache=cache)[:, -1, :]
         tokens = [row[-1] for row in cast(list[list[int]], inputs.tolist())]
@@ -227,9 +228,11 @@ class MaskedDecode:
         plan = masks.plan(rows, tokens)
         if plan is None:
             return logits[:, None, :]
-        pending = masks.submit(plan, logits.shape[-1])
+        vocab = logits.shape[-1]
+        pending = masks.submit(plan, vocab) if masks.overlap else None
         mx.async_eval(logits)
-        return masks.mask(pending.result(), logits)[:, None, :]
+        plan = pending.result() if pending is not None else masks.compute(plan, vocab)
+        return masks.mask(plan, logits)[:, None, :]
 
     def __getattr__(self, name: str) -> Any:
         if name == "model":  # not set yet

@@ -98,7 +98,8 @@ class Engine:
             prefix_cache=self._prompt_cache,
             gather_s=cfg.gather_s,
         )
-        self._runner: Runner = runner or self._default_runner()
+        # A runner with no sequences is falsy (it has a length): test for None.
+        self._runner: Runner = runner if runner is not None else self._default_runner()
         if cfg.lockstep is not None:
             self._runner = cfg.lockstep.lead(self._runner, self._prompt_cache, cfg)
         self._watch_disk_reads()

@@ -2,12 +2,13 @@
 
 Per step, for the rows whose sequence has a grammar (``GrammarLogitsProcessor``): each
 matcher consumes the token its row sampled last, every mask is filled into one batch
-bitmask, and the masks are applied to the batch's logits in one MLX operation. The
-consuming and filling (``compute``) run on a worker thread while the engine's thread
-launches the step's forward pass and the device runs it; with several CPU cores they
-run on llguidance's own thread pool (``LLExecutor``: ``consume_token_par``,
-``fill_next_token_bitmask_par``), outside the interpreter lock, and with one core one
-matcher after another (a pool's hand-offs would cost more than they save).
+bitmask, and the masks are applied to the batch's logits in one MLX operation. With
+several CPU cores the consuming and filling (``compute``) run on a worker thread while the
+engine's thread launches the step's forward pass, and on llguidance's own thread pool
+(``LLExecutor``: ``consume_token_par``, ``fill_next_token_bitmask_par``), outside the
+interpreter lock; with one core to spare they run inline, one matcher after another,
+after the launch while the device runs the pass (hand-offs to threads that a busy machine
+may not schedule soon would cost more than they save).
 
 A row's failure is its own: an exception while advancing or filling one grammar is
 recorded on that row's owner (its sequence's ``fault``, as ``sampling.guard_processor``
@@ -108,6 +109,12 @@ class GrammarMasks:
         plan.live = [(i, g) for i, g in plan.live if not g.failed]
         plan.words = self._masks(plan.live, vocab) if plan.live else None
         return plan
+
+    @property
+    def overlap(self) -> bool:
+        """Whether ``compute`` should run on the worker thread: only with cores to spare
+        (with fewer, a thread hand-off on a busy machine can cost more than the fill)."""
+        return self._executor is not None
 
     def submit(self, plan: MaskPlan, vocab: int) -> Future[MaskPlan]:
         """``compute`` on this object's worker thread."""
