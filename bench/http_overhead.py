@@ -119,9 +119,10 @@ def build(a: argparse.Namespace) -> tuple[Any, Any]:
 
     tokenizer = load_tokenizer(Path(a.tokenizer))
     runner = PacedRunner(tokenizer.encode(TEXT), a)
-    config = EngineConfig(
-        max_batch_size=a.n, max_queue=4 * a.n, prompt_cache_size=0, gather_s=a.gather_ms / 1000
-    )
+    kw = {"max_batch_size": a.n, "max_queue": 4 * a.n, "prompt_cache_size": 0}
+    if "gather_s" in EngineConfig.__dataclass_fields__:  # not in builds before it
+        kw["gather_s"] = a.gather_ms / 1000
+    config = EngineConfig(**kw)
     engine = Engine(None, tokenizer, config, runner=runner)
     engine.start()
     service = ChatService("m", tokenizer, engine, ctx_size=4096)
@@ -238,6 +239,7 @@ def main() -> int:
     p.add_argument("--layers", default="engine,service,http")
     p.add_argument("--profile", default="", help="py-spy one more HTTP burst into this file")
     p.add_argument("--json", default="")
+    p.add_argument("--src", default="", help="the server's source tree (default: this one's)")
     p.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     a = p.parse_args()
@@ -263,9 +265,12 @@ def main() -> int:
                 "--new-shape-ms", str(a.new_shape_ms), "--gather-ms", str(a.gather_ms),
                 "--switch-ms", str(a.switch_ms),
                 "--serve", "--port", str(port)]  # fmt: skip
+        env = make_env(False)
+        if a.src:  # another build's server (run this script with it on PYTHONPATH too)
+            env["PYTHONPATH"] = a.src
         child = subprocess.Popen(
             [sys.executable, __file__, *argv],
-            env=make_env(False),
+            env=env,
             stdout=subprocess.DEVNULL,
         )
         wait_ready(port, child)

@@ -240,9 +240,11 @@ async def engine_layer(model: Any, tok: Any, a: argparse.Namespace) -> None:
 
     kw: dict[str, Any] = {"max_batch_size": max(a.levels), "kv_budget_bytes": 64 << 30}
     try:  # the server's device-sized defaults, where this version of the engine has them
-        from mlx_server.engine.tuning import default_prefill_step
+        from mlx_server.engine.tuning import builds_kernels_on_first_use, default_prefill_step
 
         kw.update(prefill_step_size=default_prefill_step(), warm_up=True)
+        if "prefill_buckets" in EngineConfig.__dataclass_fields__:  # as the server sets it
+            kw["prefill_buckets"] = builds_kernels_on_first_use()
     except ImportError:
         pass
     engine = Engine(model, tok, EngineConfig(**kw))

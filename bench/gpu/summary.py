@@ -78,7 +78,7 @@ def main(path: str) -> None:
             elif sc == "single":
                 f[f"{who}_single"] = r["decode_tok_s_median"]
                 print(
-                    f"  {who:6} single decode {r['decode_tok_s_median']:.0f} tok/s, ttft {r['ttft_s_median']:.3f} s"
+                    f"  {who:6} single decode {r['decode_tok_s_median'] or 0:.0f} tok/s, ttft {r['ttft_s_median'] or 0:.3f} s"
                 )
             elif sc == "concurrency":
                 for x in r["levels"]:
