@@ -14,7 +14,7 @@ tokens/s while every stream decodes, and whether each stream's text is the same.
     source scripts/openblas.sh
     python bench/speculative.py [--model models/smollm2-135m-instruct-f32] [--tokens 200]
         [--num-draft-tokens 4,8] [--repeat 2] [--streams 8] [--only lone|streams] [--random]
-        [--predict]
+        [--predict] [--code-lines N]
 
 ``--random`` replaces the model's weights with random ones of the same shapes (seeded): its
 text is noise, so drafts are rarely accepted and the figures are the cost of trying.
@@ -41,12 +41,20 @@ import mlx.core as mx
 print = functools.partial(print, flush=True)  # noqa: A001 (progress while it runs)
 REPO = Path(__file__).resolve().parents[1]
 SOURCE = (REPO / "bench" / "data" / "code_edit_source.py.txt").read_text()
-CODE_EDIT = (
-    "Here is a Python file:\n```python\n"
-    + SOURCE
-    + "```\nRename the class DraftLength to DraftCount and return the whole file, "
-    "unchanged otherwise. Output only the code."
-)
+
+
+def code_edit(lines: int = 0) -> str:
+    """The code-edit prompt over the file's first ``lines`` lines (0: all of them)."""
+    source = "".join(SOURCE.splitlines(keepends=True)[:lines]) if lines else SOURCE
+    return (
+        "Here is a Python file:\n```python\n"
+        + source
+        + "```\nRename the class DraftLength to DraftCount and return the whole file, "
+        "unchanged otherwise. Output only the code."
+    )
+
+
+CODE_EDIT = code_edit()
 PROSE = (
     "Write an essay about the history of lighthouses: the first ones in antiquity, how "
     "their lamps and lenses changed, the lives of their keepers, and why few are staffed "
@@ -144,9 +152,10 @@ TOPICS = [
 ]
 
 
-def workloads(n: int) -> dict[str, list[str]]:
-    """Per workload, ``n`` prompts of the same kind."""
-    code = [CODE_EDIT.replace("DraftCount", RENAMES[i % len(RENAMES)]) for i in range(n)]
+def workloads(n: int, lines: int = 0) -> dict[str, list[str]]:
+    """Per workload, ``n`` prompts of the same kind (the code edit over ``lines`` lines)."""
+    edit = code_edit(lines)
+    code = [edit.replace("DraftCount", RENAMES[i % len(RENAMES)]) for i in range(n)]
     prose = [PROSE.replace("lighthouses", TOPICS[i % len(TOPICS)]) for i in range(n)]
     return {"code edit": code, "prose": prose}
 
@@ -236,6 +245,9 @@ def main() -> None:
     ap.add_argument("--only", choices=["lone", "streams"], default=None)
     ap.add_argument("--random", action="store_true", help="random weights of the same shapes")
     ap.add_argument(
+        "--code-lines", type=int, default=0, help="streams: the code edit's first N lines"
+    )
+    ap.add_argument(
         "--predict", action="store_true", help="streams also with their answers as predictions"
     )
     args = ap.parse_args()
@@ -260,7 +272,7 @@ def main() -> None:
 def batched(model: Any, tokenizer: Any, chat: Any, args: Any, ks: list[int]) -> None:
     from mlx_server.engine.speculative.runner import Speculation
 
-    for name, texts in workloads(args.streams).items():
+    for name, texts in workloads(args.streams, args.code_lines).items():
         prompts = [chat(t) for t in texts]
         preds = None
         if args.predict:  # each stream's own answer (alone) as its prediction
