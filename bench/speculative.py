@@ -14,11 +14,12 @@ tokens/s while every stream decodes, and whether each stream's text is the same.
     source scripts/openblas.sh
     python bench/speculative.py [--model models/smollm2-135m-instruct-f32] [--tokens 200]
         [--num-draft-tokens 4,8] [--repeat 2] [--streams 8] [--only lone|streams] [--random]
-        [--predict]
+        [--predict] [--code-lines N]
 
 ``--random`` replaces the model's weights with random ones of the same shapes (seeded): its
 text is noise, so drafts are rarely accepted and the figures are the cost of trying.
-``--predict`` adds, for the streams, a run where each request predicts its own answer (as
+Each workload also runs with random drafts (next to nothing accepted): the cost of trying,
+which the adaptive draft length must keep small. ``--predict`` adds, for the streams, a run where each request predicts its own answer (as
 decoded alone): the most a verified draft can give on this machine.
 
 Prints decode tokens/s, acceptance and ratios; asserts nothing. The machine may be shared:
@@ -28,8 +29,10 @@ run it more than once and read the ratios, not the absolute figures.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -38,17 +41,38 @@ import mlx.core as mx
 print = functools.partial(print, flush=True)  # noqa: A001 (progress while it runs)
 REPO = Path(__file__).resolve().parents[1]
 SOURCE = (REPO / "bench" / "data" / "code_edit_source.py.txt").read_text()
-CODE_EDIT = (
-    "Here is a Python file:\n```python\n"
-    + SOURCE
-    + "```\nRename the class DraftLength to DraftCount and return the whole file, "
-    "unchanged otherwise. Output only the code."
-)
+
+
+def code_edit(lines: int = 0) -> str:
+    """The code-edit prompt over the file's first ``lines`` lines (0: all of them)."""
+    source = "".join(SOURCE.splitlines(keepends=True)[:lines]) if lines else SOURCE
+    return (
+        "Here is a Python file:\n```python\n"
+        + source
+        + "```\nRename the class DraftLength to DraftCount and return the whole file, "
+        "unchanged otherwise. Output only the code."
+    )
+
+
+CODE_EDIT = code_edit()
 PROSE = (
     "Write an essay about the history of lighthouses: the first ones in antiquity, how "
     "their lamps and lenses changed, the lives of their keepers, and why few are staffed "
     "today."
 )
+
+
+class RandomDrafts:
+    """Drafts random tokens (seeded): next to nothing is accepted, so a run with them
+    measures what trying costs."""
+
+    def __init__(self, vocab: int, seed: int = 0):
+        import random
+
+        self.vocab, self.rng = vocab, random.Random(seed)
+
+    def propose(self, context: list[int], k: int) -> list[int]:
+        return [self.rng.randrange(self.vocab) for _ in range(k)]
 
 
 def greedy(x: mx.array) -> mx.array:
@@ -72,21 +96,24 @@ def decode(model: Any, prompt: list[int], n: int, drafter: Any, k: int) -> dict[
             num_draft_tokens=k, **common,
         )  # fmt: skip
     tokens: list[int] = []
-    t_first = 0.0
+    t_first = c_first = 0.0
     while True:
         _, responses = seq.next()
         for r in responses:
             if not tokens:
-                t_first = time.perf_counter()
+                t_first, c_first = time.perf_counter(), time.process_time()
             tokens.append(r.token)
         if responses and responses[-1].finish_reason is not None:
             break
     secs = time.perf_counter() - t_first
+    cpu = time.process_time() - c_first
     drafted = getattr(seq, "draft_n", 0)
     accepted = getattr(seq, "draft_accepted", 0)
     return {
         "tokens": tokens,
         "tps": (len(tokens) - 1) / secs,
+        # Per second of this process's CPU time: steadier than wall time on a shared CPU.
+        "cpu_tps": (len(tokens) - 1) / cpu if cpu > 0 else 0.0,
         "drafted": drafted,
         "accepted": accepted,
     }
@@ -125,9 +152,10 @@ TOPICS = [
 ]
 
 
-def workloads(n: int) -> dict[str, list[str]]:
-    """Per workload, ``n`` prompts of the same kind."""
-    code = [CODE_EDIT.replace("DraftCount", RENAMES[i % len(RENAMES)]) for i in range(n)]
+def workloads(n: int, lines: int = 0) -> dict[str, list[str]]:
+    """Per workload, ``n`` prompts of the same kind (the code edit over ``lines`` lines)."""
+    edit = code_edit(lines)
+    code = [edit.replace("DraftCount", RENAMES[i % len(RENAMES)]) for i in range(n)]
     prose = [PROSE.replace("lighthouses", TOPICS[i % len(TOPICS)]) for i in range(n)]
     return {"code edit": code, "prose": prose}
 
@@ -217,6 +245,9 @@ def main() -> None:
     ap.add_argument("--only", choices=["lone", "streams"], default=None)
     ap.add_argument("--random", action="store_true", help="random weights of the same shapes")
     ap.add_argument(
+        "--code-lines", type=int, default=0, help="streams: the code edit's first N lines"
+    )
+    ap.add_argument(
         "--predict", action="store_true", help="streams also with their answers as predictions"
     )
     args = ap.parse_args()
@@ -241,7 +272,7 @@ def main() -> None:
 def batched(model: Any, tokenizer: Any, chat: Any, args: Any, ks: list[int]) -> None:
     from mlx_server.engine.speculative.runner import Speculation
 
-    for name, texts in workloads(args.streams).items():
+    for name, texts in workloads(args.streams, args.code_lines).items():
         prompts = [chat(t) for t in texts]
         preds = None
         if args.predict:  # each stream's own answer (alone) as its prediction
@@ -249,12 +280,19 @@ def batched(model: Any, tokenizer: Any, chat: Any, args: Any, ks: list[int]) -> 
         for rep in range(args.repeat):
             base = streams(model, tokenizer, prompts, args.tokens, None)
             runs = [("prompt lookup", Speculation(num_draft_tokens=ks[0], prompt_lookup=True))]
+            runs.append(("random drafts", Speculation(num_draft_tokens=ks[0], prompt_lookup=True)))
             if preds is not None:
                 runs.append(("predicted outputs", Speculation(num_draft_tokens=ks[0])))
             for label, spec in runs:
-                r = streams(
-                    model, tokenizer, prompts, args.tokens, spec, preds if "pred" in label else None
-                )
+                with random_drafts(int(model.args.vocab_size), on=label == "random drafts"):
+                    r = streams(
+                        model,
+                        tokenizer,
+                        prompts,
+                        args.tokens,
+                        spec,
+                        preds if "pred" in label else None,
+                    )
                 same = sum(a == b for a, b in zip(r["texts"], base["texts"], strict=True))
                 acc = r["accepted"] / r["drafted"] if r["drafted"] else 0.0
                 print(
@@ -265,25 +303,56 @@ def batched(model: Any, tokenizer: Any, chat: Any, args: Any, ks: list[int]) -> 
                 )
 
 
+@contextlib.contextmanager
+def random_drafts(vocab: int, on: bool) -> Iterator[None]:
+    """While on, every request the engine speculates for drafts ``RandomDrafts``."""
+    from mlx_server.engine.speculative import batch_runner, runner
+
+    saved = runner.make_drafter
+    if on:
+        fake = lambda *a, **kw: RandomDrafts(vocab)  # noqa: E731
+        runner.make_drafter = batch_runner.make_drafter = fake  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        runner.make_drafter = batch_runner.make_drafter = saved
+
+
 def lone(model: Any, chat: Any, args: Any, ks: list[int]) -> None:
     from mlx_server.engine.speculative.drafters import DraftModel, PromptLookup
 
     decode(model, chat("Hi"), 8, None, 0)  # warm-up
+    vocab = int(model.args.vocab_size)
     for name, text in (("code edit", CODE_EDIT), ("prose", PROSE)):
         prompt = chat(text)
+        ratios: dict[str, list[float]] = {}
         for rep in range(args.repeat):
             base = decode(model, prompt, args.tokens, None, 0)
             print(
                 f"{name} [{len(prompt)} prompt tokens] run {rep + 1}: plain {base['tps']:.1f} tok/s"
             )
-            for k in ks:
-                r = decode(model, prompt, args.tokens, PromptLookup(), k)
+            drafters: list[tuple[str, Any, int]] = [
+                (f"prompt lookup k={k}", PromptLookup(), k) for k in ks
+            ]
+            drafters.append((f"random drafts k={ks[0]}", RandomDrafts(vocab), ks[0]))
+            for label, drafter, k in drafters:
+                r = decode(model, prompt, args.tokens, drafter, k)
+                # Plain again after each: the ratio is to the mean of the plain runs beside it.
+                after = decode(model, prompt, args.tokens, None, 0)
+                ratio = r["tps"] / ((base["tps"] + after["tps"]) / 2)
+                cpu_ratio = r["cpu_tps"] / ((base["cpu_tps"] + after["cpu_tps"]) / 2)
+                ratios.setdefault(label, []).append(ratio)
+                ratios.setdefault(label + ", by CPU time", []).append(cpu_ratio)
                 same = "same tokens" if r["tokens"] == base["tokens"] else "DIFFERENT TOKENS"
                 acc = r["accepted"] / r["drafted"] if r["drafted"] else 0.0
                 print(
-                    f"  prompt lookup k={k}: {r['tps']:.1f} tok/s = {r['tps'] / base['tps']:.2f}x, "
+                    f"  {label}: {r['tps']:.1f} tok/s = {ratio:.2f}x (by CPU time "
+                    f"{cpu_ratio:.2f}x; plain after: {after['tps']:.1f}), "
                     f"drafted {r['drafted']}, accepted {acc:.0%}, {same}"
                 )
+                base = after
+        for label, rs in ratios.items():
+            print(f"  {name}, {label}: median {sorted(rs)[len(rs) // 2]:.2f}x over {len(rs)} runs")
         r = decode(model, prompt, args.tokens // 2, DraftModel(model), ks[0])
         same = r["tokens"] == decode(model, prompt, args.tokens // 2, None, 0)["tokens"]
         acc = r["accepted"] / r["drafted"] if r["drafted"] else 0.0

@@ -180,3 +180,52 @@ def test_batch_generator_samples_shared_samplers_in_one_call():
         assert ("own", 1) in calls and ("shared", 1) in calls
     finally:
         gen.close()
+
+
+def test_the_decode_batch_state_speculation_steps_and_the_batched_cache_it_rolls_back():
+    """``speculative/batch.py`` turns the decode batch into a subclass in place and, in a
+    verifying step, reads and sets its state between steps (the tokens in each row's cache,
+    the pending sampled tokens and their log-probabilities, the per-row counters, stop
+    matchers and processors' token buffers); ``batch_verify.py`` rolls rows back with
+    ``BatchKVCache``'s trim and its right-padding roll (``prepare``/``finalize``)."""
+    import mlx.core as mx
+    from mlx_lm.generate import BatchGenerator, GenerationBatch
+    from mlx_lm.models import llama
+    from mlx_lm.models.cache import BatchKVCache, TokenBuffer
+
+    model = llama.Model(llama.ModelArgs.from_dict(TINY_LLAMA))
+    gen = BatchGenerator(model)
+    decode = gen._generation_batch
+    gen.insert([[1, 2, 3], [4, 5]], max_tokens=[8, 8])
+    for _ in range(3):  # prefill, then decoding
+        gen.next()
+    assert gen._generation_batch is decode and len(decode.uids) == 2
+    for name in (
+        "uids", "tokens", "prompt_cache", "model", "samplers", "fallback_sampler",
+        "logits_processors", "max_tokens", "_next_tokens", "_next_logprobs",
+        "_current_tokens", "_current_logprobs", "_token_context", "_num_tokens", "_matchers",
+    ):  # fmt: skip
+        assert hasattr(decode, name), f"GenerationBatch lost {name}"
+    assert decode._next_tokens.shape == (2,) and len(decode._next_logprobs) == 2
+    for i, tokens in enumerate(decode.tokens):  # what each row's cache holds
+        assert decode.extract_cache(i)[0].offset == len(tokens) > 2
+    assert all(hasattr(m, "advance") for m in decode._matchers)
+    assert isinstance(decode._token_context[0], TokenBuffer)
+    for name in ("filter", "extract_cache", "extend"):
+        assert callable(getattr(GenerationBatch, name, None)), f"GenerationBatch lost {name}()"
+    assert set(GenerationBatch.Response.__dataclass_fields__) >= {"uid", "token", "logprobs"}
+
+    class Sub(GenerationBatch):
+        pass
+
+    decode.__class__ = Sub  # no __slots__: the class can change in place
+    cache = decode.prompt_cache[0]
+    assert type(cache) is BatchKVCache
+    for name in ("trim", "prepare", "finalize", "filter", "extract"):
+        assert callable(getattr(cache, name, None)), f"BatchKVCache lost {name}()"
+    before = cache.offset.tolist()
+    cache.trim(1)
+    cache.prepare(right_padding=[1, 0])
+    cache.finalize()
+    assert cache.offset.tolist() == [before[0] - 2, before[1] - 1]
+    assert mx.array(cache.left_padding).shape == (2,)

@@ -277,3 +277,40 @@ def test_demo_model_greedy_output_is_identical_in_a_batch(demo: Any) -> None:
         same(g, w, "batch, predictions")
         same(h, w, "batch, prompt lookup")
     assert mixed[0].finished.usage.accepted_prediction_tokens
+
+
+def test_grammars_the_batch_masks_are_applied_in_verifying_steps(lm: Any) -> None:
+    """Verifying steps alternate with plain ones, so each row's grammar is taken over by
+    the batch's grammar masks (out of mlx-lm's per-row list) and then verified per
+    position: the JSON is the plain engine's."""
+    from mlx_server.engine.speculative.batch import AlwaysDraft
+
+    class EveryOther(AlwaysDraft):
+        turn = False
+
+        def worth_trying(self, rows: Any) -> bool:
+            self.turn = not self.turn
+            return self.turn and super().worth_trying(rows)
+
+    model, tokenizer = lm
+    compiler = ConstraintCompiler(tokenizer)
+    ps = prompts(tokenizer)
+
+    def reqs(preds: list[tuple[int, ...]]) -> list[Any]:
+        return [
+            request(p, 40, prediction_tokens=pr, **SETTINGS["grammar"](compiler))
+            for p, pr in zip(ps, preds, strict=True)
+        ]
+
+    with (
+        running_engine(model, tokenizer, speculation=ALWAYS, **CFG) as fast,
+        running_engine(model, tokenizer, **CFG) as plain,
+    ):
+        want = batch(plain, reqs([()] * 4))
+        runner = fast._runner.batch  # type: ignore[attr-defined]
+        runner.speculator.plan = EveryOther(4)
+        got = batch(fast, reqs(predicted(tokenizer, want, [0, 1, 2, 3])))
+        assert runner._masks is not None and runner._masks.steps > 0  # the batch masked
+    for g, w in zip(got, want, strict=True):
+        same(g, w, "grammar, batch masks")
+    assert sum(g.finished.timings.draft_n for g in got if g.finished.timings) > 0

@@ -168,7 +168,8 @@ def test_a_batch_row_verifies_its_sampled_draft_by_rejection_beside_a_greedy_row
     firsts: Counter[int] = Counter()
     for _ in range(n):
         draft = [draws.categorical(Q), draws.categorical(Q2)]
-        rows = decide(batch, logits, [0, 0], [draft, [4, 7]], {0: (mx.stack([Q, Q2]), rejection)})
+        sampled = {0: (mx.stack([Q, Q2]), rejection)}
+        rows = decide(batch, logits, [0, 0], [draft, [4, 7]], sampled, [(), ()])
         firsts[rows[0].tokens[0]] += 1
         assert rows[1].tokens == [4, 4]  # greedy: 4 accepted, 7 rejected for the argmax 4
     stat, dof = chi_square(firsts, P.tolist(), n)  # type: ignore[arg-type]

@@ -14,7 +14,7 @@ handed to the prefix cache) stays mlx-lm's.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,8 +44,20 @@ class RowSpec:
 class BatchSpeculator:
     """The speculating rows of one ``BatchGenerator`` (by its uids) and the step plan."""
 
-    def __init__(self, max_k: int, *, adaptive: bool = True):
+    def __init__(
+        self,
+        max_k: int,
+        *,
+        adaptive: bool = True,
+        model: Any = None,
+        extra_processors: Callable[[int], tuple[Any, ...]] | None = None,
+    ):
+        """``model``: what verifies (default the batch's own, which may be a wrapper that
+        expects one position per row); ``extra_processors``: a row's logits processors
+        kept outside mlx-lm's per-row list (the batch runner's grammars), by uid."""
         self.max_k = max_k
+        self.model = model
+        self.extra_processors = extra_processors
         self.rows: dict[int, RowSpec] = {}
         self.adaptive = adaptive
         self.plan: BatchPlan = BatchPlan(max_k) if adaptive else AlwaysDraft(max_k)
@@ -76,10 +88,27 @@ class BatchSpeculator:
             return GenerationBatch.next(batch)
         drafts = [d[:k] for d in drafts]
         uids = list(batch.uids)
-        responses = verify_batch(batch, pending, drafts, self._sampled)
+        responses = verify_batch(
+            batch,
+            pending,
+            drafts,
+            self._sampled,
+            model=self.model,
+            processors=self._processors(batch),
+        )
         self.plan.record_draft(len(uids), k, time.perf_counter() - t)
         self._record(uids, specs, tried, drafts, responses)
         return responses
+
+    def _processors(self, batch: GenerationBatch) -> list[Sequence[Any]]:
+        """Each row's processors: those kept outside mlx-lm's list first (a grammar, which
+        the batch's decode step applies before the list), then the list."""
+        extra = self.extra_processors
+        lists: list[Any] = batch.logits_processors or [()] * len(batch.uids)
+        return [
+            (*(extra(uid) if extra is not None else ()), *(listed or ()))
+            for uid, listed in zip(batch.uids, lists, strict=True)
+        ]
 
     def _ready(self, s: RowSpec) -> bool:
         return s.acceptance.ready or not self.adaptive
@@ -184,9 +213,13 @@ class SpeculativeGenerationBatch(GenerationBatch):
         return spec.next(self)
 
 
-def install(gen: BatchGenerator, speculator: BatchSpeculator) -> None:
-    """Make ``gen``'s running batch a speculating one. Prefilled sequences join it through
-    ``extend``, so it stays this object for the generator's life."""
-    batch = SpeculativeGenerationBatch.empty(gen.model, gen.sampler)
+def install(gen: BatchGenerator, speculator: BatchSpeculator) -> SpeculativeGenerationBatch:
+    """Make ``gen``'s running batch a speculating one, in place: the object stays (so what
+    holds it, such as a wrapper of its model, still does), its class becomes the
+    speculating subclass, which adds no state of its own. Prefilled sequences join it
+    through ``extend``, so it stays this object for the generator's life."""
+    batch = gen._generation_batch
+    batch.__class__ = SpeculativeGenerationBatch
+    assert isinstance(batch, SpeculativeGenerationBatch)
     batch.speculator = speculator
-    gen._generation_batch = batch
+    return batch

@@ -52,9 +52,20 @@ class SpeculativeBatchRunner(BatchRunner):
 
     def _new_generator(self) -> BatchGenerator:
         gen = super()._new_generator()
-        self.speculator = BatchSpeculator(self.spec.num_draft_tokens, adaptive=self.spec.adaptive)
+        self.speculator = BatchSpeculator(
+            self.spec.num_draft_tokens,
+            adaptive=self.spec.adaptive,
+            model=self.model,  # not the decode step's grammar-masking wrapper
+            extra_processors=self._grammar_of,
+        )
         install(gen, self.speculator)
         return gen
+
+    def _grammar_of(self, gen_uid: int) -> tuple[Any, ...]:
+        """A row's grammar when the batch masks it (it has left mlx-lm's per-row list): in
+        a verifying step it is called per position like any processor, on the same state."""
+        row = self._grammars.get(gen_uid)
+        return (row.listed,) if row is not None and row.adopted else ()
 
     def insert(self, job: Insert) -> None:
         super().insert(job)

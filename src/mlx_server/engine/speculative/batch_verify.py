@@ -55,16 +55,22 @@ def verify_batch(
     pending: list[int],
     drafts: list[list[int]],
     sampled: dict[int, Sampled] | None = None,
+    *,
+    model: Any = None,
+    processors: list[Sequence[Any]] | None = None,
 ) -> list[Any]:
     """One verifying step of ``batch`` (a ``GenerationBatch``): feed each row its pending
     token and draft, answer what was accepted, roll the rest back, and let finished rows
     go. Rows in ``sampled`` (by index) drafted from a draft model's distribution and are
-    verified by rejection sampling. Returns the step's ``GenerationBatch.Response`` list,
-    several per row in order."""
+    verified by rejection sampling. ``model``: the model to run (default the batch's: a
+    wrapper there may expect one position per row); ``processors``: each row's logits
+    processors (default its mlx-lm list). Returns the step's ``GenerationBatch.Response``
+    list, several per row in order."""
     width = max(len(d) for d in drafts)
     rows = [[p, *d, *[0] * (width - len(d))] for p, d in zip(pending, drafts, strict=True)]
-    logits = batch.model(mx.array(rows), cache=batch.prompt_cache)
-    decided = decide(batch, logits, pending, drafts, sampled or {})
+    logits = (model or batch.model)(mx.array(rows), cache=batch.prompt_cache)
+    procs = processors or [tuple(p or ()) for p in batch.logits_processors]
+    decided = decide(batch, logits, pending, drafts, sampled or {}, procs)
     roll_back(batch.prompt_cache, [width - d.accepted for d in decided])
     return _answer(batch, pending, decided)
 
@@ -75,6 +81,7 @@ def decide(
     pending: list[int],
     drafts: list[list[int]],
     sampled: dict[int, Sampled],
+    processors: list[Sequence[Any]],
 ) -> list[Decided]:
     """Each row's emitted tokens, chosen as plain decoding would choose them: rows with
     logits processors or a sampler of their own (a seed) position by position, calling
@@ -91,8 +98,8 @@ def decide(
             p = rej.distribution(logprobs[i, : len(drafts[i]) + 1])
             toks = speculative_sample(p, drafts[i], q[: len(drafts[i])], rej.draws)
             out[i] = Decided(toks, [logprobs[i, j] for j in range(len(toks))])
-        elif batch.logits_processors[i] or not _shared(batch, sampler):
-            out[i] = _one_by_one(batch, i, logits[i], pending[i], drafts[i])
+        elif processors[i] or not _shared(batch, sampler):
+            out[i] = _one_by_one(batch, i, logits[i], pending[i], drafts[i], processors[i])
         else:
             groups.setdefault(id(sampler), []).append(i)
     for rows in groups.values():
@@ -122,11 +129,17 @@ def _agree(choices: list[int], draft: list[int]) -> int:
     return n
 
 
-def _one_by_one(batch: Any, i: int, logits: mx.array, pending: int, draft: list[int]) -> Decided:
+def _one_by_one(
+    batch: Any,
+    i: int,
+    logits: mx.array,
+    pending: int,
+    draft: list[int],
+    processors: Sequence[Any],
+) -> Decided:
     """Row ``i`` position by position: processors see the row's context ending with the
     position's input, as in ``GenerationBatch._step``."""
     context = [*batch.tokens[i], pending]
-    processors = batch.logits_processors[i] or ()
     sampler = _sampler(batch, i)
     tokens: list[int] = []
     lps: list[mx.array] = []
