@@ -26,11 +26,13 @@ class EncoderRunner:
 
     def run(self, seqs: list[list[int]], type_ids: list[list[int]] | None = None) -> np.ndarray:
         ids, mask, types = self._pad(seqs, type_ids)
+        # The models take the mask as the tokenizer gives it (integers): some index with it.
+        int_mask = mask.astype(mx.int32)
         if self.spec.kind == "rerank":
-            logits = self.model(ids, attention_mask=mask, token_type_ids=types)
+            logits = self.model(ids, attention_mask=int_mask, token_type_ids=types)
             scores = mx.sigmoid(logits) if self.spec.score_activation == "sigmoid" else logits
             return np.array(scores.astype(mx.float32))
-        states = self.model(ids, attention_mask=mask).last_hidden_state
+        states = self.model(ids, attention_mask=int_mask).last_hidden_state
         pooled = pool(states.astype(mx.float32), mask, self.spec.pooling)
         if self.spec.normalize:
             pooled = l2_normalize(pooled)
