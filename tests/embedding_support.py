@@ -259,3 +259,30 @@ def build_tiny_qwen3_reranker(dest: Path, seed: int = 0) -> Path:
     CrossEncoder(modules=[transformer, score]).save(str(dest))
     shutil.rmtree(raw)
     return dest
+
+
+def build_tiny_bert_embedder(dest: Path, seed: int = 0) -> Path:
+    """The embedding demo model's layout (BERT, mean pooling, Normalize, 256 tokens) and
+    tokenizer with a random-weight encoder of 2 layers of width 64."""
+    import torch
+    from transformers import BertConfig, BertModel
+
+    dest.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(seed)
+    config = BertConfig(
+        vocab_size=30522,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=128,
+        max_position_embeddings=512,
+    )
+    BertModel(config).eval().save_pretrained(dest, safe_serialization=True)
+    demo = embedding_demo_dir()
+    for name in (*_TOKENIZER_FILES, "modules.json", "sentence_bert_config.json"):
+        shutil.copy(demo / name, dest / name)
+    (dest / "1_Pooling").mkdir(exist_ok=True)
+    pooling = {"word_embedding_dimension": 64, "pooling_mode_mean_tokens": True}
+    (dest / "1_Pooling" / "config.json").write_text(json.dumps(pooling))
+    (dest / "2_Normalize").mkdir(exist_ok=True)
+    return dest
