@@ -191,18 +191,19 @@ def main() -> None:
     )
     ref = Reference(args.model, args.torch_device, ours.dtype.split(",")[0])
     batch = ours.engine.config.max_batch_size
+    cpu_blas = blas() if "cpu" in ours.device else "n/a (MLX on a GPU)"
     header = {
         "model": args.model.name,
         "mlx_device": ours.device,
         "torch_device": ref.device,
         "dtype": ours.dtype,
         "batch_size": batch,
-        "blas": blas(),
+        "blas": cpu_blas,
         "ld_preload": os.environ.get("LD_PRELOAD", ""),
     }
     print(
         f"model {args.model.name}; ours on MLX {ours.device}, sentence-transformers on torch "
-        f"{ref.device}; {ours.dtype} weights; batch size {batch} on both sides; BLAS: {blas()}"
+        f"{ref.device}; {ours.dtype} weights; batch size {batch} on both sides; BLAS: {cpu_blas}"
     )
     eager_col = f" {'eager t/s':>10}" if eager else ""
     print(

@@ -115,6 +115,7 @@ def test_the_run_installs_what_lacks_and_writes_every_workload(carried, tmp_path
         "REPEATS": "1",
         "WORKLOADS": "1 short,16 short,256 short,32 long",
         "LABEL": "cpu-smoke",
+        "BENCH_TIMEOUT": "900",
     }
     log = run_script("bash " + str(KIT / "embeddings.sh"), env=env)
     assert (site / PROBE / "__init__.py").is_file(), log  # installed offline

@@ -7,11 +7,12 @@
 # device_bench.sh or `bash /tmp/kit/a/install.sh` (.gpu/b along) in earlier runs; with .gpu/b along as well, this
 # script runs install.sh itself. The wheels in .gpu/e that the machine lacks (site_wheels.py) are installed offline.
 # Env: E=.gpu/e (the carried folder), S=/tmp/site, DTYPES="float16 float32", REPEATS=5, TORCH_DEVICE=cuda,
-#      WORKLOADS="1 short,16 short,256 short,32 long", LABEL=h200, PYTHON=python3, SRC=$PWD/src.
+#      WORKLOADS="1 short,16 short,256 short,32 long", LABEL=h200, PYTHON=python3, SRC=$PWD/src,
+#      BENCH_TIMEOUT=280 (seconds per dtype: two fit in one 10-minute run).
 set -u
 E=${E:-.gpu/e}; S=${S:-/tmp/site}; OUT=${OUT:-/tmp/out}; PYTHON=${PYTHON:-python3}; SRC=${SRC:-$PWD/src}
 DTYPES=${DTYPES:-"float16 float32"}; REPEATS=${REPEATS:-5}; TORCH_DEVICE=${TORCH_DEVICE:-cuda}
-WORKLOADS=${WORKLOADS:-"1 short,16 short,256 short,32 long"}; LABEL=${LABEL:-h200}
+WORKLOADS=${WORKLOADS:-"1 short,16 short,256 short,32 long"}; LABEL=${LABEL:-h200}; BENCH_TIMEOUT=${BENCH_TIMEOUT:-280}
 HERE=$(cd "$(dirname "$0")" && pwd)
 mkdir -p "$OUT" "$S"; R=$OUT/results.jsonl
 exec > >(tee -a "$OUT/embeddings.txt") 2>&1
@@ -31,7 +32,7 @@ fi
 status=0
 for dtype in $DTYPES; do
   echo "== $dtype"
-  timeout 900 "$PYTHON" bench/embeddings.py --model "$E/model" --repeats "$REPEATS" --torch-device "$TORCH_DEVICE" \
+  timeout "$BENCH_TIMEOUT" "$PYTHON" bench/embeddings.py --model "$E/model" --repeats "$REPEATS" --torch-device "$TORCH_DEVICE" \
     --dtype "$dtype" --workloads "$WORKLOADS" --json "$R" --label "$LABEL $dtype" || status=1
 done
 exit $status
