@@ -22,7 +22,7 @@ SRC=${SRC:-$PWD/src}; OURS_ARGS=${OURS_ARGS:-}; BENCH=${BENCH:-$K}; PROFILE=${PR
 LAYERS_ARGS=${LAYERS_ARGS:-}; LAYERS_ONLY=${LAYERS_ONLY:-}; SCEN=${SCEN:-burst,single,concurrency,prefix}
 VARIANTS=${VARIANTS:-0}; CONSTRAINED=${CONSTRAINED:-0}; LONG_CTX=${LONG_CTX:-}
 exec > >(tee -a "$L") 2>&1
-K=$K S=$S bash $K/install.sh || exit 1
+K=$K S=$S bash "$(cd "$(dirname "$0")" && pwd)/install.sh" || exit 1
 export PYTHONPATH=$S:$SRC PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 - <<'PY' || exit 1

@@ -4,7 +4,7 @@
 # $OUT/results.jsonl (scenario "embeddings", as bench/results/h200.jsonl holds the kit's other lines), the table to
 # $OUT/embeddings.txt. Run from the project's root with .gpu/e along (bash bench/gpu/prepare_embeddings.sh made it),
 # on a machine whose /tmp/site has MLX for CUDA: after `bash .gpu/a/lay.sh` (.gpu/a along), then either
-# device_bench.sh or `bash /tmp/kit/a/install.sh` (.gpu/b along) in earlier runs; with .gpu/b along as well, this
+# device_bench.sh or `bash bench/gpu/install.sh` (.gpu/b along) in earlier runs; with .gpu/b along as well, this
 # script runs install.sh itself. The wheels in .gpu/e that the machine lacks (site_wheels.py) are installed offline.
 # Env: E=.gpu/e (the carried folder), S=/tmp/site, DTYPES="float16 float32", REPEATS=5, TORCH_DEVICE=cuda,
 #      WORKLOADS="1 short,16 short,256 short,32 long", LABEL=h200, PYTHON=python3, SRC=$PWD/src,
@@ -19,8 +19,7 @@ exec > >(tee -a "$OUT/embeddings.txt") 2>&1
 [ -f "$E/model/config.json" ] || { echo "no model in $E/model: run bench/gpu/prepare_embeddings.sh here, carry $E"; exit 1; }
 export PYTHONPATH=$S:$SRC PYTHONUNBUFFERED=1
 if ! "$PYTHON" -c 'import mlx.core' 2> /dev/null; then
-  [ -f /tmp/kit/a/install.sh ] || { echo "no MLX: first 'bash .gpu/a/lay.sh' with .gpu/a along"; exit 1; }
-  bash /tmp/kit/a/install.sh || { echo "no MLX: run 'bash /tmp/kit/a/install.sh' with .gpu/b along first"; exit 1; }
+  bash "$HERE/install.sh" || { echo "no MLX: run 'bash bench/gpu/install.sh' with .gpu/b along first"; exit 1; }
 fi
 NEED=$("$PYTHON" "$HERE/site_wheels.py" "$E/wheels" --site "$S") || exit 1
 if [ -n "$NEED" ]; then

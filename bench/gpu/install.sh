@@ -1,7 +1,7 @@
 #!/bin/bash
 # On the GPU machine, right after `bash .gpu/a/lay.sh` (first run), with .gpu/b along: installs MLX for CUDA and the
 # kit's wheels into /tmp/site, which lives as long as the machine stays warm. device_bench.sh runs it first; run it
-# alone (`bash /tmp/kit/a/install.sh`) before a run that needs MLX without the whole bench (bench/gpu/embeddings.sh).
+# alone (`bash bench/gpu/install.sh`) before a run that needs MLX without the whole bench (bench/gpu/embeddings.sh).
 K=${K:-/tmp/kit/a}; S=${S:-/tmp/site}
 [ -d $S/mlx ] && exit 0
 [ -f $K/mlx_cuda.name ] || { echo "no kit in $K: run 'bash .gpu/a/lay.sh' with .gpu/a along first"; exit 1; }

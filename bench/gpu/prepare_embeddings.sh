@@ -5,7 +5,7 @@
 # and the wheels bench/gpu/embeddings.sh may need there, downloaded with --no-deps for the device's Python 3.12: the
 # pinned mlx-embeddings and the mlx-vlm it imports, sentence-transformers (the image has one; ours is installed only
 # where it lacks it). EXTRA_WHEELS="transformers==5.x ..." adds more, for an image that lacks them.
-# Then on the GPU machine: `bash .gpu/a/lay.sh` (.gpu/a along), `bash /tmp/kit/a/install.sh` (.gpu/b along; or the
+# Then on the GPU machine: `bash .gpu/a/lay.sh` (.gpu/a along), `bash bench/gpu/install.sh` (.gpu/b along; or the
 # whole device_bench.sh), `bash bench/gpu/embeddings.sh` (.gpu/e along). docs/benchmarks.md, "GPU".
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
