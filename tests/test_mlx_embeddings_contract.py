@@ -67,3 +67,46 @@ def test_load_model_reads_a_directory(tmp_path):
     loaded = load_model(tmp_path, path_to_repo=str(tmp_path))
     ids = mx.array([[1, 2, 3]])
     assert mx.allclose(loaded(ids).last_hidden_state, model(ids).last_hidden_state, atol=1e-6)
+
+
+def test_xlm_roberta_builds_without_its_pooler():
+    """The XLM-R cross-encoder's encoder: a sequence classifier's checkpoint has no pooler."""
+    from mlx.utils import tree_flatten
+    from mlx_embeddings.utils import _get_classes
+
+    config = {**TINY_BERT, "model_type": "xlm_roberta", "add_pooling_layer": False}
+    model_class, args_class, _, _ = _get_classes(config)
+    model = model_class(args_class.from_dict(config))
+    assert not any(k.startswith("pooler.") for k, _ in tree_flatten(model.parameters()))
+    ids = mx.array([[0, 5, 7, 2], [0, 9, 2, 1]])  # 1 is XLM-R's padding id
+    mask = mx.array([[1, 1, 1, 1], [1, 1, 1, 0]])
+    assert model(ids, attention_mask=mask).last_hidden_state.shape == (2, 4, 16)
+
+
+def test_load_model_takes_config_overrides(tmp_path):
+    """models/embedding.py passes the config with ``rope_theta`` lifted out of
+    transformers 5's ``rope_parameters`` as ``model_config``."""
+    import json
+
+    from mlx.utils import tree_flatten
+    from mlx_embeddings.utils import _get_classes, load_model
+
+    config = {
+        "model_type": "qwen3",
+        "hidden_size": 16,
+        "num_hidden_layers": 1,
+        "intermediate_size": 32,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "head_dim": 8,
+        "vocab_size": 50,
+        "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"},
+    }
+    model_class, args_class, _, _ = _get_classes(config)
+    model = model_class(args_class.from_dict(config))
+    mx.save_safetensors(str(tmp_path / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    plain = load_model(tmp_path, path_to_repo=str(tmp_path))
+    assert plain.config.rope_theta == 1000000.0  # its own default: why the override exists
+    fixed = load_model(tmp_path, model_config={"rope_theta": 10000.0}, path_to_repo=str(tmp_path))
+    assert fixed.config.rope_theta == 10000.0

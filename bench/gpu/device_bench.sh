@@ -22,13 +22,7 @@ SRC=${SRC:-$PWD/src}; OURS_ARGS=${OURS_ARGS:-}; BENCH=${BENCH:-$K}; PROFILE=${PR
 LAYERS_ARGS=${LAYERS_ARGS:-}; LAYERS_ONLY=${LAYERS_ONLY:-}; SCEN=${SCEN:-burst,single,concurrency,prefix}
 VARIANTS=${VARIANTS:-0}; CONSTRAINED=${CONSTRAINED:-0}; LONG_CTX=${LONG_CTX:-}
 exec > >(tee -a "$L") 2>&1
-if [ ! -d $S/mlx ]; then
-  W=$K/$(cat $K/mlx_cuda.name)
-  cat $K/mlx_cuda.part.* .gpu/b/mlx_cuda.part.* > "$W" || exit 1
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target $S $K/wheels/*.whl "$W" || exit 1
-  # libmlx.so looks for the CUDA libraries at ../../nvidia beside it: use the image's.
-  ln -sfn "$(python3 -c 'import nvidia; print(list(nvidia.__path__)[0])')" $S/nvidia
-fi
+K=$K S=$S bash "$(cd "$(dirname "$0")" && pwd)/install.sh" || exit 1
 export PYTHONPATH=$S:$SRC PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 - <<'PY' || exit 1

@@ -47,7 +47,14 @@ def create_embedding_app(
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
-        return {"status": "ok", "active": engine.active_count, "queued": engine.queue_depth}
+        # The engine's counters too: inputs waiting, and inputs, tokens and batches done.
+        stats = {k: v for k, v in engine.stats().items() if isinstance(v, int)}
+        return {
+            "status": "ok",
+            **stats,
+            "active": engine.active_count,
+            "queued": engine.queue_depth,
+        }
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:

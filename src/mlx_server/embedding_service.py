@@ -42,12 +42,20 @@ class EmbeddingService:
     """Embeddings or reranking on one encoder model and its engine."""
 
     def __init__(
-        self, model_id: str, tokenizer: Any, engine: Any, spec: EncoderSpec, *, ctx_size: int
+        self,
+        model_id: str,
+        tokenizer: Any,
+        engine: Any,
+        spec: EncoderSpec,
+        *,
+        ctx_size: int,
+        pair_prompt: Any = None,
     ):
         self.model_id = model_id
         self.tokenizer = tokenizer
         self.engine = engine
         self.spec = spec
+        self.pair_prompt = pair_prompt  # a causal reranker's ChatPairPrompt, else None
         self.max_length = min(spec.max_length, ctx_size)
         self.vocab_size = int(tokenizer.get_vocab_size(with_added_tokens=True))
         # A second tokenizer that truncates, so neither is ever reconfigured while in use.
@@ -62,8 +70,17 @@ class EmbeddingService:
     # ---- embeddings --------------------------------------------------------------------
 
     async def embed(
-        self, inputs: list[str] | list[list[int]], *, truncate: bool, dimensions: int | None
+        self,
+        inputs: list[str] | list[list[int]],
+        *,
+        truncate: bool,
+        dimensions: int | None,
+        prompt_name: str | None = None,
+        prompt: str | None = None,
     ) -> Embeddings:
+        """Vectors of ``inputs``. Text inputs get a prefix as sentence-transformers'
+        ``encode`` gives one: ``prompt``, else the model's prompt named ``prompt_name`` (e.g.
+        Qwen3-Embedding's ``query`` instruction), else the model's default prompt."""
         self._check_kind("embedding", "/v1/embeddings")
         _check_count(inputs, "input")
         if dimensions is not None and not 1 <= dimensions <= self.spec.dimensions:
@@ -73,12 +90,30 @@ class EmbeddingService:
                 param="dimensions",
             )
         if all(isinstance(x, str) for x in inputs):
-            seqs = await self._tokenize([str(x) for x in inputs], truncate)
+            prefix = self._prefix(prompt_name, prompt)
+            seqs = await self._tokenize([prefix + str(x) for x in inputs], truncate)
         else:
+            if prompt_name is not None or prompt is not None:
+                param = "prompt" if prompt is not None else "prompt_name"
+                raise InvalidRequest(f"{param} applies to text inputs, not token ids", param=param)
             seqs = [self._check_ids(_ids(x), i, truncate) for i, x in enumerate(inputs)]
         rows = await self._run(seqs, None)
         vectors = [_shape(np.asarray(r, dtype=np.float32), dimensions) for r in rows]
         return Embeddings(vectors, sum(len(s) for s in seqs))
+
+    def _prefix(self, prompt_name: str | None, prompt: str | None) -> str:
+        if prompt is not None:
+            return prompt
+        name = prompt_name if prompt_name is not None else self.spec.default_prompt
+        if name is None:
+            return ""
+        if name not in self.spec.prompts:
+            known = ", ".join(repr(k) for k in self.spec.prompts) or "none"
+            raise InvalidRequest(
+                f"prompt_name {name!r} is not one of the model's prompts ({known})",
+                param="prompt_name",
+            )
+        return self.spec.prompts[name]
 
     async def _tokenize(self, texts: list[str], truncate: bool) -> list[list[int]]:
         for i, text in enumerate(texts):
@@ -118,8 +153,17 @@ class EmbeddingService:
     # ---- rerank ------------------------------------------------------------------------
 
     async def rerank(
-        self, query: str, documents: list[str], *, top_n: int | None, truncate: bool
+        self,
+        query: str,
+        documents: list[str],
+        *,
+        top_n: int | None,
+        truncate: bool,
+        instruction: str | None = None,
     ) -> Ranking:
+        """Documents ranked by relevance to ``query``. An ``instruction`` (the task, as
+        Qwen3-Reranker's ``<Instruct>``) is given as sentence-transformers' ``prompt``: the
+        system message of a causal reranker's template, a prefix of a cross-encoder's query."""
         self._check_kind("rerank", "/v1/rerank")
         if not query:
             raise InvalidRequest("query is an empty string", param="query")
@@ -127,15 +171,24 @@ class EmbeddingService:
         for i, doc in enumerate(documents):
             if not doc:
                 raise InvalidRequest(f"documents[{i}] is an empty string", param="documents")
-        tokenizer = self._truncating if truncate else self.tokenizer
-        pairs = [(query, d) for d in documents]
-        encodings = await asyncio.to_thread(tokenizer.encode_batch, pairs)
-        for i, e in enumerate(encodings):
-            self._check_length(len(e.ids), f"query with documents[{i}]", "documents")
-        seqs = [list(e.ids) for e in encodings]
-        scores = await self._run(seqs, [list(e.type_ids) for e in encodings])
+        seqs, types = await asyncio.to_thread(self._pairs, query, documents, instruction, truncate)
+        for i, s in enumerate(seqs):
+            self._check_length(len(s), f"query with documents[{i}]", "documents")
+        scores = await self._run(seqs, types)
         ranked = sorted((Ranked(i, float(s)) for i, s in enumerate(scores)), key=lambda r: -r.score)
         return Ranking(ranked[:top_n] if top_n else ranked, sum(len(s) for s in seqs))
+
+    def _pairs(
+        self, query: str, documents: list[str], instruction: str | None, truncate: bool
+    ) -> tuple[list[list[int]], list[list[int]] | None]:
+        """Token ids (and token types) of each (query, document) pair."""
+        if self.pair_prompt is not None:
+            limit = self.max_length if truncate else None
+            return self.pair_prompt.encode(query, documents, instruction, limit), None
+        tokenizer = self._truncating if truncate else self.tokenizer
+        first = query if instruction is None else instruction + query
+        encodings = tokenizer.encode_batch([(first, d) for d in documents])
+        return [list(e.ids) for e in encodings], [list(e.type_ids) for e in encodings]
 
     # ---- shared ------------------------------------------------------------------------
 

@@ -42,7 +42,7 @@ def load_embedding_model(settings: Settings, model_dir: Path) -> EncoderParts:
     spec = loaded.spec
     log(
         f"Model id: {loaded.model_id} ({loaded.path}): {spec.kind} model, "
-        f"{spec.pooling if spec.kind == 'embedding' else 'cross-encoder'}, "
+        f"{_network(spec)}, "
         f"{spec.dimensions} dimensions, up to {spec.max_length} tokens"
     )
     config = EmbeddingEngineConfig(max_queue=settings.max_queue)
@@ -50,7 +50,12 @@ def load_embedding_model(settings: Settings, model_dir: Path) -> EncoderParts:
         config.max_batch_size = settings.max_batch_size
     engine = EmbeddingEngine(EncoderRunner(loaded.model, spec, loaded.pad_id), config)
     service = EmbeddingService(
-        loaded.model_id, loaded.tokenizer, engine, spec, ctx_size=settings.ctx_size
+        loaded.model_id,
+        loaded.tokenizer,
+        engine,
+        spec,
+        ctx_size=settings.ctx_size,
+        pair_prompt=loaded.pair_prompt,
     )
     engine.start()
     engine.wait_ready()
@@ -75,3 +80,9 @@ def build_embedding(settings: Settings, model_dir: Path) -> tuple[Any, Any]:
         metrics_open=settings.metrics_open,
     )
     return app, parts.engine
+
+
+def _network(spec: Any) -> str:
+    if spec.kind == "embedding":
+        return f"{spec.pooling} pooling"
+    return "causal LM scoring yes/no" if spec.head == "logit_score" else "cross-encoder"

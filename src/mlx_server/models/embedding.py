@@ -3,15 +3,19 @@
 A sentence-transformers model says how it turns token states into one vector in its own
 files: ``modules.json`` (which modules run: Transformer, Pooling, Normalize),
 ``1_Pooling/config.json`` (the pooling mode) and ``sentence_bert_config.json`` (the maximum
-length). A cross-encoder reranker is a ``*ForSequenceClassification`` checkpoint with one
-label. The encoders themselves are mlx-embeddings' models (``mlx_embeddings.models.<type>``);
-its private loader pieces we use are pinned and checked in tests/test_mlx_embeddings_contract.py.
+length); ``config_sentence_transformers.json`` names prompts (a query instruction) and a
+cross-encoder's activation. A cross-encoder reranker is a ``*ForSequenceClassification``
+checkpoint with one label, or a causal LM whose ``modules.json`` ends in a ``LogitScore``
+module (the Qwen3-Reranker layout: the score is the logit of "yes" minus "no" at the last
+token of a chat-templated prompt). The encoders themselves are mlx-embeddings' models
+(``mlx_embeddings.models.<type>``), the causal rerankers mlx-lm's; mlx-embeddings' private
+loader pieces we use are pinned and checked in tests/test_mlx_embeddings_contract.py.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +45,12 @@ class EncoderSpec:
     max_length: int  # tokens per input, special tokens included
     dimensions: int  # width of the vector (embeddings)
     score_activation: str = "sigmoid"  # "sigmoid" or "identity" (rerank)
+    # rerank: "classifier" (a sequence-classification head on a pair encoding) or
+    # "logit_score" (a causal LM's token logits on a chat-templated prompt)
+    head: str = "classifier"
+    score_tokens: tuple[int, int | None] = (0, None)  # logit_score: the "yes" and "no" ids
+    prompts: dict[str, str] = field(default_factory=dict)  # named prefixes (embedding)
+    default_prompt: str | None = None  # the prompt name used when a request names none
 
 
 @dataclass
@@ -52,6 +62,7 @@ class LoadedEncoder:
     config: dict[str, Any]
     spec: EncoderSpec
     pad_id: int = 0
+    pair_prompt: Any = None  # a causal reranker's ChatPairPrompt (models/rerank_prompt.py)
 
 
 def _read_json(path: Path) -> Any:
@@ -94,24 +105,55 @@ def read_spec(model_dir: Path, config: dict[str, Any]) -> EncoderSpec:
         positions -= int(config.get("pad_token_id", 1) or 1) + 1
     st_config = _read_json(model_dir / "sentence_bert_config.json") or {}
     max_length = int(st_config.get("max_seq_length") or positions)
-    dims = int(config.get("hidden_size") or 0)
+    st_model = _read_json(model_dir / "config_sentence_transformers.json") or {}
+    modules = _read_json(model_dir / "modules.json") or []
+    logit_score = _module(modules, "LogitScore")
+    if logit_score is not None:
+        tokens = _score_tokens(model_dir / logit_score.get("path", ""))
+        activation = _activation(config, st_model)
+        return EncoderSpec(
+            "rerank", "lasttoken", False, max_length, 1, activation, "logit_score", tokens
+        )
     if is_reranker(config):
         labels = len(config.get("id2label") or {}) or int(config.get("num_labels", 1))
         if labels != 1:
             raise ModelLoadError(f"a reranker has one output label; this one has {labels}")
-        activation = config.get("sentence_transformers", {}).get("activation_fn", "")
-        identity = activation.endswith("Identity")
-        return EncoderSpec(
-            "rerank", "cls", False, max_length, 1, "identity" if identity else "sigmoid"
-        )
-    modules = _read_json(model_dir / "modules.json") or []
-    types = [str(m.get("type", "")) for m in modules]
-    normalize = any(t.endswith("Normalize") for t in types) if modules else True
+        return EncoderSpec("rerank", "cls", False, max_length, 1, _activation(config, st_model))
+    dims = int(config.get("hidden_size") or 0)
+    normalize = _module(modules, "Normalize") is not None if modules else True
     pooling = "mean" if model_type in ENCODER_TYPES else "lasttoken"
-    for m in modules:
-        if str(m.get("type", "")).endswith("Pooling"):
-            pooling, dims = _pooling(model_dir / m.get("path", ""), dims)
-    return EncoderSpec("embedding", pooling, normalize, max_length, dims)
+    if (pooling_module := _module(modules, "Pooling")) is not None:
+        pooling, dims = _pooling(model_dir / pooling_module.get("path", ""), dims)
+    prompts = {str(k): str(v) for k, v in (st_model.get("prompts") or {}).items()}
+    default = st_model.get("default_prompt_name")
+    if default is not None and default not in prompts:
+        raise ModelLoadError(f"default_prompt_name {default!r} names none of the prompts")
+    return EncoderSpec(
+        "embedding", pooling, normalize, max_length, dims, prompts=prompts, default_prompt=default
+    )
+
+
+def _module(modules: list[dict[str, Any]], kind: str) -> dict[str, Any] | None:
+    """The first module of ``modules.json`` whose class is named ``kind``."""
+    return next((m for m in modules if str(m.get("type", "")).endswith(kind)), None)
+
+
+def _activation(config: dict[str, Any], st_model: dict[str, Any]) -> str:
+    """A cross-encoder's score activation as sentence-transformers picks it: the one saved
+    in ``config_sentence_transformers.json`` (v5 on) or config.json (v4), else a sigmoid."""
+    path = st_model.get("activation_fn") or config.get("sentence_transformers", {}).get(
+        "activation_fn", ""
+    )
+    return "identity" if str(path).endswith("Identity") else "sigmoid"
+
+
+def _score_tokens(folder: Path) -> tuple[int, int | None]:
+    config = _read_json(folder / "config.json") or {}
+    true_id = config.get("true_token_id")
+    if not isinstance(true_id, int):
+        raise ModelLoadError(f"{folder / 'config.json'} names no true_token_id")
+    false_id = config.get("false_token_id")
+    return true_id, int(false_id) if isinstance(false_id, int) else None
 
 
 def _pooling(folder: Path, dims: int) -> tuple[str, int]:
@@ -145,7 +187,12 @@ def load_encoder(model_dir: Path, *, model_id: str, dtype: str | None = None) ->
     except Exception as e:
         raise ModelLoadError(f"{type(e).__name__}: {e}") from e
     pad = config.get("pad_token_id")
-    return LoadedEncoder(model_id, model_dir, model, tokenizer, config, spec, int(pad or 0))
+    loaded = LoadedEncoder(model_id, model_dir, model, tokenizer, config, spec, int(pad or 0))
+    if spec.head == "logit_score":
+        from mlx_server.models.rerank_prompt import ChatPairPrompt
+
+        loaded.pair_prompt = ChatPairPrompt.from_model_dir(model_dir, tokenizer)
+    return loaded
 
 
 def _cpu_float32(model: Any) -> Any:
@@ -166,13 +213,27 @@ def _cpu_float32(model: Any) -> Any:
 
 
 def _load_network(model_dir: Path, config: dict[str, Any], spec: EncoderSpec) -> Any:
+    if spec.head == "logit_score":
+        from mlx_server.models.causal_reranker import load_causal_reranker
+
+        return load_causal_reranker(model_dir, spec.score_tokens)
     if spec.kind == "rerank":
         from mlx_server.models.cross_encoder import load_cross_encoder
 
         return load_cross_encoder(model_dir, config)
     from mlx_embeddings.utils import load_model
 
-    return load_model(model_dir, path_to_repo=str(model_dir))
+    return load_model(model_dir, model_config=library_config(config), path_to_repo=str(model_dir))
+
+
+def library_config(config: dict[str, Any]) -> dict[str, Any]:
+    """The config as mlx-embeddings' model arguments read it: transformers 5 nests
+    ``rope_theta`` under ``rope_parameters``, where mlx-embeddings' Qwen3 does not look (it
+    would silently take its own default base)."""
+    rope = config.get("rope_parameters")
+    if isinstance(rope, dict) and "rope_theta" in rope and "rope_theta" not in config:
+        return {**config, "rope_theta": rope["rope_theta"]}
+    return config
 
 
 def _load_tokenizer(model_dir: Path) -> Any:

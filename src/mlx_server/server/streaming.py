@@ -284,7 +284,7 @@ class EventStreamResponse(StreamingResponse):
 
 
 async def until_disconnect(
-    request: Request, work: Awaitable[T], on_disconnect: Callable[[], None]
+    request: Request, work: Awaitable[T], on_disconnect: Callable[[], object]
 ) -> T | None:
     """Run ``work``; if the client disconnects first, call ``on_disconnect`` and return None."""
     task = asyncio.ensure_future(work)
@@ -301,10 +301,9 @@ async def until_disconnect(
         if task in done:
             return task.result()
         on_disconnect()
-        try:
-            await task
-        except Exception:
-            pass
+        await asyncio.wait({task})  # ended by on_disconnect (or cancelled by it)
+        if not task.cancelled():
+            task.exception()  # retrieved: the client is gone, nobody else will
         return None
     finally:
         watcher.cancel()

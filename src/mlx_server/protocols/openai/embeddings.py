@@ -3,7 +3,9 @@
 ``input`` is a string, a list of strings, a list of token ids or a list of such lists;
 ``encoding_format`` is ``float`` or ``base64`` (little-endian float32, as OpenAI's SDKs
 decode it); ``dimensions`` cuts and re-normalises. ``truncate: true`` (llama.cpp's and
-TEI's extension) cuts over-long inputs instead of refusing them.
+TEI's extension) cuts over-long inputs instead of refusing them. ``prompt_name`` (TEI's and
+sentence-transformers' name) picks one of the model's named prompts, e.g. ``"query"`` for
+Qwen3-Embedding's retrieval instruction; ``prompt`` gives the prefix itself.
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ class EmbeddingRequest(BaseModel):
     dimensions: StrictInt | None = None
     user: str | None = None
     truncate: bool = False
+    prompt_name: StrictStr | None = None
+    prompt: StrictStr | None = None
 
 
 def make_router(service: EmbeddingService | None, model_id: str) -> APIRouter:
@@ -41,7 +45,13 @@ def make_router(service: EmbeddingService | None, model_id: str) -> APIRouter:
 
 async def _answer(body: EmbeddingRequest, service: EmbeddingService) -> dict[str, Any]:
     model = body.model or service.model_id
-    done = service.embed(_inputs(body.input), truncate=body.truncate, dimensions=body.dimensions)
+    done = service.embed(
+        _inputs(body.input),
+        truncate=body.truncate,
+        dimensions=body.dimensions,
+        prompt_name=body.prompt_name,
+        prompt=body.prompt,
+    )
     return embeddings_json(await done, model, body.encoding_format)
 
 

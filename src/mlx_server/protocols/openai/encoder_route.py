@@ -3,6 +3,7 @@ served, the body parsed, the encoder's answer collected unless the client leaves
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -37,7 +38,9 @@ def encoder_router(
         if service is None:
             raise InvalidRequest(message, param="model", code="model_not_supported")
         body = await parse_body(request, schema)
-        result = await until_disconnect(request, answer(body, service), lambda: None)
+        # A client gone: the work is cancelled, and with it the inputs still waiting.
+        work = asyncio.ensure_future(answer(body, service))
+        result = await until_disconnect(request, work, work.cancel)
         return Response(status_code=499) if result is None else JSONResponse(result)
 
     for path in paths:

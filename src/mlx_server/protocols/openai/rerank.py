@@ -3,6 +3,8 @@
 The shape llama-server, Jina and Cohere share: ``query``, ``documents`` (strings, or objects
 with a ``text``), ``top_n``, ``return_documents``; the answer's ``results`` hold ``index``
 and ``relevance_score``, best first (with ``document: {"text"}`` when asked for).
+``instruction`` (an extension) states the task, as Qwen3-Reranker's ``<Instruct>`` line does
+(its default: web search); a cross-encoder reads it as a prefix of the query.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ class RerankRequest(BaseModel):
     top_n: int | None = Field(default=None, ge=1)
     return_documents: bool = False
     truncate: bool = False
+    instruction: StrictStr | None = None
 
 
 def make_router(service: EmbeddingService | None, model_id: str) -> APIRouter:
@@ -44,7 +47,13 @@ def make_router(service: EmbeddingService | None, model_id: str) -> APIRouter:
 async def _answer(body: RerankRequest, service: EmbeddingService) -> dict[str, Any]:
     model = body.model or service.model_id
     texts = [d if isinstance(d, str) else d.text for d in body.documents]
-    done = service.rerank(body.query, texts, top_n=body.top_n, truncate=body.truncate)
+    done = service.rerank(
+        body.query,
+        texts,
+        top_n=body.top_n,
+        truncate=body.truncate,
+        instruction=body.instruction,
+    )
     return rerank_json(await done, model, texts if body.return_documents else None)
 
 
