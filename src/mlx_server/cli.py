@@ -137,7 +137,10 @@ def main(argv: list[str] | None = None) -> int:
     group = launched_group()  # started by mlx.launch with several ranks
     if group is None and settings.ranks > 1:
         from mlx_server.ranks_launch import spawn
+        from mlx_server.sharded import refusal
 
+        if problem := refusal(settings, settings.ranks):
+            return _fail(problem)
         return spawn(settings.ranks, sys.argv[1:] if argv is None else argv)
     if group is not None:
         announce(group)

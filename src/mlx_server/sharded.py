@@ -51,9 +51,13 @@ def refusal(settings: Settings, size: int) -> str | None:
     if settings.kv_bits:
         return "the quantized KV cache (--kv-bits) does not run across ranks"
     from mlx_server.embedding_wiring import serves_embeddings
+    from mlx_server.models.base import ModelLoadError
 
-    if serves_embeddings(settings) is not None:
-        return "embedding and reranker models cannot be served across ranks"
+    try:
+        if serves_embeddings(settings) is not None:
+            return "embedding and reranker models cannot be served across ranks"
+    except ModelLoadError:
+        pass  # loading says what is wrong with the model
     return None
 
 
@@ -135,9 +139,12 @@ def follow(settings: Settings, group: Any) -> int:
         )
     except Exception as e:
         return _fail(str(e) or type(e).__name__)
-    watch = rank.join()
     channel = Channel(group)
-    config = EngineConfig(**json.loads(channel.receive()))
+    try:
+        watch = rank.join()
+        config = EngineConfig(**json.loads(channel.receive()))
+    except Exception as e:  # rank 0 failed to start (it says why)
+        return _fail(f"rank 0 did not start: {type(e).__name__}: {e}")
     FollowerEngine(loaded.model, loaded.tokenizer, config, channel, watch).run()
     log("Ranks: rank 0 said stop")
     return 0

@@ -25,6 +25,7 @@ import socket
 import sys
 import threading
 import time
+import uuid
 import zlib
 from collections.abc import Iterator
 from typing import Any
@@ -37,8 +38,9 @@ POLL_S = 0.25
 
 
 def host_id() -> int:
-    """A number naming this host (the same in every process on it)."""
-    return zlib.crc32(socket.gethostname().encode()) & 0x7FFFFFFF
+    """A number naming this host (the same in every process on it): its name and hardware
+    address, so that two machines given the same name still differ."""
+    return zlib.crc32(f"{socket.gethostname()}/{uuid.getnode()}".encode()) & 0x7FFFFFFF
 
 
 def exchange_pids(group: Any) -> list[tuple[int, int]]:
