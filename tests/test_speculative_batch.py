@@ -228,3 +228,33 @@ def test_a_row_sampling_its_drafts_from_a_draft_model_is_verified_by_rejection(t
     assert [len(g) for g in got] == [40, 20] and why == ["length", "length"]
     (drafted, accepted), _ = ACCEPTED
     assert drafted > 20 and accepted >= 0.9 * drafted
+
+
+def test_a_batch_whose_drafts_all_fail_backs_off_like_one_sequence() -> None:
+    """Eight rows that never get a draft accepted, each with its own back-off and no free
+    rides (a draft model's rows draft only when due): the batch reads its tokens to verify
+    on a few steps of 2,000, not on every row's try."""
+    from mlx_server.engine.speculative.controller import Acceptance
+
+    plan = BatchPlan(4)
+    rows: list[Acceptance | None] = [Acceptance() for _ in range(8)]
+    for i, r in enumerate(rows):  # unaligned schedules
+        assert r is not None
+        r.wait = i
+    syncs = 0
+    for _ in range(2000):
+        if not plan.worth_trying(rows):
+            plan.record_plain(8, 0.010)
+            for r in rows:
+                assert r is not None
+                r.tick()
+            continue
+        syncs += 1
+        k = plan.choose(rows, [4 if r is not None and r.ready else 0 for r in rows])
+        plan.record_draft(8, k, 0.011)  # GPU-like: verifying costs little
+        due = [r for r in rows if r is not None and r.ready]
+        for r in rows:
+            assert r is not None
+            r.record(k, 0) if r in due else r.tick()
+        plan.record_try(len(due) * k, 0)
+    assert 0 < syncs <= 14  # without the batch's own back-off: 20

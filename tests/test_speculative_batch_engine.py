@@ -314,3 +314,27 @@ def test_grammars_the_batch_masks_are_applied_in_verifying_steps(lm: Any) -> Non
     for g, w in zip(got, want, strict=True):
         same(g, w, "grammar, batch masks")
     assert sum(g.finished.timings.draft_n for g in got if g.finished.timings) > 0
+
+
+def test_the_speculating_lone_path_pads_its_prefill_chunks_too(lm: Any) -> None:
+    """With speculation configured (the server's default for a text model) the lone path
+    is the speculating runner: it pads prefill chunks to the bucket lengths like the solo
+    runner, with or without a drafter, and the output is unchanged."""
+    from engine_runner import solo
+    from test_runners import ShapeSpy
+
+    model, tokenizer = lm
+    spy = ShapeSpy(model)
+    cfg = {"prompt_cache_size": 0, "prefill_step_size": 64, "max_batch_size": 2}
+    spec = Speculation(num_draft_tokens=3, prompt_lookup=True)
+    long = prompts(tokenizer)[0] * 2  # 94 tokens: one chunk of 64, then a padded one
+    with (
+        running_engine(spy, tokenizer, prefill_buckets=True, speculation=spec, **cfg) as fast,
+        running_engine(model, tokenizer, **cfg) as plain,
+    ):
+        got = solo(fast, [request(long, 12, ignore_eos=True)])
+        want = solo(plain, [request(long, 12, ignore_eos=True)])
+        assert fast.stats()["solo_runs"] == 1
+    same(got[0], want[0], "buckets")
+    chunks = [n for n in spy.lengths if n > 8]  # prefill chunks, not verifying steps
+    assert chunks and set(chunks) <= {16, 32, 64}, spy.lengths

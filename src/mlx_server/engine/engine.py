@@ -141,7 +141,11 @@ class Engine:
             from mlx_server.engine.speculative.runner import SpeculativeRunner
 
             lone: SoloRunner = SpeculativeRunner(
-                self.model, self.eos_ids, prefill_step_size=cfg.prefill_step_size, spec=spec
+                self.model,
+                self.eos_ids,
+                prefill_step_size=cfg.prefill_step_size,
+                prefill_buckets=cfg.prefill_buckets,
+                spec=spec,
             )
             batch.adopt = lone.take_handed  # type: ignore[attr-defined]
         else:

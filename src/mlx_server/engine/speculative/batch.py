@@ -85,6 +85,7 @@ class BatchSpeculator:
             for s, was in zip(specs, tried, strict=True):
                 if s is not None and was:
                     s.acceptance.record(0, 0)  # nothing worth verifying: a failed try
+            self.plan.record_try(0, 0)
             return GenerationBatch.next(batch)
         drafts = [d[:k] for d in drafts]
         uids = list(batch.uids)
@@ -178,17 +179,21 @@ class BatchSpeculator:
         emitted: dict[int, int] = {}
         for r in responses:
             emitted[r.uid] = emitted.get(r.uid, 0) + 1
+        total = [0, 0]
         for uid, s, was, d in zip(uids, specs, tried, drafts, strict=True):
             if s is None:
                 continue
             accepted = min(len(d), emitted.get(uid, 1) - 1)
-            if was or d:
-                s.acceptance.record(len(d), accepted, tried=was)
+            if was or d:  # a free ride is a try too: the step's cost was shared
+                s.acceptance.record(len(d), accepted)
                 if accepted:
                     s.acceptance.paid()
             else:
                 s.acceptance.tick()
             self.counts[uid] = (len(d), accepted)
+            total[0] += len(d)
+            total[1] += accepted
+        self.plan.record_try(*total)
 
 
 class AlwaysDraft(BatchPlan):
@@ -199,6 +204,9 @@ class AlwaysDraft(BatchPlan):
 
     def choose(self, rows: Sequence[Acceptance | None], lengths: Sequence[int]) -> int:
         return max(lengths, default=0)
+
+    def record_try(self, drafted: int, accepted: int) -> None:
+        pass  # never backs off
 
 
 class SpeculativeGenerationBatch(GenerationBatch):

@@ -56,10 +56,8 @@ class Acceptance:
             self.wait -= 1
             self.due = self.wait == 0
 
-    def record(self, drafted: int, accepted: int, *, tried: bool = True) -> None:
-        """A draft of ``drafted`` (0: the drafter had nothing) got ``accepted`` tokens.
-        ``tried`` False: it drafted only because the step verified others' drafts anyway
-        (free), so a failure does not count against it."""
+    def record(self, drafted: int, accepted: int) -> None:
+        """A draft of ``drafted`` (0: the drafter had nothing) got ``accepted`` tokens."""
         self.due = False
         if drafted > 0:
             # Accepted tokens form a prefix: accepted of the first accepted + 1 tries held.
@@ -67,7 +65,7 @@ class Acceptance:
             self.rate = (1 - EMA) * self.rate + EMA * (accepted / tries)
         if accepted > 0:
             self.fails = 0
-        elif tried:
+        else:
             self.fails += 1
             if self.fails >= FAILS_BEFORE_WAIT:
                 self.back_off()
@@ -181,14 +179,18 @@ class BatchPlan:
     """One draft length for the whole batch: each row is padded to it, so a row whose
     draft is shorter (or empty) costs the batch as much as a full one; the length that
     maximises the batch's expected tokens per second wins, zero when the batch is busy
-    enough that verifying no longer pays. Now and then (``EXPLORE_EVERY`` steps at a batch
-    size that does not draft) one step drafts anyway, to measure its cost afresh."""
+    enough that verifying no longer pays. Every row that drafts costs the batch a step
+    that is not pipelined, so the batch backs off as a row does (``tries``: after two
+    verifying steps with nothing accepted in any row, wait 4, 8, ... steps), whatever the
+    rows' own schedules. Now and then (``EXPLORE_EVERY`` steps at a batch size that does
+    not draft) one step drafts anyway, to measure its cost afresh."""
 
     EXPLORE_EVERY = 256
 
     def __init__(self, max_k: int):
         self.max_k = max_k
         self.costs = StepCosts()
+        self.tries = Acceptance()  # the batch's own back-off (its rate is unused)
         self._undrafted: dict[int, int] = {}  # steps since the last drafting one, by size
         self._exploring = False
 
@@ -198,6 +200,9 @@ class BatchPlan:
         self._exploring = False
         b = len(rows)
         if self.max_k <= 0 or b not in self.costs.t0:
+            return False
+        if not self.tries.ready:
+            self.tries.tick()
             return False
         if not any(r is not None and r.ready for r in rows):
             return False
@@ -215,6 +220,13 @@ class BatchPlan:
             return max(lengths, default=0)
         rates = [r.rate if r is not None else 0.0 for r in rows]
         return self.costs.best(len(rows), rates, lengths)
+
+    def record_try(self, drafted: int, accepted: int) -> None:
+        """A step that read the batch's tokens to draft: ``drafted`` tokens verified in
+        all rows (0: none worth it), ``accepted`` of them."""
+        self.tries.record(drafted, accepted)
+        if accepted:
+            self.tries.paid()
 
     def record_plain(self, batch: int, seconds: float) -> None:
         self.costs.record_plain(batch, seconds)

@@ -53,8 +53,18 @@ def make_drafter(
 
 
 class SpeculativeRunner(SoloRunner):
-    def __init__(self, model: Any, eos: list[int], *, prefill_step_size: int, spec: Speculation):
-        super().__init__(model, eos, prefill_step_size=prefill_step_size)
+    def __init__(
+        self,
+        model: Any,
+        eos: list[int],
+        *,
+        prefill_step_size: int,
+        spec: Speculation,
+        prefill_buckets: bool = False,
+    ):
+        super().__init__(
+            model, eos, prefill_step_size=prefill_step_size, prefill_buckets=prefill_buckets
+        )
         self.spec = spec
         # One draft model cache for every request: it rewinds to the common prefix, so a
         # conversation's next turn feeds the draft model only its new tokens.
@@ -106,6 +116,7 @@ class SpeculativeRunner(SoloRunner):
             max_tokens=job.request.max_tokens,
             eos=self._eos,
             prefill_step_size=self._step_size,
+            buckets=self._buckets,
             processors=job.processors,
             system_end=job.system_end,
         )

@@ -54,10 +54,11 @@ class SpeculativeSequence(SoloSequence):
         adaptive: bool = True,
         length: DraftLength | None = None,
         rejection: Rejection | None = None,
+        buckets: bool = False,
     ):
         request = GenerationRequest(f"speculative-{uid}", prompt, max_tokens)
         job = Insert(uid, request, prompt, cached, cache, sampler, list(processors), system_end)
-        super().__init__(model, job, eos, prefill_step_size)
+        super().__init__(model, job, eos, prefill_step_size, buckets)
         self.drafter = drafter
         # Sampled drafts verified by rejection sampling (a draft model, temperature > 0).
         self.rejection = rejection if isinstance(drafter, DraftModel) else None
