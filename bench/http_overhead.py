@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -137,6 +138,16 @@ def serve_main(a: argparse.Namespace) -> None:
 
     if a.switch_ms:  # the interpreter lock's switch interval (Python's default: 5 ms)
         sys.setswitchinterval(a.switch_ms / 1000)
+    if a.uvloop:  # an experiment: uvloop's event loop under the server
+        import uvloop
+
+        uvloop.install()
+    if a.http:  # uvicorn's HTTP implementation (default: httptools when installed, else h11)
+        import functools
+
+        import mlx_server.server.run as run
+
+        run.uvicorn.Config = functools.partial(run.uvicorn.Config, http=a.http)  # type: ignore[misc]
     service, settings = build(a)
     waves = APIRouter()
 
@@ -205,6 +216,19 @@ async def service_burst(service: Any, rep: int, n: int, tokens: int) -> dict[str
     return summarize(t0, list(await asyncio.gather(*[one(c) for c in chats])))
 
 
+def cpu_seconds(pid: int | None = None) -> float:
+    """CPU time (user + system) of a process so far: this one's, or ``pid``'s from /proc
+    (Linux; 0 elsewhere). On a shared machine the wall-clock rates wander with the load,
+    the CPU each token costs much less."""
+    if pid is None:
+        return time.process_time()
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
 def rnd(v: Any) -> Any:
     return round(v, 4) if isinstance(v, float) else v
 
@@ -235,6 +259,8 @@ def main() -> int:
     p.add_argument("--new-shape-ms", type=float, default=50.0, help="a wave size met first")
     p.add_argument("--gather-ms", type=float, default=50.0, help="the engine's gather_s")
     p.add_argument("--switch-ms", type=float, default=0, help="the server's switch interval")
+    p.add_argument("--http", default="", help="uvicorn's HTTP protocol: h11 or httptools")
+    p.add_argument("--uvloop", action="store_true", help="the server on uvloop's event loop")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--layers", default="engine,service,http")
     p.add_argument("--profile", default="", help="py-spy one more HTTP burst into this file")
@@ -263,7 +289,8 @@ def main() -> int:
         argv = ["--tokenizer", a.tokenizer, "--n", str(a.n), "--step-ms", str(a.step_ms),
                 "--python-ms", str(a.python_ms), "--prefill-ms", str(a.prefill_ms),
                 "--new-shape-ms", str(a.new_shape_ms), "--gather-ms", str(a.gather_ms),
-                "--switch-ms", str(a.switch_ms),
+                "--switch-ms", str(a.switch_ms), *(["--http", a.http] if a.http else []),
+                *(["--uvloop"] if a.uvloop else []),
                 "--serve", "--port", str(port)]  # fmt: skip
         env = make_env(False)
         if a.src:  # another build's server (run this script with it on PYTHONPATH too)
@@ -279,12 +306,17 @@ def main() -> int:
         for rep in range(a.reps + 1):  # the first is a warm-up
             for layer in layers[rep % len(layers) :] + layers[: rep % len(layers)]:
                 if layer == "http":
+                    assert child is not None
+                    cpu0 = cpu_seconds(child.pid)
                     r = asyncio.run(http_burst(port, rep, a.n, a.tokens))
+                    r["cpu_us_per_token"] = (cpu_seconds(child.pid) - cpu0) * 1e6 / r["tokens"]
                     r["waves"] = httpx.get(f"http://127.0.0.1:{port}/bench/waves").json()
                 else:
                     burst = engine_burst if layer == "engine" else service_burst
                     service.engine._runner.waves = []
+                    cpu0 = cpu_seconds()
                     r = asyncio.run(burst(service, rep, a.n, a.tokens))
+                    r["cpu_us_per_token"] = (cpu_seconds() - cpu0) * 1e6 / r["tokens"]
                     r["waves"] = service.engine._runner.waves
                 row = {"layer": layer, "rep": rep, **{k: rnd(v) for k, v in r.items()}}
                 print(json.dumps(row), flush=True)
@@ -329,7 +361,10 @@ def main() -> int:
     base = (
         statistics.median(r["aggregate_tok_s"] for r in rows["engine"]) if rows.get("engine") else 0
     )
-    print(f"\n{'layer':8} {'aggregate tok/s (min-max)':>28} {'decode tok/s':>13} {'vs engine':>10}")
+    print(
+        f"\n{'layer':8} {'aggregate tok/s (min-max)':>28} {'decode tok/s':>13} {'vs engine':>10}"
+        f" {'CPU us/token':>13}"
+    )
     for layer, rs in rows.items():
         agg = [r["aggregate_tok_s"] for r in rs]
         if not agg:
@@ -337,7 +372,11 @@ def main() -> int:
         md = statistics.median(agg)
         dec = statistics.median(r["decode_tok_s"] for r in rs)
         ratio = f"{md / base:.2f}" if base else "-"
-        print(f"{layer:8} {md:>10.0f} ({min(agg):.0f}-{max(agg):.0f}) {dec:>13.0f} {ratio:>10}")
+        cpu = statistics.median(r["cpu_us_per_token"] for r in rs)
+        print(
+            f"{layer:8} {md:>10.0f} ({min(agg):.0f}-{max(agg):.0f}) {dec:>13.0f} {ratio:>10}"
+            f" {cpu:>13.0f}"
+        )
     return 0
 
 
