@@ -112,6 +112,7 @@ class GenerationRequest:
     # OpenAI's Predicted Outputs: the tokens of the text the client expects, drafted for
     # speculative decoding (empty: none given).
     prediction_tokens: tuple[int, ...] = ()
-    # Raw text completion: the output continues the prompt's text, so its first token keeps
-    # a leading space (a chat answer starts a text of its own, and drops it).
+    # Raw text completion or a continued final message: the output continues the prompt's
+    # text, so its first token keeps a leading space (a chat answer starts a text of its
+    # own, and drops it).
     continues_text: bool = False

@@ -242,6 +242,8 @@ class ChatService:
             system_prefix_tokens=self.system_prefix_tokens(chat, prepared),
             ignore_eos=chat.ignore_eos,
             prediction_tokens=self._prediction_tokens(chat),
+            # Continuing the final message continues its text: the first token keeps its space.
+            continues_text=chat.continue_final_message,
         )
         return req, prepared
 
