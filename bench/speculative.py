@@ -270,21 +270,27 @@ def main() -> None:
 
 
 def batched(model: Any, tokenizer: Any, chat: Any, args: Any, ks: list[int]) -> None:
+    """Each workload's streams: plain, then each speculating run followed by plain again;
+    a run's ratio is to the mean of the plain runs on both sides (the first streams of an
+    engine run slower while buffers are allocated, and the machine's load drifts)."""
     from mlx_server.engine.speculative.runner import Speculation
 
+    vocab = int(model.args.vocab_size)
     for name, texts in workloads(args.streams, args.code_lines).items():
         prompts = [chat(t) for t in texts]
+        streams(model, tokenizer, prompts, 4, None)  # warm-up: the batch's shapes
         preds = None
         if args.predict:  # each stream's own answer (alone) as its prediction
             preds = [decode(model, p, args.tokens, None, 0)["tokens"] for p in prompts]
+        runs = [("prompt lookup", Speculation(num_draft_tokens=ks[0], prompt_lookup=True))]
+        runs.append(("random drafts", Speculation(num_draft_tokens=ks[0], prompt_lookup=True)))
+        if preds is not None:
+            runs.append(("predicted outputs", Speculation(num_draft_tokens=ks[0])))
+        ratios: dict[str, list[float]] = {}
         for rep in range(args.repeat):
             base = streams(model, tokenizer, prompts, args.tokens, None)
-            runs = [("prompt lookup", Speculation(num_draft_tokens=ks[0], prompt_lookup=True))]
-            runs.append(("random drafts", Speculation(num_draft_tokens=ks[0], prompt_lookup=True)))
-            if preds is not None:
-                runs.append(("predicted outputs", Speculation(num_draft_tokens=ks[0])))
             for label, spec in runs:
-                with random_drafts(int(model.args.vocab_size), on=label == "random drafts"):
+                with random_drafts(vocab, on=label == "random drafts"):
                     r = streams(
                         model,
                         tokenizer,
@@ -293,14 +299,21 @@ def batched(model: Any, tokenizer: Any, chat: Any, args: Any, ks: list[int]) -> 
                         spec,
                         preds if "pred" in label else None,
                     )
+                after = streams(model, tokenizer, prompts, args.tokens, None)
+                ratio = r["tps"] / ((base["tps"] + after["tps"]) / 2)
+                ratios.setdefault(label, []).append(ratio)
                 same = sum(a == b for a, b in zip(r["texts"], base["texts"], strict=True))
                 acc = r["accepted"] / r["drafted"] if r["drafted"] else 0.0
                 print(
                     f"{name}, {args.streams} streams, run {rep + 1}: plain {base['tps']:.1f} "
-                    f"tok/s, {label} k<={ks[0]} {r['tps']:.1f} tok/s = "
-                    f"{r['tps'] / base['tps']:.2f}x, drafted {r['drafted']}, accepted {acc:.0%}, "
+                    f"then {after['tps']:.1f} tok/s, {label} k<={ks[0]} {r['tps']:.1f} tok/s = "
+                    f"{ratio:.2f}x, drafted {r['drafted']}, accepted {acc:.0%}, "
                     f"{same}/{args.streams} streams the same text"
                 )
+                base = after
+        for label, rs in ratios.items():
+            median = sorted(rs)[len(rs) // 2]
+            print(f"  {name}, {args.streams} streams, {label}: median {median:.2f}x of {len(rs)}")
 
 
 @contextlib.contextmanager
