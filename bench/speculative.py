@@ -222,6 +222,35 @@ def streams(
     }
 
 
+def as_dtype(model: Any, dtype: Any) -> None:
+    """Dequantize a quantized model (the demo model is 4-bit) and cast its floating weights to
+    ``dtype``: the demo model in float16, as a GPU serves it."""
+    from mlx.utils import tree_map
+    from mlx_lm.utils import dequantize_model
+
+    dequantize_model(model)
+    cast = lambda v: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v  # noqa: E731
+    model.update(tree_map(cast, model.parameters()))
+    mx.eval(model.parameters())
+
+
+RECORD: dict[str, Any] = {"path": None, "label": ""}
+
+
+def record(**fields: Any) -> None:
+    """One JSON line (``--json``): the model, the row and its figures."""
+    import json
+
+    if RECORD["path"]:
+        line = {
+            "bench": "speculative",
+            "model": RECORD["label"],
+            "device": str(mx.default_device()),
+        }
+        with open(RECORD["path"], "a") as f:
+            f.write(json.dumps({**line, **fields}) + "\n")
+
+
 def randomize(model: Any) -> None:
     """Random weights of the same shapes and dtypes, seeded (norm weights stay at one)."""
     from mlx.utils import tree_flatten, tree_unflatten
@@ -245,6 +274,13 @@ def main() -> None:
     ap.add_argument("--only", choices=["lone", "streams"], default=None)
     ap.add_argument("--random", action="store_true", help="random weights of the same shapes")
     ap.add_argument(
+        "--dtype",
+        default=None,
+        help="float16, bfloat16 or float32: dequantize a quantized model and cast it",
+    )
+    ap.add_argument("--json", default=None, help="append one JSON line per ratio to this file")
+    ap.add_argument("--label", default="", help="the model's name in the JSON lines")
+    ap.add_argument(
         "--code-lines", type=int, default=0, help="streams: the code edit's first N lines"
     )
     ap.add_argument(
@@ -255,8 +291,11 @@ def main() -> None:
     from mlx_lm import load
 
     model, tokenizer = load(args.model)
+    if args.dtype:
+        as_dtype(model, getattr(mx, args.dtype))
     if args.random:
         randomize(model)
+    RECORD.update(path=args.json, label=args.label or Path(args.model).name)
     ks = [int(k) for k in args.num_draft_tokens.split(",")]
 
     def chat(text: str) -> list[int]:
@@ -314,6 +353,9 @@ def batched(model: Any, tokenizer: Any, chat: Any, args: Any, ks: list[int]) -> 
         for label, rs in ratios.items():
             median = sorted(rs)[len(rs) // 2]
             print(f"  {name}, {args.streams} streams, {label}: median {median:.2f}x of {len(rs)}")
+            record(
+                workload=name, streams=args.streams, run=label, k=ks[0], ratio=median, runs=len(rs)
+            )
 
 
 @contextlib.contextmanager
@@ -365,7 +407,9 @@ def lone(model: Any, chat: Any, args: Any, ks: list[int]) -> None:
                 )
                 base = after
         for label, rs in ratios.items():
-            print(f"  {name}, {label}: median {sorted(rs)[len(rs) // 2]:.2f}x over {len(rs)} runs")
+            median = sorted(rs)[len(rs) // 2]
+            print(f"  {name}, {label}: median {median:.2f}x over {len(rs)} runs")
+            record(workload=name, streams=1, run=label, ratio=median, runs=len(rs))
         r = decode(model, prompt, args.tokens // 2, DraftModel(model), ks[0])
         same = r["tokens"] == decode(model, prompt, args.tokens // 2, None, 0)["tokens"]
         acc = r["accepted"] / r["drafted"] if r["drafted"] else 0.0
@@ -378,6 +422,7 @@ def lone(model: Any, chat: Any, args: Any, ks: list[int]) -> None:
     print("step cost (forward over k + 1 tokens / one decode step): " + ", ".join(
         f"k={k}: {costs[k] / base:.2f}" for k in ks
     ))  # fmt: skip
+    record(run="step cost", step_s=base, costs={str(k): costs[k] / base for k in ks})
 
 
 if __name__ == "__main__":
