@@ -118,32 +118,33 @@ def test_logprobs(e2e_server):
 
 
 def test_health_answers_during_generation(e2e_server):
-    def gen():
-        httpx.post(
-            e2e_server.base_url + "/v1/chat/completions",
-            json={
-                "model": "m",
-                "messages": [{"role": "user", "content": "x"}],
-                "max_tokens": 200,
-                "temperature": 0,
-                "ignore_eos": True,
-            },
-            timeout=600,
-        )
-
-    t = threading.Thread(target=gen)
-    t.start()
-    during = []  # health answers while the generation ran
-    deadline = time.monotonic() + 600
-    while t.is_alive():
-        assert time.monotonic() < deadline, "the generation did not end"
-        r = httpx.get(e2e_server.base_url + "/health", timeout=5)
-        assert r.status_code == 200 and r.json()["status"] == "ok"
-        if r.json()["active"] == 1:
-            during.append(r.json())
-        time.sleep(0.005)
-    t.join(600)
-    assert during, "no health answer came while the generation was running"
+    body = {
+        "model": "m",
+        "messages": [{"role": "user", "content": "x"}],
+        "max_tokens": 200,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    url = e2e_server.base_url
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=600) as resp:
+        lines = resp.iter_lines()
+        first = next(line for line in lines if line.startswith("data: "))
+        assert "chat.completion.chunk" in first
+        # The stream is open and the generation runs: /health answers, and counts it.
+        deadline = time.monotonic() + 120
+        while True:
+            r = httpx.get(url + "/health", timeout=5)
+            assert r.status_code == 200 and r.json()["status"] == "ok"
+            if r.json()["active"] == 1:
+                break
+            assert time.monotonic() < deadline, f"no health answer counted the generation: {r.text}"
+            time.sleep(0.02)
+    # Leaving the stream cancels the generation: the slot comes back.
+    deadline = time.monotonic() + 120
+    while httpx.get(url + "/health", timeout=5).json()["active"] != 0:
+        assert time.monotonic() < deadline, "the generation was not cancelled"
+        time.sleep(0.02)
 
 
 def test_disconnect_frees_the_slot(e2e_server):
