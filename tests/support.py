@@ -141,10 +141,17 @@ class ServerProcess:
                 pipe.close()
 
 
+NO_TORCH = Path(__file__).resolve().parent / "no_torch"
+
+
 def launch(args: list[str], env: dict[str, str] | None = None) -> ServerProcess:
+    """The server as a process of its own, as a user's install runs it: without torch, which
+    only the test tools need (``no_torch/sitecustomize.py``)."""
     full_env = dict(os.environ)
     full_env.update(env or {})
     full_env["PYTHONUNBUFFERED"] = "1"
+    paths = [str(NO_TORCH), *filter(None, full_env.get("PYTHONPATH", "").split(os.pathsep))]
+    full_env["PYTHONPATH"] = os.pathsep.join(paths)
     proc = subprocess.Popen(
         [sys.executable, "-m", "mlx_server", *args],
         stdout=subprocess.PIPE,
