@@ -1,7 +1,8 @@
 #!/bin/bash
 # On the GPU machine, in a run that carries .gpu/d1, .gpu/d2 or .gpu/d3 (bench/gpu/prepare_demo.sh): keeps the parts
-# in /tmp/kit/demo, which lives as long as the machine stays warm.
+# in $PARK (/tmp/kit/demo), which lives as long as the machine stays warm.
 set -e
-mkdir -p /tmp/kit/demo
-for d in .gpu/d1 .gpu/d2 .gpu/d3; do [ -d $d ] && cp $d/* /tmp/kit/demo/; done
-ls /tmp/kit/demo | tr '\n' ' '; echo
+PARK=${PARK:-/tmp/kit/demo}
+mkdir -p "$PARK"
+for d in .gpu/d1 .gpu/d2 .gpu/d3; do if [ -d $d ]; then cp -r $d/. "$PARK"/; fi; done
+ls "$PARK" | tr '\n' ' '; echo

@@ -150,7 +150,7 @@ class Settings:
         "--prompt-lookup",
     )
     num_draft_tokens: int = _opt(
-        4,
+        8,
         "Most tokens drafted per step when speculating (the count adapts per sequence to "
         "the measured acceptance, down to none)",
         "--num-draft-tokens",

@@ -30,7 +30,8 @@ from mlx_server.engine.speculative.sequence import SpeculativeSequence
 class Speculation:
     """The server's speculative decoding settings."""
 
-    num_draft_tokens: int = 4
+    # 8: the fastest of 2, 4 and 8 on both workloads of bench/speculative.py (docs/benchmarks.md)
+    num_draft_tokens: int = 8
     prompt_lookup: bool = False
     draft_model: Any = None  # a loaded model with the target's tokenizer, or None
     # False: draft the full length at every step, whatever it costs (tests, benchmarks).
