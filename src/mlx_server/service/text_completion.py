@@ -40,6 +40,7 @@ class CompletionOptions:
     sampling: SamplingParams
     stop: tuple[str, ...] = ()
     top_logprobs: int | None = None  # None: no logprobs
+    ignore_eos: bool = False
 
 
 class CompletionService:
@@ -120,6 +121,7 @@ class CompletionService:
                     stop=opts.stop,
                     logprobs=opts.top_logprobs is not None,
                     top_logprobs=opts.top_logprobs or 0,
+                    ignore_eos=opts.ignore_eos,
                     continues_text=True,
                 )
                 # Raw text: no reasoning split, no tool calls.

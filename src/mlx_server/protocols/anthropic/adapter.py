@@ -76,6 +76,7 @@ def to_chat_request(
         sampling=_sampling(req),
         max_tokens=req.max_tokens if req else None,
         stop=tuple(s for s in (req.stop_sequences or []) if s) if req else (),
+        ignore_eos=bool(req.ignore_eos) if req else False,
         tools=tools,
         tool_choice=tool_choice,
         parallel_tool_calls=parallel,

@@ -134,5 +134,6 @@ class MessagesRequest(CountTokensRequest):
     top_p: float | None = Field(default=None, ge=0, le=1)
     top_k: int | None = Field(default=None, ge=0)
     stop_sequences: list[str] | None = None
+    ignore_eos: bool | None = None  # llama.cpp's, as on chat completions: max_tokens always
     stream: bool = Field(default=False, strict=True)
     metadata: dict[str, Any] | None = None

@@ -35,6 +35,7 @@ def options(body: CompletionRequest) -> CompletionOptions:
         sampling=sampling_params(body),
         stop=stop,
         top_logprobs=body.logprobs,
+        ignore_eos=bool(body.ignore_eos),
     )
 
 

@@ -70,6 +70,7 @@ class SamplingFields(_Model):
     # A signed or unsigned 64-bit integer (OpenAI documents int64).
     seed: int | None = Field(default=None, ge=-(1 << 63), lt=1 << 64)
     n_predict: int | None = None
+    ignore_eos: bool | None = None  # llama.cpp's: generate max_tokens whatever the model says
     # Token id (as a JSON key) → bias added to its logit, in [-100, 100].
     logit_bias: dict[str, float] | None = None
     n: int | None = Field(default=None, ge=1)  # at most --max-n (checked by the route)
@@ -121,7 +122,6 @@ class ChatCompletionRequest(SamplingFields):
     continue_final_message: bool | None = None
     reasoning_format: str | None = None
     reasoning_effort: str | None = None
-    ignore_eos: bool | None = None  # llama.cpp's: generate max_tokens whatever the model says
     prediction: Prediction | None = None
 
     @field_validator("tool_choice")

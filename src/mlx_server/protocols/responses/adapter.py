@@ -56,6 +56,7 @@ def to_chat_request(
             top_p=DEFAULT_TOP_P if body.top_p is None else body.top_p,
         ),
         max_tokens=body.max_output_tokens,
+        ignore_eos=bool(body.ignore_eos),
         tools=chat_tools or None,
         tool_choice=tool_choice,
         parallel_tool_calls=body.parallel_tool_calls is not False,

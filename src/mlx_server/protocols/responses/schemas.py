@@ -45,6 +45,7 @@ class CreateResponseRequest(_Model):
     max_output_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
+    ignore_eos: bool | None = None  # llama.cpp's, as on chat completions: max tokens always
     metadata: dict[str, str] | None = None
     user: str | None = None
     store: bool | None = None
