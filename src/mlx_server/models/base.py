@@ -30,6 +30,40 @@ class LoadedModel:
         return kv_bytes_per_token(self.config, activation_bytes(self.model))
 
 
+def settle_arrays(model: Any) -> int:
+    """Evaluate every array the model's modules hold, parameters or not, on this thread.
+
+    Some modules keep arrays that are not parameters and are built lazily while loading
+    (mlx-lm's ``Llama3RoPE``, ``YarnRoPE``, ``SuScaledRoPE`` keep a ``_freqs``): left as a
+    graph, they are computed on first use, on the engine thread, against a stream of the
+    loading thread that the engine thread does not have ("There is no Stream(gpu, 0) in
+    current thread"). Returns how many such arrays were evaluated."""
+    import mlx.core as mx
+    import mlx.nn as nn
+
+    found: list[Any] = []
+
+    def collect(value: Any, depth: int = 0) -> None:
+        if isinstance(value, mx.array):
+            found.append(value)
+        elif depth < 3 and isinstance(value, list | tuple):
+            for v in value:
+                collect(v, depth + 1)
+        elif depth < 3 and isinstance(value, dict) and not isinstance(value, nn.Module):
+            for v in value.values():
+                collect(v, depth + 1)
+
+    modules = model.modules() if isinstance(model, nn.Module) else []
+    for module in modules:
+        # Both kinds of attribute: those the module stores as its items (arrays whose names
+        # start with "_" are items too, left out of ``parameters()``) and plain ones.
+        for value in [*module.values(), *vars(module).values()]:
+            if not isinstance(value, nn.Module):
+                collect(value)
+    mx.eval(model.parameters() if isinstance(model, nn.Module) else [], found)
+    return len(found)
+
+
 def activation_bytes(model: Any) -> int:
     """Bytes per element of the model's activations (and so of its KV cache): the dtype of
     its norm weights, which stay in float when the linear layers are quantized."""

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mlx_server.models.base import ModelLoadError
+from mlx_server.models.base import ModelLoadError, settle_arrays
 
 # Encoder types whose states are read bidirectionally (mean/CLS pooling by default); any
 # other type mlx-embeddings serves is a decoder embedder (last-token pooling by default).
@@ -180,7 +180,7 @@ def load_encoder(model_dir: Path, *, model_id: str, dtype: str | None = None) ->
         target = getattr(mx, dtype) if dtype is not None else _cpu_float32(model)
         if target is not None:
             model.set_dtype(target)
-            mx.eval(model.parameters())
+        settle_arrays(model)  # the encoder runs on the engine's thread
         tokenizer = _load_tokenizer(model_dir)
     except ModelLoadError:
         raise

@@ -15,6 +15,7 @@ from mlx_server.models.base import (  # re-exported: the loader's public names
     activation_bytes,
     kv_bytes_per_token,
     read_chat_template,
+    settle_arrays,
 )
 from mlx_server.models.template_override import install_chat_template
 
@@ -143,8 +144,7 @@ def load_model(
             if config.get("quantization"):
                 net = dequantize_model(net)
             net.set_dtype(getattr(mx, dtype))
-        if dtype is not None or shard is not None:
-            mx.eval(net.parameters())
+        settle_arrays(net)
     except ModelLoadError:
         raise
     except Exception as e:

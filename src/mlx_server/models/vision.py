@@ -20,7 +20,12 @@ from typing import Any
 
 from mlx_server.errors import InvalidRequest
 from mlx_server.logs import log
-from mlx_server.models.base import LoadedModel, ModelLoadError, read_chat_template
+from mlx_server.models.base import (
+    LoadedModel,
+    ModelLoadError,
+    read_chat_template,
+    settle_arrays,
+)
 from mlx_server.models.media import Media, MediaLimits, collect_media, part_where
 from mlx_server.models.template_override import install_chat_template
 
@@ -67,7 +72,7 @@ def load_vision_model(
         net, processor = vlm_load(str(model_dir))
         if dtype is not None and not getattr(net.config, "quantization", None):
             net.set_dtype(getattr(mx, dtype))
-            mx.eval(net.parameters())
+        settle_arrays(net)
         config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
         tokenizer = load_tokenizer(model_dir, eos_token_ids=_eos_ids(model_dir, config, processor))
     except Exception as e:
