@@ -166,8 +166,10 @@ def main(argv: list[str] | None = None) -> int:
             f"WARNING: listening on {settings.host} (not a loopback address) WITHOUT an API key: anyone on the network can use this server. Pass --api-key."
         )
 
+    from mlx_server.startup_report import compute_line
     from mlx_server.wiring import build
 
+    log(compute_line())
     t0 = time.perf_counter()
     try:
         if group is None:

@@ -8,6 +8,7 @@ from typing import Any
 
 from mlx_server.config import Settings
 from mlx_server.logs import log
+from mlx_server.startup_report import weights_line
 
 
 def serves_embeddings(settings: Settings) -> Path | None:
@@ -45,6 +46,7 @@ def load_embedding_model(settings: Settings, model_dir: Path) -> EncoderParts:
         f"{_network(spec)}, "
         f"{spec.dimensions} dimensions, up to {spec.max_length} tokens"
     )
+    log(weights_line(loaded.model, loaded.config, settings.dtype))
     config = EmbeddingEngineConfig(max_queue=settings.max_queue)
     if settings.max_batch_size:
         config.max_batch_size = settings.max_batch_size

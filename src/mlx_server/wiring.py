@@ -8,6 +8,7 @@ from typing import Any
 
 from mlx_server.config import Settings
 from mlx_server.logs import log
+from mlx_server.startup_report import weights_line
 
 
 def set_cache_limit(settings: Settings) -> int:
@@ -78,6 +79,7 @@ def load_chat_model(settings: Settings, sharded: Any = None) -> ModelParts:
         shard=sharded.shard if sharded is not None else None,
     )
     log(f"Model id: {loaded.model_id} ({loaded.path})")
+    log(weights_line(loaded.model, loaded.config, settings.dtype))
     if settings.chat_template:
         log("Chat template: the one given with --chat-template")
     if settings.embedding:
