@@ -5,12 +5,13 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh ""
-.venv/bin/mlx-server-demo
 # shellcheck source=/dev/null
 source scripts/openblas.sh
-# On Linux CPU, float32 weights with OpenBLAS are the fast configuration (docs/benchmarks.md).
-extra=()
+# On Linux CPU, float32 weights with OpenBLAS are the fast configuration (docs/benchmarks.md):
+# the dequantized copy, since --dtype on a quantized model keeps its weights quantized.
+demo_args=()
 if [ "$(uname -s)" = "Linux" ] && [ -n "${LD_PRELOAD:-}" ] && [ -z "${MLX_SERVER_KEEP_DTYPE:-}" ]; then
-  extra=(--dtype float32)
+  demo_args=(--dtype float32)
 fi
-exec .venv/bin/mlx-server -m models/smollm2-135m-instruct --model-id smollm2-135m-instruct --port 8080 "${extra[@]}" "$@"
+model=$(.venv/bin/mlx-server-demo "${demo_args[@]}" | tail -n 1)
+exec .venv/bin/mlx-server -m "$model" --model-id smollm2-135m-instruct --port 8080 "$@"

@@ -1,4 +1,4 @@
-"""The reasoning-detection table of the README, checked on the real templates: which
+"""The reasoning-detection table of docs/models.md, checked on the real templates: which
 markers are found (vocabulary, template text or Harmony channels), whether the rendered
 prompt already opens the reasoning block, and how the thinking switch reaches the template."""
 
