@@ -15,11 +15,9 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 
-# The extras installed before (when pyproject.toml is unchanged), and whether $want is among them.
+# The extras an earlier run installed, and whether $want is among them.
 have=""
-if [ -f "$stamp" ] && [ "$(sed -n 1p "$stamp")" = "$hash" ]; then
-  have=$(sed -n 2p "$stamp")
-fi
+[ -f "$stamp" ] && have=$(sed -n 2p "$stamp")
 missing=""
 for extra in ${want//,/ }; do
   case ",$have," in *",$extra,"*) ;; *) missing="$missing $extra" ;; esac
@@ -29,7 +27,7 @@ if [ -f "$stamp" ] && [ "$(sed -n 1p "$stamp")" = "$hash" ] && [ -z "$missing" ]
   exit 0
 fi
 
-# Keep what an earlier run installed: a changed pyproject.toml may have changed those extras too.
+# Install the earlier extras again too: a changed pyproject.toml may have changed them.
 all=$(printf '%s\n' ${have//,/ } ${want//,/ } | sort -u | paste -sd, -)
 target="."
 [ -n "$all" ] && target=".[$all]"
