@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from mlx_server.cli import build_parser
 from mlx_server.config import TABLE_END, TABLE_START, flags_markdown, settings_fields
 
 pytestmark = pytest.mark.tiny
@@ -51,6 +52,19 @@ def test_generator_writes_between_the_markers(tmp_path):
     text = doc.read_text()
     assert "stale" not in text and text.endswith(f"{TABLE_END}\n\nAfter.\n")
     assert flags_markdown() in text
+
+
+def test_flags_in_hand_kept_tables_exist():
+    """The tables the pages keep by hand (vision, several models, Jan's and the Swift
+    server's flags) name only flags the server accepts."""
+    accepted = set(build_parser({})._option_string_actions)
+    unknown = []
+    for page in PAGES:
+        for row in re.findall(r"^\| (`-[^|]*)\|", page.read_text(), re.M):
+            unknown += [
+                f for f in re.findall(r"(?<![\w-])--?[a-z][a-z0-9-]*", row) if f not in accepted
+            ]
+    assert not unknown
 
 
 def _anchor(heading: str) -> str:
