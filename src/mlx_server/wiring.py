@@ -67,7 +67,7 @@ def load_chat_model(settings: Settings, sharded: Any = None) -> ModelParts:
     from mlx_server.engine.engine import Engine, EngineConfig
     from mlx_server.engine.tuning import builds_kernels_on_first_use, default_prefill_step
     from mlx_server.models.base import trained_context
-    from mlx_server.models.loader import device_memory_bytes, load_model
+    from mlx_server.models.loader import load_model
     from mlx_server.service import ChatService
 
     loaded = load_model(
@@ -85,8 +85,6 @@ def load_chat_model(settings: Settings, sharded: Any = None) -> ModelParts:
             "--embedding: this model generates text, so it is served as a text-generation "
             "model (chat, completions, messages, responses)"
         )
-    budget = settings.kv_budget_gb
-    kv_budget = int(budget * (1 << 30)) if budget is not None else device_memory_bytes() // 4
     vision = "vision" in loaded.capabilities
     engine_class: Any = Engine
     if vision:  # mlx-vlm's generation step: pixels in, one request at a time
@@ -97,11 +95,14 @@ def load_chat_model(settings: Settings, sharded: Any = None) -> ModelParts:
     disk, disk_off = None, ""
     if not vision:
         model, kv_per_token = _quantized_kv(loaded, settings, model, kv_per_token)
+    plan = _memory_plan(settings, loaded, kv_per_token)
+    kv_budget, kv = plan.budget, plan.kv
+    if not vision:
         if sharded is None:
             disk, disk_off = _disk_tier(loaded, settings)
         else:
             disk_off = "the disk tier is off across ranks"
-    batch = _batch_size(settings, kv_budget, kv_per_token)
+    batch = _batch_size(settings, kv_budget, kv.bytes_for(settings.ctx_size))
     engine = engine_class(
         model,
         loaded.tokenizer,
@@ -112,7 +113,8 @@ def load_chat_model(settings: Settings, sharded: Any = None) -> ModelParts:
             prompt_cache_size=settings.prompt_cache_size,
             prompt_cache_bytes=prompt_cache_bytes(settings, kv_budget),
             kv_budget_bytes=kv_budget,
-            kv_bytes_per_token=kv_per_token,
+            kv_bytes_per_token=kv.per_token,
+            kv_bytes_per_sequence=kv.per_sequence,
             prompt_cache_disk=disk,
             prompt_cache_disk_off=disk_off,
             warm_up=not vision and builds_kernels_on_first_use(),
@@ -173,7 +175,27 @@ def build_app(settings: Settings, service: Any, *, vision: bool, extra: Any = No
     return app
 
 
-def _batch_size(settings: Settings, kv_budget: int, kv_per_token: int) -> int:
+def _memory_plan(settings: Settings, loaded: Any, kv_per_token: int) -> Any:
+    """How the device's memory is shared (models/memory_plan.py), logged in one line;
+    raises ModelLoadError when the weights leave no room for a conversation."""
+    from mlx_server.models.base import ModelLoadError
+    from mlx_server.models.memory_plan import kv_shape, plan_memory, read_device, weights_bytes
+
+    given = settings.kv_budget_gb
+    plan = plan_memory(
+        read_device(),
+        weights_bytes(loaded.model),
+        kv_shape(loaded.config, kv_per_token),
+        settings.ctx_size,
+        budget_override=int(given * (1 << 30)) if given is not None else None,
+    )
+    if not plan.fits:
+        raise ModelLoadError(plan.refusal())
+    log(plan.line())
+    return plan
+
+
+def _batch_size(settings: Settings, kv_budget: int, kv_per_sequence: int) -> int:
     """``--max-batch-size``; 0 is the Swift server's "batching off": one sequence at a time."""
     from mlx_server.engine.tuning import default_batch_size
 
@@ -182,7 +204,7 @@ def _batch_size(settings: Settings, kv_budget: int, kv_per_token: int) -> int:
         return 1
     if settings.max_batch_size is not None:
         return settings.max_batch_size
-    return default_batch_size(kv_budget, kv_per_token, settings.ctx_size)
+    return default_batch_size(kv_budget, kv_per_sequence)
 
 
 def _quantized_kv(loaded: Any, settings: Settings, model: Any, per_token: int) -> tuple[Any, int]:

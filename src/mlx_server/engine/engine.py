@@ -53,6 +53,7 @@ class EngineConfig:
     prompt_cache_bytes: int = 2 << 30
     kv_budget_bytes: int = 4 << 30
     kv_bytes_per_token: int = 1
+    kv_bytes_per_sequence: int = 0  # sliding windows and recurrent states (memory_plan)
     prompt_cache_disk: Any = None  # disk_cache.DiskPromptCache: the prefix cache's disk tier
     prompt_cache_disk_off: str = ""  # without one: why (reported by /health)
     warm_up: bool = False  # run every batch size once before serving (see tuning.warm_up)
@@ -95,6 +96,7 @@ class Engine:
             prefill_step_size=cfg.prefill_step_size,
             kv_budget_bytes=cfg.kv_budget_bytes,
             kv_bytes_per_token=cfg.kv_bytes_per_token,
+            kv_bytes_per_sequence=cfg.kv_bytes_per_sequence,
             prefix_cache=self._prompt_cache,
             gather_s=cfg.gather_s,
         )

@@ -42,12 +42,13 @@ def builds_kernels_on_first_use() -> bool:
     return bool(on_gpu() and cuda is not None and cuda.is_available())
 
 
-def default_batch_size(kv_budget_bytes: int, kv_bytes_per_token: int, ctx_size: int) -> int:
-    """Sequences decoded together: 8 on a CPU; on a GPU as many full-context sequences as the
-    KV budget holds, between 8 and 32 (admission still queues by actual KV use)."""
+def default_batch_size(kv_budget_bytes: int, full_context_bytes: int) -> int:
+    """Sequences decoded together: 8 on a CPU; on a GPU as many full-context sequences (of
+    ``full_context_bytes`` each) as the KV budget holds, between 8 and 32 (admission still
+    queues by actual KV use)."""
     if not on_gpu():
         return CPU_BATCH
-    fit = kv_budget_bytes // max(1, kv_bytes_per_token * ctx_size)
+    fit = kv_budget_bytes // max(1, full_context_bytes)
     return int(min(GPU_BATCH, max(CPU_BATCH, fit)))
 
 
