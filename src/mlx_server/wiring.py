@@ -66,7 +66,7 @@ def load_chat_model(settings: Settings, sharded: Any = None) -> ModelParts:
     and the engine runs in lockstep with theirs."""
     from mlx_server.engine.engine import Engine, EngineConfig
     from mlx_server.engine.tuning import builds_kernels_on_first_use, default_prefill_step
-    from mlx_server.models.base import trained_context
+    from mlx_server.models.base import ModelLoadError, trained_context
     from mlx_server.models.loader import load_model
     from mlx_server.service import ChatService
 
@@ -118,6 +118,7 @@ def load_chat_model(settings: Settings, sharded: Any = None) -> ModelParts:
             prompt_cache_disk=disk,
             prompt_cache_disk_off=disk_off,
             warm_up=not vision and builds_kernels_on_first_use(),
+            first_token=not vision and sharded is None,
             prefill_buckets=not vision and builds_kernels_on_first_use(),
             speculation=None if vision or sharded else _speculation(loaded, settings, model),
             lockstep=sharded.lead() if sharded is not None else None,
@@ -140,6 +141,9 @@ def load_chat_model(settings: Settings, sharded: Any = None) -> ModelParts:
     )
     engine.start()
     engine.wait_ready()  # kernels for every batch shape are built before the readiness line
+    if engine.start_error:  # no readiness line for a model that cannot run
+        engine.shutdown()
+        raise ModelLoadError(engine.start_error)
     return ModelParts(service, engine, loaded, vision, kv_budget)
 
 

@@ -36,7 +36,7 @@ from mlx_server.engine.runner import Insert, Progress, Response, Runner
 from mlx_server.engine.sampling import SamplerPool, reset_random_state, sequence_sampling
 from mlx_server.engine.scheduler import Scheduler
 from mlx_server.engine.solo import LoneFirstRunner, SoloRunner
-from mlx_server.engine.tuning import warm_up
+from mlx_server.engine.tuning import first_token, warm_up
 from mlx_server.errors import Overloaded
 from mlx_server.logs import log
 from mlx_server.types import GenerationRequest
@@ -57,6 +57,8 @@ class EngineConfig:
     prompt_cache_disk: Any = None  # disk_cache.DiskPromptCache: the prefix cache's disk tier
     prompt_cache_disk_off: str = ""  # without one: why (reported by /health)
     warm_up: bool = False  # run every batch size once before serving (see tuning.warm_up)
+    # Compute one token before serving (tuning.first_token); a failure is ``start_error``.
+    first_token: bool = False
     solo: bool = True  # a lone request runs on a plain KV cache (see solo.py)
     speculation: Any = None  # speculative.runner.Speculation: requests speculate, alone or batched
     gather_s: float = 0.05  # how long queued requests wait for announced ones (Scheduler)
@@ -113,6 +115,7 @@ class Engine:
         self._calls: deque[tuple[Callable[[], Any], Future[Any]]] = deque()
         self._ready = threading.Event()
         self._thread: threading.Thread | None = None
+        self.start_error = ""  # why the model cannot serve (set before wait_ready returns)
 
     def _default_runner(self) -> Runner:
         cfg = self.config
@@ -287,6 +290,14 @@ class Engine:
                 future.set_exception(Overloaded("the server is shutting down"))
 
     def _warm_up(self) -> None:
+        if self.config.first_token:
+            try:
+                first_token(self.model)
+            except Exception as e:
+                self.start_error = f"the model could not compute a token: {faults.describe(e)}"
+                log(f"Warm-up failed: {self.start_error}")
+                self._ready.set()
+                return
         if self.config.warm_up:
             try:
                 n, step = self.config.max_batch_size, self.config.prefill_step_size

@@ -92,6 +92,17 @@ def warm_up(
     return time.perf_counter() - t0
 
 
+def first_token(model: Any) -> None:
+    """Compute one token's logits on a fresh cache: a model that cannot run (a layer kind,
+    a dtype or a kernel this build lacks) fails here, before the server says it is ready,
+    and the first request does not pay for building the smallest kernels."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    logits = model(mx.array([[1, 2]]), cache=cache)
+    mx.eval(logits[:, -1, :], [c.state for c in cache])
+
+
 def _prefill_buckets(model: Any, step: int) -> None:
     """A lone prefill chunk of every bucket length up to ``step``, after a short prefix."""
     from mlx_lm.models.cache import make_prompt_cache
