@@ -119,6 +119,7 @@ def load_chat_model(settings: Settings, sharded: Any = None) -> ModelParts:
             prompt_cache_disk_off=disk_off,
             warm_up=not vision and builds_kernels_on_first_use(),
             first_token=not vision and sharded is None,
+            wired_bytes=plan.weights + plan.budget,
             prefill_buckets=not vision and builds_kernels_on_first_use(),
             speculation=None if vision or sharded else _speculation(loaded, settings, model),
             lockstep=sharded.lead() if sharded is not None else None,

@@ -27,7 +27,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from mlx_server.engine import faults
+from mlx_server.engine import faults, wired
 from mlx_server.engine.batch_runner import BatchRunner
 from mlx_server.engine.delivery import Seq, deliver_finish, deliver_token
 from mlx_server.engine.handle import GenerationHandle, Outbox, Started
@@ -59,6 +59,9 @@ class EngineConfig:
     warm_up: bool = False  # run every batch size once before serving (see tuning.warm_up)
     # Compute one token before serving (tuning.first_token); a failure is ``start_error``.
     first_token: bool = False
+    # Bytes this engine's model keeps resident (weights and KV budget): its share of the
+    # process's wired limit while it runs (wired.py; Metal only).
+    wired_bytes: int = 0
     solo: bool = True  # a lone request runs on a plain KV cache (see solo.py)
     speculation: Any = None  # speculative.runner.Speculation: requests speculate, alone or batched
     gather_s: float = 0.05  # how long queued requests wait for announced ones (Scheduler)
@@ -115,7 +118,8 @@ class Engine:
         self._calls: deque[tuple[Callable[[], Any], Future[Any]]] = deque()
         self._ready = threading.Event()
         self._thread: threading.Thread | None = None
-        self.start_error = ""  # why the model cannot serve (set before wait_ready returns)
+        self.start_error = ""
+        self._wired = 0  # bytes claimed of the process's wired limit (wired.py)  # why the model cannot serve (set before wait_ready returns)
 
     def _default_runner(self) -> Runner:
         cfg = self.config
@@ -165,6 +169,8 @@ class Engine:
     # ---- public API (any thread) -------------------------------------------------------
 
     def start(self) -> None:
+        wired.claim(self.config.wired_bytes)
+        self._wired = self.config.wired_bytes
         self._thread = threading.Thread(target=self._run, name="mlx-engine", daemon=True)
         self._thread.start()
 
@@ -231,6 +237,8 @@ class Engine:
         self._sched.stop()
         if self._thread is not None:
             self._thread.join(timeout)
+        wired.release(self._wired)
+        self._wired = 0
 
     # ---- engine thread: the loop -------------------------------------------------------
 

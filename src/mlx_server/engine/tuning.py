@@ -14,6 +14,8 @@ from typing import Any
 
 import mlx.core as mx
 
+from mlx_server.engine.wired import hands_off
+
 CPU_BATCH = 8
 GPU_BATCH = 32
 CPU_PREFILL_STEP = 512
@@ -80,6 +82,7 @@ def warm_up(
         prefill_step_size=prefill_step_size,
         stop_tokens=[],
     )
+    hands_off(gen)
     try:
         _drain(gen, [[1 + i % 7 for i in range(prefill_step_size + 1)]], 2)
         for n in range(1, max_batch_size + 1):
