@@ -67,8 +67,8 @@ def load_chat_model(settings: Settings, sharded: Any = None) -> ModelParts:
     and the engine runs in lockstep with theirs."""
     from mlx_server.engine.engine import Engine, EngineConfig
     from mlx_server.engine.tuning import builds_kernels_on_first_use, default_prefill_step
-    from mlx_server.models.base import trained_context
-    from mlx_server.models.loader import device_memory_bytes, load_model
+    from mlx_server.models.base import ModelLoadError, trained_context
+    from mlx_server.models.loader import load_model
     from mlx_server.service import ChatService
 
     loaded = load_model(
@@ -87,8 +87,6 @@ def load_chat_model(settings: Settings, sharded: Any = None) -> ModelParts:
             "--embedding: this model generates text, so it is served as a text-generation "
             "model (chat, completions, messages, responses)"
         )
-    budget = settings.kv_budget_gb
-    kv_budget = int(budget * (1 << 30)) if budget is not None else device_memory_bytes() // 4
     vision = "vision" in loaded.capabilities
     engine_class: Any = Engine
     if vision:  # mlx-vlm's generation step: pixels in, one request at a time
@@ -99,11 +97,14 @@ def load_chat_model(settings: Settings, sharded: Any = None) -> ModelParts:
     disk, disk_off = None, ""
     if not vision:
         model, kv_per_token = _quantized_kv(loaded, settings, model, kv_per_token)
+    plan = _memory_plan(settings, loaded, kv_per_token)
+    kv_budget, kv = plan.budget, plan.kv
+    if not vision:
         if sharded is None:
             disk, disk_off = _disk_tier(loaded, settings)
         else:
             disk_off = "the disk tier is off across ranks"
-    batch = _batch_size(settings, kv_budget, kv_per_token)
+    batch = _batch_size(settings, kv_budget, kv.bytes_for(settings.ctx_size))
     engine = engine_class(
         model,
         loaded.tokenizer,
@@ -114,10 +115,13 @@ def load_chat_model(settings: Settings, sharded: Any = None) -> ModelParts:
             prompt_cache_size=settings.prompt_cache_size,
             prompt_cache_bytes=prompt_cache_bytes(settings, kv_budget),
             kv_budget_bytes=kv_budget,
-            kv_bytes_per_token=kv_per_token,
+            kv_bytes_per_token=kv.per_token,
+            kv_bytes_per_sequence=kv.per_sequence,
             prompt_cache_disk=disk,
             prompt_cache_disk_off=disk_off,
             warm_up=not vision and builds_kernels_on_first_use(),
+            first_token=not vision and sharded is None,
+            wired_bytes=plan.weights + plan.budget,
             prefill_buckets=not vision and builds_kernels_on_first_use(),
             speculation=None if vision or sharded else _speculation(loaded, settings, model),
             lockstep=sharded.lead() if sharded is not None else None,
@@ -140,6 +144,9 @@ def load_chat_model(settings: Settings, sharded: Any = None) -> ModelParts:
     )
     engine.start()
     engine.wait_ready()  # kernels for every batch shape are built before the readiness line
+    if engine.start_error:  # no readiness line for a model that cannot run
+        engine.shutdown()
+        raise ModelLoadError(engine.start_error)
     return ModelParts(service, engine, loaded, vision, kv_budget)
 
 
@@ -175,7 +182,27 @@ def build_app(settings: Settings, service: Any, *, vision: bool, extra: Any = No
     return app
 
 
-def _batch_size(settings: Settings, kv_budget: int, kv_per_token: int) -> int:
+def _memory_plan(settings: Settings, loaded: Any, kv_per_token: int) -> Any:
+    """How the device's memory is shared (models/memory_plan.py), logged in one line;
+    raises ModelLoadError when the weights leave no room for a conversation."""
+    from mlx_server.models.base import ModelLoadError
+    from mlx_server.models.memory_plan import kv_shape, plan_memory, read_device, weights_bytes
+
+    given = settings.kv_budget_gb
+    plan = plan_memory(
+        read_device(),
+        weights_bytes(loaded.model),
+        kv_shape(loaded.config, kv_per_token),
+        settings.ctx_size,
+        budget_override=int(given * (1 << 30)) if given is not None else None,
+    )
+    if not plan.fits:
+        raise ModelLoadError(plan.refusal())
+    log(plan.line())
+    return plan
+
+
+def _batch_size(settings: Settings, kv_budget: int, kv_per_sequence: int) -> int:
     """``--max-batch-size``; 0 is the Swift server's "batching off": one sequence at a time."""
     from mlx_server.engine.tuning import default_batch_size
 
@@ -184,7 +211,7 @@ def _batch_size(settings: Settings, kv_budget: int, kv_per_token: int) -> int:
         return 1
     if settings.max_batch_size is not None:
         return settings.max_batch_size
-    return default_batch_size(kv_budget, kv_per_token, settings.ctx_size)
+    return default_batch_size(kv_budget, kv_per_sequence)
 
 
 def _quantized_kv(loaded: Any, settings: Settings, model: Any, per_token: int) -> tuple[Any, int]:

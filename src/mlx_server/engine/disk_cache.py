@@ -30,7 +30,6 @@ import hashlib
 import json
 import os
 import queue
-import sys
 import threading
 import time
 import zlib
@@ -40,6 +39,7 @@ from typing import Any
 
 import numpy as np
 
+from mlx_server.config import user_cache_root
 from mlx_server.engine.folder_lock import FolderLock
 from mlx_server.engine.kv_serialize import FORMAT_VERSION, deserialize, serialize
 from mlx_server.logs import log
@@ -51,19 +51,12 @@ _CHUNK = 8 << 20
 
 
 def default_root() -> Path:
-    """``$MLX_SERVER_PROMPT_CACHE_DIR``, else ``<user cache dir>/mlx-server/prompt-cache``
-    (``$XDG_CACHE_HOME``, ``~/Library/Caches`` on macOS, else ``~/.cache``)."""
+    """``$MLX_SERVER_PROMPT_CACHE_DIR``, else ``prompt-cache`` under the server's cache root
+    (``config.user_cache_root``: ``~/Library/Caches/mlx-server`` on macOS)."""
     env = os.environ.get("MLX_SERVER_PROMPT_CACHE_DIR")
     if env:
         return Path(env).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    if xdg:
-        base = Path(xdg)
-    elif sys.platform == "darwin":
-        base = Path.home() / "Library" / "Caches"
-    else:
-        base = Path.home() / ".cache"
-    return base / "mlx-server" / "prompt-cache"
+    return user_cache_root() / "prompt-cache"
 
 
 def model_cache_dir(root: Path, model_dir: Path, layout: dict[str, Any]) -> Path:

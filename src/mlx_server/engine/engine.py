@@ -27,7 +27,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from mlx_server.engine import faults
+from mlx_server.engine import faults, wired
 from mlx_server.engine.batch_runner import BatchRunner
 from mlx_server.engine.delivery import Seq, deliver_finish, deliver_token
 from mlx_server.engine.handle import GenerationHandle, Outbox, Started
@@ -36,7 +36,7 @@ from mlx_server.engine.runner import Insert, Progress, Response, Runner
 from mlx_server.engine.sampling import SamplerPool, reset_random_state, sequence_sampling
 from mlx_server.engine.scheduler import Scheduler
 from mlx_server.engine.solo import LoneFirstRunner, SoloRunner
-from mlx_server.engine.tuning import warm_up
+from mlx_server.engine.tuning import first_token, warm_up
 from mlx_server.errors import Overloaded
 from mlx_server.logs import log
 from mlx_server.types import GenerationRequest
@@ -53,9 +53,15 @@ class EngineConfig:
     prompt_cache_bytes: int = 2 << 30
     kv_budget_bytes: int = 4 << 30
     kv_bytes_per_token: int = 1
+    kv_bytes_per_sequence: int = 0  # sliding windows and recurrent states (memory_plan)
     prompt_cache_disk: Any = None  # disk_cache.DiskPromptCache: the prefix cache's disk tier
     prompt_cache_disk_off: str = ""  # without one: why (reported by /health)
     warm_up: bool = False  # run every batch size once before serving (see tuning.warm_up)
+    # Compute one token before serving (tuning.first_token); a failure is ``start_error``.
+    first_token: bool = False
+    # Bytes this engine's model keeps resident (weights and KV budget): its share of the
+    # process's wired limit while it runs (wired.py; Metal only).
+    wired_bytes: int = 0
     solo: bool = True  # a lone request runs on a plain KV cache (see solo.py)
     speculation: Any = None  # speculative.runner.Speculation: requests speculate, alone or batched
     gather_s: float = 0.05  # how long queued requests wait for announced ones (Scheduler)
@@ -95,6 +101,7 @@ class Engine:
             prefill_step_size=cfg.prefill_step_size,
             kv_budget_bytes=cfg.kv_budget_bytes,
             kv_bytes_per_token=cfg.kv_bytes_per_token,
+            kv_bytes_per_sequence=cfg.kv_bytes_per_sequence,
             prefix_cache=self._prompt_cache,
             gather_s=cfg.gather_s,
         )
@@ -111,6 +118,8 @@ class Engine:
         self._calls: deque[tuple[Callable[[], Any], Future[Any]]] = deque()
         self._ready = threading.Event()
         self._thread: threading.Thread | None = None
+        self.start_error = ""
+        self._wired = 0  # bytes claimed of the process's wired limit (wired.py)  # why the model cannot serve (set before wait_ready returns)
 
     def _default_runner(self) -> Runner:
         cfg = self.config
@@ -160,6 +169,8 @@ class Engine:
     # ---- public API (any thread) -------------------------------------------------------
 
     def start(self) -> None:
+        wired.claim(self.config.wired_bytes)
+        self._wired = self.config.wired_bytes
         self._thread = threading.Thread(target=self._run, name="mlx-engine", daemon=True)
         self._thread.start()
 
@@ -226,6 +237,8 @@ class Engine:
         self._sched.stop()
         if self._thread is not None:
             self._thread.join(timeout)
+        wired.release(self._wired)
+        self._wired = 0
 
     # ---- engine thread: the loop -------------------------------------------------------
 
@@ -285,6 +298,14 @@ class Engine:
                 future.set_exception(Overloaded("the server is shutting down"))
 
     def _warm_up(self) -> None:
+        if self.config.first_token:
+            try:
+                first_token(self.model)
+            except Exception as e:
+                self.start_error = f"the model could not compute a token: {faults.describe(e)}"
+                log(f"Warm-up failed: {self.start_error}")
+                self._ready.set()
+                return
         if self.config.warm_up:
             try:
                 n, step = self.config.max_batch_size, self.config.prefill_step_size
