@@ -7,7 +7,9 @@ set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 TOK=${TOK:-models/smollm2-135m-instruct}
 [ -f "$TOK/tokenizer.json" ] || { echo "no tokenizer at $TOK (run .venv/bin/mlx-server-demo first)"; exit 1; }
-grep -qx '/.gpu/' .git/info/exclude 2>/dev/null || echo '/.gpu/' >> .git/info/exclude
+# In a linked worktree .git is a file: ask git where the (shared) exclude file lives.
+EXCLUDE=$(git rev-parse --git-path info/exclude)
+grep -qx '/.gpu/' "$EXCLUDE" 2>/dev/null || echo '/.gpu/' >> "$EXCLUDE"
 MLX=${MLX_VERSION:-$(.venv/bin/python -c 'import importlib.metadata as m; print(m.version("mlx"))')}
 MLXLM=${MLXLM_VERSION:-$(.venv/bin/python -c 'import importlib.metadata as m; print(m.version("mlx-lm"))')}
 # Runtime dependencies the device image lacks (it has numpy, transformers, tokenizers, jinja2,
