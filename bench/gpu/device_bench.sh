@@ -6,7 +6,7 @@
 # (bench_openai.py: first burst, single stream, N concurrent streams, prefix-cached chat). Results under $OUT.
 # Env: MODELS="1b:4 1b:0 8b:4" (preset:bits; presets in presets.py: 1b, 8b, qwen35-9b (hybrid), gptoss-20b
 #      (sliding window + sinks, MoE)), LEVELS=1,8,32, SERVERS="ours mlxlm" (empty: none), RAW=1 (0: skip raw_engine.py),
-#      OURS_ARGS="" (extra flags for our server), SRC (the project's src; default ./src),
+#      OURS_ARGS="" (extra flags for our server), SRC (the project's src; default the kit's copy, else ./src),
 #      BENCH (these scripts; default the kit's copy), PROFILE=1b-0 (py-spy the server on this model at N=32),
 #      LAYERS=1 (0: skip layers.py), LAYERS_ARGS (e.g. "--skip batch,engine"), LAYERS_ONLY (model names, e.g. "1b-0").
 #      SCEN (bench_openai.py scenarios per server; default burst,single,concurrency,prefix),
@@ -21,7 +21,7 @@ set -u
 K=/tmp/kit/a; S=/tmp/site; OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; R=$OUT/results.jsonl; L=$OUT/log.txt
 T=/tmp/benchlogs; mkdir -p $T
 MODELS=${MODELS:-"1b:4 1b:0 8b:4"}; LEVELS=${LEVELS:-1,8,32}; SERVERS=${SERVERS-"ours mlxlm"}
-SRC=${SRC:-$PWD/src}; OURS_ARGS=${OURS_ARGS:-}; BENCH=${BENCH:-$K}; PROFILE=${PROFILE:-1b-0}; LAYERS=${LAYERS:-1}
+SRC=${SRC:-$([ -d $K/src/mlx_server ] && echo $K/src || echo $PWD/src)}; OURS_ARGS=${OURS_ARGS:-}; BENCH=${BENCH:-$K}; PROFILE=${PROFILE:-1b-0}; LAYERS=${LAYERS:-1}
 LAYERS_ARGS=${LAYERS_ARGS:-}; LAYERS_ONLY=${LAYERS_ONLY:-}; SCEN=${SCEN:-burst,single,concurrency,prefix}
 VARIANTS=${VARIANTS:-0}; CONSTRAINED=${CONSTRAINED:-0}; LONG_CTX=${LONG_CTX:-}; LONG_SERVERS=${LONG_SERVERS:-"ours mlxlm"}
 RAW=${RAW:-1}

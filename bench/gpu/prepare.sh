@@ -28,6 +28,10 @@ split -b 45000000 -d .gpu/mlx_cuda_13-*.whl .gpu/a/mlx_cuda.part.
 mv .gpu/a/mlx_cuda.part.01 .gpu/b/ && basename .gpu/mlx_cuda_13-*.whl > .gpu/a/mlx_cuda.name && rm .gpu/mlx_cuda_13-*.whl
 mkdir -p .gpu/a/tok && cp "$TOK"/tokenizer* .gpu/a/tok/
 cp "$HERE"/*.py "$HERE"/*.sh .gpu/a/
+# The server's source travels too: the device receives the session's checkout, which need not be
+# the tree being measured (a linked worktree's branch, say). device_bench.sh runs this copy.
+SRC_TREE=$(cd "$HERE/../.." && pwd)/src
+mkdir -p .gpu/a/src && cp -r "$SRC_TREE"/mlx_server .gpu/a/src/ && find .gpu/a/src -name __pycache__ -prune -exec rm -rf {} +
 rmdir .gpu/dl
 du -sh .gpu/a .gpu/b
 echo "next, on the GPU machine: 'bash .gpu/a/lay.sh' with .gpu/a along; right after: 'bash /tmp/kit/a/device_bench.sh' with .gpu/b along"
