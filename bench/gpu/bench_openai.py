@@ -152,6 +152,13 @@ def rnd(x: Any, nd: int = 4) -> Any:
     return x
 
 
+def note_error(res: dict, obj: dict) -> None:
+    """Keep the message of an error a stream carries (a failure after the 200 went out)."""
+    err = obj.get("error")
+    if err:
+        res["server_error"] = str(err.get("message", err) if isinstance(err, dict) else err)[:300]
+
+
 def make_system_prompt(approx_tokens: int, seed: int = 1234) -> str:
     """Deterministic policy-manual text of roughly approx_tokens tokens
     (~1.3 tokens per word for BPE vocabularies; verify via usage.prompt_tokens)."""
@@ -311,6 +318,7 @@ class Bench:
                         obj = json.loads(payload)
                     except json.JSONDecodeError:
                         continue
+                    note_error(res, obj)
                     if obj.get("usage"):
                         res["usage"] = obj["usage"]
                     for ch in obj.get("choices") or []:
@@ -356,6 +364,7 @@ class Bench:
                     obj = json.loads(line)
                 except json.JSONDecodeError:
                     continue
+                note_error(res, obj)
                 if obj.get("usage"):
                     res["usage"] = obj["usage"]
                 for ch in obj.get("choices") or []:
@@ -384,6 +393,8 @@ class Bench:
                 f"stream ended without content (finish_reason="
                 f"{res['finish_reason']}, HTTP {status})"
             )
+            if res.get("server_error"):
+                res["error"] += f": {res['server_error']}"
         usage = res["usage"] or {}
         if usage.get("completion_tokens") is not None:
             n, src = int(usage["completion_tokens"]), "usage"
