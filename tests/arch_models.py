@@ -402,7 +402,8 @@ def _template(family: Family) -> str:
 
 
 def _specials(family: Family, template: str) -> list[str]:
-    found = [*SPECIALS, *family.extra_specials, *_CONTROL.findall(template), family.eos]
+    bos = [family.bos] if family.bos else []
+    found = [*SPECIALS, *bos, *family.extra_specials, *_CONTROL.findall(template), family.eos]
     return list(dict.fromkeys(found))  # unique, in order: the same ids every build
 
 

@@ -3,6 +3,7 @@ mlx-lm, has each of its layer kinds, and generates alone and in a batch."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -13,22 +14,19 @@ pytestmark = pytest.mark.tiny
 FILES = ["config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
 
 
-@pytest.fixture(scope="module")
-def built(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("arch")
-    return {name: build(name, root / name) for name in FAMILIES}
-
-
 @pytest.mark.parametrize("name", list(FAMILIES))
-def test_family_loads_and_generates(built: dict[str, Path], name: str) -> None:
+def test_family_loads_and_generates(arch_model_dirs: dict[str, Path], name: str) -> None:
     import mlx.core as mx
     from mlx_lm import batch_generate, load
     from mlx_lm.generate import generate_step
     from mlx_lm.models.cache import make_prompt_cache
 
-    model, tokenizer = load(str(built[name]))
+    model, tokenizer = load(str(arch_model_dirs[name]))
     kinds = {type(c).__name__ for c in make_prompt_cache(model)}
     assert kinds == FAMILIES[name].caches
+    # Every token the tokenizer knows (bos and eos included) has an embedding.
+    config = json.loads((arch_model_dirs[name] / "config.json").read_text())
+    assert len(tokenizer._tokenizer) == config.get("text_config", config)["vocab_size"]
 
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
