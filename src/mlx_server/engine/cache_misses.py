@@ -32,6 +32,14 @@ REASONS = ("no_entry", "not_trimmable", "evicted", "oversize", "different_model"
 _KEY = "gone"
 _MAX_GONE = 1024  # token sequences remembered
 _MAX_FOREIGN = 256  # entries read from other models' manifests at start
+_WORTH = 64  # shared tokens that make an entry one that would have served (``worth``)
+
+
+def worth(shared: int, tokens: list[int]) -> bool:
+    """Whether a prefix of ``shared`` tokens, cut out of a longer entry, would have been worth
+    serving: more than a chat template's opening (which every prompt shares with every
+    other), so that a miss of an unrelated prompt is told as ``no_entry``."""
+    return shared >= min(_WORTH, len(tokens) // 2)
 
 
 class MissLog:
@@ -65,7 +73,7 @@ class MissLog:
         res = self._gone.search(_KEY, tokens)
         if res.exact is not None:
             return str(self._gone.get(_KEY, res.exact)[0])
-        if res.longer is not None and res.common_prefix > 0:
+        if res.longer is not None and worth(res.common_prefix, tokens):
             reason, trimmable = self._gone.get(_KEY, res.longer)
             if trimmable:
                 return str(reason)

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, trim_prompt_cache
 
 from mlx_server.engine.cache_faults import CacheFaults
-from mlx_server.engine.cache_misses import MissLog
+from mlx_server.engine.cache_misses import MissLog, worth
 from mlx_server.logs import log
 
 _KEY = "model"  # one model per engine: a constant trie namespace
@@ -138,7 +138,7 @@ class PrefixCache(LRUPromptCache):
 
     def _why_missed(self, res: Any, tokens: list[int]) -> str:
         """The reason for a miss: an entry that cannot be rewound, one that is gone, none."""
-        if res.exact is not None or (res.longer is not None and res.common_prefix > 0):
+        if res.exact is not None or (res.longer is not None and worth(res.common_prefix, tokens)):
             return "not_trimmable"
         return self.missed.gone_reason(tokens) or "no_entry"
 
