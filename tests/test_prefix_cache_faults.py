@@ -88,11 +88,26 @@ def test_an_entry_that_fails_to_load_is_a_miss_and_dropped(plain, monkeypatch, c
     assert "cannot rewind" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("together", [False, True], ids=["alone", "batched"])
-def test_a_hybrid_model_resumes_from_the_prompt_checkpoint(hybrid, together):
+ONE_WAY = ["qwen3_5", "nemotron_h", "lfm2", "granitemoehybrid", "gemma3_text", "gpt_oss"]
+
+
+@pytest.mark.parametrize(
+    "family, together",
+    [("qwen3_5", True)] + [(f, False) for f in ONE_WAY],
+    ids=["qwen3_5-batched", *ONE_WAY],
+)
+def test_a_cache_that_cannot_be_rewound_resumes_from_the_prompt_checkpoint(
+    family, together, tmp_path
+):
     """Turn 2 extends turn 1's prompt (not its answer): it resumes from turn 1's whole
-    prompt but its last token; an exact repeat does too. Output as without the cache."""
-    model, tokenizer = hybrid
+    prompt but its last token; an exact repeat does too. Output as without the cache.
+    Hybrid recurrent models, and sliding windows (16 tokens) the prompts pass."""
+    from mlx_lm import load
+
+    from mlx_server.models.base import settle_arrays
+
+    model, tokenizer = load(str(build(family, tmp_path / family)))[:2]
+    settle_arrays(model)  # as the server's loader: the engine thread runs it
     turn1 = prompt(1, 30)
     turn2 = turn1 + [(9 * i) % 150 + 20 for i in range(20)]
     want = cold_texts(model, tokenizer, [turn1, turn2])
