@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 from arch_models import build
-from engine_runner import generate_all, request, running_engine, solo
+from engine_runner import Result, generate, generate_all, request, running_engine, solo
 
 import mlx_server.engine.disk_cache as disk_cache
 import mlx_server.engine.prefix_cache as prefix_cache
@@ -42,6 +42,18 @@ def ask(tokens: list[int], **kw):
     return request(tokens, 6, ignore_eos=True, system_prefix_tokens=len(SYSTEM), **kw)
 
 
+def within_deadline(engine, reqs: list, together: bool) -> list[Result]:
+    """Run ``reqs`` (all at once, or one after another), failing after two minutes rather
+    than waiting for ever on a sequence that never finishes."""
+
+    async def run() -> list[Result]:
+        if together:
+            return await generate_all(engine, reqs)
+        return [await generate(engine, r) for r in reqs]
+
+    return asyncio.run(asyncio.wait_for(run(), 120))
+
+
 def cold_texts(model, tokenizer, prompts: list[list[int]]) -> list[str]:
     with running_engine(model, tokenizer, prompt_cache_size=0) as engine:
         return [r.text for r in solo(engine, [ask(p) for p in prompts])]
@@ -60,8 +72,8 @@ def test_a_disk_tier_that_fails_every_write_fails_no_request(hybrid, tmp_path, m
     # Two RAM slots: the system prompt's save, every finished state and every eviction
     # write to the broken disk.
     with running_engine(model, tokenizer, prompt_cache_disk=disk, prompt_cache_size=2) as engine:
-        together = asyncio.run(generate_all(engine, [ask(p) for p in prompts[:3]]))
-        alone = solo(engine, [ask(p) for p in prompts[3:]])
+        together = within_deadline(engine, [ask(p) for p in prompts[:3]], together=True)
+        alone = within_deadline(engine, [ask(p) for p in prompts[3:]], together=False)
         stats = engine.stats()
     results = together + alone
     assert [r.reason for r in results] == ["length"] * len(prompts)
