@@ -1,7 +1,7 @@
 """The disk tier of the prefix cache: KV states kept in files across restarts.
 
 Each entry is one safetensors file (MLX's own format, ``mx.save_safetensors``) holding the
-KV arrays of every layer, cut to the tokens they cover, and those tokens. A manifest
+state of every cache layer, of any kind (``kv_serialize``), and the tokens it covers. A manifest
 (``index.json``) lists the entries with their tokens, size, CRC-32 and last use, so start-up
 reads one file, not every entry.
 
@@ -386,7 +386,8 @@ class DiskPromptCache:
     def save(self, tokens: list[int], cache: list[Any], kind: str) -> bool:
         """Hand a KV state to the writer. Its arrays are cut to ``len(tokens)`` and evaluated
         here (on the MLX thread); the file is written in the background. Returns whether it
-        was queued (not: too short, already covered, unsupported, too large, or queue full)."""
+        was queued (not: too short, already covered, too large, or queue full). Raises for
+        a state that cannot be written (``kv_serialize.Unsupported``): the caller drops it."""
         if self._closed or len(tokens) < self.min_tokens or self.covers(tokens):
             return False
         packed = serialize(cache, len(tokens))
@@ -407,11 +408,15 @@ class DiskPromptCache:
             if self._pending >= self.max_pending:
                 self.dropped += 1
                 return False
-            self._pending += 1
         import mlx.core as mx
 
         arrays["tokens"] = mx.array(tokens, dtype=mx.int32)
-        mx.eval(list(arrays.values()))
+        mx.eval(list(arrays.values()))  # before a slot is taken: a failure here leaks none
+        with self._lock:
+            if self._closed or self._pending >= self.max_pending:
+                self.dropped += 1
+                return False
+            self._pending += 1
         job = _Job(np.asarray(tokens, dtype=np.int32), arrays, metadata, kind, trimmable)
         name = _entry_name(job.tokens)
         entry = _Entry(name, job.tokens, size, 0, kind, trimmable, time.time())

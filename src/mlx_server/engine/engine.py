@@ -29,9 +29,10 @@ from typing import Any, TypeVar
 
 from mlx_server.engine import faults, wired
 from mlx_server.engine.batch_runner import BatchRunner
+from mlx_server.engine.checkpoints import needs_checkpoints
 from mlx_server.engine.delivery import Seq, deliver_finish, deliver_token
 from mlx_server.engine.handle import GenerationHandle, Outbox, Started
-from mlx_server.engine.prefix_cache import SYSTEM, PrefixCache
+from mlx_server.engine.prefix_cache import CHECKPOINT, SYSTEM, PrefixCache
 from mlx_server.engine.runner import Insert, Progress, Response, Runner
 from mlx_server.engine.sampling import SamplerPool, reset_random_state, sequence_sampling
 from mlx_server.engine.scheduler import Scheduler
@@ -110,6 +111,8 @@ class Engine:
         if cfg.lockstep is not None:
             self._runner = cfg.lockstep.lead(self._runner, self._prompt_cache, cfg)
         self._watch_disk_reads()
+        # Keep each prompt's state before generation where a cache cannot be rewound.
+        self._checkpoints = self._prompt_cache is not None and needs_checkpoints(model)
         # Width of the model's logits, to try each request's sampler before it runs.
         args = getattr(model, "args", None)
         self._vocab = int(getattr(args, "vocab_size", 0) or len(tokenizer.vocab))
@@ -264,7 +267,10 @@ class Engine:
         self._fail_calls()
         self._runner.close()
         if self._prompt_cache is not None:
-            self._prompt_cache.close()  # RAM entries to the disk tier, within a deadline
+            try:
+                self._prompt_cache.close()  # RAM entries to the disk tier, within a deadline
+            except Exception as e:  # the last writes are a service: stopping goes on
+                self._prompt_cache.faults.note("writing the cache at shutdown", e)
 
     def _wait_for_work(self) -> bool:
         """Sleep until there is something to do; False once stopping and nothing runs."""
@@ -400,7 +406,7 @@ class Engine:
             if p.uid in active:
                 done_n, total = p.progress
                 active[p.uid].prefill_left = total - done_n
-        self._save_system_prefixes(progress)
+        self._save_prefixes(progress)
         self._handle_responses(responses)
 
     def _handle_responses(self, responses: list[Response]) -> None:
@@ -442,24 +448,35 @@ class Engine:
             self._finish(seq, "error", error=faults.sequence_failed(seq))
         reset_random_state()
 
-    def _save_system_prefixes(self, progress: list[Progress]) -> None:
-        """At the end of a system-prompt segment, cache its KV state as a system entry."""
-        active = self._sched.active
+    def _save_prefixes(self, progress: list[Progress]) -> None:
+        """At the end of a system-prompt segment, cache its KV state as a system entry; at
+        the end of a prompt's prefill (all but its last token), where the cache cannot be
+        rewound, as a checkpoint. A failure to copy a state drops it (logged once)."""
+        pc, active = self._prompt_cache, self._sched.active
+        if pc is None:
+            return
         uids = [
             p.uid
             for p in progress
             if p.end_of_segment
             and not p.end_of_prompt
             and p.uid in active
-            and active[p.uid].system_end
+            and (active[p.uid].system_end or self._checkpoints)
         ]
-        if not uids or self._prompt_cache is None:
+        if not uids:
             return
-        for uid, (cache, tokens) in self._runner.extract_state(uids).items():
+        try:
+            states = self._runner.extract_state(uids)
+        except Exception as e:
+            pc.faults.note("copying a prompt's state", e)
+            return
+        for uid, (cache, tokens) in states.items():
             seq = active[uid]
-            if len(tokens) == seq.system_end:
-                self._prompt_cache.insert(list(tokens), cache, SYSTEM)
+            if seq.system_end and len(tokens) == seq.system_end:
+                pc.insert(list(tokens), cache, SYSTEM)
                 seq.system_end = 0
+            elif self._checkpoints and len(tokens) == len(seq.req.prompt_tokens) - 1:
+                pc.insert(list(tokens), cache, CHECKPOINT)
 
     # ---- engine thread: ending sequences -----------------------------------------------
 
