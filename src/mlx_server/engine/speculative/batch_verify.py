@@ -24,10 +24,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import BatchKVCache, TokenBuffer, trim_prompt_cache
+from mlx_lm.models.cache import BatchKVCache, TokenBuffer
 
 from mlx_server.engine.sampling import SharedSampler
 from mlx_server.engine.speculative.rejection import Rejection, speculative_sample
+from mlx_server.engine.speculative.rollback import checked_trim
 
 Sampled = tuple[mx.array, Rejection]  # a row's draft distribution (k, vocab), its settings
 COMPACT_AT = 256  # padding every row shares, in positions, before the cache drops it
@@ -163,8 +164,7 @@ def roll_back(cache: Sequence[Any], rejected: list[int]) -> None:
     common = min(rejected)
     extra = [r - common for r in rejected]
     for c in cache:
-        if common:
-            c.trim(common)
+        checked_trim([c], common)
         if max(extra) > 0:
             c.prepare(right_padding=extra)
             c.finalize()
@@ -233,7 +233,6 @@ def _finish(batch: Any, i: int, emitted: list[int]) -> tuple[int, str | None]:
 def _finished_cache(batch: Any, i: int, extra: int) -> list[Any]:
     """Row ``i``'s KV state for the prefix cache, without the ``extra`` accepted tokens
     after the one it ended on."""
-    cache = batch.extract_cache(i)
-    if extra:
-        trim_prompt_cache(cache, extra)
-    return list(cache)
+    cache = list(batch.extract_cache(i))
+    checked_trim(cache, extra)
+    return cache

@@ -1,0 +1,108 @@
+"""Speculative decoding on every layer kind: greedy output equals mlx-lm's own decoding.
+
+Sliding-window layers (past their window), recurrent layers and attention sinks cannot be
+trimmed after a verify pass; the rollback restores them and feeds the accepted tokens
+again. The drafts here are the true continuation with wrong tokens mixed in, so every
+step both accepts and rejects; the prompts are longer than the models' window.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import pytest
+from mlx_lm import load
+from mlx_lm.generate import generate_step
+from spec_arch import WINDOW, build_arch_model
+
+from mlx_server.engine.speculative.drafters import DraftModel, PredictedOutput, PromptLookup
+from mlx_server.engine.speculative.sequence import SpeculativeSequence
+
+pytestmark = pytest.mark.tiny
+
+FAMILIES = ["llama", "gemma3_text", "gpt_oss", "qwen3_5", "gemma4_text"]
+N = 24
+
+
+def greedy(x: mx.array) -> mx.array:
+    return mx.argmax(x, axis=-1)
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def arch(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    path = build_arch_model(tmp_path_factory.mktemp("arch") / request.param, request.param)
+    model, tokenizer = load(str(path))[:2]
+    text = "The quick brown fox jumps over the lazy dog. def add(a, b): return a + b\n" * 2
+    prompt = list(
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True
+        )
+    )
+    assert len(prompt) > 2 * WINDOW
+    want = [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=N, sampler=greedy)]
+    return request.param, model, prompt, want
+
+
+class Mixed:
+    """Drafts the true continuation with every ``wrong_every``-th position changed."""
+
+    def __init__(self, prompt_len: int, answer: list[int], wrong_every: int):
+        self.start, self.answer, self.wrong_every = prompt_len, answer, wrong_every
+
+    def propose(self, context: list[int], k: int) -> list[int]:
+        at = len(context) - self.start
+        out = self.answer[at : at + k]
+        return [t + 1 if (at + i) % self.wrong_every == 0 else t for i, t in enumerate(out)]
+
+
+def speculate(model: Any, prompt: list[int], drafter: Any, k: int = 4) -> list[int]:
+    seq = SpeculativeSequence(
+        model,
+        1,
+        prompt,
+        0,
+        None,
+        sampler=greedy,
+        greedy=True,
+        drafter=drafter,
+        num_draft_tokens=k,
+        max_tokens=N,
+        eos=[],
+        prefill_step_size=32,  # the prompt prefills in chunks, as in the server
+        adaptive=False,
+    )
+    out: list[int] = []
+    for _ in range(10 * N + 50):  # bounded: every decode step emits a token
+        for r in seq.next()[1]:
+            out.append(r.token)
+            if r.finish_reason is not None:
+                assert r.all_tokens == seq.fed == (prompt + out)[: len(seq.fed)]
+                return out
+    raise AssertionError("the sequence did not finish")
+
+
+@pytest.mark.parametrize("wrong_every", [3, 5])
+def test_greedy_output_is_mlx_lm_s_with_rejected_drafts(arch: Any, wrong_every: int) -> None:
+    _, model, prompt, want = arch
+    assert speculate(model, prompt, Mixed(len(prompt), want, wrong_every)) == want
+
+
+def test_predicted_output_with_an_edit_keeps_greedy_output(arch: Any) -> None:
+    _, model, prompt, want = arch
+    prediction = [*want[:5], 7, 8, 9, *want[5:]]  # an insertion the model does not make
+    assert speculate(model, prompt, PredictedOutput(prediction, len(prompt))) == want
+
+
+def test_prompt_lookup_keeps_greedy_output(arch: Any) -> None:
+    _, model, prompt, want = arch
+    assert speculate(model, prompt, PromptLookup()) == want
+
+
+def test_a_draft_model_of_the_same_kind_keeps_greedy_output(arch: Any, tmp_path: Path) -> None:
+    family, model, prompt, want = arch
+    # Other weights: most drafts are rejected, so the draft model's own cache (of the same
+    # layer kinds) is rolled back at nearly every step.
+    draft = load(str(build_arch_model(tmp_path / "draft", family, seed=1)))[0]
+    assert speculate(model, prompt, DraftModel(draft, prefill_step_size=32), k=3) == want
