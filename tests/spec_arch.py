@@ -5,7 +5,7 @@ built with mlx-lm's own classes and written to disk with the tests' BPE tokenize
 - ``gemma3_text``: sliding-window layers (``RotatingKVCache``, a window of 16) and full ones;
 - ``gpt_oss``: sliding-window layers and full ones, every layer with attention sinks;
 - ``qwen3_5``: gated-delta layers (``ArraysCache``) and full attention (hybrid);
-- ``gemma4_text``: E2B-like, its last layers reuse earlier layers' keys and values;
+- ``gemma4_text``: E2B-like, its last two layers reuse layers 2 and 3's keys and values;
 - ``llama_hd32``: a head dimension (32) below the default quantization group size (64).
 """
 
@@ -81,21 +81,16 @@ CONFIGS: dict[str, dict[str, Any]] = {
     },
     "gemma4_text": {
         "model_type": "gemma4_text",
-        "num_hidden_layers": 4,
+        "num_hidden_layers": 6,
         "num_attention_heads": 2,
         "num_key_value_heads": 1,
         "head_dim": 64,
         "global_head_dim": 64,
-        "num_kv_shared_layers": 2,
+        "num_kv_shared_layers": 2,  # layers 4, 5 reuse layers 2, 3's keys and values
         "hidden_size_per_layer_input": 16,
         "sliding_window": WINDOW,
         "sliding_window_pattern": 2,
-        "layer_types": [
-            "sliding_attention",
-            "full_attention",
-            "sliding_attention",
-            "full_attention",
-        ],
+        "layer_types": ["sliding_attention", "full_attention"] * 3,
     },
 }
 

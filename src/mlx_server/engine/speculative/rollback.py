@@ -120,3 +120,21 @@ class Rollback:
                 checked_trim([layer], len(self.fed))
         if n:
             self.model(mx.array(self.fed[:n])[None], cache=self.cache)
+
+
+def rollback_problem(cache: list[Any]) -> str | None:
+    """Why speculation cannot roll back a fresh ``cache`` of the model, or None. Every
+    mlx-lm cache layer (a ``_BaseCache``) is saved and restored by its attributes; a layer
+    of another kind may keep state this module does not know how to save."""
+    odd = sorted({type(c).__name__ for c in cache if not isinstance(c, _BaseCache)})
+    if odd:
+        return f"its cache has layers of a kind speculation cannot roll back ({', '.join(odd)})"
+    return None
+
+
+def layer_kinds(cache: list[Any]) -> str:
+    """The cache's layer kinds, with counts: ``"3 KVCache, 1 ArraysCache"``."""
+    counts: dict[str, int] = {}
+    for c in cache:
+        counts[type(c).__name__] = counts.get(type(c).__name__, 0) + 1
+    return ", ".join(f"{n} {k}" for k, n in counts.items())
