@@ -129,3 +129,26 @@ def build_arch_model(path: Path, family: str, seed: int = 0) -> Path:
     mx.save_safetensors(str(path / "model.safetensors"), weights)
     (path / "config.json").write_text(json.dumps(cfg))
     return path
+
+
+def build_varied(family: str, path: Path) -> Path:
+    """``arch_models``' model of ``family`` with an untied, sharper output head (or, for a
+    family that always ties it, sharper embeddings): tied random weights mostly repeat one
+    token under greedy decoding, which would make output comparisons vacuous."""
+    import arch_models
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    arch_models.build(family, path)
+    cfg = json.loads((path / "config.json").read_text())
+    for level in (cfg, cfg.get("text_config")):
+        if isinstance(level, dict):
+            level["tie_word_embeddings"] = False
+    mx.random.seed(1)
+    weights = dict(tree_flatten(arch_models._model_class(cfg).parameters()))
+    heads = [k for k in weights if k.endswith("lm_head.weight")]
+    for k in heads or [k for k in weights if k.endswith("embed_tokens.weight")]:
+        weights[k] = weights[k] * 4.0
+    mx.save_safetensors(str(path / "model.safetensors"), weights)
+    (path / "config.json").write_text(json.dumps(cfg))
+    return path

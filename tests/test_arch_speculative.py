@@ -11,11 +11,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import arch_models
 import mlx.core as mx
 import pytest
 from mlx_lm import load
 from mlx_lm.generate import generate_step
-from spec_arch import WINDOW, build_arch_model
+from spec_arch import WINDOW, build_arch_model, build_varied
 
 from mlx_server.engine.speculative.drafters import DraftModel, PredictedOutput, PromptLookup
 from mlx_server.engine.speculative.sequence import SpeculativeSequence
@@ -106,3 +107,14 @@ def test_a_draft_model_of_the_same_kind_keeps_greedy_output(arch: Any, tmp_path:
     # layer kinds) is rolled back at nearly every step.
     draft = load(str(build_arch_model(tmp_path / "draft", family, seed=1)))[0]
     assert speculate(model, prompt, DraftModel(draft, prefill_step_size=32), k=3) == want
+
+
+# ---- every family of the architecture matrix ------------------------------------------------
+
+
+@pytest.mark.parametrize("family", sorted(arch_models.FAMILIES))
+def test_every_family_keeps_greedy_output_with_rejected_drafts(family: str, tmp_path: Path) -> None:
+    model = load(str(build_varied(family, tmp_path / family)))[0]
+    prompt = list(range(5, 5 + 3 * arch_models.WINDOW))  # past every sliding window
+    want = [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=N, sampler=greedy)]
+    assert speculate(model, prompt, Mixed(len(prompt), want, 3)) == want
