@@ -15,9 +15,10 @@ import arch_models
 import mlx.core as mx
 import pytest
 from mlx_lm import load
-from mlx_lm.generate import generate_step
+from mlx_lm.generate import BatchGenerator, generate_step
 from spec_arch import WINDOW, build_arch_model, build_varied
 
+from mlx_server.engine.speculative.batch import BatchSpeculator, RowSpec, install
 from mlx_server.engine.speculative.drafters import DraftModel, PredictedOutput, PromptLookup
 from mlx_server.engine.speculative.sequence import SpeculativeSequence
 
@@ -118,3 +119,39 @@ def test_every_family_keeps_greedy_output_with_rejected_drafts(family: str, tmp_
     prompt = list(range(5, 5 + 3 * arch_models.WINDOW))  # past every sliding window
     want = [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=N, sampler=greedy)]
     assert speculate(model, prompt, Mixed(len(prompt), want, 3)) == want
+
+
+# ---- batched: mlx-lm's BatchGenerator with the speculating batch installed ------------------
+
+
+def batched(model: Any, prompts: list[list[int]], answers: list[list[int]] | None) -> Any:
+    """Each row's greedy tokens: plain batched decoding, or (with ``answers``) speculating
+    on drafts of the answers with a wrong token every third position; and how many drafted
+    tokens were accepted."""
+    gen = BatchGenerator(model, completion_batch_size=4, prefill_batch_size=4)
+    spec = BatchSpeculator(4, adaptive=False)
+    if answers is not None:
+        install(gen, spec)
+    uids = gen.insert(prompts, max_tokens=[N] * len(prompts))
+    for uid, p, a in zip(uids, prompts, answers or [], strict=False):
+        spec.rows[uid] = RowSpec(Mixed(len(p), a, 3))
+    out: dict[int, list[int]] = {u: [] for u in uids}
+    done, accepted = 0, 0
+    for _ in range(10 * N + 50):  # bounded: every step answers every row
+        for r in gen.next_generated():
+            out[r.uid].append(r.token)
+            done += r.finish_reason is not None
+        accepted += sum(a for _, a in spec.counts.values())
+        if done == len(uids):
+            gen.close()
+            return [out[u] for u in uids], accepted
+    raise AssertionError("the batch did not finish")
+
+
+def test_batched_speculation_keeps_greedy_output(arch: Any) -> None:
+    _, model, prompt, _ = arch
+    prompts = [prompt, prompt[:-9] + prompt[-5:], prompt[3:]]  # three lengths
+    want, _ = batched(model, prompts, None)
+    got, accepted = batched(model, prompts, want)
+    assert got == want
+    assert accepted > 0

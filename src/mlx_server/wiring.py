@@ -355,7 +355,6 @@ def _speculation_note(cache: list[Any], kinds: str) -> str:
     if all(type(c) is KVCache for c in cache):
         return f"Speculative decoding: on ({kinds})"
     return (
-        f"Speculative decoding: on ({kinds}); layers that cannot be trimmed are restored "
-        "and fed the accepted tokens again after a rejected draft, and requests in a "
-        "batch of several decode without drafts"
+        f"Speculative decoding: on ({kinds}); after a rejected draft, layers that cannot "
+        "be trimmed are restored and fed the accepted tokens again"
     )

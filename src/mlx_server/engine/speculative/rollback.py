@@ -38,12 +38,12 @@ def _freeze(value: Any) -> Any:
     if isinstance(value, tuple):
         return tuple(_freeze(v) for v in value)
     if isinstance(value, _BaseCache):
-        return _Saved(value)  # a layer inside a layer (``CacheList``)
+        return Saved(value)  # a layer inside a layer (``CacheList``)
     return value
 
 
 def _thaw(value: Any) -> Any:
-    if isinstance(value, _Saved):
+    if isinstance(value, Saved):
         value.restore()
         return value.layer
     if isinstance(value, mx.array):
@@ -55,7 +55,7 @@ def _thaw(value: Any) -> Any:
     return value
 
 
-class _Saved:
+class Saved:
     """One cache layer's attributes at a point in time."""
 
     def __init__(self, layer: Any):
@@ -93,7 +93,7 @@ class Rollback:
     def __init__(self, model: Any, cache: list[Any]):
         self.model, self.cache = model, cache
         self.fed: list[int] = []  # fed after the saved point; the cache holds all of them
-        self._saved = [_Saved(c) if needs_saving(c) else None for c in cache]
+        self._saved = [Saved(c) if needs_saving(c) else None for c in cache]
 
     def feed(self, tokens: list[int]) -> mx.array:
         """Feed ``tokens`` after those fed so far: the model's logits at each, (n, vocab)."""
