@@ -59,7 +59,16 @@ class Mixed:
         return [t + 1 if (at + i) % self.wrong_every == 0 else t for i, t in enumerate(out)]
 
 
-def speculate(model: Any, prompt: list[int], drafter: Any, k: int = 4) -> list[int]:
+def speculate(
+    model: Any, prompt: list[int], drafter: Any, k: int = 4, eos: list[int] | None = None
+) -> list[int]:
+    return speculate_to_end(model, prompt, drafter, k, eos or [])[0]
+
+
+def speculate_to_end(
+    model: Any, prompt: list[int], drafter: Any, k: int, eos: list[int]
+) -> tuple[list[int], Any]:
+    """The tokens, and the finishing response (its cache for the prefix cache)."""
     seq = SpeculativeSequence(
         model,
         1,
@@ -71,7 +80,7 @@ def speculate(model: Any, prompt: list[int], drafter: Any, k: int = 4) -> list[i
         drafter=drafter,
         num_draft_tokens=k,
         max_tokens=N,
-        eos=[],
+        eos=eos,
         prefill_step_size=32,  # the prompt prefills in chunks, as in the server
         adaptive=False,
     )
@@ -81,7 +90,7 @@ def speculate(model: Any, prompt: list[int], drafter: Any, k: int = 4) -> list[i
             out.append(r.token)
             if r.finish_reason is not None:
                 assert r.all_tokens == seq.fed == (prompt + out)[: len(seq.fed)]
-                return out
+                return out, r
     raise AssertionError("the sequence did not finish")
 
 
@@ -89,6 +98,20 @@ def speculate(model: Any, prompt: list[int], drafter: Any, k: int = 4) -> list[i
 def test_greedy_output_is_mlx_lm_s_with_rejected_drafts(arch: Any, wrong_every: int) -> None:
     _, model, prompt, want = arch
     assert speculate(model, prompt, Mixed(len(prompt), want, wrong_every)) == want
+
+
+def test_a_stop_inside_accepted_tokens_leaves_the_cache_at_the_stop(arch: Any) -> None:
+    """The sequence ends on an accepted draft token: the cache it leaves for the prefix
+    cache holds the context up to that token, and continues as plain decoding does."""
+    _, model, prompt, want = arch
+    end = next(i for i in range(6, N) if want[i] not in want[:i])  # a first occurrence
+    out, last = speculate_to_end(model, prompt, Mixed(len(prompt), want, 7), 8, [want[end]])
+    assert out == want[: end + 1] and last.finish_reason == "stop"
+    more = generate_step(
+        mx.array([want[end]]), model, max_tokens=4, sampler=greedy, prompt_cache=last.prompt_cache
+    )
+    longer = generate_step(mx.array(prompt), model, max_tokens=end + 5, sampler=greedy)
+    assert [int(t) for t, _ in more] == [int(t) for t, _ in longer][end + 1 :]
 
 
 def test_predicted_output_with_an_edit_keeps_greedy_output(arch: Any) -> None:
