@@ -16,10 +16,12 @@ import mlx.core as mx
 import pytest
 from mlx_lm import load
 from mlx_lm.generate import BatchGenerator, generate_step
+from mlx_lm.models.cache import ArraysCache, KVCache
 from spec_arch import WINDOW, build_arch_model, build_varied
 
 from mlx_server.engine.speculative.batch import BatchSpeculator, RowSpec, install
 from mlx_server.engine.speculative.drafters import DraftModel, PredictedOutput, PromptLookup
+from mlx_server.engine.speculative.rollback import rollback_problem
 from mlx_server.engine.speculative.sequence import SpeculativeSequence
 
 pytestmark = pytest.mark.tiny
@@ -178,3 +180,29 @@ def test_batched_speculation_keeps_greedy_output(arch: Any) -> None:
     got, accepted = batched(model, prompts, want)
     assert got == want
     assert accepted > 0
+
+
+# ---- the start-up check ---------------------------------------------------------------------
+
+
+class OddLayer:
+    """A cache layer of a kind the rollback does not know."""
+
+
+class OddModel:
+    def make_cache(self) -> list[Any]:
+        return [KVCache(), OddLayer()]
+
+
+def test_a_cache_layer_the_rollback_does_not_know_refuses_speculation_at_start() -> None:
+    from types import SimpleNamespace
+
+    from mlx_server.config import Settings
+    from mlx_server.models.base import ModelLoadError
+    from mlx_server.wiring import _speculation
+
+    assert rollback_problem([KVCache(), ArraysCache(2)]) is None
+    with pytest.raises(ModelLoadError, match="OddLayer"):
+        _speculation(SimpleNamespace(), Settings(model="m", prompt_lookup=True), OddModel())
+    # Without a flag asking for it the server starts; predicted outputs do not speculate.
+    assert _speculation(SimpleNamespace(), Settings(model="m"), OddModel()) is None
