@@ -215,20 +215,28 @@ def _batch_size(settings: Settings, kv_budget: int, kv_per_sequence: int) -> int
 
 
 def _quantized_kv(loaded: Any, settings: Settings, model: Any, per_token: int) -> tuple[Any, int]:
-    """The model wrapped to quantize its KV cache (``--kv-bits``), and the KV bytes per token."""
+    """The model wrapped to quantize its KV cache (``--kv-bits``) on the layers that can
+    take it, and the KV bytes per token; a model none of whose layers can is refused."""
     if not settings.kv_bits:
         return model, per_token
     from mlx_server.engine.kv_quant import QuantizedKVModel
+    from mlx_server.engine.kv_quant_layers import NoQuantizableLayer, plan_layers
+    from mlx_server.models.base import ModelLoadError
     from mlx_server.models.loader import activation_bytes, kv_bytes_per_token
 
-    per_token = kv_bytes_per_token(
-        loaded.config, activation_bytes(loaded.model), settings.kv_bits, settings.kv_group_size
-    )
+    bits, group = settings.kv_bits, settings.kv_group_size
+    try:
+        plan = plan_layers(model, bits, group)
+    except NoQuantizableLayer as e:
+        raise ModelLoadError(str(e)) from e
+    share = len(plan.quantized) / (len(plan.quantized) + len(plan.plain))
+    quantized = kv_bytes_per_token(loaded.config, activation_bytes(loaded.model), bits, group)
+    per_token = int(quantized * share + per_token * (1 - share))
     log(
-        f"KV cache: {settings.kv_bits}-bit, group size {settings.kv_group_size} "
-        f"({per_token} bytes per token)"
+        f"KV cache: {bits}-bit, group size {group} ({per_token} bytes per token); "
+        + plan.describe()
     )
-    return QuantizedKVModel(model, settings.kv_bits, settings.kv_group_size), per_token
+    return QuantizedKVModel(model, bits, group, plan.quantized), per_token
 
 
 # A server restarted while the old process still writes its last entries (at most a few
@@ -330,26 +338,32 @@ def _speculation(loaded: Any, settings: Settings, model: Any) -> Any:
     """Speculative decoding's settings, with the draft model loaded and checked (its
     tokenizer must be the model's), or None when it is off. Predicted outputs need no
     flag: a request that brings one speculates whenever it runs alone."""
-    from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache
+    from mlx_lm.models.cache import make_prompt_cache
 
     from mlx_server.engine.speculative.drafters import check_same_tokenizer
+    from mlx_server.engine.speculative.rollback import layer_kinds, rollback_problem
     from mlx_server.engine.speculative.runner import Speculation
     from mlx_server.models.base import ModelLoadError
     from mlx_server.models.loader import load_model
 
-    if not can_trim_prompt_cache(make_prompt_cache(model)):
+    cache = make_prompt_cache(model)
+    if (problem := rollback_problem(cache)) is not None:
         if settings.prompt_lookup or settings.draft_model:
             raise ModelLoadError(
-                "speculative decoding needs a KV cache that can be rolled back, and this "
-                "model's (or the quantized KV cache's) cannot; drop --prompt-lookup and "
-                "--draft-model, or --kv-bits"
+                f"speculative decoding is not available for this model: {problem}; drop "
+                "--prompt-lookup and --draft-model"
             )
+        log(f"Predicted outputs are not used to speculate on this model: {problem}")
         return None
+    if settings.prompt_lookup or settings.draft_model:
+        log(_speculation_note(cache, layer_kinds(cache)))
     draft = None
     if settings.draft_model:
         drafted = load_model(settings.draft_model, dtype=settings.dtype)
         if "vision" in drafted.capabilities:
             raise ModelLoadError("--draft-model: a vision model cannot draft")
+        if (problem := rollback_problem(make_prompt_cache(drafted.model))) is not None:
+            raise ModelLoadError(f"--draft-model {settings.draft_model}: {problem}")
         try:
             check_same_tokenizer(loaded.tokenizer, drafted.tokenizer)
         except ValueError as e:
@@ -360,4 +374,16 @@ def _speculation(loaded: Any, settings: Settings, model: Any) -> Any:
         num_draft_tokens=settings.num_draft_tokens,
         prompt_lookup=settings.prompt_lookup,
         draft_model=draft,
+    )
+
+
+def _speculation_note(cache: list[Any], kinds: str) -> str:
+    """What speculation does on this model's layers (the start-up log line)."""
+    from mlx_lm.models.cache import KVCache
+
+    if all(type(c) is KVCache for c in cache):
+        return f"Speculative decoding: on ({kinds})"
+    return (
+        f"Speculative decoding: on ({kinds}); after a rejected draft, layers that cannot "
+        "be trimmed are restored and fed the accepted tokens again"
     )
