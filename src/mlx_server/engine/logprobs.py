@@ -10,7 +10,8 @@ import mlx.core as mx
 from mlx_server.events import LogprobEntry, TokenLogprob
 
 # The chosen token's log-probability is finite in practice (it was sampled); should a
-# processor have masked it anyway, it is reported as this floor rather than -inf.
+# processor have masked it anyway, or the model's logits hold NaN, it is reported as this
+# floor: -inf and NaN are not JSON (the response would be a 500).
 LOGPROB_FLOOR = -9999.0
 
 
@@ -33,7 +34,8 @@ def logprob_entry(tokenizer: Any, token: int, logprobs: mx.array, k: int) -> Log
             if math.isfinite(v)
         )
     chosen = float(logprobs[token].item())  # type: ignore[arg-type]
-    return LogprobEntry(text, max(chosen, LOGPROB_FLOOR), list(text.encode()), top)
+    chosen = max(chosen, LOGPROB_FLOOR) if math.isfinite(chosen) else LOGPROB_FLOOR
+    return LogprobEntry(text, chosen, list(text.encode()), top)
 
 
 def _alternative(tokenizer: Any, token: int, logprob: float) -> TokenLogprob:
