@@ -96,10 +96,9 @@ def speculate_to_end(
     raise AssertionError("the sequence did not finish")
 
 
-@pytest.mark.parametrize("wrong_every", [3, 5])
-def test_greedy_output_is_mlx_lm_s_with_rejected_drafts(arch: Any, wrong_every: int) -> None:
+def test_greedy_output_is_mlx_lm_s_with_rejected_drafts(arch: Any) -> None:
     _, model, prompt, want = arch
-    assert speculate(model, prompt, Mixed(len(prompt), want, wrong_every)) == want
+    assert speculate(model, prompt, Mixed(len(prompt), want, 3)) == want
 
 
 def test_a_stop_inside_accepted_tokens_leaves_the_cache_at_the_stop(arch: Any) -> None:

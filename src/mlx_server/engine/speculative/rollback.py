@@ -1,4 +1,4 @@
-"""Roll a lone sequence's cache back after a verify pass, on every kind of cache layer.
+"""Roll a cache back after a verify pass, on every kind of cache layer.
 
 A verify pass feeds the target ``k + 1`` tokens and keeps only a prefix of them. A plain
 KV layer drops the rest by trimming. Other layers cannot always: a recurrent layer
@@ -30,9 +30,10 @@ class RollbackError(RuntimeError):
 
 def _freeze(value: Any) -> Any:
     """A copy of ``value`` that later in-place writes to the cache do not reach: arrays are
-    new handles on the same data (a write then copies instead of reusing the buffer)."""
+    new handles on the same data (``stop_gradient`` shares the buffer; ``mx.array`` would
+    copy it), so a write then copies instead of reusing the buffer."""
     if isinstance(value, mx.array):
-        return mx.array(value)
+        return mx.stop_gradient(value)
     if isinstance(value, list):
         return [_freeze(v) for v in value]
     if isinstance(value, tuple):
@@ -47,7 +48,7 @@ def _thaw(value: Any) -> Any:
         value.restore()
         return value.layer
     if isinstance(value, mx.array):
-        return mx.array(value)
+        return mx.stop_gradient(value)
     if isinstance(value, list):
         return [_thaw(v) for v in value]
     if isinstance(value, tuple):
