@@ -110,7 +110,7 @@ def e2e_server(request, tmp_path_factory) -> Iterator[ServerProcess]:
         model = demo_model_dir()
     port = free_port()
     sp = launch(["-m", str(model), "--port", str(port), "--ctx-size", "256"])
-    assert sp.wait_ready(300), sp.lines
+    assert sp.wait_ready(150), sp.lines
     yield sp
     sp.stop()
 

@@ -58,7 +58,7 @@ def test_message_stream_and_count_on_a_real_model(tiny_server):
 @pytest.fixture(scope="module")
 def demo():
     sp = launch(["-m", str(demo_model_dir()), "--port", str(free_port()), "--ctx-size", "2048"])
-    assert sp.wait_ready(300), sp.lines
+    assert sp.wait_ready(150), sp.lines
     yield sp
     sp.stop()
 

@@ -111,7 +111,7 @@ def demo_server():
     model = demo_model_dir()
     port = free_port()
     sp = launch(["-m", str(model), "--port", str(port), "--ctx-size", "512"])
-    assert sp.wait_ready(300), sp.lines
+    assert sp.wait_ready(150), sp.lines
     yield sp
     sp.stop()
 

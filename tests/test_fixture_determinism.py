@@ -13,6 +13,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 HERE = Path(__file__).resolve().parent
 
 
@@ -79,6 +81,7 @@ def _build_all(out: Path) -> None:
         build(out / name)
 
 
+@pytest.mark.timeout(480)  # two builds of every fixture (torch, transformers): minutes on 2 cores
 def test_every_builder_writes_the_same_files_twice(tmp_path: Path) -> None:
     runs = [tmp_path / "a", tmp_path / "b"]
     # One build in a process of its own (another hash seed, fresh native state), the other
@@ -86,7 +89,7 @@ def test_every_builder_writes_the_same_files_twice(tmp_path: Path) -> None:
     proc = _build_all_in_a_process(runs[0], "1")
     try:
         _build_all(runs[1])
-        output, _ = proc.communicate(timeout=600)
+        output, _ = proc.communicate(timeout=420)
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -17,7 +17,7 @@ MESSAGES = [{"role": "user", "content": "Name a colour."}]
 @pytest.fixture(scope="module")
 def demo():
     sp = launch(["-m", str(demo_model_dir()), "--port", str(free_port()), "--ctx-size", "1024"])
-    assert sp.wait_ready(300), sp.lines
+    assert sp.wait_ready(150), sp.lines
     yield sp
     sp.stop()
 

@@ -125,7 +125,7 @@ def test_admission_counts_every_choice(scripted_factory):
 @pytest.fixture(scope="module")
 def demo():
     sp = launch(["-m", str(demo_model_dir()), "--port", str(free_port()), "--ctx-size", "1024"])
-    assert sp.wait_ready(300), sp.lines
+    assert sp.wait_ready(150), sp.lines
     yield sp
     sp.stop()
 

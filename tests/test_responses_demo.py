@@ -42,7 +42,7 @@ class City(BaseModel):
 @pytest.fixture(scope="module")
 def demo() -> Iterator[ServerProcess]:
     sp = launch(["-m", str(demo_model_dir()), "--port", str(free_port()), "--ctx-size", "2048"])
-    assert sp.wait_ready(300), sp.lines
+    assert sp.wait_ready(150), sp.lines
     yield sp
     sp.stop()
 

@@ -11,7 +11,8 @@ import openai
 import pytest
 from support import demo_model_dir, free_port, launch
 
-pytestmark = pytest.mark.demo
+# A demo-model server (up to 300 s to start) and generations of up to 300 s each.
+pytestmark = [pytest.mark.demo, pytest.mark.timeout(600)]
 
 NAME = {"type": "string", "minLength": 1, "maxLength": 20}
 
