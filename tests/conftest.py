@@ -90,9 +90,9 @@ def server_factory():
         p.stop()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def tiny_server(tmp_path_factory) -> Iterator[ServerProcess]:
-    """One real server process on the tiny model, shared by a module's tests."""
+    """One real server process on the tiny model, shared by the session's tests."""
     model = build_tiny_model(tmp_path_factory.mktemp("srv") / "tiny-model")
     port = free_port()
     sp = launch(["-m", str(model), "--port", str(port), "--ctx-size", "256"])
@@ -101,16 +101,27 @@ def tiny_server(tmp_path_factory) -> Iterator[ServerProcess]:
     sp.stop()
 
 
+@pytest.fixture(scope="session")
+def demo_server() -> Iterator[ServerProcess]:
+    """One demo-model server for the session, shared by the modules whose demo tests need no
+    setting of their own (each started its own before, several seconds apiece); a module that
+    needs other flags starts its own."""
+    sp = launch(["-m", str(demo_model_dir()), "--port", str(free_port()), "--ctx-size", "2048"])
+    assert sp.wait_ready(150), sp.lines
+    yield sp
+    sp.stop()
+
+
 @pytest.fixture(scope="module", params=["tiny", pytest.param("demo", marks=pytest.mark.demo)])
-def e2e_server(request, tmp_path_factory) -> Iterator[ServerProcess]:
+def e2e_server(request) -> Iterator[ServerProcess]:
     """A real server process, once on the tiny random model and once on the demo model."""
     if request.param == "tiny":
-        model = build_tiny_model(tmp_path_factory.mktemp("srv") / "tiny-model")
-    else:
-        model = demo_model_dir()
+        yield request.getfixturevalue("tiny_server")  # the same flags: the session's
+        return
+    model = demo_model_dir()
     port = free_port()
     sp = launch(["-m", str(model), "--port", str(port), "--ctx-size", "256"])
-    assert sp.wait_ready(300), sp.lines
+    assert sp.wait_ready(150), sp.lines
     yield sp
     sp.stop()
 

@@ -4,7 +4,9 @@ cross-encoder, and sentence-transformers references (CPU torch)."""
 from __future__ import annotations
 
 import json
+import math
 import shutil
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -72,23 +74,36 @@ _CORPUS = [
 ]
 
 
+def _unigram_pieces(corpus: list[str]) -> list[tuple[str, float]]:
+    """A fixed unigram vocabulary for ``corpus``: every word as Metaspace splits it (with its
+    "▁"), every word without its trailing punctuation, and every character, scored by log
+    frequency. Written out rather than trained: the unigram trainer iterates hash maps and
+    gives a different vocabulary on every run."""
+    words = Counter(f"▁{w}" for line in corpus for w in line.split())
+    words.update(Counter(w.rstrip(".,;!?") for w in list(words.elements())))
+    chars = Counter(c for w in words.elements() for c in w)
+    total = sum(words.values()) + sum(chars.values())
+    # Characters score lower than any word, so a known word stays one piece.
+    scored = {p: math.log(n / total) for p, n in words.items()}
+    scored.update({c: math.log(n / total) - 10.0 for c, n in chars.items() if c not in scored})
+    return sorted(scored.items(), key=lambda item: (-item[1], item[0]))
+
+
 def build_tiny_xlmr_cross_encoder(dest: Path, seed: int = 0) -> Path:
     """An ``XLMRobertaForSequenceClassification`` reranker (bge-reranker-base's architecture)
     with random weights and one label, tiny (2 layers, width 64), on a small SentencePiece-style
     unigram tokenizer with XLM-R's special tokens and pair layout (``<s> A </s></s> B </s>``)."""
     import torch
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import XLMRobertaConfig, XLMRobertaForSequenceClassification
 
     dest.mkdir(parents=True, exist_ok=True)
     specials = ["<s>", "<pad>", "</s>", "<unk>"]  # XLM-R's ids 0 to 3
-    tok = Tokenizer(models.Unigram())
+    vocab = [(s, 0.0) for s in specials] + _unigram_pieces(_CORPUS)
+    tok = Tokenizer(models.Unigram(vocab, unk_id=specials.index("<unk>"), byte_fallback=False))
     tok.pre_tokenizer = pre_tokenizers.Metaspace()
     tok.decoder = decoders.Metaspace()
-    trainer = trainers.UnigramTrainer(
-        vocab_size=300, special_tokens=specials, unk_token="<unk>", show_progress=False
-    )
-    tok.train_from_iterator(_CORPUS * 10, trainer)
+    tok.add_special_tokens(specials)
     tok.post_processor = processors.RobertaProcessing(("</s>", 2), ("<s>", 0))
     tok.save(str(dest / "tokenizer.json"))
     tok_config = {

@@ -133,6 +133,7 @@ def test_a_cancelled_queued_request_frees_its_queue_slot(lm):
 # ---- over HTTP ------------------------------------------------------------------------
 
 
+@pytest.mark.timeout(600)  # a server, and requests it may answer in up to 300 s
 def test_http_overload_oversize_and_health(lm, server_factory):
     from mlx_server.models.loader import load_model
 

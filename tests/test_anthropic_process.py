@@ -11,7 +11,7 @@ import json
 import anthropic
 import httpx
 import pytest
-from support import MESSAGE, check_stream_order, demo_model_dir, free_port, launch, stream_events
+from support import MESSAGE, ServerProcess, check_stream_order, stream_events
 
 QUESTION = [{"role": "user", "content": "hello"}]
 
@@ -55,12 +55,9 @@ def test_message_stream_and_count_on_a_real_model(tiny_server):
     assert streamed.usage.output_tokens == msg.usage.output_tokens
 
 
-@pytest.fixture(scope="module")
-def demo():
-    sp = launch(["-m", str(demo_model_dir()), "--port", str(free_port()), "--ctx-size", "2048"])
-    assert sp.wait_ready(300), sp.lines
-    yield sp
-    sp.stop()
+@pytest.fixture
+def demo(demo_server: ServerProcess) -> ServerProcess:
+    return demo_server  # the session's demo-model server (conftest.py)
 
 
 @pytest.mark.demo
@@ -78,6 +75,7 @@ def test_demo_model_answers_through_the_sdk(demo):
 
 
 @pytest.mark.demo
+@pytest.mark.timeout(600)  # demo-model generations: up to 3 minutes on a loaded 2-core machine
 def test_demo_model_forced_tool_use_streams_its_input(demo):
     tool = {
         "name": "get_weather",

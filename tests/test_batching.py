@@ -215,6 +215,7 @@ def test_batch_size_limit_bounds_concurrency(lm):
     assert finished == [(a.text, "length") for a in alone]
 
 
+@pytest.mark.timeout(420)  # long prompts given up to 300 s to finish
 def test_prefill_is_paced_so_long_prompts_do_not_pile_up(lm):
     model, tokenizer = lm
     longs = [prompt(tokenizer, 120, seed=400 + i) for i in range(4)]

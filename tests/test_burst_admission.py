@@ -6,6 +6,8 @@ first request starting alone and the rest joining in waves. A lone request is ne
 from __future__ import annotations
 
 import asyncio
+import time
+from collections.abc import Callable
 
 import pytest
 from engine_runner import collect, load_varied_model, request, running_engine
@@ -29,16 +31,43 @@ def prompt(tokenizer, i: int) -> list[int]:
     return list(tokenizer.encode(f"request {i}: the quick brown fox jumps"))
 
 
-def test_announced_requests_start_together(lm):
+def count_admissions(engine, monkeypatch) -> Callable[[], int]:
+    """How many times the engine thread has tried to start the queued requests."""
+    done = 0
+    admit = engine._admit
+
+    def counted() -> None:
+        nonlocal done
+        admit()
+        done += 1
+
+    monkeypatch.setattr(engine, "_admit", counted)
+    return lambda: done
+
+
+async def engine_tried_to_start_the_queue(engine, admissions: Callable[[], int]) -> None:
+    """Wait until the engine thread has tried to start what is queued now: a call wakes it,
+    reads the count on the engine thread, and the admission that follows the call in the
+    engine's loop has seen the queue."""
+    before = await asyncio.wait_for(asyncio.wrap_future(engine.call(admissions)), 60)
+    deadline = time.monotonic() + 60
+    while admissions() == before:
+        assert time.monotonic() < deadline, "the engine thread never tried to admit"
+        await asyncio.sleep(0.01)
+
+
+def test_announced_requests_start_together(lm, monkeypatch):
     model, tokenizer = lm
     with running_engine(model, tokenizer, gather_s=FOREVER, prompt_cache_size=0) as engine:
+        admissions = count_admissions(engine, monkeypatch)
         reqs = [request(prompt(tokenizer, i), 6, ignore_eos=True) for i in range(3)]
         for r in reqs:
             engine.expect(r.request_id)
 
         async def run() -> list:
             first = engine.submit(reqs[0])
-            await asyncio.sleep(0.1)  # time enough to start it alone, were it not held
+            await engine_tried_to_start_the_queue(engine, admissions)
+            assert engine.stats()["queued"] == 1  # held for the announced ones
             rest = [engine.submit(r) for r in reqs[1:]]
             return list(await asyncio.wait_for(asyncio.gather(*map(collect, [first, *rest])), 120))
 
@@ -60,16 +89,18 @@ def test_a_lone_announced_request_is_not_held(lm):
         assert engine.stats()["solo_runs"] == 1
 
 
-def test_a_withdrawn_announcement_releases_the_queue(lm):
+def test_a_withdrawn_announcement_releases_the_queue(lm, monkeypatch):
     model, tokenizer = lm
     with running_engine(model, tokenizer, gather_s=FOREVER, prompt_cache_size=0) as engine:
+        admissions = count_admissions(engine, monkeypatch)
         req = request(prompt(tokenizer, 0), 4, ignore_eos=True)
         engine.expect(req.request_id)
         withdraw = engine.expect("never-submitted")  # its prompt failed to build, say
 
         async def run():
             handle = engine.submit(req)
-            await asyncio.sleep(0.1)
+            await engine_tried_to_start_the_queue(engine, admissions)
+            assert engine.stats()["queued"] == 1  # held for the announced one
             withdraw()
             return await asyncio.wait_for(collect(handle), 120)
 

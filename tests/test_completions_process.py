@@ -7,7 +7,7 @@ import json
 import httpx
 import openai
 import pytest
-from support import demo_model_dir, free_port, launch, schema_validator
+from support import free_port, launch, schema_validator
 from tiny_model import FIM_SPECIALS, build_tiny_model
 
 RESPONSE = schema_validator("CreateCompletionResponse")
@@ -104,16 +104,6 @@ def test_context_and_bad_ids_are_400(fim_server):
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
     r = post(fim_server, {"prompt": [1, 2, 99999]})
     assert r.status_code == 400 and "prompt[0]" in r.json()["error"]["message"]
-
-
-@pytest.fixture(scope="module")
-def demo_server():
-    model = demo_model_dir()
-    port = free_port()
-    sp = launch(["-m", str(model), "--port", str(port), "--ctx-size", "512"])
-    assert sp.wait_ready(300), sp.lines
-    yield sp
-    sp.stop()
 
 
 @pytest.mark.demo

@@ -30,7 +30,7 @@ def embedder(tmp_path_factory):
 def server(embedder):
     port = free_port()
     sp = launch(["--model", str(embedder), "--port", str(port), "--ctx-size", "4096"])
-    assert sp.wait_ready(300), sp.lines
+    assert sp.wait_ready(150), sp.lines
     yield sp
     sp.stop()
 

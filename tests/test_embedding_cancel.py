@@ -24,7 +24,7 @@ def server():
     port = free_port()
     model = str(embedding_demo_dir())
     sp = launch(["--model", model, "--port", str(port), "--max-batch-size", str(BATCH)])
-    assert sp.wait_ready(300), sp.lines
+    assert sp.wait_ready(150), sp.lines
     yield sp
     sp.stop()
 

@@ -36,7 +36,7 @@ def server():
     model = embedding_demo_dir() / "model.safetensors"
     args = ["--model", str(model), "--port", str(port), "--ctx-size", "4096", "--embedding"]
     sp = launch([*args, "--api-key", KEY])
-    assert sp.wait_ready(300), sp.lines
+    assert sp.wait_ready(150), sp.lines
     yield sp
     sp.stop()
 

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 from support import free_port, launch
 
-pytestmark = pytest.mark.tiny
+# The kit's scripts run as processes of their own, each given up to 240 s.
+pytestmark = [pytest.mark.tiny, pytest.mark.timeout(900)]
 
 KIT = Path(__file__).resolve().parents[1] / "bench" / "gpu"
 

@@ -51,6 +51,7 @@ def parked(tmp_path_factory) -> Path:
     return park
 
 
+@pytest.mark.timeout(720)  # the kit's scripts, given up to 600 s
 def test_the_run_joins_the_parts_and_writes_every_row(parked, tmp_path):
     out = tmp_path / "out"
     env = {

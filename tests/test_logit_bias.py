@@ -9,17 +9,14 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import openai
 import pytest
-from support import demo_model_dir, free_port, launch
+from support import ServerProcess
 
 MESSAGES = [{"role": "user", "content": "Name a colour."}]
 
 
-@pytest.fixture(scope="module")
-def demo():
-    sp = launch(["-m", str(demo_model_dir()), "--port", str(free_port()), "--ctx-size", "1024"])
-    assert sp.wait_ready(300), sp.lines
-    yield sp
-    sp.stop()
+@pytest.fixture
+def demo(demo_server: ServerProcess) -> ServerProcess:
+    return demo_server  # the session's demo-model server (conftest.py)
 
 
 def token_ids(srv, text: str) -> list[int]:
@@ -44,6 +41,7 @@ def tokens_of(resp: dict) -> list[str]:
 
 
 @pytest.mark.demo
+@pytest.mark.timeout(600)  # demo-model generations: up to 3 minutes on a loaded 2-core machine
 def test_force_and_ban_in_one_batch(demo):
     plain = chat(demo, logprobs=True)
     first = tokens_of(plain)[0]

@@ -21,7 +21,7 @@ EMBED = "all-minilm-l6-v2"  # the demo model, offered by its folder name
 
 def start(args: list[str]):
     srv = launch([*args, "--port", str(free_port())])
-    assert srv.wait_ready(300), srv.lines
+    assert srv.wait_ready(150), srv.lines
     return srv
 
 

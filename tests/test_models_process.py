@@ -52,6 +52,10 @@ def chat(srv, model: str, headers=None, **extra) -> httpx.Response:
     )
 
 
+# Servers of several models (up to 300 s to start) and first requests that load a model.
+pytestmark = pytest.mark.timeout(600)
+
+
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("models")

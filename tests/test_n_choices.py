@@ -8,7 +8,7 @@ import json
 import httpx
 import openai
 import pytest
-from support import demo_model_dir, free_port, launch
+from support import ServerProcess
 
 USER = [{"role": "user", "content": "Say something."}]
 
@@ -122,15 +122,13 @@ def test_admission_counts_every_choice(scripted_factory):
 # ---- the demo model ------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def demo():
-    sp = launch(["-m", str(demo_model_dir()), "--port", str(free_port()), "--ctx-size", "1024"])
-    assert sp.wait_ready(300), sp.lines
-    yield sp
-    sp.stop()
+@pytest.fixture
+def demo(demo_server: ServerProcess) -> ServerProcess:
+    return demo_server  # the session's demo-model server (conftest.py)
 
 
 @pytest.mark.demo
+@pytest.mark.timeout(600)  # demo-model generations: up to 3 minutes on a loaded 2-core machine
 def test_seeded_n_is_reproducible_and_each_choice_differs(demo):
     def ask():
         return client(demo).chat.completions.create(
@@ -175,6 +173,7 @@ def test_streamed_n_matches_collected(demo):
 
 
 @pytest.mark.demo
+@pytest.mark.timeout(600)  # demo-model generations: up to 3 minutes on a loaded 2-core machine
 def test_n_with_a_schema_and_with_tools(demo):
     schema = {
         "type": "object",

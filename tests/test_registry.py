@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import math
 import threading
+import time
 from dataclasses import dataclass, field
 
 import pytest
@@ -53,10 +54,24 @@ class Loader:
 
 
 class Clock:
+    """The registry's clock; counts its reads (the reaper reads it once per pass)."""
+
     now = 1000.0
 
+    def __init__(self) -> None:
+        self.reads = 0
+
     def __call__(self) -> float:
+        self.reads += 1
         return self.now
+
+
+async def until(condition, what: str, timeout: float = 10.0) -> None:
+    """Wait for ``condition()`` to hold; fail after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.01)
 
 
 def make(ids=("a", "b", "c"), *, memory=100 * MB, max_loaded=0, idle=0.0, pinned=(), kind="chat"):
@@ -119,9 +134,7 @@ def test_concurrent_requests_wait_for_one_load():
         reg, loader, _ = make()
         loader.gate.clear()
         tasks = [asyncio.ensure_future(reg.acquire("a")) for _ in range(4)]
-        await asyncio.sleep(0)
-        while reg.slots["a"].state != "loading":
-            await asyncio.sleep(0.01)
+        await until(lambda: reg.slots["a"].state == "loading", "the load to start")
         loader.gate.set()
         slots = await asyncio.wait_for(asyncio.gather(*tasks), 10)
         assert loader.loads == ["a"] and {s.id for s in slots} == {"a"}
@@ -135,8 +148,7 @@ def test_too_many_waiting_for_a_load_is_overloaded():
         reg, loader, _ = make()
         loader.gate.clear()
         tasks = [asyncio.ensure_future(reg.acquire("a")) for _ in range(4)]
-        while reg.slots["a"].waiting < 4:
-            await asyncio.sleep(0.01)
+        await until(lambda: reg.slots["a"].waiting == 4, "four requests waiting")
         with pytest.raises(Overloaded):
             await reg.acquire("a")
         loader.gate.set()
@@ -167,14 +179,17 @@ def test_keep_alive_zero_unloads_once_the_request_ends():
     async def run():
         reg, _, clock = make()
         slot = await reg.acquire("a", keep_alive=0)
-        await asyncio.sleep(0.3)
-        assert slot.state == "loaded"  # held by its request
+        reads = clock.reads
+
+        # Two passes of the reaper (one clock read each) have looked at the expired slot...
+        def reaper_passed() -> bool:  # (or the slot is gone, which fails below)
+            return clock.reads >= reads + 2 or slot.state != "loaded"
+
+        await until(reaper_passed, "two passes of the reaper")
+        assert slot.state == "loaded"  # ...and left it: its request holds it
         reg.release(slot)
-        for _ in range(100):
-            if slot.state == "unloaded":
-                break
-            await asyncio.sleep(0.05)
-        assert slot.state == "unloaded" and slot.unloads == 1
+        await until(lambda: slot.state == "unloaded", "the unload")
+        assert slot.unloads == 1
 
     asyncio.run(run())
 

@@ -37,10 +37,13 @@ from support import REPO, ServerProcess, demo_model_dir, free_port
 HAPROXY = shutil.which("haproxy", path=os.pathsep.join([os.environ.get("PATH", ""), "/usr/sbin"]))
 if HAPROXY is None and os.environ.get("MLX_SERVER_REQUIRE_HAPROXY"):
     pytest.fail("haproxy is required here (.ci/run installs it with apt) but not found")
-pytestmark = pytest.mark.skipif(
-    HAPROXY is None,
-    reason="no haproxy on this machine (apt-get install haproxy): the replica tests need it",
-)
+pytestmark = [
+    pytest.mark.skipif(
+        HAPROXY is None,
+        reason="no haproxy on this machine (apt-get install haproxy): the replica tests need it",
+    ),
+    pytest.mark.timeout(420),  # the cluster of two servers and a balancer: up to 300 s to start
+]
 
 
 def _load_launcher():

@@ -34,7 +34,7 @@ def reranker(request, tmp_path_factory):
     model = BUILDERS[name](tmp_path_factory.mktemp("rerank") / f"tiny-{name}")
     port = free_port()
     sp = launch(["--model", str(model), "--port", str(port), "--ctx-size", str(CTX[name])])
-    assert sp.wait_ready(300), sp.lines
+    assert sp.wait_ready(150), sp.lines
     yield name, model, sp
     sp.stop()
 

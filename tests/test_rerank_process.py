@@ -30,7 +30,7 @@ def reranker(tmp_path_factory):
 def server(reranker):
     port = free_port()
     sp = launch(["--model", str(reranker), "--port", str(port), "--ctx-size", "512"])
-    assert sp.wait_ready(300), sp.lines
+    assert sp.wait_ready(150), sp.lines
     yield sp
     sp.stop()
 
@@ -116,7 +116,7 @@ def test_a_chat_model_refuses_embeddings_and_rerank(tmp_path):
     port = free_port()
     sp = launch(["-m", str(model), "--port", str(port), "--ctx-size", "256"])
     try:
-        assert sp.wait_ready(300), sp.lines
+        assert sp.wait_ready(150), sp.lines
         for path, body in (
             ("/v1/embeddings", {"input": "x"}),
             ("/embeddings", {"input": "x"}),

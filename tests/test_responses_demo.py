@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
 
 import httpx
 import openai
 import pytest
 from pydantic import BaseModel, Field
 from responses_spec import parse_sse, validate_event, validate_response
-from support import ServerProcess, demo_model_dir, free_port, launch
+from support import ServerProcess
 
 pytestmark = pytest.mark.demo
 
@@ -39,12 +38,9 @@ class City(BaseModel):
     population: int = Field(ge=0, le=50_000_000)
 
 
-@pytest.fixture(scope="module")
-def demo() -> Iterator[ServerProcess]:
-    sp = launch(["-m", str(demo_model_dir()), "--port", str(free_port()), "--ctx-size", "2048"])
-    assert sp.wait_ready(300), sp.lines
-    yield sp
-    sp.stop()
+@pytest.fixture
+def demo(demo_server: ServerProcess) -> ServerProcess:
+    return demo_server  # the session's demo-model server (conftest.py)
 
 
 def oai(srv: ServerProcess) -> openai.OpenAI:
@@ -88,6 +84,7 @@ def test_parse_with_pydantic_model(demo):
     assert r.text.format.type == "json_schema" and r.text.format.name == "City"
 
 
+@pytest.mark.timeout(600)  # demo-model generations: up to 3 minutes on a loaded 2-core machine
 def test_tool_round_trip(demo):
     c = oai(demo)
     first = c.responses.create(
@@ -118,6 +115,7 @@ def test_tool_round_trip(demo):
     assert second.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens
 
 
+@pytest.mark.timeout(600)  # demo-model generations: up to 3 minutes on a loaded 2-core machine
 def test_three_turns_reuse_the_prefix_cache(demo):
     c = oai(demo)
     prev = None

@@ -127,7 +127,7 @@ def test_health_answers_during_generation(e2e_server):
         "stream": True,
     }
     url = e2e_server.base_url
-    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=600) as resp:
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=120) as resp:
         lines = resp.iter_lines()
         first = next(line for line in lines if line.startswith("data: "))
         assert "chat.completion.chunk" in first

@@ -23,7 +23,8 @@ from support import ServerProcess, demo_model_dir, free_port, launch
 
 from mlx_server.ranks_launch import free_ports
 
-pytestmark = pytest.mark.demo
+# Sharded servers of several processes (up to 300 s to start) and long generations.
+pytestmark = [pytest.mark.demo, pytest.mark.timeout(600)]
 
 BIN = Path(sys.executable).parent
 PROMPTS = [

@@ -108,6 +108,7 @@ def test_a_prediction_reports_accepted_and_rejected_tokens(server: Any, stream: 
     assert 0 < value(after, "mlx_server_draft_acceptance_rate") <= 1
 
 
+@pytest.mark.timeout(420)  # concurrent generations given up to 300 s
 def test_concurrent_requests_with_and_without_predictions_give_their_own_text(
     server: Any,
 ) -> None:

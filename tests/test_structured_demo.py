@@ -9,9 +9,10 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from support import demo_model_dir, free_port, launch
+from support import ServerProcess
 
-pytestmark = pytest.mark.demo
+# A demo-model server (up to 300 s to start) and generations of up to 300 s each.
+pytestmark = [pytest.mark.demo, pytest.mark.timeout(600)]
 
 NAME = {"type": "string", "minLength": 1, "maxLength": 20}
 
@@ -125,12 +126,9 @@ TOOLS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def demo():
-    sp = launch(["-m", str(demo_model_dir()), "--port", str(free_port()), "--ctx-size", "2048"])
-    assert sp.wait_ready(300), sp.lines
-    yield sp
-    sp.stop()
+@pytest.fixture
+def demo(demo_server: ServerProcess) -> ServerProcess:
+    return demo_server  # the session's demo-model server (conftest.py)
 
 
 def oai(srv) -> openai.OpenAI:

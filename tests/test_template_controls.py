@@ -6,7 +6,7 @@ from __future__ import annotations
 import httpx
 import openai
 import pytest
-from support import demo_model_dir, free_port, launch
+from support import ServerProcess, demo_model_dir
 
 CONVERSATION = [
     {"role": "user", "content": "Count from one to ten in words."},
@@ -59,12 +59,9 @@ def test_trailing_space_and_parts_of_the_final_message():
         open_final_message(text, {"content": "  "})
 
 
-@pytest.fixture(scope="module")
-def demo():
-    sp = launch(["-m", str(demo_model_dir()), "--port", str(free_port()), "--ctx-size", "1024"])
-    assert sp.wait_ready(300), sp.lines
-    yield sp
-    sp.stop()
+@pytest.fixture
+def demo(demo_server: ServerProcess) -> ServerProcess:
+    return demo_server  # the session's demo-model server (conftest.py)
 
 
 @pytest.mark.demo

@@ -185,5 +185,13 @@ def main(argv: list[str] | None = None) -> int:
 
     from mlx_server.server.run import serve
 
-    serve(app, engine, sock, settings.host, settings.port, settings.log_level)
+    serve(
+        app,
+        engine,
+        sock,
+        settings.host,
+        settings.port,
+        settings.log_level,
+        settings.header_timeout_s,
+    )
     return 0

@@ -287,6 +287,13 @@ class Settings:
         "--rank-timeout-s",
         above=0,
     )
+    header_timeout_s: float = _opt(
+        30.0,
+        "Seconds a client may take to send a complete request head (as nginx's "
+        "client_header_timeout); a connection that sends none in time is closed",
+        "--header-timeout-s",
+        above=0,
+    )
     responses_store_size: int = _opt(
         500,
         "Responses API: stored responses kept in memory (least recently used out first; 0 keeps none)",

@@ -10,6 +10,7 @@ from typing import Any
 import uvicorn
 
 from mlx_server.logs import log
+from mlx_server.server.header_timeout import with_header_timeout
 
 
 class PortInUse(Exception):
@@ -71,10 +72,17 @@ class _Server(uvicorn.Server):
 
 
 def serve(
-    app: Any, engine: Any, sock: socket.socket, host: str, port: int, log_level: str = "warning"
+    app: Any,
+    engine: Any,
+    sock: socket.socket,
+    host: str,
+    port: int,
+    log_level: str = "warning",
+    header_timeout_s: float = 30.0,
 ) -> None:
     config = uvicorn.Config(
         app,
+        http=with_header_timeout(header_timeout_s),
         log_level=log_level,
         timeout_graceful_shutdown=2,
         access_log=False,
