@@ -103,3 +103,33 @@ def test_the_ollama_npm_package(tiny_server):
     VERSION.validate(out["version"])
     assert out["error"]["status"] == 400 and "chat model" in out["error"]["message"]
     ERROR.validate({"error": out["error"]["message"]})
+
+
+def test_logprobs_ride_on_the_pieces(tiny_server):
+    body = {
+        "model": "tiny",
+        "prompt": "The sea",
+        "raw": True,
+        "logprobs": True,
+        "top_logprobs": 2,
+        "options": GREEDY,
+    }
+    chunks = ndjson(tiny_server.base_url, "/api/generate", body)
+    for ch in chunks:
+        GENERATE_CHUNK.validate(ch)
+    entries = [e for ch in chunks for e in ch.get("logprobs", [])]
+    assert len(entries) == chunks[-1]["eval_count"]
+    assert all(len(e["top_logprobs"]) == 2 and e["logprob"] <= 0 for e in entries)
+    whole = httpx.post(
+        tiny_server.base_url + "/api/chat",
+        json={
+            "model": "tiny",
+            "messages": [{"role": "user", "content": "hi"}],
+            "logprobs": True,
+            "stream": False,
+            "options": GREEDY,
+        },
+        timeout=60,
+    ).json()
+    CHAT_CHUNK.validate(whole)
+    assert len(whole["logprobs"]) == whole["eval_count"]

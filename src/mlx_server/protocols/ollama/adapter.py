@@ -113,6 +113,7 @@ def text_options(body: GenerateBody) -> CompletionOptions:
         max_tokens=RAW_MAX_TOKENS if n is None else n,
         sampling=sampling(body.options),
         stop=stop_strings(body.options),
+        top_logprobs=(body.top_logprobs or 0) if body.logprobs else None,
     )
 
 

@@ -17,6 +17,8 @@ from typing import Any
 from mlx_server.events import (
     Finished,
     FinishReason,
+    LogprobEntry,
+    Logprobs,
     ReasoningDelta,
     TextDelta,
     ToolCallEnd,
@@ -39,6 +41,19 @@ DONE_REASONS: dict[FinishReason, str] = {
 def created_at() -> str:
     """RFC 3339 in UTC, as Ollama writes it."""
     return datetime.now(timezone.utc).isoformat().replace("+00:00", "Z")
+
+
+def logprob_json(entry: LogprobEntry) -> dict[str, Any]:
+    """Ollama's ``{"token", "logprob", "bytes", "top_logprobs"}``."""
+    out: dict[str, Any] = {"token": entry.token, "logprob": entry.logprob}
+    if entry.bytes is not None:
+        out["bytes"] = entry.bytes
+    if entry.top:
+        out["top_logprobs"] = [
+            {"token": t.token, "logprob": t.logprob, **({"bytes": t.bytes} if t.bytes else {})}
+            for t in entry.top
+        ]
+    return out
 
 
 def tool_call_json(name: str, arguments: str, index: int) -> dict[str, Any]:
@@ -94,6 +109,9 @@ class OllamaEncoder:
         self.tool_calls: list[dict[str, Any]] = []
         self._names: dict[int, str] = {}
         self.final: dict[str, Any] = {}
+        # Log-probabilities ride on the next piece sent (or the last chunk).
+        self._pending: list[dict[str, Any]] = []
+        self.logprobs: list[dict[str, Any]] = []
 
     @property
     def keepalive(self) -> Frame:
@@ -113,6 +131,9 @@ class OllamaEncoder:
             out["response"] = text
             if thinking is not None:
                 out["thinking"] = thinking
+        if self._pending:
+            out["logprobs"] = self._pending
+            self._pending = []
         out["done"] = False
         return out
 
@@ -123,6 +144,11 @@ class OllamaEncoder:
         return []
 
     def event(self, index: int, ev: Any) -> list[Frame]:
+        if isinstance(ev, Logprobs):
+            entries = [logprob_json(e) for e in ev.entries]
+            self._pending += entries
+            self.logprobs += entries
+            return []
         if isinstance(ev, TextDelta) and ev.text:
             self.clock.mark_piece()
             self.content.append(ev.text)
@@ -171,5 +197,7 @@ class OllamaEncoder:
             out["response"] = text
             if thinking is not None:
                 out["thinking"] = thinking
+        if self.logprobs:
+            out["logprobs"] = self.logprobs
         log(f"Response: {len(text)} chars, {len(self.tool_calls)} tool call(s)")
         return out

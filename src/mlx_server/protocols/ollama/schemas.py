@@ -73,7 +73,7 @@ class GenerationBody(BaseModel):
     keep_alive: KeepAlive | None = None
     think: Think | None = None
     logprobs: bool | None = None
-    top_logprobs: StrictInt | None = None
+    top_logprobs: StrictInt | None = Field(default=None, ge=0, le=20)  # as on /v1
 
 
 class ChatBody(GenerationBody):
