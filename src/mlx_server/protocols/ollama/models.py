@@ -32,6 +32,7 @@ class ModelView:
     expires_in: float = math.inf  # seconds until an idle unload
     service: Any = None  # the chat service while loaded
     config: dict[str, Any] = field(default_factory=dict)
+    ctx_size: int = 0  # the context the server enforces for it
 
     @property
     def modified_at(self) -> str:
@@ -75,7 +76,9 @@ def views(app_state: Any, service: Any) -> list[ModelView]:
     registry = getattr(app_state, "registry", None)
     if registry is None:
         return [_single(service)]
-    return [_from_slot(slot, registry) for slot in registry.slots.values()]
+    # Every model is started with the same --ctx-size: any loaded one tells it.
+    ctx = next((s.parts.service.ctx_size for s in registry.loaded() if _chat(s)), 0)
+    return [_from_slot(slot, registry, ctx) for slot in registry.slots.values()]
 
 
 def find(app_state: Any, service: Any, name: str) -> ModelView:
@@ -100,7 +103,7 @@ def tag_entry(view: ModelView) -> dict[str, Any]:
     }
 
 
-def ps_entry(view: ModelView, ctx_size: int) -> dict[str, Any]:
+def ps_entry(view: ModelView) -> dict[str, Any]:
     if math.isinf(view.expires_in):
         expires = FOREVER
     else:
@@ -114,12 +117,13 @@ def ps_entry(view: ModelView, ctx_size: int) -> dict[str, Any]:
         "details": view.details(),
         "expires_at": _rfc3339(expires),
         "size_vram": size,
-        "context_length": ctx_size,
+        "context_length": view.ctx_size,
     }
 
 
-def show(view: ModelView, ctx_size: int) -> dict[str, Any]:
+def show(view: ModelView) -> dict[str, Any]:
     service = view.service
+    ctx_size = view.ctx_size
     template = (getattr(service, "template", None) or "") if service is not None else ""
     arch = view.details()["family"] or "mlx"
     info: dict[str, Any] = {"general.architecture": arch, f"{arch}.context_length": ctx_size}
@@ -149,16 +153,22 @@ def _single(service: Any) -> ModelView:
         disk_bytes=_disk_bytes(path),
         service=service if kind != "embedding" else None,
         config=_read_config(path),
+        ctx_size=int(getattr(service, "ctx_size", 0) or 0),
     )
 
 
-def _from_slot(slot: Any, registry: Any) -> ModelView:
+def _chat(slot: Any) -> bool:
+    return bool(slot.offer.kind != "embedding" and slot.parts is not None)
+
+
+def _from_slot(slot: Any, registry: Any, ctx_size: int) -> ModelView:
     parts = slot.parts if slot.state == "loaded" else None
     # The registry's own rule (registry.expired): the last keep_alive, else the idle limit.
     ttl = slot.keep_alive if slot.keep_alive is not None else registry.limits.idle_s or math.inf
     expires = math.inf if slot.pinned or math.isinf(ttl) else ttl
     if not math.isinf(expires):
         expires = max(0.0, slot.last_used + expires - registry.clock())
+    config = _read_config(Path(slot.offer.path))
     return ModelView(
         slot.id,
         kind=slot.offer.kind,
@@ -168,7 +178,8 @@ def _from_slot(slot: Any, registry: Any) -> ModelView:
         memory_bytes=slot.memory_bytes,
         expires_in=expires,
         service=getattr(parts, "service", None) if slot.offer.kind != "embedding" else None,
-        config=_read_config(Path(slot.offer.path)),
+        config=config,
+        ctx_size=ctx_size or int(config.get("max_position_embeddings") or 0),
     )
 
 

@@ -82,13 +82,13 @@ def make_router(service: ChatService, *, vision: bool = False) -> APIRouter:
     @router.get("/api/ps")
     async def ps(request: Request) -> dict[str, Any]:
         views = [v for v in models.views(request.app.state, service) if v.loaded]
-        return {"models": [models.ps_entry(v, service.ctx_size) for v in views]}
+        return {"models": [models.ps_entry(v) for v in views]}
 
     @router.post("/api/show")
     async def show(request: Request) -> dict[str, Any]:
         body = await parse_body(request, ModelBody)
         view = models.find(request.app.state, service, body.model_name)
-        return models.show(view, service.ctx_size)
+        return models.show(view)
 
     @router.get("/api/version")
     async def version() -> dict[str, Any]:
