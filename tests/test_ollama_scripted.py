@@ -334,3 +334,48 @@ def test_langchain_chat_ollama(scripted):
     scripted.engine.push(*TOOL_SCRIPT)
     out = llm.bind_tools(TOOLS).invoke("weather in Paris?")
     assert [(c["name"], c["args"]) for c in out.tool_calls] == [("get_weather", {"city": "Paris"})]
+
+
+# ---- plumbing shared with /v1 ----------------------------------------------------------------
+
+
+def test_browser_guard_and_metrics_apply(scripted_factory):
+    srv = scripted_factory(api_key="k")
+    key = {"Authorization": "Bearer k"}
+    body = {"model": "m", "messages": USER, "stream": False}
+    r = httpx.post(
+        srv.base_url + "/api/chat", json=body, headers={**key, "Origin": "https://evil.example"}
+    )
+    assert r.status_code == 403
+    ERROR.validate(r.json())
+    assert srv.engine.requests == []
+    srv.engine.push("a", "b")
+    assert httpx.post(srv.base_url + "/api/chat", json=body, headers=key).status_code == 200
+    metrics = httpx.get(srv.base_url + "/metrics", headers=key).text
+    line = 'mlx_server_requests_total{method="POST",route="/api/chat",status="200"} 1.0'
+    assert line in metrics
+    assert "mlx_server_generation_tokens_total 2.0" in metrics
+
+
+def test_refusals_in_ollamas_shape(scripted):
+    long = {"role": "user", "content": "word " * 600}  # over the 512-token context
+    r = post(scripted, "/api/chat", {"model": "m", "messages": [long]})
+    assert r.status_code == 400
+    ERROR.validate(r.json())
+    assert "context" in r.json()["error"]
+    r = post(scripted, "/api/generate", {"model": "m", "prompt": "def f(", "suffix": "pass"})
+    assert r.status_code == 400  # the tiny model has no fill-in-the-middle tokens
+    ERROR.validate(r.json())
+    r = post(scripted, "/api/chat", {"model": "m", "messages": USER, "options": {"top_k": "x"}})
+    assert r.status_code == 400 and "options.top_k" in r.json()["error"]
+    images = {"role": "user", "content": "?", "images": ["iVBORw0KGgo="]}
+    r = post(scripted, "/api/chat", {"model": "m", "messages": [images]})
+    assert r.status_code == 400 and "text only" in r.json()["error"]
+
+
+def test_unknown_fields_are_named_in_the_header(scripted):
+    scripted.engine.push("ok")
+    body = {"model": "m", "messages": USER, "stream": False, "frobnicate": 1}
+    r = post(scripted, "/api/chat", body)
+    assert r.status_code == 200
+    assert r.headers["x-mlx-server-ignored-fields"] == "frobnicate"
