@@ -65,3 +65,6 @@ def test_errors_in_ollamas_shape(server):
     r = httpx.post(server.base_url + "/api/embed", json={"model": "m"}, timeout=30)
     assert r.status_code == 400
     ERROR.validate(r.json())
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    r = httpx.post(server.base_url + "/api/chat", json=chat, timeout=30)
+    assert r.status_code == 400 and "embedding model" in r.json()["error"]

@@ -29,6 +29,8 @@ CHAT_PATHS = (
     "/v1/responses",
     "/tokenize",
     "/detokenize",
+    "/api/chat",
+    "/api/generate",
 )
 
 
