@@ -33,8 +33,8 @@ from mlx_server.server.streaming import respond
 from mlx_server.service import ChatService, Generation
 from mlx_server.service.text_completion import CompletionService
 
-# The Ollama release whose API (docs/api.md) these routes follow; clients read it to
-# decide which fields they may send.
+# The Ollama version /api/version reports: one recent enough that clients which compare
+# versions send the fields served here (think, tools, format with a schema, logprobs).
 OLLAMA_VERSION = "0.12.6"
 
 _MANAGEMENT = ("/api/pull", "/api/push", "/api/delete", "/api/create", "/api/copy")
