@@ -71,6 +71,25 @@ def test_fill_in_the_middle_generates(fim_server):
     assert r.json()["usage"]["prompt_tokens"] >= alone.json()["usage"]["prompt_tokens"] + 4
 
 
+def test_ollama_generate_with_a_suffix_matches(fim_server):
+    """Ollama's fill-in-the-middle (``/api/generate`` with ``suffix``) is the same prompt and
+    the same greedy text as /v1/completions'."""
+    prefix, suffix = "def add(a, b):\n    return ", "\n"
+    v1 = {"prompt": prefix, "suffix": suffix, "max_tokens": 5, "temperature": 0}
+    ref = post(fim_server, v1).json()
+    body = {
+        "model": "tiny",
+        "prompt": prefix,
+        "suffix": suffix,
+        "stream": False,
+        "options": {"num_predict": 5, "temperature": 0},
+    }
+    r = httpx.post(fim_server.base_url + "/api/generate", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["response"] == ref["choices"][0]["text"]
+    assert r.json()["prompt_eval_count"] == ref["usage"]["prompt_tokens"]
+
+
 def test_legacy_logprobs_shape(fim_server):
     r = post(fim_server, {"prompt": "The quick", "max_tokens": 5, "logprobs": 2, "temperature": 0})
     RESPONSE.validate(r.json())

@@ -127,3 +127,13 @@ def test_keep_alive_zero_unloads_the_embedding_model_and_it_reloads(mixed, singl
     got = vectors(post(mixed, "/v1/embeddings", {"model": EMBED, "input": TEXTS}))
     np.testing.assert_allclose(got, single_vectors, atol=1e-5)
     assert statuses(mixed)[EMBED] == "loaded"
+
+
+def test_ollama_embed_by_id(mixed, single_vectors):
+    r = post(mixed, "/api/embed", {"model": EMBED, "input": TEXTS})
+    assert r.status_code == 200, r.text
+    got = np.array(r.json()["embeddings"], dtype=np.float32)
+    np.testing.assert_allclose(got, single_vectors, atol=1e-5)
+    r = post(mixed, "/api/embed", {"model": "tiny-chat", "input": "hi"})
+    assert r.status_code == 400 and list(r.json()) == ["error"]
+    assert "tiny-chat" in r.json()["error"]

@@ -260,3 +260,57 @@ def test_tokenize_follows_the_named_model(many):
     # SmolLM2's 49k-token vocabulary against the tiny model's 400 tokens.
     assert tokens(demo) != tokens("tiny-a")
     assert tokens("tiny-a") == tokens("tiny-b")  # the tiny models share their tokenizer
+
+
+@pytest.mark.demo  # the shared server serves the demo model
+def test_ollama_routes_follow_the_registry(many):
+    """/api/tags lists every offered model, /api/ps the loaded ones with their keep_alive,
+    /api/show the named one; a chat with keep_alive 0 and no messages unloads it."""
+    from ollama_support import CHAT_CHUNK, ERROR, PS, SHOW, TAGS
+
+    def api(path: str, body: dict | None = None) -> httpx.Response:
+        if body is None:
+            return httpx.get(many.base_url + path, headers=AUTH, timeout=120)
+        return httpx.post(many.base_url + path, json=body, headers=AUTH, timeout=120)
+
+    tags = api("/api/tags").json()
+    TAGS.validate(tags)
+    demo = demo_model_dir(float32=False).name
+    assert [m["name"] for m in tags["models"]] == [demo, "tiny-a", "tiny-b", "tiny-vlm"]
+    say = {"messages": [{"role": "user", "content": "Hi"}], "options": {"num_predict": 2}}
+    r = api("/api/chat", {"model": "tiny-b", **say, "stream": False, "keep_alive": "10m"})
+    CHAT_CHUNK.validate(r.json())
+    ps = api("/api/ps").json()
+    PS.validate(ps)
+    loaded = {m["name"]: m for m in ps["models"]}
+    assert "tiny-b" in loaded and "tiny-a" in loaded
+    assert loaded["tiny-b"]["expires_at"] < loaded["tiny-a"]["expires_at"]  # pinned: never
+    show = api("/api/show", {"model": "tiny-b"}).json()
+    SHOW.validate(show)
+    assert show["details"]["family"] == "llama"
+    missing = api("/api/show", {"model": "nope"})
+    assert missing.status_code == 404
+    ERROR.validate(missing.json())
+    r = api("/api/chat", {"model": "tiny-b", "messages": [], "keep_alive": 0})
+    assert r.json()["done_reason"] == "unload"
+    until(lambda: statuses(many, AUTH)["tiny-b"] == "unloaded")
+
+
+@pytest.mark.demo  # the shared server serves the demo model
+def test_ollama_images_on_a_vision_model(many):
+    import base64
+
+    image = base64.b64encode(png(32, 32)).decode()
+    message = {"role": "user", "content": "What is this?", "images": [image]}
+    body = {"messages": [message], "options": {"num_predict": 2}, "stream": False}
+    r = httpx.post(
+        many.base_url + "/api/chat", json={"model": "tiny-vlm", **body}, headers=AUTH, timeout=120
+    )
+    assert r.status_code == 200, r.text
+    text_only = {"model": "tiny-vlm", **body, "messages": [{**message, "images": []}]}
+    plain = httpx.post(many.base_url + "/api/chat", json=text_only, headers=AUTH, timeout=120)
+    assert r.json()["prompt_eval_count"] > plain.json()["prompt_eval_count"]  # image tokens
+    r = httpx.post(
+        many.base_url + "/api/chat", json={"model": "tiny-b", **body}, headers=AUTH, timeout=120
+    )
+    assert r.status_code == 400 and "text only" in r.json()["error"]

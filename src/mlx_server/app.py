@@ -13,6 +13,8 @@ from mlx_server.logs import log
 from mlx_server.protocols.anthropic import errors as anthropic_errors
 from mlx_server.protocols.anthropic.routes import make_router as anthropic_router
 from mlx_server.protocols.llamacpp import make_router as tokenizer_router
+from mlx_server.protocols.ollama import errors as ollama_errors
+from mlx_server.protocols.ollama.routes import make_router as ollama_router
 from mlx_server.protocols.openai import errors as openai_errors
 from mlx_server.protocols.openai.completions import make_router as completions_router
 from mlx_server.protocols.openai.count_tokens import make_router as count_tokens_router
@@ -98,6 +100,7 @@ def create_app(
     app.include_router(responses_router(service, vision=vision, store=responses_store))
     app.include_router(embeddings_router(None, service.model_id))  # a chat model: 400s
     app.include_router(rerank_router(None, service.model_id))
+    app.include_router(ollama_router(service, vision=vision))
     if webui:  # the chat page at / (static files; it uses the API above like any client)
         app.include_router(webui_router())
 
@@ -127,4 +130,6 @@ def error_envelopes() -> Envelopes:
     envelopes = Envelopes(openai_errors.error_response)
     for prefix in anthropic_errors.PATHS:
         envelopes.register(prefix, anthropic_errors.error_response)
+    for prefix in ollama_errors.PATHS:
+        envelopes.register(prefix, ollama_errors.error_response)
     return envelopes

@@ -10,6 +10,7 @@ from fastapi import FastAPI, Request
 
 from mlx_server.embedding_service import EmbeddingService
 from mlx_server.errors import InvalidRequest
+from mlx_server.protocols.ollama.embed import make_router as ollama_embed_router
 from mlx_server.protocols.openai.embeddings import make_router as embeddings_router
 from mlx_server.protocols.openai.model_list import model_object
 from mlx_server.protocols.openai.rerank import make_router as rerank_router
@@ -28,6 +29,8 @@ CHAT_PATHS = (
     "/v1/responses",
     "/tokenize",
     "/detokenize",
+    "/api/chat",
+    "/api/generate",
 )
 
 
@@ -78,6 +81,7 @@ def create_embedding_app(
         app.add_api_route(path, refuse, methods=["POST"])
     app.include_router(embeddings_router(service, service.model_id))
     app.include_router(rerank_router(service, service.model_id))
+    app.include_router(ollama_embed_router(service, service.model_id))
 
     from mlx_server.app import error_envelopes
 

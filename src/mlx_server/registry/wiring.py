@@ -83,6 +83,7 @@ def routes(registry: ModelRegistry, ctx_size: int) -> Any:
     models (matched before the chat app's, which answer a 400 for one chat model)."""
     from fastapi import APIRouter
 
+    from mlx_server.protocols.ollama.embed import make_router as ollama_embed_router
     from mlx_server.protocols.openai.embeddings import make_router as embeddings_router
     from mlx_server.protocols.openai.rerank import make_router as rerank_router
     from mlx_server.registry.routes import make_router
@@ -93,4 +94,5 @@ def routes(registry: ModelRegistry, ctx_size: int) -> Any:
     encoders = cast(Any, RoutedEmbeddings(registry))  # an EmbeddingService per request
     router.include_router(embeddings_router(encoders, registry.default_id))
     router.include_router(rerank_router(encoders, registry.default_id))
+    router.include_router(ollama_embed_router(encoders, registry.default_id))
     return router

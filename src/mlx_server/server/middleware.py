@@ -1,4 +1,5 @@
-"""Pure ASGI middleware: API-key auth on /v1 routes and the request-body size limit.
+"""Pure ASGI middleware: API-key auth on /v1 and /api/ (Ollama's) routes and the
+request-body size limit.
 
 Written as raw ASGI (not BaseHTTPMiddleware) so streaming responses and client-disconnect
 detection pass through untouched.
@@ -14,6 +15,8 @@ from mlx_server.errors import AuthenticationFailed, NotFound, RequestTooLarge
 from mlx_server.server.errors import Envelopes
 
 MAX_BODY_BYTES = 10 * 1024 * 1024
+# Paths under these need the key: OpenAI's and Anthropic's /v1, Ollama's /api/.
+KEYED_PREFIXES = ("/v1", "/api/")
 
 Scope = dict[str, Any]
 ASGIApp = Callable[
@@ -36,7 +39,7 @@ class GuardMiddleware:
         self.envelopes = envelopes
         self.key = api_key.encode()
         self.max_body = max_body
-        self.keyed_paths = keyed_paths  # besides /v1: paths that need the key too
+        self.keyed_paths = keyed_paths  # besides KEYED_PREFIXES: paths that need the key too
 
     async def __call__(
         self,
@@ -55,7 +58,7 @@ class GuardMiddleware:
             await self.envelopes.send(send, path, missing)
             return
         headers = {k.decode("latin-1").lower(): v for k, v in scope.get("headers", [])}
-        keyed = path.startswith("/v1") or path in self.keyed_paths
+        keyed = path.startswith(KEYED_PREFIXES) or path in self.keyed_paths
         if self.key and keyed and not self._authorized(headers):
             err = AuthenticationFailed(
                 "invalid or missing API key (send Authorization: Bearer <key> or x-api-key)"

@@ -1,5 +1,5 @@
-"""Every generating route's ending: stream the generation as SSE, or collect it into one
-JSON answer, through the protocol's ``Encoder``.
+"""Every generating route's ending: stream the generation as SSE (or NDJSON), or collect
+it into one JSON answer, through the protocol's ``Encoder``.
 
 The driver owns what the protocols share: keep-alive frames while nothing comes (a long
 prompt's prefill can take minutes; clients and proxies drop a connection that stays quiet),
@@ -21,7 +21,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from mlx_server.errors import ServerError
 from mlx_server.events import Finished
 from mlx_server.logs import log
-from mlx_server.server.sse import HEADERS, Frame, encode
+from mlx_server.server.framing import SSE, Framing
+from mlx_server.server.sse import Frame
 
 # Seconds of silence before a stream gets a keep-alive frame (Claude Code's HTTP client
 # gives up after 5 minutes without a byte); the app's ``keepalive_s`` overrides it.
@@ -85,13 +86,14 @@ async def respond(
     *,
     stream: bool,
     on_end: Callable[[], None] | None = None,
+    framing: Framing = SSE,
 ) -> Response:
-    """An SSE stream of ``encoder``'s frames if ``stream``, else its collected answer.
-    ``on_end`` runs once the response is over, however it ended."""
+    """A stream of ``encoder``'s frames (SSE unless ``framing`` says) if ``stream``, else its
+    collected answer. ``on_end`` runs once the response is over, however it ended."""
     if stream:
         interval = getattr(request.app.state, "keepalive_s", KEEPALIVE_S)
-        body = _stream(encoder, sources, interval, on_end)
-        return EventStreamResponse(body, media_type="text/event-stream", headers=HEADERS)
+        body = _stream(encoder, sources, interval, on_end, framing.encode)
+        return EventStreamResponse(body, media_type=framing.media_type, headers=framing.headers)
     result = await until_disconnect(
         request, _collect(encoder, sources, on_end), lambda: cancel_all(sources)
     )
@@ -141,6 +143,7 @@ async def _stream(
     sources: Sequence[Source],
     interval: float,
     on_end: Callable[[], None] | None,
+    encode: Callable[[Frame], bytes],
 ) -> AsyncIterator[bytes]:
     steps = with_keepalive(_steps(encoder, sources), interval)
     try:

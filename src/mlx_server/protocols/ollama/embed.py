@@ -1,0 +1,74 @@
+"""``/api/embed`` (a list of inputs, ``embeddings``) and the older ``/api/embeddings`` (one
+``prompt``, ``embedding``) over an embedding model's service."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel
+
+from mlx_server.embedding_service import EmbeddingService
+from mlx_server.errors import InvalidRequest
+from mlx_server.server.http import parse_body
+from mlx_server.server.streaming import until_disconnect
+
+from .schemas import EmbedBody, EmbeddingsBody
+
+
+def make_router(service: EmbeddingService | None, model_id: str) -> APIRouter:
+    """The embedding routes; with no service (a chat model) they answer a 400 naming it."""
+    router = APIRouter()
+
+    @router.post("/api/embed")
+    async def embed(request: Request) -> Response:
+        return await _answer(request, EmbedBody, _embed)
+
+    @router.post("/api/embeddings")
+    async def embeddings(request: Request) -> Response:
+        return await _answer(request, EmbeddingsBody, _embeddings)
+
+    async def _answer(
+        request: Request,
+        schema: type[BaseModel],
+        answer: Callable[[Any, EmbeddingService, int], Awaitable[dict[str, Any]]],
+    ) -> Response:
+        arrived = time.perf_counter_ns()
+        if service is None:
+            raise InvalidRequest(
+                f"the model '{model_id}' is a chat model and does not serve embeddings; start "
+                "the server with an embedding model (or --embedding)",
+                param="model",
+            )
+        body = await parse_body(request, schema)
+        work = asyncio.ensure_future(answer(body, service, arrived))
+        result = await until_disconnect(request, work, work.cancel)
+        return Response(status_code=499) if result is None else JSONResponse(result)
+
+    return router
+
+
+async def _embed(body: EmbedBody, service: EmbeddingService, arrived: int) -> dict[str, Any]:
+    inputs = [body.input] if isinstance(body.input, str) else list(body.input)
+    loaded = time.perf_counter_ns()
+    done = await service.embed(inputs, truncate=body.truncate, dimensions=body.dimensions)
+    return {
+        "model": body.model,
+        "embeddings": [[float(x) for x in v] for v in done.vectors],
+        "total_duration": time.perf_counter_ns() - arrived,
+        "load_duration": loaded - arrived,
+        "prompt_eval_count": done.prompt_tokens,
+    }
+
+
+async def _embeddings(
+    body: EmbeddingsBody, service: EmbeddingService, arrived: int
+) -> dict[str, Any]:
+    if not body.prompt:  # Ollama answers an empty prompt with an empty vector
+        return {"embedding": []}
+    done = await service.embed([body.prompt], truncate=True, dimensions=None)
+    return {"embedding": [float(x) for x in done.vectors[0]]}

@@ -1,0 +1,203 @@
+"""Neutral events → Ollama's NDJSON chunks and its final ``done`` object.
+
+Each piece of the answer is a chunk ``{"model", "created_at", <piece>, "done": false}``
+where the piece is ``message`` (``/api/chat``: ``content``, ``thinking``, ``tool_calls``)
+or ``response`` / ``thinking`` (``/api/generate``). Tool calls go out whole, once parsed,
+as Ollama sends them. The last chunk has ``done: true``, ``done_reason`` and the counters
+(durations in nanoseconds). A collected answer is the same chunks folded into one object.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from datetime import datetime, timezone
+from typing import Any
+
+from mlx_server.events import (
+    Finished,
+    FinishReason,
+    LogprobEntry,
+    Logprobs,
+    ReasoningDelta,
+    TextDelta,
+    ToolCallEnd,
+    ToolCallStart,
+)
+from mlx_server.logs import log
+from mlx_server.server.sse import Frame
+from mlx_server.service import Generation
+
+DONE_REASONS: dict[FinishReason, str] = {
+    "stop": "stop",
+    "stop_sequence": "stop",
+    "tool_calls": "stop",
+    "length": "length",
+    "cancelled": "stop",  # /v1/cancel while the client listens: the answer so far
+    "error": "stop",  # never sent: a failure ends the stream with an error line
+}
+
+
+def created_at() -> str:
+    """RFC 3339 in UTC, as Ollama writes it."""
+    return datetime.now(timezone.utc).isoformat().replace("+00:00", "Z")
+
+
+def logprob_json(entry: LogprobEntry) -> dict[str, Any]:
+    """Ollama's ``{"token", "logprob", "bytes", "top_logprobs"}``."""
+    out: dict[str, Any] = {"token": entry.token, "logprob": entry.logprob}
+    if entry.bytes is not None:
+        out["bytes"] = entry.bytes
+    if entry.top:
+        out["top_logprobs"] = [
+            {"token": t.token, "logprob": t.logprob, **({"bytes": t.bytes} if t.bytes else {})}
+            for t in entry.top
+        ]
+    return out
+
+
+def tool_call_json(name: str, arguments: str, index: int) -> dict[str, Any]:
+    """Ollama's tool call: ``arguments`` is an object, not JSON text."""
+    try:
+        args = json.loads(arguments) if arguments.strip() else {}
+    except ValueError:
+        args = {}  # cut short (max tokens): no arguments rather than broken ones
+    return {"function": {"index": index, "name": name, "arguments": args}}
+
+
+class Clock:
+    """The request's times in nanoseconds: arrival, body read (model leased or loaded),
+    generation started, first piece, end."""
+
+    def __init__(self, arrived_ns: int):
+        self.arrived = arrived_ns
+        self.loaded = self.started = self.first = time.perf_counter_ns()
+
+    def mark_started(self) -> None:
+        self.started = self.first = time.perf_counter_ns()
+
+    def mark_piece(self) -> None:
+        if self.first == self.started:
+            self.first = time.perf_counter_ns()
+
+    def counters(self, fin: Finished) -> dict[str, int]:
+        now = time.perf_counter_ns()
+        t = fin.timings
+        prompt_ns = int(t.prompt_ms * 1e6) if t else self.first - self.started
+        eval_ns = int(t.predicted_ms * 1e6) if t else now - self.first
+        return {
+            "total_duration": now - self.arrived,
+            "load_duration": self.loaded - self.arrived,
+            "prompt_eval_count": fin.usage.prompt_tokens,
+            "prompt_eval_duration": max(0, prompt_ns),
+            "eval_count": fin.usage.completion_tokens,
+            "eval_duration": max(0, eval_ns),
+        }
+
+
+class OllamaEncoder:
+    """The stream driver's ``Encoder`` for one ``/api/chat`` (``chat=True``) or
+    ``/api/generate`` response."""
+
+    def __init__(self, gen: Generation | None, model: str, clock: Clock, *, chat: bool):
+        self.gen = gen
+        self.model = model
+        self.clock = clock
+        self.chat = chat
+        self.content: list[str] = []
+        self.thinking: list[str] = []
+        self.tool_calls: list[dict[str, Any]] = []
+        self._names: dict[int, str] = {}
+        self.final: dict[str, Any] = {}
+        # Log-probabilities ride on the next piece sent (or the last chunk).
+        self._pending: list[dict[str, Any]] = []
+        self.logprobs: list[dict[str, Any]] = []
+
+    @property
+    def keepalive(self) -> Frame:
+        """An empty piece: valid for every Ollama client, and bytes on a quiet line."""
+        return Frame(self._chunk(""))
+
+    def _chunk(self, text: str, thinking: str | None = None, calls: Any = None) -> dict[str, Any]:
+        out: dict[str, Any] = {"model": self.model, "created_at": created_at()}
+        if self.chat:
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            if thinking is not None:
+                message["thinking"] = thinking
+            if calls:
+                message["tool_calls"] = calls
+            out["message"] = message
+        else:
+            out["response"] = text
+            if thinking is not None:
+                out["thinking"] = thinking
+        if self._pending:
+            out["logprobs"] = self._pending
+            self._pending = []
+        out["done"] = False
+        return out
+
+    async def start(self) -> list[Frame]:
+        if self.gen is not None:
+            await self.gen.started()
+        self.clock.mark_started()
+        return []
+
+    def event(self, index: int, ev: Any) -> list[Frame]:
+        if isinstance(ev, Logprobs):
+            entries = [logprob_json(e) for e in ev.entries]
+            self._pending += entries
+            self.logprobs += entries
+            return []
+        if isinstance(ev, TextDelta) and ev.text:
+            self.clock.mark_piece()
+            self.content.append(ev.text)
+            return [Frame(self._chunk(ev.text))]
+        if isinstance(ev, ReasoningDelta) and ev.text:
+            self.clock.mark_piece()
+            self.thinking.append(ev.text)
+            return [Frame(self._chunk("", thinking=ev.text))]
+        if isinstance(ev, ToolCallStart):
+            self._names[ev.index] = ev.name
+            return []
+        if isinstance(ev, ToolCallEnd) and self.chat:
+            call = tool_call_json(self._names.get(ev.index, ""), ev.arguments, ev.index)
+            self.tool_calls.append(call)
+            return [Frame(self._chunk("", calls=[call]))]
+        return []
+
+    def finish(self, index: int, fin: Finished) -> list[Frame]:
+        return [Frame(self.done(DONE_REASONS[fin.reason], self.clock.counters(fin)))]
+
+    def done(self, reason: str, counters: dict[str, int] | None = None) -> dict[str, Any]:
+        """The last chunk (kept for a collected answer)."""
+        out = self._chunk("")
+        out.update(done=True, done_reason=reason, **(counters or {}))
+        self.final = out
+        return out
+
+    def end(self) -> list[Frame]:
+        return []
+
+    def fail(self, message: str, fin: Finished | None) -> list[Frame]:
+        return []  # the driver's error frame is Ollama's {"error": ...} line
+
+    def result(self) -> dict[str, Any]:
+        out = dict(self.final)
+        text = "".join(self.content)
+        thinking = "".join(self.thinking) or None
+        if self.chat:
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            if thinking is not None:
+                message["thinking"] = thinking
+            if self.tool_calls:
+                message["tool_calls"] = self.tool_calls
+            out["message"] = message
+        else:
+            out["response"] = text
+            if thinking is not None:
+                out["thinking"] = thinking
+        if self.logprobs:
+            out["logprobs"] = self.logprobs
+        log(f"Response: {len(text)} chars, {len(self.tool_calls)} tool call(s)")
+        return out

@@ -1,0 +1,140 @@
+"""Ollama's routes: ``/api/chat``, ``/api/generate``, the model routes (``/api/tags``,
+``/api/show``, ``/api/ps``, ``/api/version``) and the model-management ones this server
+does not do (``/api/pull``, ``/api/delete``, ``/api/create``, ...), which answer an error
+that says what to do instead. Errors are ``{"error": "..."}`` (``errors.py``); a failure
+after the stream began is an ``{"error": ...}`` line."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import replace
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from mlx_server.errors import InvalidRequest
+from mlx_server.logs import log
+from mlx_server.models.text_prompt import fim_stop_strings
+from mlx_server.protocols.ollama import models
+from mlx_server.protocols.ollama.adapter import (
+    generate_chat_request,
+    text_options,
+    to_chat_request,
+)
+from mlx_server.protocols.ollama.embed import make_router as embed_router
+from mlx_server.protocols.ollama.encoder import Clock, OllamaEncoder
+from mlx_server.protocols.ollama.schemas import ChatBody, GenerateBody, ModelBody
+from mlx_server.registry.keep_alive import parse_keep_alive
+from mlx_server.server.framing import NDJSON
+from mlx_server.server.http import parse_body
+from mlx_server.server.streaming import respond
+from mlx_server.service import ChatService, Generation
+from mlx_server.service.text_completion import CompletionService
+
+# The Ollama version /api/version reports: one recent enough that clients which compare
+# versions send the fields served here (think, tools, format with a schema, logprobs).
+OLLAMA_VERSION = "0.12.6"
+
+_MANAGEMENT = ("/api/pull", "/api/push", "/api/delete", "/api/create", "/api/copy")
+
+
+def make_router(service: ChatService, *, vision: bool = False) -> APIRouter:
+    """Ollama's API over ``service``; ``images`` are accepted if ``vision``."""
+    router = APIRouter()
+    completions = CompletionService(service)
+
+    @router.post("/api/chat")
+    async def chat(request: Request) -> Response:
+        arrived = time.perf_counter_ns()
+        body = await parse_body(request, ChatBody)
+        clock = Clock(arrived)
+        if not body.messages:  # Ollama's way to load a model (or unload it: keep_alive 0)
+            return _loaded(body.model, body.keep_alive, chat=True, clock=clock)
+        neutral = to_chat_request(body, vision=vision)
+        log(f"Request: ollama chat, model={body.model}, messages={len(neutral.messages)}")
+        gen = await service.start(neutral, request_id=_request_id())
+        enc = OllamaEncoder(gen, body.model, clock, chat=True)
+        return await respond(request, enc, [gen], stream=body.stream, framing=NDJSON)
+
+    @router.post("/api/generate")
+    async def generate(request: Request) -> Response:
+        arrived = time.perf_counter_ns()
+        body = await parse_body(request, GenerateBody)
+        clock = Clock(arrived)
+        if not body.prompt and not body.images and body.suffix is None:
+            return _loaded(body.model, body.keep_alive, chat=False, clock=clock)
+        log(f"Request: ollama generate, model={body.model}, raw={str(body.raw).lower()}")
+        if body.raw or body.suffix is not None:
+            gen = await _start_text(completions, body)
+        else:
+            neutral = generate_chat_request(body, vision=vision)
+            gen = await service.start(neutral, request_id=_request_id())
+        enc = OllamaEncoder(gen, body.model, clock, chat=False)
+        return await respond(request, enc, [gen], stream=body.stream, framing=NDJSON)
+
+    @router.get("/api/tags")
+    async def tags(request: Request) -> dict[str, Any]:
+        views = models.views(request.app.state, service)
+        return {"models": [models.tag_entry(v) for v in views]}
+
+    @router.get("/api/ps")
+    async def ps(request: Request) -> dict[str, Any]:
+        views = [v for v in models.views(request.app.state, service) if v.loaded]
+        return {"models": [models.ps_entry(v) for v in views]}
+
+    @router.post("/api/show")
+    async def show(request: Request) -> dict[str, Any]:
+        body = await parse_body(request, ModelBody)
+        view = models.find(request.app.state, service, body.model_name)
+        return models.show(view)
+
+    @router.get("/api/version")
+    async def version() -> dict[str, Any]:
+        return {"version": OLLAMA_VERSION}
+
+    async def manage(request: Request) -> None:
+        raise InvalidRequest(_management_message(request.url.path), code="not_supported")
+
+    for path in _MANAGEMENT:
+        router.add_api_route(path, manage, methods=["POST", "DELETE"])
+    router.include_router(embed_router(None, service.model_id))
+    return router
+
+
+def _request_id() -> str:
+    return f"ollama-{uuid.uuid4().hex[:24]}"
+
+
+async def _start_text(completions: CompletionService, body: GenerateBody) -> Generation:
+    """A raw prompt, or fill-in-the-middle with ``suffix``, through the text completions."""
+    opts = text_options(body)
+    if body.suffix is not None:  # stop where the model leaves the hole it fills
+        opts = replace(opts, stop=opts.stop + fim_stop_strings(completions.tokenizer))
+    prompts = await completions.prepare([body.prompt or ""], body.suffix, opts.max_tokens)
+    return completions.start(prompts, opts, _request_id())[0]
+
+
+def _loaded(model: str, keep_alive: Any, *, chat: bool, clock: Clock) -> Response:
+    """The answer to a request with nothing to generate: the model is loaded (the lease
+    did it), or unloaded after this request when ``keep_alive`` is 0."""
+    reason = "unload" if parse_keep_alive(keep_alive) == 0 else "load"
+    enc = OllamaEncoder(None, model, clock, chat=chat)
+    body = enc.done(reason)
+    if chat:
+        body["message"] = {"role": "assistant", "content": ""}
+    return JSONResponse(body)
+
+
+def _management_message(path: str) -> str:
+    what = path.removeprefix("/api/")
+    if what == "pull":
+        return (
+            "pull is not supported: mlx-server serves the models it was started with "
+            "(--model, --models-dir); a Hugging Face id given to --model is downloaded at start"
+        )
+    return (
+        f"{what} is not supported: mlx-server does not manage a model store; put MLX models "
+        "in the folder given to --models-dir, or start it with --model"
+    )
