@@ -292,3 +292,11 @@ def test_model_kinds_from_the_config(tmp_path):
         d.mkdir()
         (d / "config.json").write_text(config)
     assert (model_kind(chat), model_kind(encoder)) == ("chat", "embedding")
+
+
+def test_a_latest_tag_names_the_model_itself():
+    """Ollama's clients send ``<id>:latest``; any other tag is not an offered model."""
+    reg, _, _ = make()
+    assert reg.slot("b:latest") is reg.slot("b")
+    with pytest.raises(NotFound):
+        reg.slot("b:q4")

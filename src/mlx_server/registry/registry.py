@@ -82,8 +82,11 @@ class ModelRegistry:
     # ---- lookup ------------------------------------------------------------------------
 
     def slot(self, model_id: str) -> Slot:
-        """The slot of ``model_id`` (empty: the default model); unknown: 404 model_not_found."""
+        """The slot of ``model_id`` (empty: the default model); unknown: 404 model_not_found.
+        Ollama's clients name a model with a tag: ``<id>:latest`` is ``<id>``."""
         slot = self.slots.get(model_id or self.default_id)
+        if slot is None and model_id.endswith(":latest"):
+            slot = self.slots.get(model_id.removesuffix(":latest"))
         if slot is None:
             offered = ", ".join(self.slots)
             raise NotFound(
