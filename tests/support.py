@@ -54,7 +54,7 @@ def start_in_process(
 ) -> InProcessServer:
     import uvicorn
 
-    from mlx_server.app import create_app
+    from mlx_server.boot.app import create_app
     from mlx_server.service import ChatService
 
     engine = engine or ScriptedEngine()

@@ -21,7 +21,7 @@ import openai
 import pytest
 from support import ServerProcess, demo_model_dir, free_port, launch
 
-from mlx_server.ranks_launch import free_ports
+from mlx_server.boot.ranks import free_ports
 
 pytestmark = pytest.mark.demo
 
