@@ -133,8 +133,8 @@ def build(a: argparse.Namespace) -> tuple[Any, Any]:
 def serve_main(a: argparse.Namespace) -> None:
     from fastapi import APIRouter
 
-    from mlx_server.server.run import bind_socket, serve
     from mlx_server.boot.app import app_options, create_app
+    from mlx_server.server.run import bind_socket, serve
 
     if a.switch_ms:  # the interpreter lock's switch interval (Python's default: 5 ms)
         sys.setswitchinterval(a.switch_ms / 1000)
