@@ -10,7 +10,7 @@ from engine_runner import load_varied_model
 from scripted_engine import ScriptedEngine
 
 from mlx_server.engine.engine import Engine, EngineConfig
-from mlx_server.engine.protocol import EngineLike, engine_stats
+from mlx_server.engine.protocol import ChatEngine, EngineLike, engine_stats
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "mlx_server"
 
@@ -21,7 +21,6 @@ def test_every_engine_is_engine_like(tmp_path_factory):
     from mlx_server.registry.catalog import Offer
     from mlx_server.registry.registry import Limits, ModelRegistry
     from mlx_server.registry.routing import RoutedEngine
-    from mlx_server.server.metrics import InstrumentedEngine, Metrics
 
     model, tokenizer, _ = load_varied_model(tmp_path_factory)
     scripted = ScriptedEngine()
@@ -31,7 +30,6 @@ def test_every_engine_is_engine_like(tmp_path_factory):
         VisionEngine(model, tokenizer, EngineConfig()),
         EmbeddingEngine(runner=None),
         RoutedEngine(registry),
-        InstrumentedEngine(scripted, Metrics(scripted)),
         scripted,
     ):
         assert isinstance(engine, EngineLike), type(engine)
@@ -40,6 +38,9 @@ def test_every_engine_is_engine_like(tmp_path_factory):
         # Each kind declares the protocol's methods itself (not through __getattr__).
         declared = {n for c in type(engine).__mro__ for n in vars(c)}
         assert {"call", "stats", "submit", "cancel", "start", "shutdown"} <= declared
+    # The engines the chat service generates on announce requests (no getattr probing).
+    for engine in (Engine(model, tokenizer, EngineConfig()), scripted):
+        assert isinstance(engine, ChatEngine), type(engine)
 
 
 def imports_of(path: Path) -> set[str]:

@@ -32,7 +32,7 @@ from mlx_server.server.browser_guard import BrowserGuard, BrowserPolicy
 from mlx_server.server.errors import Envelopes, install_error_handlers
 from mlx_server.server.http import parse_body
 from mlx_server.server.ignored_fields import IgnoredFieldsHeader
-from mlx_server.server.metrics import MetricsMiddleware, install_metrics, route_paths
+from mlx_server.server.metrics import Metrics, MetricsMiddleware, install_metrics, route_paths
 from mlx_server.server.middleware import MAX_BODY_BYTES, GuardMiddleware
 from mlx_server.server.streaming import KEEPALIVE_S
 from mlx_server.service import ChatService
@@ -73,18 +73,22 @@ def create_app(
     max_n: int = DEFAULT_MAX_N,
     keepalive_s: float = KEEPALIVE_S,
     extra: APIRouter | None = None,
+    metrics: Metrics | None = None,
 ) -> FastAPI:
     """Build the ASGI app around a ChatService (whose engine may be real or scripted) or an
     EmbeddingService. ``keepalive_s``: how long a stream may stay silent before it gets a
     keep-alive frame; ``extra``: routes matched before the ones below (several models'
-    /v1/models, /health, /v1/embeddings)."""
+    /v1/models, /health, /v1/embeddings); ``metrics``: what the engines were built to
+    report their generations to (a new one, counting only HTTP, when not given)."""
     app = FastAPI(title="mlx-server", docs_url=None, redoc_url=None, openapi_url=None)
     # Paths match exactly: no redirect from "/v1/chat/completions/" to the route.
     app.router.redirect_slashes = False
     app.state.service = service
     app.state.max_n = max_n  # most choices (n) per request
     app.state.keepalive_s = keepalive_s
-    app.state.metrics = metrics = install_metrics(app, service)
+    app.state.metrics = metrics = metrics or Metrics()
+    metrics.count(service.engine)
+    install_metrics(app, metrics)
     if extra is not None:
         app.include_router(extra)
     if isinstance(service, EmbeddingService):

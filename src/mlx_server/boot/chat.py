@@ -14,6 +14,7 @@ from mlx_server.config import Settings
 from mlx_server.engine.constraints import ConstraintCompiler, ConstraintError
 from mlx_server.engine.engine import Engine, EngineConfig
 from mlx_server.engine.kv_quant import QuantizedKVModel
+from mlx_server.engine.protocol import GenerationObserver
 from mlx_server.engine.speculative.drafters import check_same_tokenizer
 from mlx_server.engine.speculative.runner import Speculation
 from mlx_server.engine.tuning import (
@@ -42,10 +43,13 @@ class ModelParts:
     kv_budget_bytes: int
 
 
-def load_chat_model(settings: Settings, sharded: Any = None) -> ModelParts:
+def load_chat_model(
+    settings: Settings, sharded: Any = None, observer: GenerationObserver | None = None
+) -> ModelParts:
     """Load ``settings.model`` and start its engine (kernels built before it returns).
     ``sharded``: rank 0 of several (``sharded.Rank``): the model is split across the ranks
-    and the engine runs in lockstep with theirs."""
+    and the engine runs in lockstep with theirs; ``observer``: watches the engine's
+    generations (the metrics)."""
     loaded = load_model(
         settings.model,
         model_id=settings.model_id,
@@ -94,6 +98,7 @@ def load_chat_model(settings: Settings, sharded: Any = None) -> ModelParts:
             speculation=None if vision or sharded else _speculation(loaded, settings, model),
             lockstep=sharded.lead() if sharded is not None else None,
         ),
+        observer=observer,
     )
     service = ChatService(
         loaded.model_id,

@@ -19,10 +19,10 @@ from mlx_server.models.loader import device_memory_bytes
 from mlx_server.protocols.openai.embeddings import make_router as embeddings_router
 from mlx_server.protocols.openai.rerank import make_router as rerank_router
 from mlx_server.registry.catalog import Offer, discover
-from mlx_server.registry.registry import Limits, ModelRegistry, Slot
+from mlx_server.registry.registry import Limits, ModelRegistry
 from mlx_server.registry.routes import ModelsCollector, make_router
 from mlx_server.registry.routing import RequestLeases, RoutedEmbeddings, RoutedService, binder
-from mlx_server.server.metrics import InstrumentedEngine
+from mlx_server.server.metrics import Metrics
 
 
 def limits(settings: Settings) -> Limits:
@@ -49,25 +49,20 @@ def build(settings: Settings) -> tuple[Any, Any]:
     for o in offers:
         log(f"Offered model: {o.id} ({o.kind}, {o.path})")
     set_cache_limit(settings)
+    metrics = Metrics()
 
     def load(offer: Offer) -> Any:
         one = dataclasses.replace(settings, model=offer.path, model_id=offer.id)
         if offer.kind == "embedding":
             return load_embedding_model(one, Path(offer.path))
-        return load_chat_model(one)
+        return load_chat_model(one, observer=metrics)  # every model's generations counted
 
     registry = ModelRegistry(offers, limits(settings), load, pinned=tuple(settings.pinned))
     service = RoutedService(registry)
     vision = any(o.kind == "vision" for o in offers)
     extra = routes(registry, settings.ctx_size)
-    app = create_app(cast(Any, service), **app_options(settings, vision=vision), extra=extra)
-    metrics = app.state.metrics
-
-    def instrument(slot: Slot) -> None:  # generations of every model counted on /metrics
-        if slot.offer.kind != "embedding":
-            slot.parts.service.engine = InstrumentedEngine(slot.parts.engine, metrics)
-
-    registry.on_loaded = instrument
+    options = app_options(settings, vision=vision)
+    app = create_app(cast(Any, service), **options, extra=extra, metrics=metrics)
     metrics.registry.register(ModelsCollector(registry))
     app.state.bind_model = binder(registry)
     app.state.registry = registry

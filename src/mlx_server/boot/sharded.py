@@ -38,6 +38,7 @@ from mlx_server.logs import load_failed, log, set_prefix
 from mlx_server.models.base import ModelLoadError
 from mlx_server.models.loader import load_model
 from mlx_server.models.sharding import sharder
+from mlx_server.server.metrics import Metrics
 
 
 def launched_group() -> Any | None:
@@ -107,10 +108,11 @@ def build(settings: Settings, group: Any) -> tuple[Any, Any]:
     if problem:
         raise ValueError(problem)
     set_cache_limit(settings)
-    parts = load_chat_model(settings, Rank(settings, group))
+    metrics = Metrics()
+    parts = load_chat_model(settings, Rank(settings, group), observer=metrics)
     if settings.prompt_cache_dir != "":
         log("Prompt cache: the disk tier is off across ranks (RAM tier only)")
-    return create_app(parts.service, **app_options(settings)), parts.engine
+    return create_app(parts.service, **app_options(settings), metrics=metrics), parts.engine
 
 
 def follow(settings: Settings, group: Any) -> int:

@@ -14,6 +14,7 @@ from mlx_server.boot.memory import set_cache_limit
 from mlx_server.boot.ranks import spawn
 from mlx_server.config import Settings
 from mlx_server.logs import load_failed, log
+from mlx_server.server.metrics import Metrics
 from mlx_server.server.run import PortInUse, bind_socket, is_loopback, serve
 from mlx_server.startup_report import compute_line
 
@@ -30,8 +31,10 @@ def build(settings: Settings, group: Any = None) -> tuple[Any, Any]:
         encoder = embedding.load_embedding_model(settings, encoder_dir)
         return create_app(encoder.service, **app_options(settings)), encoder.engine
     set_cache_limit(settings)
-    parts = chat.load_chat_model(settings)
-    app = create_app(parts.service, **app_options(settings, vision=parts.vision))
+    metrics = Metrics()
+    parts = chat.load_chat_model(settings, observer=metrics)
+    options = app_options(settings, vision=parts.vision)
+    app = create_app(parts.service, **options, metrics=metrics)
     return app, parts.engine
 
 
