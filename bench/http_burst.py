@@ -2,7 +2,7 @@
 
 Both sides run in their own process with the same flags and environment (float32 demo model,
 OpenBLAS preloaded where installed): a worker process that loads the model the way the server
-does (``wiring.load_chat_model``) and takes each burst on stdin, and ``python -m mlx_server``.
+does (``boot.chat.load_chat_model``) and takes each burst on stdin, and ``python -m mlx_server``.
 They take turns, so that the noise of a shared machine falls on both:
 
 - ``engine``: N ``GenerationRequest`` submitted to the ``Engine`` at once, the handles read on

@@ -129,3 +129,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         names = set(getattr(item, "fixturenames", ()))
         scripted = names & SCRIPTED_FIXTURES or item.module.__name__.endswith("_scripted")
         item.add_marker(pytest.mark.scripted if scripted else pytest.mark.tiny)
+
+
+@pytest.fixture(scope="session")
+def arch_model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """A tiny model of every architecture family (tests/arch_models.py), by family name; a
+    matrix row parametrizes over ``arch_models.FAMILIES`` and takes its directory here."""
+    from arch_models import build_all
+
+    return build_all(tmp_path_factory.mktemp("arch"))

@@ -128,3 +128,52 @@ def test_random_models_are_made(tiny_model_dir, tmp_path):
     kit("make_random_model.py", str(tmp_path / "m"), "tiny", "4", str(tiny_model_dir))
     config = json.loads((tmp_path / "m" / "config.json").read_text())
     assert config["quantization"]["bits"] == 4 and (tmp_path / "m" / "tokenizer.json").exists()
+
+
+# The GPU kit's real-shape presets, checked from their shapes alone (nothing is computed): the
+# parameter count with SmolLM2's 49,152-token vocabulary in place of the model's own, and the kind
+# of cache each layer keeps (hybrid: gated-delta state plus KV; sliding window plus full).
+REAL_SHAPES = {
+    "qwen35-9b": (7_322_219_008, {"ArraysCache": 24, "KVCache": 8}),
+    "gptoss-20b": (20_039_605_824, {"KVCache": 12, "RotatingKVCache": 12}),
+}
+
+# Their scaled-down twins, built and run on the CPU through the same code path.
+TWINS = {
+    "tiny-qwen35": {"ArraysCache": 3, "KVCache": 1},
+    "tiny-gptoss": {"KVCache": 2, "RotatingKVCache": 2},
+}
+
+
+@pytest.mark.parametrize("preset", sorted(REAL_SHAPES))
+def test_real_shape_presets_have_their_models_layers(preset, tiny_model_dir, tmp_path):
+    out = kit("make_random_model.py", str(tmp_path / "m"), preset, "4", str(tiny_model_dir),
+              "--count")  # fmt: skip
+    facts = json.loads(out.splitlines()[-1])
+    assert (facts["parameters"], facts["caches"]) == REAL_SHAPES[preset]
+    assert not (tmp_path / "m").exists()  # counting builds nothing
+
+
+@pytest.mark.parametrize("preset", sorted(TWINS))
+def test_the_twins_are_built_4_bit_and_run_in_mlx_lm(preset, tiny_model_dir, tmp_path):
+    import mlx.core as mx
+    from mlx_lm import load
+    from mlx_lm.models.cache import make_prompt_cache
+
+    out = tmp_path / preset
+    kit("make_random_model.py", str(out), preset, "4", str(tiny_model_dir))
+    config = json.loads((out / "config.json").read_text())
+    assert config["quantization"]["bits"] == 4 and config["quantization"]["group_size"] == 64
+    if preset == "tiny-gptoss":  # the model's own rule: its router stays at 8 bits
+        assert config["quantization"]["model.layers.0.mlp.router"]["bits"] == 8
+    model, tokenizer = load(str(out))
+    cache = make_prompt_cache(model)
+    kinds: dict[str, int] = {}
+    for c in cache:
+        kinds[type(c).__name__] = kinds.get(type(c).__name__, 0) + 1
+    assert kinds == TWINS[preset]
+    ids = tokenizer.encode("The rules of this session follow. " * 8)  # past the tiny window
+    logits = model(mx.array([ids]), cache=cache)
+    step = model(mx.array([[ids[-1]]]), cache=cache)  # one decode step on the filled caches
+    assert logits.shape[-1] == step.shape[-1] == 49152
+    assert mx.isfinite(logits).all().item() and mx.isfinite(step).all().item()

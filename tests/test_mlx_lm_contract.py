@@ -229,3 +229,17 @@ def test_the_decode_batch_state_speculation_steps_and_the_batched_cache_it_rolls
     cache.finalize()
     assert cache.offset.tolist() == [before[0] - 2, before[1] - 1]
     assert mx.array(cache.left_padding).shape == (2,)
+
+
+def test_batch_generator_keeps_the_wired_limit_it_replaced_in_old_wired_limit():
+    """engine/wired.py stops each BatchGenerator from restoring the limit it found by clearing
+    ``_old_wired_limit``; ``close()`` must then leave the limit alone."""
+    import inspect
+
+    from mlx_lm.generate import BatchGenerator
+
+    assert "self._old_wired_limit = maybe_set_recommended_wired_limit()" in inspect.getsource(
+        BatchGenerator.__init__
+    )
+    close = inspect.getsource(BatchGenerator.close)
+    assert "if self._old_wired_limit is not None:" in close

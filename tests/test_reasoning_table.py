@@ -33,7 +33,7 @@ ROWS = {
     ("GLM-4.6", "think"): (("<think>", "</think>"), False, False, False),
     ("moonshotai-Kimi-K2-Thinking", "think"): (("<think>", "</think>"), False, False, False),
     ("unsloth-MiniMax-M2", "think"): (("<think>", "</think>"), True, True, True),
-    ("NVIDIA-Nemotron-Nano-v2", "think"): (("<think>", "</think>"), True, True, True),
+    ("NVIDIA-Nemotron-Nano-v2", "think"): (("<think>", "</think>"), True, True, False),
     ("ibm-granite-granite-3.3-2B-Instruct", "none"): (("<think>", "</think>"), False, False, False),
     ("ByteDance-Seed-OSS", "seed"): (("<seed:think>", "</seed:think>"), False, False, False),
     ("CohereForAI-c4ai-command-r7b-12-2024-tool_use", "r7b"): (
@@ -101,3 +101,21 @@ def test_switch_reaches_templates_under_their_own_names(tmp_path):
                                   template_kwargs={"enable_thinking": False}))  # fmt: skip
     default = seed.render(ChatRequest(messages=[{"role": "user", "content": "Hi"}]))
     assert off != default
+
+
+def test_thinking_off_reaches_nemotron_as_its_marker(tmp_path):
+    """Nemotron Nano v2 reads ``/no_think`` in the conversation, not a variable: the switch
+    becomes the marker in the system prompt (which the template renders without it)."""
+    service = _service(tmp_path, "NVIDIA-Nemotron-Nano-v2", "think")
+    hi = {"role": "user", "content": "Hi"}
+    off = service.render(ChatRequest(messages=[hi], template_kwargs={"enable_thinking": False}))
+    assert off.endswith("<think></think>")
+    system = {"role": "system", "content": "Be brief."}
+    off = service.render(
+        ChatRequest(messages=[system, hi], template_kwargs={"enable_thinking": False})
+    )
+    assert "Be brief." in off and "/no_think" not in off and off.endswith("<think></think>")
+    # The caller's own marker wins.
+    think = {"role": "user", "content": "Hi /think"}
+    on = service.render(ChatRequest(messages=[think], template_kwargs={"enable_thinking": False}))
+    assert on.endswith("<think>\n")

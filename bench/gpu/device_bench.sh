@@ -4,23 +4,27 @@
 # layer: mlx_lm.stream_generate and mlx_lm's BatchGenerator alone and this project's Engine without HTTP (layers.py),
 # the raw engine as the kit has always timed it (raw_engine.py), this server over HTTP and mlx_lm.server
 # (bench_openai.py: first burst, single stream, N concurrent streams, prefix-cached chat). Results under $OUT.
-# Env: MODELS="1b:4 1b:0 8b:4" (preset:bits), LEVELS=1,8,32, SERVERS="ours mlxlm",
-#      OURS_ARGS="" (extra flags for our server), SRC (the project's src; default ./src),
+# Env: MODELS="1b:4 1b:0 8b:4" (preset:bits; presets in presets.py: 1b, 8b, qwen35-9b (hybrid), gptoss-20b
+#      (sliding window + sinks, MoE)), LEVELS=1,8,32, SERVERS="ours mlxlm" (empty: none), RAW=1 (0: skip raw_engine.py),
+#      OURS_ARGS="" (extra flags for our server), SRC (the project's src; default the kit's copy, else ./src),
 #      BENCH (these scripts; default the kit's copy), PROFILE=1b-0 (py-spy the server on this model at N=32),
 #      LAYERS=1 (0: skip layers.py), LAYERS_ARGS (e.g. "--skip batch,engine"), LAYERS_ONLY (model names, e.g. "1b-0").
 #      SCEN (bench_openai.py scenarios per server; default burst,single,concurrency,prefix),
 #      VARIANTS=1 (variants.py against ours: one stream per request variant vs the raw engine doing the same),
 #      CONSTRAINED=1 (json_schema vs free at LEVELS, ours), LONG_CTX (model names, e.g. "8b-4": the agent session,
-#      ~27,670-token system prompt then two turns, ours with defaults and --ctx-size 40000 vs mlx_lm.server;
-#      LONG_TOKENS=23470 is the target given to make_system_prompt: about 27,670 tokens with SmolLM2's tokenizer).
+#      ~27,670-token system prompt then two turns, run first for its model; LONG_SERVERS="ours mlxlm": ours with
+#      defaults and --ctx-size 40000, oursram the same with the RAM tier alone (--prompt-cache-dir ''), mlxlm
+#      mlx_lm.server; LONG_TOKENS=23470 is the target given to make_system_prompt: about 27,670 tokens with
+#      SmolLM2's tokenizer).
 #      A server named ours512 is ours with --prefill-step-size 512, ourspl ours with --prompt-lookup.
 set -u
 K=/tmp/kit/a; S=/tmp/site; OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; R=$OUT/results.jsonl; L=$OUT/log.txt
 T=/tmp/benchlogs; mkdir -p $T
-MODELS=${MODELS:-"1b:4 1b:0 8b:4"}; LEVELS=${LEVELS:-1,8,32}; SERVERS=${SERVERS:-"ours mlxlm"}
-SRC=${SRC:-$PWD/src}; OURS_ARGS=${OURS_ARGS:-}; BENCH=${BENCH:-$K}; PROFILE=${PROFILE:-1b-0}; LAYERS=${LAYERS:-1}
+MODELS=${MODELS:-"1b:4 1b:0 8b:4"}; LEVELS=${LEVELS:-1,8,32}; SERVERS=${SERVERS-"ours mlxlm"}
+SRC=${SRC:-$([ -d $K/src/mlx_server ] && echo $K/src || echo $PWD/src)}; OURS_ARGS=${OURS_ARGS:-}; BENCH=${BENCH:-$K}; PROFILE=${PROFILE:-1b-0}; LAYERS=${LAYERS:-1}
 LAYERS_ARGS=${LAYERS_ARGS:-}; LAYERS_ONLY=${LAYERS_ONLY:-}; SCEN=${SCEN:-burst,single,concurrency,prefix}
-VARIANTS=${VARIANTS:-0}; CONSTRAINED=${CONSTRAINED:-0}; LONG_CTX=${LONG_CTX:-}
+VARIANTS=${VARIANTS:-0}; CONSTRAINED=${CONSTRAINED:-0}; LONG_CTX=${LONG_CTX:-}; LONG_SERVERS=${LONG_SERVERS:-"ours mlxlm"}
+RAW=${RAW:-1}
 exec > >(tee -a "$L") 2>&1
 K=$K S=$S bash "$(cd "$(dirname "$0")" && pwd)/install.sh" || exit 1
 export PYTHONPATH=$S:$SRC PYTHONUNBUFFERED=1
@@ -45,9 +49,10 @@ start_server() {  # $1 server, $2 port, $3 log, $4... extra flags for ours
   SP=$!
 }
 long_ctx() {  # the agent session on each server, one run
-  for srv in ours mlxlm; do
+  for srv in $LONG_SERVERS; do
     P=$(port); name=m; [ $srv = mlxlm ] && name=default_model
-    start_server $srv $P $T/long-$srv-$preset-$bits.log --ctx-size 40000
+    if [ $srv = oursram ]; then start_server $srv $P $T/long-$srv-$preset-$bits.log --ctx-size 40000 --prompt-cache-dir ''
+    else start_server $srv $P $T/long-$srv-$preset-$bits.log --ctx-size 40000; fi
     if wait_ready $P; then
       timeout 300 python3 $BENCH/bench_openai.py --base-url "http://127.0.0.1:$P/v1" --model $name \
         --label "$srv $preset-$bits" --scenario long_ctx --long-system-tokens "${LONG_TOKENS:-23470}" --warmup 1 --out "$R" > /dev/null
@@ -59,7 +64,9 @@ for spec in $MODELS; do
   preset=${spec%%:*}; bits=${spec##*:}; M=/tmp/models/$preset-$bits
   [ -f $M/config.json ] || python3 $BENCH/make_random_model.py $M $preset $bits $K/tok || continue
   echo "== $preset bits=$bits $(date +%T)"
-  timeout 120 python3 $BENCH/raw_engine.py --model $M --label "raw $preset-$bits" --ignore-eos --max-tokens 256 --repeats 3 --out "$R" >/dev/null
+  # The agent session first: on a short lease it is the figure wanted most.
+  [[ " $LONG_CTX " == *" $preset-$bits "* ]] && long_ctx
+  [ "$RAW" = 1 ] && timeout 120 python3 $BENCH/raw_engine.py --model $M --label "raw $preset-$bits" --ignore-eos --max-tokens 256 --repeats 3 --out "$R" >/dev/null
   if [ "$LAYERS" = 1 ] && { [ -z "$LAYERS_ONLY" ] || [[ " $LAYERS_ONLY " == *" $preset-$bits "* ]]; }; then
     timeout 240 python3 $BENCH/layers.py --model $M --label "layers $preset-$bits" --levels "$LEVELS" $LAYERS_ARGS --out "$R" > $T/layers-$preset-$bits.log 2>&1
   fi
@@ -95,7 +102,6 @@ for spec in $MODELS; do
     else echo "$srv did not start"; tail -5 $T/$srv-$preset-$bits.log; fi
     kill $SP; sleep 2; kill -9 $SP 2>/dev/null
   done
-  [[ " $LONG_CTX " == *" $preset-$bits "* ]] && long_ctx
   tar czf $OUT/logs.tgz -C $T .
 done
 python3 $BENCH/summary.py "$R"

@@ -1,80 +1,84 @@
 #!/usr/bin/env python3
-"""Random-weight Llama-architecture model of a real size, for speed measurements only.
+"""Random-weight models of real shapes, built with mlx-lm's own classes, for speed measurements only.
 
-Usage: make_random_model.py OUT_DIR PRESET BITS TOKENIZER_DIR
-  PRESET: 1b (Llama-3.2-1B shape) or 8b (Llama-3.1-8B shape); vocab is the tokenizer's (49152 for SmolLM2).
-  BITS: 0 = bfloat16, 4 = 4-bit affine (group 64).
+Usage: make_random_model.py OUT_DIR PRESET BITS TOKENIZER_DIR [--count]
+  PRESET (vocabulary: the tokenizer's, 49,152 for SmolLM2, in place of each model's own):
+    1b          Llama-3.2-1B shape                          8b   Llama-3.1-8B shape
+    qwen35-9b   Qwen3.5-9B's text model: hybrid, 24 gated-delta (ArraysCache) + 8 full-attention layers
+    gptoss-20b  gpt-oss-20b: 24 layers alternating sliding (window 128, RotatingKVCache) and full
+                attention, both with sinks; YaRN rope; 32 experts, top 4
+    tiny, tiny-qwen35, tiny-gptoss: the same code paths scaled down, for tests on a CPU.
+  BITS: 0 = bfloat16, 4 = 4-bit affine (group 64; the model's own rule where it has one: gpt-oss's
+  router at 8 bits).
+  --count: print the parameter count and the cache kinds from the shapes; build nothing.
 Speed does not depend on weight values; answers are noise, so benchmarks must not stop on EOS early
 (use fixed max_tokens and check completion_tokens).
 """
 
+import importlib
 import json
 import shutil
 import sys
+from collections import Counter
 from pathlib import Path
 
 import mlx.core as mx
-import mlx.nn as nn
-from mlx_lm.models import llama
+from mlx.utils import tree_map_with_path, tree_reduce
+from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import quantize_model, save_config, save_model
+from presets import config_for
 
-PRESETS = {
-    "1b": dict(
-        hidden_size=2048,
-        intermediate_size=8192,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        num_hidden_layers=16,
-        tie_word_embeddings=True,
-    ),
-    "8b": dict(
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        num_hidden_layers=32,
-        tie_word_embeddings=False,
-    ),
-    "tiny": dict(
-        hidden_size=64,
-        intermediate_size=128,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_hidden_layers=2,
-        tie_word_embeddings=True,
-    ),
-}
 
-out, preset, bits, tok = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]), Path(sys.argv[4])
-config = {
-    "model_type": "llama",
-    "architectures": ["LlamaForCausalLM"],
-    "vocab_size": 49152,
-    "rms_norm_eps": 1e-5,
-    "rope_theta": 500000.0,
-    "max_position_embeddings": 131072,
-    "bos_token_id": 1,
-    "eos_token_id": 2,
-    **PRESETS[preset],
-}
-mx.random.seed(0)
-model = llama.Model(llama.ModelArgs.from_dict(config))
-# Small weights keep activations finite in bf16.
-model.update(
-    nn.utils.tree_map(
-        lambda p: (mx.random.normal(p.shape) * 0.02).astype(mx.bfloat16), model.parameters()
-    )
-)
-mx.eval(model.parameters())
-if bits:
-    model, config = quantize_model(model, config, group_size=64, bits=bits)
-out.mkdir(parents=True, exist_ok=True)
-save_model(out, model)
-save_config(config, out / "config.json")
-for f in tok.iterdir():
-    if f.name.startswith("tokenizer") or f.name in (
-        "special_tokens_map.json",
-        "chat_template.jinja",
-    ):
-        shutil.copy(f, out / f.name)
-print(json.dumps({"model": str(out), "preset": preset, "bits": bits}))
+def build(config: dict):
+    """The model of ``config`` with weights drawn small (finite activations in bf16) and lazily:
+    nothing is computed until the weights are saved, one shard at a time."""
+    family = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
+    model = family.Model(family.ModelArgs.from_dict(config))
+    castable = getattr(model, "cast_predicate", None) or (lambda path: True)
+
+    def draw(path: str, p: mx.array) -> mx.array:
+        # Checkpoints keep what cast_predicate refuses (Qwen3.5's A_log) in float32; so does this.
+        dtype = mx.bfloat16 if castable(path) else mx.float32
+        return mx.random.normal(p.shape, dtype=dtype, scale=0.02)
+
+    model.update(tree_map_with_path(draw, model.parameters()))
+    return model
+
+
+def shape_facts(model) -> dict:
+    """Parameter count and cache kinds per layer, read from shapes alone (nothing is computed)."""
+    kinds = Counter(type(c).__name__ for c in make_prompt_cache(model))
+    return {
+        "parameters": tree_reduce(lambda n, p: n + p.size, model.parameters(), 0),
+        "caches": dict(sorted(kinds.items())),
+    }
+
+
+def copy_tokenizer(tok: Path, out: Path) -> None:
+    for f in tok.iterdir():
+        if f.name.startswith("tokenizer") or f.name in (
+            "special_tokens_map.json",
+            "chat_template.jinja",
+        ):
+            shutil.copy(f, out / f.name)
+
+
+def main(argv: list[str]) -> None:
+    out, preset, bits, tok = Path(argv[0]), argv[1], int(argv[2]), Path(argv[3])
+    config = config_for(preset)
+    mx.random.seed(0)
+    model = build(config)
+    if "--count" in argv[4:]:
+        print(json.dumps({"preset": preset, **shape_facts(model)}))
+        return
+    if bits:
+        model, config = quantize_model(model, config, group_size=64, bits=bits)
+    out.mkdir(parents=True, exist_ok=True)
+    save_model(out, model, donate_model=True)
+    save_config(config, out / "config.json")
+    copy_tokenizer(tok, out)
+    print(json.dumps({"model": str(out), "preset": preset, "bits": bits}))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

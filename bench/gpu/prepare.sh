@@ -7,7 +7,9 @@ set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 TOK=${TOK:-models/smollm2-135m-instruct}
 [ -f "$TOK/tokenizer.json" ] || { echo "no tokenizer at $TOK (run .venv/bin/mlx-server-demo first)"; exit 1; }
-grep -qx '/.gpu/' .git/info/exclude 2>/dev/null || echo '/.gpu/' >> .git/info/exclude
+# In a linked worktree .git is a file: ask git where the (shared) exclude file lives.
+EXCLUDE=$(git rev-parse --git-path info/exclude)
+grep -qx '/.gpu/' "$EXCLUDE" 2>/dev/null || echo '/.gpu/' >> "$EXCLUDE"
 MLX=${MLX_VERSION:-$(.venv/bin/python -c 'import importlib.metadata as m; print(m.version("mlx"))')}
 MLXLM=${MLXLM_VERSION:-$(.venv/bin/python -c 'import importlib.metadata as m; print(m.version("mlx-lm"))')}
 # Runtime dependencies the device image lacks (it has numpy, transformers, tokenizers, jinja2,
@@ -26,6 +28,10 @@ split -b 45000000 -d .gpu/mlx_cuda_13-*.whl .gpu/a/mlx_cuda.part.
 mv .gpu/a/mlx_cuda.part.01 .gpu/b/ && basename .gpu/mlx_cuda_13-*.whl > .gpu/a/mlx_cuda.name && rm .gpu/mlx_cuda_13-*.whl
 mkdir -p .gpu/a/tok && cp "$TOK"/tokenizer* .gpu/a/tok/
 cp "$HERE"/*.py "$HERE"/*.sh .gpu/a/
+# The server's source travels too: the device receives the session's checkout, which need not be
+# the tree being measured (a linked worktree's branch, say). device_bench.sh runs this copy.
+SRC_TREE=$(cd "$HERE/../.." && pwd)/src
+mkdir -p .gpu/a/src && cp -r "$SRC_TREE"/mlx_server .gpu/a/src/ && find .gpu/a/src -name __pycache__ -prune -exec rm -rf {} +
 rmdir .gpu/dl
 du -sh .gpu/a .gpu/b
 echo "next, on the GPU machine: 'bash .gpu/a/lay.sh' with .gpu/a along; right after: 'bash /tmp/kit/a/device_bench.sh' with .gpu/b along"

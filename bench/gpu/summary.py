@@ -106,7 +106,9 @@ def main(path: str) -> None:
                 )
             elif sc == "long_ctx":
                 turns = ", ".join(
-                    f"{t['ttft_s']:.2f} s cached {t['cached_tokens']}/{t['prompt_tokens']}"
+                    f"failed: {t['error']}"
+                    if "error" in t
+                    else f"{t['ttft_s']:.2f} s cached {t['cached_tokens']}/{t['prompt_tokens']}"
                     for t in r["turns"]
                 )
                 print(f"  {who:6} long_ctx ttft per turn: {turns}")

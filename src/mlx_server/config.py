@@ -4,7 +4,10 @@ example ``MLX_SERVER_PORT=9000``); a flag on the command line wins."""
 
 from __future__ import annotations
 
+import os
+import sys
 from dataclasses import dataclass, field, fields
+from pathlib import Path
 from typing import Any
 
 
@@ -12,6 +15,19 @@ def _opt(default: Any, help: str, *flags: str, **extra: Any) -> Any:
     """One option. ``extra``: ``required``, ``choices``, and bounds ``min`` / ``max``
     (inclusive) or ``above`` (exclusive), checked at start."""
     return field(default=default, metadata={"help": help, "flags": flags, **extra})
+
+
+def user_cache_root() -> Path:
+    """Where the server keeps what it makes (GGUF imports, the prefix cache's disk tier):
+    ``$MLX_SERVER_CACHE``, else ``$XDG_CACHE_HOME/mlx-server``, else
+    ``~/Library/Caches/mlx-server`` on macOS and ``~/.cache/mlx-server`` elsewhere."""
+    if explicit := os.environ.get("MLX_SERVER_CACHE"):
+        return Path(explicit).expanduser()
+    if xdg := os.environ.get("XDG_CACHE_HOME"):
+        return Path(xdg) / "mlx-server"
+    if sys.platform == "darwin":
+        return Path.home() / "Library" / "Caches" / "mlx-server"
+    return Path.home() / ".cache" / "mlx-server"
 
 
 def env_name(name: str) -> str:
@@ -108,7 +124,8 @@ class Settings:
     prompt_cache_dir: str | None = _opt(
         None,
         "Directory of the prefix cache's disk tier (default: per model under the user cache "
-        "directory, e.g. ~/.cache/mlx-server/prompt-cache; '' turns the disk tier off)",
+        "directory: ~/Library/Caches/mlx-server/prompt-cache on macOS, "
+        "~/.cache/mlx-server/prompt-cache elsewhere; '' turns the disk tier off)",
         "--prompt-cache-dir",
     )
     prompt_cache_disk_gb: float = _opt(
@@ -128,7 +145,8 @@ class Settings:
     )
     kv_budget_gb: float | None = _opt(
         None,
-        "KV-cache memory budget for admitted requests in GB (default: a quarter of device memory)",
+        "Memory for KV, the prefix cache's RAM tier and MLX's buffers in GB (default: what the "
+        "device's usable memory leaves after the weights and a margin; logged at start)",
         "--kv-budget-gb",
         above=0,
     )

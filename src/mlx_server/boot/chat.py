@@ -6,16 +6,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache
+from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from mlx_server.boot.disk_tier import disk_tier
-from mlx_server.boot.memory import kv_budget_bytes, prompt_cache_bytes
+from mlx_server.boot.memory import prompt_cache_bytes
 from mlx_server.config import Settings
 from mlx_server.engine.constraints import ConstraintCompiler, ConstraintError
 from mlx_server.engine.engine import Engine, EngineConfig
 from mlx_server.engine.kv_quant import QuantizedKVModel
+from mlx_server.engine.kv_quant_layers import NoQuantizableLayer, plan_layers
 from mlx_server.engine.protocol import GenerationObserver
 from mlx_server.engine.speculative.drafters import check_same_tokenizer
+from mlx_server.engine.speculative.rollback import layer_kinds, rollback_problem
 from mlx_server.engine.speculative.runner import Speculation
 from mlx_server.engine.tuning import (
     builds_kernels_on_first_use,
@@ -27,6 +29,7 @@ from mlx_server.logs import log
 from mlx_server.models.base import ModelLoadError, trained_context
 from mlx_server.models.loader import activation_bytes, kv_bytes_per_token, load_model
 from mlx_server.models.media import MediaLimits
+from mlx_server.models.memory_plan import kv_shape, plan_memory, read_device, weights_bytes
 from mlx_server.models.vision import VisionPromptBuilder
 from mlx_server.service import ChatService
 from mlx_server.startup_report import weights_line
@@ -66,7 +69,6 @@ def load_chat_model(
             "--embedding: this model generates text, so it is served as a text-generation "
             "model (chat, completions, messages, responses)"
         )
-    kv_budget = kv_budget_bytes(settings)
     vision = "vision" in loaded.capabilities
     engine_class: Any = Engine
     if vision:  # mlx-vlm's generation step: pixels in, one request at a time
@@ -75,11 +77,14 @@ def load_chat_model(
     disk, disk_off = None, ""
     if not vision:
         model, kv_per_token = _quantized_kv(loaded, settings, model, kv_per_token)
+    plan = _memory_plan(settings, loaded, kv_per_token)
+    kv_budget, kv = plan.budget, plan.kv
+    if not vision:
         if sharded is None:
             disk, disk_off = disk_tier(loaded, settings)
         else:
             disk_off = "the disk tier is off across ranks"
-    batch = _batch_size(settings, kv_budget, kv_per_token)
+    batch = _batch_size(settings, kv_budget, kv.bytes_for(settings.ctx_size))
     engine = engine_class(
         model,
         loaded.tokenizer,
@@ -90,10 +95,13 @@ def load_chat_model(
             prompt_cache_size=settings.prompt_cache_size,
             prompt_cache_bytes=prompt_cache_bytes(settings, kv_budget),
             kv_budget_bytes=kv_budget,
-            kv_bytes_per_token=kv_per_token,
+            kv_bytes_per_token=kv.per_token,
+            kv_bytes_per_sequence=kv.per_sequence,
             prompt_cache_disk=disk,
             prompt_cache_disk_off=disk_off,
             warm_up=not vision and builds_kernels_on_first_use(),
+            first_token=not vision and sharded is None,
+            wired_bytes=plan.weights + plan.budget,
             prefill_buckets=not vision and builds_kernels_on_first_use(),
             speculation=None if vision or sharded else _speculation(loaded, settings, model),
             lockstep=sharded.lead() if sharded is not None else None,
@@ -117,31 +125,57 @@ def load_chat_model(
     )
     engine.start()
     engine.wait_ready()  # kernels for every batch shape are built before the readiness line
+    if engine.start_error:  # no readiness line for a model that cannot run
+        engine.shutdown()
+        raise ModelLoadError(engine.start_error)
     return ModelParts(service, engine, loaded, vision, kv_budget)
 
 
-def _batch_size(settings: Settings, kv_budget: int, kv_per_token: int) -> int:
+def _memory_plan(settings: Settings, loaded: Any, kv_per_token: int) -> Any:
+    """How the device's memory is shared (models/memory_plan.py), logged in one line;
+    raises ModelLoadError when the weights leave no room for a conversation."""
+    given = settings.kv_budget_gb
+    plan = plan_memory(
+        read_device(),
+        weights_bytes(loaded.model),
+        kv_shape(loaded.config, kv_per_token),
+        settings.ctx_size,
+        budget_override=int(given * (1 << 30)) if given is not None else None,
+    )
+    if not plan.fits:
+        raise ModelLoadError(plan.refusal())
+    log(plan.line())
+    return plan
+
+
+def _batch_size(settings: Settings, kv_budget: int, kv_per_sequence: int) -> int:
     """``--max-batch-size``; 0 is the Swift server's "batching off": one sequence at a time."""
     if settings.max_batch_size == 0:
         log("Batching off (--max-batch-size 0): one sequence at a time")
         return 1
     if settings.max_batch_size is not None:
         return settings.max_batch_size
-    return default_batch_size(kv_budget, kv_per_token, settings.ctx_size)
+    return default_batch_size(kv_budget, kv_per_sequence)
 
 
 def _quantized_kv(loaded: Any, settings: Settings, model: Any, per_token: int) -> tuple[Any, int]:
-    """The model wrapped to quantize its KV cache (``--kv-bits``), and the KV bytes per token."""
+    """The model wrapped to quantize its KV cache (``--kv-bits``) on the layers that can
+    take it, and the KV bytes per token; a model none of whose layers can is refused."""
     if not settings.kv_bits:
         return model, per_token
-    per_token = kv_bytes_per_token(
-        loaded.config, activation_bytes(loaded.model), settings.kv_bits, settings.kv_group_size
-    )
+    bits, group = settings.kv_bits, settings.kv_group_size
+    try:
+        plan = plan_layers(model, bits, group)
+    except NoQuantizableLayer as e:
+        raise ModelLoadError(str(e)) from e
+    share = len(plan.quantized) / (len(plan.quantized) + len(plan.plain))
+    quantized = kv_bytes_per_token(loaded.config, activation_bytes(loaded.model), bits, group)
+    per_token = int(quantized * share + per_token * (1 - share))
     log(
-        f"KV cache: {settings.kv_bits}-bit, group size {settings.kv_group_size} "
-        f"({per_token} bytes per token)"
+        f"KV cache: {bits}-bit, group size {group} ({per_token} bytes per token); "
+        + plan.describe()
     )
-    return QuantizedKVModel(model, settings.kv_bits, settings.kv_group_size), per_token
+    return QuantizedKVModel(model, bits, group, plan.quantized), per_token
 
 
 def _vision_prompt_builder(loaded: Any, settings: Settings) -> Any:
@@ -172,19 +206,24 @@ def _speculation(loaded: Any, settings: Settings, model: Any) -> Any:
     """Speculative decoding's settings, with the draft model loaded and checked (its
     tokenizer must be the model's), or None when it is off. Predicted outputs need no
     flag: a request that brings one speculates whenever it runs alone."""
-    if not can_trim_prompt_cache(make_prompt_cache(model)):
+    cache = make_prompt_cache(model)
+    if (problem := rollback_problem(cache)) is not None:
         if settings.prompt_lookup or settings.draft_model:
             raise ModelLoadError(
-                "speculative decoding needs a KV cache that can be rolled back, and this "
-                "model's (or the quantized KV cache's) cannot; drop --prompt-lookup and "
-                "--draft-model, or --kv-bits"
+                f"speculative decoding is not available for this model: {problem}; drop "
+                "--prompt-lookup and --draft-model"
             )
+        log(f"Predicted outputs are not used to speculate on this model: {problem}")
         return None
+    if settings.prompt_lookup or settings.draft_model:
+        log(_speculation_note(cache, layer_kinds(cache)))
     draft = None
     if settings.draft_model:
         drafted = load_model(settings.draft_model, dtype=settings.dtype)
         if "vision" in drafted.capabilities:
             raise ModelLoadError("--draft-model: a vision model cannot draft")
+        if (problem := rollback_problem(make_prompt_cache(drafted.model))) is not None:
+            raise ModelLoadError(f"--draft-model {settings.draft_model}: {problem}")
         try:
             check_same_tokenizer(loaded.tokenizer, drafted.tokenizer)
         except ValueError as e:
@@ -195,4 +234,14 @@ def _speculation(loaded: Any, settings: Settings, model: Any) -> Any:
         num_draft_tokens=settings.num_draft_tokens,
         prompt_lookup=settings.prompt_lookup,
         draft_model=draft,
+    )
+
+
+def _speculation_note(cache: list[Any], kinds: str) -> str:
+    """What speculation does on this model's layers (the start-up log line)."""
+    if all(type(c) is KVCache for c in cache):
+        return f"Speculative decoding: on ({kinds})"
+    return (
+        f"Speculative decoding: on ({kinds}); after a rejected draft, layers that cannot "
+        "be trimmed are restored and fed the accepted tokens again"
     )

@@ -51,8 +51,12 @@ def build(settings: Settings) -> tuple[Any, Any]:
     set_cache_limit(settings)
     metrics = Metrics()
 
+    # Each model's KV budget is its share of the memory the registry sets aside (limits()),
+    # not what one model alone would leave of the device.
+    kv_gb = limits(settings).overhead_bytes / (1 << 30)
+
     def load(offer: Offer) -> Any:
-        one = dataclasses.replace(settings, model=offer.path, model_id=offer.id)
+        one = dataclasses.replace(settings, model=offer.path, model_id=offer.id, kv_budget_gb=kv_gb)
         if offer.kind == "embedding":
             return load_embedding_model(one, Path(offer.path))
         return load_chat_model(one, observer=metrics)  # every model's generations counted

@@ -25,6 +25,7 @@ from mlx_server.engine.constraint_processor import GrammarLogitsProcessor
 from mlx_server.engine.grammar_masks import BatchGrammar, GrammarMasks
 from mlx_server.engine.runner import Insert, KVState, Progress, Response
 from mlx_server.engine.sampling import GuardedProcessor, LogitsProcessor, Sampler
+from mlx_server.engine.wired import hands_off
 
 
 class BatchRunner:
@@ -68,6 +69,7 @@ class BatchRunner:
             prefill_step_size=self._step_size,
             stop_tokens=[[t] for t in self._eos],
         )
+        hands_off(gen)  # the process's wired limit is set once (wired.py)
         if self._batch_grammars:
             # The decode batch lives as long as the generator (it grows and shrinks in place).
             decode = gen._generation_batch

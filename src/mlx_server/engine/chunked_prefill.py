@@ -58,5 +58,7 @@ class ChunkedPrefill:
         self.fed += self._todo[:n]
         self._todo = self._todo[n:]
         mx.clear_cache()
-        at_system_end = len(self.fed) == self._system_end
-        return Progress(self.uid, (self._total - len(self._todo), self._total), at_system_end)
+        # Segments end where the system prompt ends and where the prefill does (the last
+        # token is fed by the first decode step): as in mlx-lm's BatchGenerator.
+        at_end = len(self.fed) == self._system_end or len(self._todo) == 1
+        return Progress(self.uid, (self._total - len(self._todo), self._total), at_end)

@@ -1,7 +1,7 @@
 """The disk tier of the prefix cache: KV states kept in files across restarts.
 
 Each entry is one safetensors file (MLX's own format, ``mx.save_safetensors``) holding the
-KV arrays of every layer, cut to the tokens they cover, and those tokens. A manifest
+state of every cache layer, of any kind (``kv_serialize``), and the tokens it covers. A manifest
 (``index.json``) lists the entries with their tokens, size, CRC-32 and last use, so start-up
 reads one file, not every entry.
 
@@ -30,7 +30,6 @@ import hashlib
 import json
 import os
 import queue
-import sys
 import threading
 import time
 import zlib
@@ -40,6 +39,7 @@ from typing import Any
 
 import numpy as np
 
+from mlx_server.config import user_cache_root
 from mlx_server.engine.folder_lock import FolderLock
 from mlx_server.engine.kv_serialize import FORMAT_VERSION, deserialize, serialize
 from mlx_server.logs import log
@@ -51,19 +51,12 @@ _CHUNK = 8 << 20
 
 
 def default_root() -> Path:
-    """``$MLX_SERVER_PROMPT_CACHE_DIR``, else ``<user cache dir>/mlx-server/prompt-cache``
-    (``$XDG_CACHE_HOME``, ``~/Library/Caches`` on macOS, else ``~/.cache``)."""
+    """``$MLX_SERVER_PROMPT_CACHE_DIR``, else ``prompt-cache`` under the server's cache root
+    (``config.user_cache_root``: ``~/Library/Caches/mlx-server`` on macOS)."""
     env = os.environ.get("MLX_SERVER_PROMPT_CACHE_DIR")
     if env:
         return Path(env).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    if xdg:
-        base = Path(xdg)
-    elif sys.platform == "darwin":
-        base = Path.home() / "Library" / "Caches"
-    else:
-        base = Path.home() / ".cache"
-    return base / "mlx-server" / "prompt-cache"
+    return user_cache_root() / "prompt-cache"
 
 
 def model_cache_dir(root: Path, model_dir: Path, layout: dict[str, Any]) -> Path:
@@ -393,7 +386,8 @@ class DiskPromptCache:
     def save(self, tokens: list[int], cache: list[Any], kind: str) -> bool:
         """Hand a KV state to the writer. Its arrays are cut to ``len(tokens)`` and evaluated
         here (on the MLX thread); the file is written in the background. Returns whether it
-        was queued (not: too short, already covered, unsupported, too large, or queue full)."""
+        was queued (not: too short, already covered, too large, or queue full). Raises for
+        a state that cannot be written (``kv_serialize.Unsupported``): the caller drops it."""
         if self._closed or len(tokens) < self.min_tokens or self.covers(tokens):
             return False
         packed = serialize(cache, len(tokens))
@@ -414,11 +408,15 @@ class DiskPromptCache:
             if self._pending >= self.max_pending:
                 self.dropped += 1
                 return False
-            self._pending += 1
         import mlx.core as mx
 
         arrays["tokens"] = mx.array(tokens, dtype=mx.int32)
-        mx.eval(list(arrays.values()))
+        mx.eval(list(arrays.values()))  # before a slot is taken: a failure here leaks none
+        with self._lock:
+            if self._closed or self._pending >= self.max_pending:
+                self.dropped += 1
+                return False
+            self._pending += 1
         job = _Job(np.asarray(tokens, dtype=np.int32), arrays, metadata, kind, trimmable)
         name = _entry_name(job.tokens)
         entry = _Entry(name, job.tokens, size, 0, kind, trimmable, time.time())

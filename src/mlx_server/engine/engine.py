@@ -27,17 +27,18 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from mlx_server.engine import faults
+from mlx_server.engine import faults, wired
 from mlx_server.engine.batch_runner import BatchRunner
+from mlx_server.engine.checkpoints import needs_checkpoints
 from mlx_server.engine.delivery import Seq, deliver_finish, deliver_token
 from mlx_server.engine.handle import GenerationHandle, Outbox, Started
-from mlx_server.engine.prefix_cache import SYSTEM, PrefixCache
+from mlx_server.engine.prefix_cache import CHECKPOINT, SYSTEM, PrefixCache
 from mlx_server.engine.protocol import GenerationObserver
 from mlx_server.engine.runner import Insert, Progress, Response, Runner
 from mlx_server.engine.sampling import SamplerPool, reset_random_state, sequence_sampling
 from mlx_server.engine.scheduler import Scheduler
 from mlx_server.engine.solo import LoneFirstRunner, SoloRunner
-from mlx_server.engine.tuning import warm_up
+from mlx_server.engine.tuning import first_token, warm_up
 from mlx_server.errors import Overloaded
 from mlx_server.logs import log
 from mlx_server.types import GenerationRequest
@@ -54,9 +55,15 @@ class EngineConfig:
     prompt_cache_bytes: int = 2 << 30
     kv_budget_bytes: int = 4 << 30
     kv_bytes_per_token: int = 1
+    kv_bytes_per_sequence: int = 0  # sliding windows and recurrent states (memory_plan)
     prompt_cache_disk: Any = None  # disk_cache.DiskPromptCache: the prefix cache's disk tier
     prompt_cache_disk_off: str = ""  # without one: why (reported by /health)
     warm_up: bool = False  # run every batch size once before serving (see tuning.warm_up)
+    # Compute one token before serving (tuning.first_token); a failure is ``start_error``.
+    first_token: bool = False
+    # Bytes this engine's model keeps resident (weights and KV budget): its share of the
+    # process's wired limit while it runs (wired.py; Metal only).
+    wired_bytes: int = 0
     solo: bool = True  # a lone request runs on a plain KV cache (see solo.py)
     speculation: Any = None  # speculative.runner.Speculation: requests speculate, alone or batched
     gather_s: float = 0.05  # how long queued requests wait for announced ones (Scheduler)
@@ -99,6 +106,7 @@ class Engine:
             prefill_step_size=cfg.prefill_step_size,
             kv_budget_bytes=cfg.kv_budget_bytes,
             kv_bytes_per_token=cfg.kv_bytes_per_token,
+            kv_bytes_per_sequence=cfg.kv_bytes_per_sequence,
             prefix_cache=self._prompt_cache,
             gather_s=cfg.gather_s,
         )
@@ -107,6 +115,8 @@ class Engine:
         if cfg.lockstep is not None:
             self._runner = cfg.lockstep.lead(self._runner, self._prompt_cache, cfg)
         self._watch_disk_reads()
+        # Keep each prompt's state before generation where a cache cannot be rewound.
+        self._checkpoints = self._prompt_cache is not None and needs_checkpoints(model)
         # Width of the model's logits, to try each request's sampler before it runs.
         args = getattr(model, "args", None)
         self._vocab = int(getattr(args, "vocab_size", 0) or len(tokenizer.vocab))
@@ -115,6 +125,8 @@ class Engine:
         self._calls: deque[tuple[Callable[[], Any], Future[Any]]] = deque()
         self._ready = threading.Event()
         self._thread: threading.Thread | None = None
+        self.start_error = ""
+        self._wired = 0  # bytes claimed of the process's wired limit (wired.py)  # why the model cannot serve (set before wait_ready returns)
 
     def _default_runner(self) -> Runner:
         cfg = self.config
@@ -164,6 +176,8 @@ class Engine:
     # ---- public API (any thread) -------------------------------------------------------
 
     def start(self) -> None:
+        wired.claim(self.config.wired_bytes)
+        self._wired = self.config.wired_bytes
         self._thread = threading.Thread(target=self._run, name="mlx-engine", daemon=True)
         self._thread.start()
 
@@ -233,6 +247,8 @@ class Engine:
         self._sched.stop()
         if self._thread is not None:
             self._thread.join(timeout)
+        wired.release(self._wired)
+        self._wired = 0
 
     # ---- engine thread: the loop -------------------------------------------------------
 
@@ -258,7 +274,10 @@ class Engine:
         self._fail_calls()
         self._runner.close()
         if self._prompt_cache is not None:
-            self._prompt_cache.close()  # RAM entries to the disk tier, within a deadline
+            try:
+                self._prompt_cache.close()  # RAM entries to the disk tier, within a deadline
+            except Exception as e:  # the last writes are a service: stopping goes on
+                self._prompt_cache.faults.note("writing the cache at shutdown", e)
 
     def _wait_for_work(self) -> bool:
         """Sleep until there is something to do; False once stopping and nothing runs."""
@@ -292,6 +311,14 @@ class Engine:
                 future.set_exception(Overloaded("the server is shutting down"))
 
     def _warm_up(self) -> None:
+        if self.config.first_token:
+            try:
+                first_token(self.model)
+            except Exception as e:
+                self.start_error = f"the model could not compute a token: {faults.describe(e)}"
+                log(f"Warm-up failed: {self.start_error}")
+                self._ready.set()
+                return
         if self.config.warm_up:
             try:
                 n, step = self.config.max_batch_size, self.config.prefill_step_size
@@ -386,7 +413,7 @@ class Engine:
             if p.uid in active:
                 done_n, total = p.progress
                 active[p.uid].prefill_left = total - done_n
-        self._save_system_prefixes(progress)
+        self._save_prefixes(progress)
         self._handle_responses(responses)
 
     def _handle_responses(self, responses: list[Response]) -> None:
@@ -428,24 +455,35 @@ class Engine:
             self._finish(seq, "error", error=faults.sequence_failed(seq))
         reset_random_state()
 
-    def _save_system_prefixes(self, progress: list[Progress]) -> None:
-        """At the end of a system-prompt segment, cache its KV state as a system entry."""
-        active = self._sched.active
+    def _save_prefixes(self, progress: list[Progress]) -> None:
+        """At the end of a system-prompt segment, cache its KV state as a system entry; at
+        the end of a prompt's prefill (all but its last token), where the cache cannot be
+        rewound, as a checkpoint. A failure to copy a state drops it (logged once)."""
+        pc, active = self._prompt_cache, self._sched.active
+        if pc is None:
+            return
         uids = [
             p.uid
             for p in progress
             if p.end_of_segment
             and not p.end_of_prompt
             and p.uid in active
-            and active[p.uid].system_end
+            and (active[p.uid].system_end or self._checkpoints)
         ]
-        if not uids or self._prompt_cache is None:
+        if not uids:
             return
-        for uid, (cache, tokens) in self._runner.extract_state(uids).items():
+        try:
+            states = self._runner.extract_state(uids)
+        except Exception as e:
+            pc.faults.note("copying a prompt's state", e)
+            return
+        for uid, (cache, tokens) in states.items():
             seq = active[uid]
-            if len(tokens) == seq.system_end:
-                self._prompt_cache.insert(list(tokens), cache, SYSTEM)
+            if seq.system_end and len(tokens) == seq.system_end:
+                pc.insert(list(tokens), cache, SYSTEM)
                 seq.system_end = 0
+            elif self._checkpoints and len(tokens) == len(seq.req.prompt_tokens) - 1:
+                pc.insert(list(tokens), cache, CHECKPOINT)
 
     # ---- engine thread: ending sequences -----------------------------------------------
 

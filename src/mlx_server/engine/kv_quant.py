@@ -238,29 +238,41 @@ class BatchQuantizedKVCache(_BaseCache):
         return sum(x.nbytes for x in self.keys + self.values)
 
 
-def quantize_layers(cache: list[Any], group_size: int, bits: int) -> list[Any]:
-    """Plain KV layers replaced by batchable quantized ones (others, e.g. recurrent or
-    sliding-window layers, are kept as they are)."""
+def quantize_layers(
+    cache: list[Any], group_size: int, bits: int, layers: list[int] | None = None
+) -> list[Any]:
+    """The cache with its ``layers`` (by index; default every plain KV layer) replaced by
+    batchable quantized ones; the rest (recurrent, sliding-window, or a layer the model's
+    quantized attention cannot take: ``kv_quant_layers``) are kept as they are."""
+    chosen = set(layers) if layers is not None else None
     return [
-        BatchableQuantizedKVCache(group_size=group_size, bits=bits) if type(c) is KVCache else c
-        for c in cache
+        BatchableQuantizedKVCache(group_size=group_size, bits=bits)
+        if type(c) is KVCache and (chosen is None or i in chosen)
+        else c
+        for i, c in enumerate(cache)
     ]
 
 
 class QuantizedKVModel:
     """A model whose fresh prompt caches are quantized (``BatchGenerator`` builds a
-    sequence's cache with ``make_prompt_cache(model)``, which asks ``model.make_cache``)."""
+    sequence's cache with ``make_prompt_cache(model)``, which asks ``model.make_cache``);
+    ``layers``: which cache layers (default every plain KV layer)."""
 
-    def __init__(self, model: Any, bits: int, group_size: int = 64):
+    def __init__(
+        self, model: Any, bits: int, group_size: int = 64, layers: list[int] | None = None
+    ):
         self._model = model
         self.kv_bits = bits
         self.kv_group_size = group_size
+        self.kv_layers = layers
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self._model(*args, **kwargs)
 
     def make_cache(self) -> list[Any]:
-        return quantize_layers(make_prompt_cache(self._model), self.kv_group_size, self.kv_bits)
+        return quantize_layers(
+            make_prompt_cache(self._model), self.kv_group_size, self.kv_bits, self.kv_layers
+        )
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._model, name)

@@ -29,6 +29,8 @@ from typing import TYPE_CHECKING, Any
 
 from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, trim_prompt_cache
 
+from mlx_server.engine.cache_faults import CacheFaults
+from mlx_server.engine.cache_misses import MissLog, worth
 from mlx_server.logs import log
 
 _KEY = "model"  # one model per engine: a constant trie namespace
@@ -36,6 +38,10 @@ _MAX_READS = 2  # disk entries held in host memory, read ahead of their requests
 _STALE_READ_S = 60.0  # a read not taken by then belongs to a request that went away
 SYSTEM = "system"
 CONVERSATION = "assistant"
+# The state at a prompt's end, before generation, for caches that cannot be trimmed: evicted
+# after the finished conversations' states (which serve a next turn only when it repeats the
+# answer token for token), before system prompts.
+CHECKPOINT = "user"
 
 if TYPE_CHECKING:
     from mlx_server.engine.disk_cache import DiskPromptCache
@@ -90,26 +96,51 @@ class PrefixCache(LRUPromptCache):
         # tokens, kind) when one leaves it by eviction: what other ranks replay (lockstep/).
         self.on_change: Any = None
         self.oversize = 0  # entries larger than the whole RAM tier
+        self.faults = CacheFaults()  # its own failures: the entry goes, requests go on
+        self.missed = MissLog()  # why each miss missed
+        if disk is not None:
+            self.missed.load_foreign(disk.directory)
         self._reads: dict[str, tuple[Any, float]] = {}  # disk entry -> (future, started)
 
     def fetch(self, tokens: list[int]) -> tuple[list[Any] | None, list[int]]:
         """A private copy of the KV state for the longest usable prefix of ``tokens`` and the
-        tokens still to prefill (never empty); ``(None, tokens)`` on a miss."""
-        res = self._trie.search(_KEY, tokens)
-        key, keep = self._choose(res, tokens)
-        if self.disk is not None and keep < len(tokens) - 1:
-            loaded = self._fetch_from_disk(tokens, keep if key is not None else 0)
-            if loaded is not None:
-                return loaded
-        if key is None or keep <= 0:
-            self.misses += 1
+        tokens still to prefill (never empty); ``(None, tokens)`` on a miss, whose reason is
+        logged and counted. An entry that fails to copy or load is dropped: a miss."""
+        key: list[int] | None = None
+        try:
+            res = self._trie.search(_KEY, tokens)
+            key, keep = self._choose(res, tokens)
+            if self.disk is not None and keep < len(tokens) - 1:
+                loaded = self._fetch_from_disk(tokens, keep if key is not None else 0)
+                if loaded is not None:
+                    return loaded
+            if key is None or keep <= 0:
+                self._miss(tokens, self._why_missed(res, tokens))
+                return None, tokens
+            cache = copy.deepcopy(self._trie.get(_KEY, key).prompt_cache)
+            # mlx-lm annotates the count it returns as a list
+            trimmed: Any = trim_prompt_cache(cache, len(key) - keep) if len(key) > keep else 0
+            if trimmed != len(key) - keep:
+                raise RuntimeError("the entry could not be rewound")
+        except Exception as e:
+            self.faults.note("reading an entry", e)
+            if key is not None:
+                self.forget(key)
+            self._miss(tokens, "failed")
             return None, tokens
-        cache = copy.deepcopy(self._trie.get(_KEY, key).prompt_cache)
-        if len(key) > keep:
-            trim_prompt_cache(cache, len(key) - keep)
         self._lru.touch(_KEY, key)
         self.hits += 1
         return cache, tokens[keep:]
+
+    def _miss(self, tokens: list[int], reason: str) -> None:
+        self.misses += 1
+        self.missed.miss(reason, len(tokens))
+
+    def _why_missed(self, res: Any, tokens: list[int]) -> str:
+        """The reason for a miss: an entry that cannot be rewound, one that is gone, none."""
+        if res.exact is not None or (res.longer is not None and worth(res.common_prefix, tokens)):
+            return "not_trimmable"
+        return self.missed.gone_reason(tokens) or "no_entry"
 
     def _fetch_from_disk(self, tokens: list[int], floor: int) -> tuple[list[Any], list[int]] | None:
         """Serve ``tokens`` from the disk tier when it covers more than ``floor`` tokens.
@@ -193,7 +224,11 @@ class PrefixCache(LRUPromptCache):
             entry = self._trie.get(_KEY, res.exact)
             if can_trim_prompt_cache(entry.prompt_cache):
                 return res.exact, len(tokens) - 1
-            return None, 0  # cannot rewind by one token to recompute the last logits
+            # It cannot be rewound by one token to recompute the last logits: the longest
+            # stored prefix (a checkpoint) serves instead.
+            res = self._trie.search(_KEY, tokens[:-1])
+            if res.exact is not None:
+                return res.exact, len(res.exact)
         shorter = len(res.shorter) if res.shorter is not None else 0
         if res.longer is not None and res.common_prefix > shorter:
             entry = self._trie.get(_KEY, res.longer)
@@ -203,9 +238,25 @@ class PrefixCache(LRUPromptCache):
             return res.shorter, shorter
         return None, 0
 
-    def insert(self, tokens: list[int], prompt_cache: list[Any], kind: str = CONVERSATION) -> None:
-        """Store the KV state of ``tokens`` (the cache must hold exactly those tokens)."""
-        self.insert_cache(_KEY, list(tokens), prompt_cache, cache_type=kind)
+    def insert(self, tokens: list[int], prompt_cache: list[Any], kind: str = CONVERSATION) -> bool:
+        """Store the KV state of ``tokens`` (the cache must hold exactly those tokens).
+        Returns whether it was stored: a failure (of this entry or of an eviction it caused)
+        is logged once and counted, and the entry dropped."""
+        tokens = list(tokens)
+        try:
+            self.insert_cache(_KEY, tokens, prompt_cache, cache_type=kind)
+            return True
+        except Exception as e:
+            self.faults.note("storing an entry", e)
+            self._drop_broken(tokens)
+            return False
+
+    def _drop_broken(self, tokens: list[int]) -> None:
+        """Take out the entry of ``tokens`` whose insert failed half way (if it got in)."""
+        if self._trie.search(_KEY, tokens).exact is None:
+            return
+        self._lru.remove(_KEY, tokens)
+        self._account(self._trie.pop(_KEY, tokens), -1)
 
     def insert_cache(
         self,
@@ -233,8 +284,9 @@ class PrefixCache(LRUPromptCache):
             self.on_change("store", tokens, cache_type)
         if can_trim_prompt_cache(prompt_cache):
             self._drop_prefixes(model, tokens)
-        if cache_type == SYSTEM and self.disk is not None:
-            self.disk.save(tokens, prompt_cache, cache_type)  # the prefix that never changes
+        self.missed.stored(tokens)
+        if cache_type == SYSTEM:
+            self._to_disk(tokens, prompt_cache, cache_type)  # the prefix that never changes
         self._enforce_limits()
         if self.on_insert is not None:
             self.on_insert()
@@ -247,8 +299,18 @@ class PrefixCache(LRUPromptCache):
             f"Prompt cache: a {len(tokens)}-token state ({entry.nbytes >> 20}MB) is larger "
             f"than the RAM tier ({self.max_bytes >> 20}MB, --prompt-cache-gb): {where}"
         )
-        if self.disk is not None:
-            self.disk.save(tokens, entry.prompt_cache, entry.cache_type)
+        self.missed.forget_later(tokens, "oversize", can_trim_prompt_cache(entry.prompt_cache))
+        self._to_disk(tokens, entry.prompt_cache, entry.cache_type)
+
+    def _to_disk(self, tokens: list[int], cache: list[Any], kind: str) -> bool:
+        """Hand an entry to the disk tier (if any); a failure drops it there, logged once."""
+        if self.disk is None:
+            return False
+        try:
+            return self.disk.save(tokens, cache, kind)
+        except Exception as e:
+            self.faults.note("writing an entry to disk", e)
+            return False
 
     def _drop_prefixes(self, model: Any, tokens: list[int]) -> None:
         """A trimmable entry also serves all its prefixes, so shorter ones only take space;
@@ -275,8 +337,8 @@ class PrefixCache(LRUPromptCache):
         self.evictions += 1
         if self.on_change is not None:
             self.on_change("evict", tokens, entry.cache_type)
-        if self.disk is not None:
-            self.disk.save(tokens, entry.prompt_cache, entry.cache_type)
+        self.missed.forget_later(tokens, "evicted", can_trim_prompt_cache(entry.prompt_cache))
+        self._to_disk(tokens, entry.prompt_cache, entry.cache_type)
 
     def forget(self, tokens: list[int]) -> None:
         """Drop the entry of exactly ``tokens`` (a no-op when there is none): replays an
@@ -302,12 +364,12 @@ class PrefixCache(LRUPromptCache):
             return
         self.disk.mark_closing()  # a server restarted meanwhile waits for the folder
         deadline = time.monotonic() + timeout
-        kinds = (SYSTEM, "user", CONVERSATION)
+        kinds = (SYSTEM, CHECKPOINT, CONVERSATION)
         for model, tokens in reversed([k for kind in kinds for k in self._lru._lrus[kind]]):
             if time.monotonic() >= deadline:
                 break
             entry = self._trie.get(model, tokens)
-            while not self.disk.save(tokens, entry.prompt_cache, entry.cache_type):
+            while not self._to_disk(tokens, entry.prompt_cache, entry.cache_type):
                 if not self.disk.busy or time.monotonic() >= deadline:
                     break
                 time.sleep(0.01)  # the writer queue is full: wait for a slot
@@ -332,6 +394,8 @@ class PrefixCache(LRUPromptCache):
             "prompt_cache_misses": self.misses,
             "prompt_cache_evictions": self.evictions,
             "prompt_cache_oversize": self.oversize,
+            "prompt_cache_failures": self.faults.count,
+            **self.missed.stats(),
             **(self.disk.stats() if self.disk is not None else {}),
             **self._disk_state(),
         }

@@ -32,7 +32,7 @@ from mlx_server.engine.delivery import Seq
 from mlx_server.engine.handle import GenerationHandle
 from mlx_server.engine.memory import MemoryBudget
 from mlx_server.engine.prefix_cache import PrefixCache
-from mlx_server.errors import InvalidRequest, Overloaded
+from mlx_server.errors import ContextLengthExceeded, Overloaded, overflow_message
 from mlx_server.types import GenerationRequest
 
 
@@ -49,12 +49,15 @@ class Scheduler:
         kv_bytes_per_token: int,
         prefix_cache: PrefixCache | None,
         gather_s: float = 0.0,
+        kv_bytes_per_sequence: int = 0,
     ):
         self.max_batch_size = max_batch_size
         self.max_queue = max_queue
         self.step_size = prefill_step_size
         self.kv_budget_bytes = kv_budget_bytes
         self.kv_bytes_per_token = kv_bytes_per_token
+        # Bytes a sequence holds whatever its length: sliding windows, recurrent states.
+        self.kv_bytes_per_sequence = kv_bytes_per_sequence
         self.pending: deque[Seq] = deque()
         self.active: dict[int, Seq] = {}
         # Re-entrant: a prefix read from disk that is already done when next_admissible asks
@@ -72,15 +75,19 @@ class Scheduler:
     # ---- any thread --------------------------------------------------------------------
 
     def queue(self, req: GenerationRequest, handle: GenerationHandle) -> None:
-        """Queue a request; raises InvalidRequest if it can never fit the budget, Overloaded
+        """Queue a request; raises ContextLengthExceeded if it can never fit the budget, Overloaded
         when shutting down or the queue is full."""
-        need = (len(req.prompt_tokens) + req.max_tokens) * self.kv_bytes_per_token
+        n_prompt = len(req.prompt_tokens)
+        need = (n_prompt + req.max_tokens) * self.kv_bytes_per_token + self.kv_bytes_per_sequence
         if need > self.kv_budget_bytes:
-            raise InvalidRequest(
-                f"this request needs about {need >> 20} MiB of KV cache (prompt {len(req.prompt_tokens)} "
-                f"+ max_tokens {req.max_tokens} tokens), more than the server's budget of "
-                f"{self.kv_budget_bytes >> 20} MiB; lower max_tokens or shorten the prompt",
-                code="kv_budget_exceeded",
+            # Worded as a context overflow, which clients (Jan among them) recover from.
+            longest = self.longest_context()
+            raise ContextLengthExceeded(
+                overflow_message(n_prompt, req.max_tokens, longest)
+                + f" (the memory for KV holds {longest} tokens: {self.kv_budget_bytes >> 20} MiB)",
+                param="max_tokens",
+                n_prompt_tokens=n_prompt,
+                n_ctx=longest,
             )
         seq = Seq(req=req, handle=handle, t_submit=time.perf_counter(), kv_bytes=need)
         with self.wake:
@@ -93,6 +100,11 @@ class Scheduler:
             self.expected.discard(req.request_id)
             self.pending.append(seq)
             self.wake.notify()
+
+    def longest_context(self) -> int:
+        """The most tokens one sequence can hold within the KV budget."""
+        room = self.kv_budget_bytes - self.kv_bytes_per_sequence
+        return max(0, room // max(1, self.kv_bytes_per_token))
 
     def expect(self, request_id: str) -> None:
         """A request is on its way (its prompt is being built); see the module docstring."""

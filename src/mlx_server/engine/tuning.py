@@ -14,6 +14,8 @@ from typing import Any
 
 import mlx.core as mx
 
+from mlx_server.engine.wired import hands_off
+
 CPU_BATCH = 8
 GPU_BATCH = 32
 CPU_PREFILL_STEP = 512
@@ -42,12 +44,13 @@ def builds_kernels_on_first_use() -> bool:
     return bool(on_gpu() and cuda is not None and cuda.is_available())
 
 
-def default_batch_size(kv_budget_bytes: int, kv_bytes_per_token: int, ctx_size: int) -> int:
-    """Sequences decoded together: 8 on a CPU; on a GPU as many full-context sequences as the
-    KV budget holds, between 8 and 32 (admission still queues by actual KV use)."""
+def default_batch_size(kv_budget_bytes: int, full_context_bytes: int) -> int:
+    """Sequences decoded together: 8 on a CPU; on a GPU as many full-context sequences (of
+    ``full_context_bytes`` each) as the KV budget holds, between 8 and 32 (admission still
+    queues by actual KV use)."""
     if not on_gpu():
         return CPU_BATCH
-    fit = kv_budget_bytes // max(1, kv_bytes_per_token * ctx_size)
+    fit = kv_budget_bytes // max(1, full_context_bytes)
     return int(min(GPU_BATCH, max(CPU_BATCH, fit)))
 
 
@@ -79,6 +82,7 @@ def warm_up(
         prefill_step_size=prefill_step_size,
         stop_tokens=[],
     )
+    hands_off(gen)
     try:
         _drain(gen, [[1 + i % 7 for i in range(prefill_step_size + 1)]], 2)
         for n in range(1, max_batch_size + 1):
@@ -89,6 +93,17 @@ def warm_up(
         gen.close()
         mx.clear_cache()
     return time.perf_counter() - t0
+
+
+def first_token(model: Any) -> None:
+    """Compute one token's logits on a fresh cache: a model that cannot run (a layer kind,
+    a dtype or a kernel this build lacks) fails here, before the server says it is ready,
+    and the first request does not pay for building the smallest kernels."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    logits = model(mx.array([[1, 2]]), cache=cache)
+    mx.eval(logits[:, -1, :], [c.state for c in cache])
 
 
 def _prefill_buckets(model: Any, step: int) -> None:

@@ -164,6 +164,7 @@ class ChatTemplate:
         context.update(_caller_variables(source, tools))
         context.update(template_kwargs or {})
         context.update(_thinking_switch(source, template_kwargs or {}))
+        messages = _thinking_marker(source, messages, template_kwargs or {})
         context.update(messages=messages, add_generation_prompt=add_generation_prompt)
         if tools:  # absent, not None: templates test ``tools is defined`` or loop over it
             context["tools"] = tools
@@ -209,6 +210,32 @@ def _thinking_switch(source: str, kwargs: dict[str, Any]) -> dict[str, Any]:
     if not enable and "thinking_budget" not in kwargs and _uses(source, "thinking_budget"):
         out["thinking_budget"] = 0
     return out
+
+
+_NO_THINK = "/no_think"
+
+
+def _thinking_marker(
+    source: str, messages: list[dict[str, Any]], kwargs: dict[str, Any]
+) -> list[dict[str, Any]]:
+    """``enable_thinking: false`` for a template switched by a marker in the conversation
+    (Nemotron Nano v2 reads ``/no_think`` in a system or user message, and removes it from
+    the system prompt it renders): the marker goes at the end of the system message, unless
+    the caller wrote a marker of its own."""
+    if kwargs.get("enable_thinking") is not False or _uses(source, "enable_thinking"):
+        return messages
+    if f"'{_NO_THINK}'" not in source and f'"{_NO_THINK}"' not in source:
+        return messages
+    texts = [m.get("content") for m in messages if m.get("role") in ("system", "user")]
+    if any(isinstance(t, str) and ("/think" in t or _NO_THINK in t) for t in texts):
+        return messages
+    if messages and messages[0].get("role") == "system":
+        first = messages[0]
+        if not isinstance(first.get("content"), str):
+            return messages
+        content = f"{first['content']}\n{_NO_THINK}" if first["content"] else _NO_THINK
+        return [{**first, "content": content}, *messages[1:]]
+    return [{"role": "system", "content": _NO_THINK}, *messages]
 
 
 def prepare_messages(messages: list[dict[str, Any]], caps: TemplateCaps) -> list[dict[str, Any]]:

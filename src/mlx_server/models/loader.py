@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -162,17 +161,8 @@ def load_model(
 
 
 def device_memory_bytes() -> int:
-    """The device's recommended working set (Metal/CUDA), else physical RAM; 8 GiB if unknown."""
-    try:
-        import mlx.core as mx
+    """The memory this process should plan with: Metal's recommended working set, a CUDA
+    GPU's memory, else 3/4 of the RAM (``memory_plan.read_device``)."""
+    from mlx_server.models.memory_plan import read_device
 
-        info = mx.device_info() if hasattr(mx, "device_info") else mx.metal.device_info()
-        size = int(info.get("max_recommended_working_set_size") or info.get("memory_size") or 0)
-        if size > 0:
-            return size
-    except Exception:
-        pass
-    try:
-        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
-    except (ValueError, OSError, AttributeError):
-        return 8 << 30
+    return read_device().usable

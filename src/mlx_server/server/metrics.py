@@ -224,9 +224,30 @@ class EngineCollector(Collector):
             c = CounterMetricFamily(f"{PREFIX}_prefix_cache_{key}", help)
             c.add_metric([], stats.get(f"prompt_cache_{key}", 0))
             yield c
+        yield from _cache_misses_and_failures(stats)
 
     def _stats(self) -> dict[str, Any]:
         return {"kv_in_use_bytes": 0, **engine_stats(self.engine)}
+
+
+def _cache_misses_and_failures(stats: dict[str, Any]) -> Iterable[Metric]:
+    """Prefix-cache misses by reason (``cache_misses.REASONS``) and bookkeeping failures."""
+    misses = CounterMetricFamily(
+        f"{PREFIX}_prefix_cache_misses_by_reason",
+        "Prefix-cache lookups that found nothing, by why",
+        labels=["reason"],
+    )
+    marker = "prompt_cache_miss_"
+    for key, value in stats.items():
+        if key.startswith(marker):
+            misses.add_metric([key[len(marker) :]], value)
+    yield misses
+    failures = CounterMetricFamily(
+        f"{PREFIX}_prefix_cache_failures",
+        "Prefix-cache entries dropped because storing, writing or reading them failed",
+    )
+    failures.add_metric([], stats.get("prompt_cache_failures", 0))
+    yield failures
 
 
 def _gauge(name: str, help: str, value: float) -> GaugeMetricFamily:

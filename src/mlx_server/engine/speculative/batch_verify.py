@@ -15,6 +15,11 @@ padded) at its end. The cache is trimmed by the fewest of them; a row with more 
 content right by the difference, which turns its rejected tail into left padding (the
 cache's own ``prepare(right_padding=...)`` and ``finalize``, which its prefill uses for
 right-padded prompts). Positions stay right: each row's RoPE offset counts its own tokens.
+
+Other layers (a recurrent ``ArraysCache``, a sliding-window ``BatchRotatingKVCache``, the
+quantized batch cache) are saved before the pass (``rollback``); after it they are
+restored, the plain KV layers trimmed by the whole pass, and each row's kept tokens fed
+again, right-padded, as mlx-lm's ``GenerationBatch.prompt`` feeds a batch's new tokens.
 """
 
 from __future__ import annotations
@@ -24,10 +29,16 @@ from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import BatchKVCache, TokenBuffer, trim_prompt_cache
+from mlx_lm.models.cache import BatchKVCache, TokenBuffer
 
 from mlx_server.engine.sampling import SharedSampler
 from mlx_server.engine.speculative.rejection import Rejection, speculative_sample
+from mlx_server.engine.speculative.rollback import (
+    RollbackError,
+    Saved,
+    checked_trim,
+    rollback_problem,
+)
 
 Sampled = tuple[mx.array, Rejection]  # a row's draft distribution (k, vocab), its settings
 COMPACT_AT = 256  # padding every row shares, in positions, before the cache drops it
@@ -46,8 +57,16 @@ class Decided:
 
 
 def can_roll_back(cache: Sequence[Any]) -> bool:
-    """Whether every layer's cache is one this module can roll back per row."""
-    return bool(cache) and all(type(c) is BatchKVCache for c in cache)
+    """Whether every layer's cache is one this module can roll back per row: trimmed and
+    rolled (``BatchKVCache``), or saved, restored and fed again (any batched mlx-lm cache
+    that takes right-padded tokens)."""
+    if not cache or rollback_problem(list(cache)) is not None:
+        return False
+    return all(hasattr(c, "prepare") and hasattr(c, "finalize") for c in cache)
+
+
+def _trims_per_row(cache: Sequence[Any]) -> bool:
+    return all(type(c) is BatchKVCache for c in cache)
 
 
 def verify_batch(
@@ -68,10 +87,17 @@ def verify_batch(
     list, several per row in order."""
     width = max(len(d) for d in drafts)
     rows = [[p, *d, *[0] * (width - len(d))] for p, d in zip(pending, drafts, strict=True)]
-    logits = (model or batch.model)(mx.array(rows), cache=batch.prompt_cache)
+    cache = batch.prompt_cache
+    per_row = _trims_per_row(cache)
+    saved = None if per_row else [None if type(c) is BatchKVCache else Saved(c) for c in cache]
+    logits = (model or batch.model)(mx.array(rows), cache=cache)
     procs = processors or [tuple(p or ()) for p in batch.logits_processors]
     decided = decide(batch, logits, pending, drafts, sampled or {}, procs)
-    roll_back(batch.prompt_cache, [width - d.accepted for d in decided])
+    if saved is None:
+        roll_back(cache, [width - d.accepted for d in decided])
+    else:
+        kept = [[p, *r[1 : 1 + d.accepted]] for p, r, d in zip(pending, rows, decided, strict=True)]
+        feed_again(model or batch.model, cache, saved, width + 1, kept)
     return _answer(batch, pending, decided)
 
 
@@ -163,12 +189,33 @@ def roll_back(cache: Sequence[Any], rejected: list[int]) -> None:
     common = min(rejected)
     extra = [r - common for r in rejected]
     for c in cache:
-        if common:
-            c.trim(common)
+        checked_trim([c], common)
         if max(extra) > 0:
             c.prepare(right_padding=extra)
             c.finalize()
     _compact(cache)
+
+
+def feed_again(
+    model: Any, cache: Sequence[Any], saved: list[Any], fed: int, kept: list[list[int]]
+) -> None:
+    """Put ``cache`` back to before a pass that fed ``fed`` positions per row, then feed
+    each row its ``kept`` tokens (right-padded to the longest; see the module docstring)."""
+    for layer, state in zip(cache, saved, strict=True):
+        if state is not None:
+            state.restore()
+        else:
+            checked_trim([layer], fed)
+    lengths = [len(k) for k in kept]
+    longest = max(lengths)
+    padding = [longest - n for n in lengths]
+    if max(padding) > 0:
+        for c in cache:
+            c.prepare(lengths=lengths, right_padding=padding)
+    model(mx.array([k + [0] * (longest - len(k)) for k in kept]), cache=cache)
+    if max(padding) > 0:
+        for c in cache:
+            c.finalize()
 
 
 def _compact(cache: Sequence[Any]) -> None:
@@ -230,10 +277,12 @@ def _finish(batch: Any, i: int, emitted: list[int]) -> tuple[int, str | None]:
     return len(emitted) - 1, None
 
 
-def _finished_cache(batch: Any, i: int, extra: int) -> list[Any]:
+def _finished_cache(batch: Any, i: int, extra: int) -> list[Any] | None:
     """Row ``i``'s KV state for the prefix cache, without the ``extra`` accepted tokens
-    after the one it ended on."""
-    cache = batch.extract_cache(i)
-    if extra:
-        trim_prompt_cache(cache, extra)
-    return list(cache)
+    after the one it ended on; None (nothing to keep) when those cannot be trimmed."""
+    cache = list(batch.extract_cache(i))
+    try:
+        checked_trim(cache, extra)
+    except RollbackError:
+        return None
+    return cache

@@ -11,9 +11,10 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 import mlx.core as mx
-from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
+from mlx_lm.models.cache import make_prompt_cache
 
 from mlx_server.engine.speculative.rejection import Rejection
+from mlx_server.engine.speculative.rollback import Rollback, RollbackError, checked_trim
 
 
 class Drafter(Protocol):
@@ -129,7 +130,9 @@ class DraftModel:
     """A smaller model with the same tokenizer proposes greedily from its own KV cache.
 
     The cache holds a prefix of the context (``self.fed``); on each call the part that no
-    longer matches (rejected drafts) is trimmed off and the new context tokens fed.
+    longer matches (rejected drafts) is taken off and the new context tokens fed. A cache
+    that cannot be trimmed (a recurrent or full sliding-window layer) goes back to the
+    state saved before the last draft; further back, it starts over.
     """
 
     def __init__(self, model: Any, prefill_step_size: int = 512):
@@ -137,6 +140,8 @@ class DraftModel:
         self.cache: Any = make_prompt_cache(model)
         self.fed: list[int] = []
         self._step = prefill_step_size
+        self._drafted: Rollback | None = None  # the state before the last draft's tokens
+        self._drafted_at = 0  # len(fed) there
 
     def propose(self, context: list[int], k: int) -> list[int]:
         return self._draft(context, k, None)[0]
@@ -164,6 +169,7 @@ class DraftModel:
         dists: list[mx.array] = []
         logits = _forward(self.model, todo, self.cache)
         self.fed += todo
+        self._drafted, self._drafted_at = Rollback(self.model, self.cache), len(self.fed)
         for i in range(k):
             if rejection is None:
                 tok = int(mx.argmax(logits).item())  # type: ignore[arg-type]
@@ -173,7 +179,7 @@ class DraftModel:
                 tok = rejection.draws.categorical(dists[-1])
             out.append(tok)
             if i + 1 < k:
-                logits = _forward(self.model, [tok], self.cache)
+                logits = self._drafted.feed([tok])[-1]
                 self.fed.append(tok)
         return out, mx.stack(dists) if dists else None
 
@@ -182,9 +188,17 @@ class DraftModel:
         limit = min(len(self.fed), len(context) - 1)  # keep at least one token to feed
         while common < limit and self.fed[common] == context[common]:
             common += 1
-        if common < len(self.fed):
-            trim_prompt_cache(self.cache, len(self.fed) - common)
-            del self.fed[common:]
+        if common == len(self.fed):
+            return
+        if self._drafted is not None and common >= self._drafted_at:
+            self._drafted.keep(common - self._drafted_at)
+        else:
+            try:
+                checked_trim(self.cache, len(self.fed) - common)
+            except RollbackError:  # further back than the saved state: start over
+                self.cache, common = make_prompt_cache(self.model), 0
+        self._drafted = None
+        del self.fed[common:]
 
 
 def check_same_tokenizer(target: Any, draft: Any) -> None:

@@ -20,7 +20,6 @@ from typing import Any
 
 import mlx.core as mx
 from mlx_lm.generate import generation_stream
-from mlx_lm.models.cache import trim_prompt_cache
 
 from mlx_server.engine.runner import Insert, Progress, Response
 from mlx_server.engine.solo import SoloSequence
@@ -146,9 +145,8 @@ class SpeculativeSequence(SoloSequence):
                 self.fed.append(tok)
                 responses.append(Response(self.uid, tok, out.logprobs[i], None))
                 continue
-            extra = len(out.tokens) - 1 - i  # accepted tokens in the cache after this one
-            if extra:
-                trim_prompt_cache(self.cache, extra)
+            if out.rollback is not None:  # the cache holds ``last`` and tokens before this
+                out.rollback.keep(1 + i)
             self._todo = [tok]
             if reason is None:
                 responses.append(Response(self.uid, tok, out.logprobs[i], None))

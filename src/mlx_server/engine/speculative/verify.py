@@ -14,19 +14,20 @@ without a distribution of its own, as here, this is rejection sampling: the draf
 accepted with probability ``p(d)`` and otherwise a token is drawn from ``p`` without it).
 The sampler and the processors are called once per emitted token, in order, and never for
 a position after a rejection: a seeded sampler's key sequence and a grammar's state advance
-exactly as without speculation, so nothing has to be rolled back but the KV cache.
+exactly as without speculation, so nothing has to be rolled back but the cache, which
+``rollback.Rollback`` does on every kind of layer (trimmed, or restored and fed again).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import trim_prompt_cache
 
 from mlx_server.engine.speculative.rejection import Rejection, speculative_sample
+from mlx_server.engine.speculative.rollback import Rollback
 
 Processor = Callable[[mx.array, mx.array], mx.array]
 
@@ -36,11 +37,9 @@ class Verified:
     tokens: list[int]  # emitted: the accepted draft tokens, then the target's own token
     logprobs: list[mx.array]  # the target's log-probabilities for each emitted token (vocab,)
     accepted: int  # how many drafted tokens were accepted
-
-
-def forward(model: Any, cache: Any, tokens: list[int]) -> mx.array:
-    """The target's logits at every position of ``tokens`` (fed after ``cache``), (n, vocab)."""
-    return model(mx.array(tokens)[None], cache=cache)[0]
+    # What was fed (``last`` and the draft); the cache holds ``1 + accepted`` of it, and
+    # ``rollback.keep`` takes it back further (a sequence that ends on an accepted token).
+    rollback: Rollback | None = field(default=None, repr=False)
 
 
 def verify(
@@ -59,15 +58,19 @@ def verify(
     ``sampler`` None means greedy. ``history`` (the context before ``last``) is what the
     processors see, as in mlx-lm: the tokens so far, ending with the one just fed.
     """
-    logits = forward(model, cache, [last, *draft])
+    rollback = Rollback(model, cache)
+    logits = rollback.feed([last, *draft])
     if sampler is None and not processors:
         out = _greedy(logits, draft)
     else:
         context = [*(history or []), last]
         out = _sequential(logits, draft, sampler, processors, context)
-    rejected = len(draft) - out.accepted
-    if rejected:
-        trim_prompt_cache(cache, rejected)
+    return _kept(out, rollback)
+
+
+def _kept(out: Verified, rollback: Rollback) -> Verified:
+    rollback.keep(1 + out.accepted)
+    out.rollback = rollback
     return out
 
 
@@ -114,10 +117,9 @@ def verify_sampled(
 ) -> Verified:
     """``verify`` for a draft sampled from the draft model's distribution ``q`` (k, vocab):
     rejection sampling against the target's (``rejection.speculative_sample``)."""
-    logits = forward(model, cache, [last, *draft])
+    rollback = Rollback(model, cache)
+    logits = rollback.feed([last, *draft])
     logprobs = _logprobs(logits)
     tokens = speculative_sample(rejection.distribution(logprobs), draft, q, rejection.draws)
-    accepted = len(tokens) - 1
-    if len(draft) > accepted:
-        trim_prompt_cache(cache, len(draft) - accepted)
-    return Verified(tokens, [logprobs[i] for i in range(len(tokens))], accepted)
+    out = Verified(tokens, [logprobs[i] for i in range(len(tokens))], len(tokens) - 1)
+    return _kept(out, rollback)

@@ -24,6 +24,7 @@ import mlx.core as mx
 from mlx_lm.utils import make_shards
 from tqdm import tqdm
 
+from mlx_server.config import user_cache_root
 from mlx_server.logs import log
 
 from .config import model_config
@@ -135,11 +136,8 @@ def _save_weights(dest: Path, weights: dict[str, mx.array]) -> None:
 
 
 def cache_dir() -> Path:
-    """`$MLX_SERVER_CACHE`, else `$XDG_CACHE_HOME/mlx-server`, else `~/.cache/mlx-server`."""
-    if explicit := os.environ.get("MLX_SERVER_CACHE"):
-        return Path(explicit)
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg) if xdg else Path.home() / ".cache") / "mlx-server"
+    """The server's cache root (``config.user_cache_root``), where imports are kept."""
+    return user_cache_root()
 
 
 def import_cached(src: Path, *, dtype: str | None = None) -> Path:
