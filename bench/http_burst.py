@@ -2,7 +2,7 @@
 
 Both sides run in their own process with the same flags and environment (float32 demo model,
 OpenBLAS preloaded where installed): a worker process that loads the model the way the server
-does (``wiring.load_chat_model``) and takes each burst on stdin, and ``python -m mlx_server``.
+does (``boot.chat.load_chat_model``) and takes each burst on stdin, and ``python -m mlx_server``.
 They take turns, so that the noise of a shared machine falls on both:
 
 - ``engine``: N ``GenerationRequest`` submitted to the ``Engine`` at once, the handles read on
@@ -152,10 +152,11 @@ class Worker:
 
 
 def worker_main(flags: list[str]) -> None:
+    from mlx_server.boot.chat import load_chat_model
+    from mlx_server.boot.memory import set_cache_limit
     from mlx_server.cli import parse_settings
     from mlx_server.protocols.openai.adapter import to_chat_request
     from mlx_server.protocols.openai.schemas import ChatCompletionRequest
-    from mlx_server.wiring import load_chat_model, set_cache_limit
 
     out = os.fdopen(os.dup(1), "w")  # results only; the server's log lines go to stderr
     os.dup2(2, 1)

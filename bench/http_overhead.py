@@ -133,8 +133,8 @@ def build(a: argparse.Namespace) -> tuple[Any, Any]:
 def serve_main(a: argparse.Namespace) -> None:
     from fastapi import APIRouter
 
+    from mlx_server.boot.app import app_options, create_app
     from mlx_server.server.run import bind_socket, serve
-    from mlx_server.wiring import build_app
 
     if a.switch_ms:  # the interpreter lock's switch interval (Python's default: 5 ms)
         sys.setswitchinterval(a.switch_ms / 1000)
@@ -158,7 +158,7 @@ def serve_main(a: argparse.Namespace) -> None:
         return out
 
     sock = bind_socket("127.0.0.1", a.port)
-    app = build_app(settings, service, vision=False, extra=waves)
+    app = create_app(service, **app_options(settings), extra=waves)
     serve(app, service.engine, sock, "127.0.0.1", a.port)
 
 

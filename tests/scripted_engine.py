@@ -40,6 +40,7 @@ class ScriptedEngine:
     scripts: deque[Script] = field(default_factory=deque)
     requests: list[GenerationRequest] = field(default_factory=list)
     max_queue: int = 64
+    observer: Any = None  # a GenerationObserver (the metrics), as a real engine takes one
     _active: dict[tuple[str, int], GenerationHandle] = field(default_factory=dict)
     _tasks: set[asyncio.Task] = field(default_factory=set)
     stopping: bool = False
@@ -57,6 +58,9 @@ class ScriptedEngine:
     def start(self) -> None:
         pass
 
+    def expect(self, request_id: str) -> Callable[[], None]:
+        return lambda: None  # no batch to gather: every request plays at once
+
     def submit(
         self, req: GenerationRequest, loop: asyncio.AbstractEventLoop | None = None
     ) -> GenerationHandle:
@@ -66,7 +70,8 @@ class ScriptedEngine:
             raise Overloaded("the request queue is full")
         loop = loop or asyncio.get_running_loop()
         script = self.scripts.popleft() if self.scripts else self.default
-        handle = GenerationHandle(req.request_id, loop)
+        observe = self.observer.generation() if self.observer is not None else None
+        handle = GenerationHandle(req.request_id, loop, observe=observe)
         self.requests.append(req)
         self._active[(req.request_id, id(handle))] = handle
         task = loop.create_task(self._play(req, handle, script))

@@ -54,12 +54,14 @@ def start_in_process(
 ) -> InProcessServer:
     import uvicorn
 
-    from mlx_server.app import create_app
+    from mlx_server.boot.app import create_app
+    from mlx_server.server.metrics import Metrics
     from mlx_server.service import ChatService
 
-    engine = engine or ScriptedEngine()
+    metrics = Metrics()  # the scripted engine's generations observed, as a real engine's
+    engine = engine or ScriptedEngine(observer=metrics)
     service = ChatService("scripted-model", tokenizer, engine, ctx_size=ctx_size, **service_kw)
-    app = create_app(service, api_key=api_key, **(app_kw or {}))
+    app = create_app(service, api_key=api_key, metrics=metrics, **(app_kw or {}))
     port = free_port()
     config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error", lifespan="off")
     server = uvicorn.Server(config)

@@ -196,9 +196,9 @@ class OddModel:
 def test_a_cache_layer_the_rollback_does_not_know_refuses_speculation_at_start() -> None:
     from types import SimpleNamespace
 
+    from mlx_server.boot.chat import _speculation
     from mlx_server.config import Settings
     from mlx_server.models.base import ModelLoadError
-    from mlx_server.wiring import _speculation
 
     assert rollback_problem([KVCache(), ArraysCache(2)]) is None
     with pytest.raises(ModelLoadError, match="OddLayer"):

@@ -265,8 +265,8 @@ def test_the_default_directory_follows_the_environment(monkeypatch, tmp_path):
 def test_an_empty_prompt_cache_dir_turns_the_disk_tier_off(lm, tmp_path):
     from types import SimpleNamespace
 
+    from mlx_server.boot.disk_tier import disk_tier as _disk_tier
     from mlx_server.config import Settings
-    from mlx_server.wiring import _disk_tier
 
     model, _, path = lm
     loaded = SimpleNamespace(

@@ -117,8 +117,8 @@ def lm(tmp_path_factory):
 
 
 def test_a_second_server_on_a_held_folder_runs_with_the_ram_tier_and_says_why(lm, tmp_path, capsys):
+    from mlx_server.boot.disk_tier import disk_tier as _disk_tier
     from mlx_server.config import Settings
-    from mlx_server.wiring import _disk_tier
 
     model, _, path = lm
     loaded = SimpleNamespace(

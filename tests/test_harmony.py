@@ -11,7 +11,7 @@ from scripted_engine import ScriptedEngine
 from starlette.testclient import TestClient
 from template_corpus import TEMPLATES, load_tokenizer, tokenizer_dir
 
-from mlx_server.app import create_app
+from mlx_server.boot.app import create_app
 from mlx_server.service import ChatService
 
 WEATHER = {

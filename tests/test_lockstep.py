@@ -152,8 +152,8 @@ def test_sharding_choices_and_their_errors(tiny_model_dir):
     ],
 )
 def test_what_cannot_run_across_ranks_is_refused(tiny_model_dir, flags, why):
+    from mlx_server.boot.sharded import refusal
     from mlx_server.cli import parse_settings
-    from mlx_server.sharded import refusal
 
     settings = parse_settings(["--model", str(tiny_model_dir), *flags], environ={})
     assert why in (refusal(settings, 2) or "")
@@ -162,8 +162,8 @@ def test_what_cannot_run_across_ranks_is_refused(tiny_model_dir, flags, why):
 
 
 def test_several_models_are_refused(tiny_model_dir, tmp_path):
+    from mlx_server.boot.sharded import refusal
     from mlx_server.cli import parse_settings
-    from mlx_server.sharded import refusal
 
     settings = parse_settings(
         ["--model", str(tiny_model_dir), "--models-dir", str(tmp_path)], environ={}

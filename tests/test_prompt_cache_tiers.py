@@ -13,10 +13,10 @@ import pytest
 from engine_runner import chat_tokens, load_varied_model, request, running_engine, solo
 from test_disk_cache import entry_files, kv, reopen, stop
 
+from mlx_server.boot.memory import prompt_cache_bytes
 from mlx_server.config import Settings
 from mlx_server.engine.disk_cache import DiskPromptCache
 from mlx_server.engine.prefix_cache import PrefixCache
-from mlx_server.wiring import prompt_cache_bytes
 
 
 def wait_for(cond, timeout: float = 20.0) -> None:

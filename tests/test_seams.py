@@ -10,7 +10,7 @@ from engine_runner import load_varied_model
 from scripted_engine import ScriptedEngine
 
 from mlx_server.engine.engine import Engine, EngineConfig
-from mlx_server.engine.protocol import EngineLike, engine_stats
+from mlx_server.engine.protocol import ChatEngine, EngineLike, engine_stats
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "mlx_server"
 
@@ -21,7 +21,6 @@ def test_every_engine_is_engine_like(tmp_path_factory):
     from mlx_server.registry.catalog import Offer
     from mlx_server.registry.registry import Limits, ModelRegistry
     from mlx_server.registry.routing import RoutedEngine
-    from mlx_server.server.metrics import InstrumentedEngine, Metrics
 
     model, tokenizer, _ = load_varied_model(tmp_path_factory)
     scripted = ScriptedEngine()
@@ -31,7 +30,6 @@ def test_every_engine_is_engine_like(tmp_path_factory):
         VisionEngine(model, tokenizer, EngineConfig()),
         EmbeddingEngine(runner=None),
         RoutedEngine(registry),
-        InstrumentedEngine(scripted, Metrics(scripted)),
         scripted,
     ):
         assert isinstance(engine, EngineLike), type(engine)
@@ -40,6 +38,9 @@ def test_every_engine_is_engine_like(tmp_path_factory):
         # Each kind declares the protocol's methods itself (not through __getattr__).
         declared = {n for c in type(engine).__mro__ for n in vars(c)}
         assert {"call", "stats", "submit", "cancel", "start", "shutdown"} <= declared
+    # The engines the chat service generates on announce requests (no getattr probing).
+    for engine in (Engine(model, tokenizer, EngineConfig()), scripted):
+        assert isinstance(engine, ChatEngine), type(engine)
 
 
 def imports_of(path: Path) -> set[str]:
@@ -74,12 +75,7 @@ def test_layers_import_only_downwards():
 
 # What server/ (plumbing: SSE, the stream driver, auth, browser guard, metrics, serving)
 # may not import: the protocols use it, and the app factory outside it wires them onto it.
-ABOVE_THE_SERVER = (
-    "mlx_server.protocols",
-    "mlx_server.service",
-    "mlx_server.app",
-    "mlx_server.wiring",
-)
+ABOVE_THE_SERVER = ("mlx_server.protocols", "mlx_server.service", "mlx_server.boot")
 
 
 def test_the_server_is_plumbing_the_protocols_use():
@@ -129,3 +125,110 @@ def test_every_protocol_translates_every_finish_reason():
     assert openai_finish(stop_in_reasoning) == "length"  # the answer never came
     assert stop_reason(stop_in_reasoning) == "end_turn"
     assert openai_finish(Finished("stop_sequence", Usage(1, 1))) == "stop"
+
+
+def module_name(path: Path) -> str:
+    parts = ("mlx_server", *path.relative_to(SRC).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Every module of the package and the package modules it imports, at any depth of the
+    file (imports inside functions count: they close a cycle all the same). ``from pkg
+    import name`` counts as importing ``pkg.name`` when that is a module."""
+    modules = {module_name(p): p for p in SRC.rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        edges: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:  # relative: from the package, one level up per extra dot
+                    up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join([*up, base] if base else up)
+                for alias in node.names:
+                    edges.add(f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base)
+            elif isinstance(node, ast.Import):
+                edges.update(a.name for a in node.names)
+        graph[name] = {e for e in edges if e in modules and e != name}
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle (its modules in order, the first repeated at the end), or None."""
+    done: set[str] = set()
+    for root in sorted(graph):
+        path: list[str] = []
+        on_path: set[str] = set()
+        stack = [(root, iter(sorted(graph[root])))] if root not in done else []
+        if stack:
+            path.append(root)
+            on_path.add(root)
+        while stack:
+            node, children = stack[-1]
+            child = next(children, None)
+            if child is None:
+                stack.pop()
+                path.pop()
+                on_path.discard(node)
+                done.add(node)
+            elif child in on_path:
+                return [*path[path.index(child) :], child]
+            elif child not in done:
+                stack.append((child, iter(sorted(graph[child]))))
+                path.append(child)
+                on_path.add(child)
+    return None
+
+
+def test_the_cycle_finder_finds_cycles():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": set()}) is None
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"a2"}, "a2": set(), "b": {"b"}}) == ["b", "b"]
+
+
+def test_no_import_cycle_counting_imports_inside_functions():
+    graph = import_graph()
+    assert "mlx_server.boot.start" in graph["mlx_server.cli"]  # the graph sees function imports
+    assert find_cycle(graph) is None, " -> ".join(find_cycle(graph) or [])
+
+
+def test_start_up_is_imported_only_by_the_command_line():
+    for name, imports in import_graph().items():
+        if not name.startswith("mlx_server.boot") and name not in (
+            "mlx_server.cli",
+            "mlx_server.__main__",
+        ):
+            bad = {m for m in imports if m.startswith("mlx_server.boot")}
+            assert not bad, (name, bad)
+
+
+def test_the_services_know_no_protocol_no_server_and_no_start_up():
+    above = ("mlx_server.protocols", "mlx_server.server", "mlx_server.boot")
+    for path in (SRC / "service").rglob("*.py"):
+        bad = {m for m in imports_of(path) if m.startswith(above)}
+        assert not bad, (path, bad)
+
+
+# The package's root modules: the entry points, settings, and the vocabulary every layer
+# shares. Anything else belongs in a folder that says what it is for.
+ROOT_MODULES = {
+    "__init__",
+    "__main__",
+    "choices",
+    "cli",
+    "config",
+    "embedding_service",
+    "errors",
+    "events",
+    "legacy_flags",
+    "logs",
+    "request_checks",
+    "startup_report",
+    "types",
+}
+
+
+def test_root_modules_stay_few():
+    assert {p.stem for p in SRC.glob("*.py")} <= ROOT_MODULES

@@ -21,7 +21,7 @@ import openai
 import pytest
 from support import ServerProcess, demo_model_dir, free_port, launch
 
-from mlx_server.ranks_launch import free_ports
+from mlx_server.boot.ranks import free_ports
 
 # Sharded servers of several processes (up to 300 s to start) and long generations.
 pytestmark = [pytest.mark.demo, pytest.mark.timeout(600)]

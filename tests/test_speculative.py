@@ -432,9 +432,9 @@ def test_the_server_refuses_a_draft_model_with_another_tokenizer_at_start(
 ) -> None:
     from types import SimpleNamespace
 
+    from mlx_server.boot.chat import _speculation
     from mlx_server.config import Settings
     from mlx_server.models.base import ModelLoadError
-    from mlx_server.wiring import _speculation
 
     model, tok = tiny
     other = build_tiny_model(tmp_path_factory.mktemp("spec") / "fim2", specials=FIM_SPECIALS)

@@ -19,7 +19,7 @@ from scripted_engine import ScriptedEngine
 from starlette.testclient import TestClient
 from template_corpus import load_tokenizer, raise_messages, template_files, tokenizer_dir
 
-from mlx_server.app import create_app
+from mlx_server.boot.app import create_app
 from mlx_server.service import ChatService
 
 WEATHER = {

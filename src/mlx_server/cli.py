@@ -1,18 +1,15 @@
-"""Command line: flags → Settings → load the model → serve. Jan-compatible flags."""
+"""Command line: flags → Settings, handed to start-up (``boot``). Jan-compatible flags."""
 
 from __future__ import annotations
 
 import argparse
 import os
-import sys
-import time
 from collections.abc import Mapping
 from dataclasses import MISSING
 from typing import Any
 
 from mlx_server.config import Settings, check_bounds, env_name, settings_fields
 from mlx_server.legacy_flags import add_legacy_flags, apply_legacy, pop_legacy
-from mlx_server.logs import log
 
 # Jan hands its key to the server process in this variable too (tauri-plugin-mlx).
 JAN_API_KEY_ENV = "MLX_API_KEY"
@@ -124,74 +121,9 @@ def parse_launch(
     return apply_legacy(Settings(**vars(ns)), legacy)
 
 
-def _fail(message: str) -> int:
-    log(f"Failed to load model: {message}")
-    print(f"Error: {message}", file=sys.stderr, flush=True)
-    return 1
-
-
 def main(argv: list[str] | None = None) -> int:
     settings, notes = parse_launch(argv)
-    from mlx_server.sharded import announce, follow, launched_group
+    # Imported here: --help and a bad flag answer without loading MLX or the app.
+    from mlx_server.boot.start import start
 
-    group = launched_group()  # started by mlx.launch with several ranks
-    if group is None and settings.ranks > 1:
-        from mlx_server.ranks_launch import spawn
-        from mlx_server.sharded import refusal
-
-        if problem := refusal(settings, settings.ranks):
-            return _fail(problem)
-        return spawn(settings.ranks, sys.argv[1:] if argv is None else argv)
-    if group is not None:
-        announce(group)
-        if group.rank() != 0:
-            return follow(settings, group)
-    log("MLX Server starting...")
-    log(f"Model path: {settings.model}")
-    log(f"Port: {settings.port}")
-    log(f"Context size: {settings.ctx_size}")
-    for note in notes:
-        log(note)
-
-    from mlx_server.server.run import PortInUse, bind_socket, is_loopback
-
-    try:
-        sock = bind_socket(settings.host, settings.port)
-    except PortInUse as e:
-        log(f"Error: {e}")
-        print(f"Error: {e}", file=sys.stderr, flush=True)
-        return 1
-    if not is_loopback(settings.host) and not settings.api_key:
-        log(
-            f"WARNING: listening on {settings.host} (not a loopback address) WITHOUT an API key: anyone on the network can use this server. Pass --api-key."
-        )
-
-    from mlx_server.startup_report import compute_line
-    from mlx_server.wiring import build
-
-    log(compute_line())
-    t0 = time.perf_counter()
-    try:
-        if group is None:
-            app, engine = build(settings)
-        else:
-            from mlx_server.sharded import build as build_sharded
-
-            app, engine = build_sharded(settings, group)
-    except Exception as e:  # ModelLoadError and anything the loaders raise
-        sock.close()
-        return _fail(str(e) or type(e).__name__)
-    log(f"Model loaded in {time.perf_counter() - t0:.2f}s")
-
-    from mlx_server.server.run import serve
-
-    serve(
-        app,
-        engine,
-        sock,
-        settings.host,
-        settings.port,
-        settings.log_level,
-        settings.header_timeout_s,
-    )
-    return 0
+    return start(settings, notes, argv)

@@ -24,3 +24,11 @@ def log(message: str) -> None:
             sys.stdout.flush()
         except (OSError, ValueError):
             pass  # stdout closed (parent went away): logging must never crash a request
+
+
+def load_failed(message: str) -> int:
+    """Say why the model could not be served (the log line Jan's launcher reads, and the
+    error on stderr); returns the exit status."""
+    log(f"Failed to load model: {message}")
+    print(f"Error: {message}", file=sys.stderr, flush=True)
+    return 1

@@ -33,6 +33,7 @@ from mlx_server.engine.checkpoints import needs_checkpoints
 from mlx_server.engine.delivery import Seq, deliver_finish, deliver_token
 from mlx_server.engine.handle import GenerationHandle, Outbox, Started
 from mlx_server.engine.prefix_cache import CHECKPOINT, SYSTEM, PrefixCache
+from mlx_server.engine.protocol import GenerationObserver
 from mlx_server.engine.runner import Insert, Progress, Response, Runner
 from mlx_server.engine.sampling import SamplerPool, reset_random_state, sequence_sampling
 from mlx_server.engine.scheduler import Scheduler
@@ -81,7 +82,10 @@ class Engine:
         tokenizer: Any,
         config: EngineConfig | None = None,
         runner: Runner | None = None,
+        observer: GenerationObserver | None = None,
     ):
+        """``observer``: watches every generation (the metrics)."""
+        self.observer = observer
         self.model = model
         self.tokenizer = tokenizer
         self.config = cfg = config or EngineConfig()
@@ -183,7 +187,10 @@ class Engine:
         """Queue a request; raises Overloaded when shutting down or the queue is full, and
         InvalidRequest for one that can never fit the KV budget."""
         loop = loop or asyncio.get_running_loop()
-        handle = GenerationHandle(req.request_id, loop, self._outbox, coalesce=True)
+        observe = self.observer.generation() if self.observer is not None else None
+        handle = GenerationHandle(
+            req.request_id, loop, self._outbox, coalesce=True, observe=observe
+        )
         self._sched.queue(req, handle)
         return handle
 

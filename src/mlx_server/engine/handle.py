@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from mlx_server.events import Finished, LogprobEntry
@@ -77,8 +77,11 @@ class GenerationHandle:
         loop: asyncio.AbstractEventLoop,
         outbox: Outbox | None = None,
         coalesce: bool = False,
+        observe: Callable[[EngineEvent], None] | None = None,
     ):
+        """``observe``: sees every event as the engine pushes it (an engine's observer)."""
         self.request_id = request_id
+        self._observe = observe
         self._loop = loop
         self._outbox = outbox
         self._coalesce = coalesce
@@ -92,6 +95,8 @@ class GenerationHandle:
 
     def push(self, event: EngineEvent) -> None:
         """Called from the engine thread."""
+        if self._observe is not None:
+            self._observe(event)
         if self._outbox is not None:
             self._outbox.put(self, event)
             return

@@ -1,8 +1,9 @@
 """What the chat service and the server need of an engine. The continuous-batching
 ``Engine``, the one-at-a-time ``VisionEngine``, the ``EmbeddingEngine``, the registry's
-``RoutedEngine``, the metrics' ``InstrumentedEngine`` and the tests' scripted engine all
-provide ``EngineLike``; monitoring (``/health``, ``/metrics``) needs only its counters,
-``EngineCounters``."""
+``RoutedEngine`` and the tests' scripted engine all provide ``EngineLike``; the generating
+ones are ``ChatEngine``s too; monitoring (``/health``, ``/metrics``) needs only the
+counters, ``EngineCounters``. An engine takes a ``GenerationObserver`` at construction:
+the metrics watch its generations through it."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
-from mlx_server.engine.handle import GenerationHandle
+from mlx_server.engine.handle import EngineEvent, GenerationHandle
 from mlx_server.types import GenerationRequest
 
 T = TypeVar("T")
@@ -55,6 +56,25 @@ class EngineLike(EngineCounters, Protocol):
 
     def shutdown(self, timeout: float = 3.0) -> None:
         """Cancel everything and stop (bounded by ``timeout``)."""
+
+
+@runtime_checkable
+class ChatEngine(EngineLike, Protocol):
+    """An engine the chat service generates on."""
+
+    def expect(self, request_id: str) -> Callable[[], None]:
+        """Announce a request whose prompt is being built, so that requests arriving
+        together start together; returns what to call once it was submitted or will not be."""
+        ...
+
+
+class GenerationObserver(Protocol):
+    """What watches every generation of an engine it was given to (the metrics)."""
+
+    def generation(self) -> Callable[[EngineEvent], None]:
+        """Called as a generation is submitted; what it returns sees each of that
+        generation's events as the engine pushes them (on the engine's thread)."""
+        ...
 
 
 def engine_stats(engine: EngineCounters) -> dict[str, Any]:

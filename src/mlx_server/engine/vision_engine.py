@@ -17,6 +17,7 @@ from typing import Any
 import mlx.core as mx
 
 from mlx_server.engine.engine import Engine, EngineConfig
+from mlx_server.engine.protocol import GenerationObserver
 from mlx_server.engine.runner import Insert, KVState, Progress, Response
 
 
@@ -100,7 +101,13 @@ class VisionRunner:
 class VisionEngine(Engine):
     """Serves an mlx-vlm model, one request at a time; the same interface as ``Engine``."""
 
-    def __init__(self, model: Any, tokenizer: Any, config: EngineConfig | None = None):
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        config: EngineConfig | None = None,
+        observer: GenerationObserver | None = None,
+    ):
         config = replace(
             config or EngineConfig(),
             prompt_cache_size=0,
@@ -110,4 +117,4 @@ class VisionEngine(Engine):
         )
         eos = sorted(int(t) for t in tokenizer.eos_token_ids)
         runner = VisionRunner(model, eos, prefill_step_size=config.prefill_step_size)
-        super().__init__(model, tokenizer, config, runner=runner)
+        super().__init__(model, tokenizer, config, runner=runner, observer=observer)

@@ -4,22 +4,21 @@ Three sources:
 
 - an ASGI middleware counts HTTP requests by route, method and status, and client
   disconnects (the client went away before its response was complete);
-- the engine's generation handles are observed as the engine fills them: time to first
-  token (from submission, queueing included), the gaps between streamed pieces, the whole
-  generation's latency, token counts and finish reasons;
+- the engines' generations are observed as the engine pushes their events (``Metrics``
+  is the ``GenerationObserver`` an engine is built with): time to first token (from
+  submission, queueing included), the gaps between streamed pieces, the whole generation's
+  latency, token counts and finish reasons;
 - a collector reads ``engine.stats()`` at scrape time: queue depth, running sequences, KV
   memory in use and its budget, prefix-cache entries, bytes, hits, misses and evictions.
 """
 
 from __future__ import annotations
 
-import asyncio
 import bisect
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterable
-from concurrent.futures import Future
-from typing import Any, TypeVar
+from typing import Any
 
 from fastapi.responses import Response
 from prometheus_client import (
@@ -39,15 +38,13 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
-from mlx_server.engine.handle import GenerationHandle, TokenPiece
-from mlx_server.engine.protocol import EngineCounters, EngineLike, engine_stats
+from mlx_server.engine.handle import TokenPiece
+from mlx_server.engine.protocol import EngineCounters, engine_stats
 from mlx_server.events import Finished
-from mlx_server.types import GenerationRequest
 
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[Any]]
 Send = Callable[[Any], Awaitable[None]]
-T = TypeVar("T")
 
 PREFIX = "mlx_server"
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -58,7 +55,8 @@ E2E_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 class Metrics:
     """The server's metrics in their own registry (tests build several apps side by side)."""
 
-    def __init__(self, engine: EngineCounters):
+    def __init__(self, engine: EngineCounters | None = None):
+        """``engine``: the counters read at scrape time (or later, ``count``)."""
         r = self.registry = CollectorRegistry(auto_describe=True)
         self.requests = Counter(
             f"{PREFIX}_requests",
@@ -123,11 +121,16 @@ class Metrics:
             buckets=E2E_BUCKETS,
             registry=r,
         )
-        r.register(EngineCollector(engine))
+        if engine is not None:
+            self.count(engine)
 
-    def watch(self, handle: Any) -> None:
-        """Observe a generation handle's events as the engine pushes them (any thread)."""
-        push = handle.push
+    def count(self, engine: EngineCounters) -> None:
+        """Read ``engine``'s counters at scrape time (queue, batch, KV memory, prefix cache)."""
+        self.registry.register(EngineCollector(engine))
+
+    def generation(self) -> Callable[[Any], None]:
+        """``GenerationObserver``: what sees one generation's events, from its submission on
+        (on the engine's thread)."""
         t0 = time.perf_counter()
         last: list[float] = []
 
@@ -141,9 +144,8 @@ class Metrics:
                 last[:] = [now]
             elif isinstance(event, Finished):
                 self._finished(event, now - t0)
-            push(event)
 
-        setattr(handle, "push", observed)  # noqa: B010 (an instance attribute, on purpose)
+        return observed
 
     def _finished(self, ev: Finished, elapsed: float) -> None:
         self.e2e.observe(elapsed)
@@ -252,47 +254,6 @@ def _gauge(name: str, help: str, value: float) -> GaugeMetricFamily:
     return GaugeMetricFamily(f"{PREFIX}_{name}", help, value=value)
 
 
-class InstrumentedEngine:
-    """The engine, with every submitted generation watched by ``metrics``."""
-
-    def __init__(self, engine: EngineLike, metrics: Metrics):
-        self._engine = engine
-        self._metrics = metrics
-
-    def submit(
-        self, req: GenerationRequest, loop: asyncio.AbstractEventLoop | None = None
-    ) -> GenerationHandle:
-        handle = self._engine.submit(req, loop)
-        self._metrics.watch(handle)
-        return handle
-
-    def start(self) -> None:
-        self._engine.start()
-
-    def cancel(self, request_id: str | None = None) -> int:
-        return self._engine.cancel(request_id)
-
-    def call(self, fn: Callable[[], T]) -> Future[T]:
-        return self._engine.call(fn)
-
-    def stats(self) -> dict[str, Any]:
-        return self._engine.stats()
-
-    @property
-    def active_count(self) -> int:
-        return self._engine.active_count
-
-    @property
-    def queue_depth(self) -> int:
-        return self._engine.queue_depth
-
-    def shutdown(self, timeout: float = 3.0) -> None:
-        self._engine.shutdown(timeout)
-
-    def __getattr__(self, name: str) -> Any:  # what a kind of engine has beyond EngineLike
-        return getattr(self._engine, name)
-
-
 class MetricsMiddleware:
     """Counts requests by route (a known path, else ``other``), method and status, and
     clients that disconnect before their response ends."""
@@ -353,14 +314,10 @@ def route_paths(routes: Iterable[Any]) -> set[str]:
     return out
 
 
-def install_metrics(app: Any, service: Any) -> Metrics:
-    """Watch the service's engine and serve ``GET /metrics``; add ``MetricsMiddleware``
-    last (outermost) so refused requests are counted too."""
-    metrics = Metrics(service.engine)
-    service.engine = InstrumentedEngine(service.engine, metrics)
+def install_metrics(app: Any, metrics: Metrics) -> None:
+    """Serve ``GET /metrics``; add ``MetricsMiddleware`` last (outermost) so refused
+    requests are counted too."""
 
     @app.get("/metrics")
     async def metrics_page() -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
-
-    return metrics

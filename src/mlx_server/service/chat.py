@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
-from mlx_server.engine.protocol import EngineLike
+from mlx_server.engine.protocol import ChatEngine
 from mlx_server.errors import ContextLengthExceeded, InvalidRequest
 from mlx_server.logs import log
 from mlx_server.models.chat_template import load_chat_template
@@ -57,7 +57,7 @@ class ChatService:
         self,
         model_id: str,
         tokenizer: Tokenizer,
-        engine: EngineLike,
+        engine: ChatEngine,
         *,
         ctx_size: int,
         tool_call_parser: str | None = None,
@@ -213,14 +213,12 @@ class ChatService:
         """
         request_id = request_id or f"chatcmpl-{uuid.uuid4().hex[:24]}"
         # Announced to the engine first, so requests that arrive together start together.
-        expect = getattr(self.engine, "expect", None)
-        withdraw = expect(request_id) if callable(expect) else None
+        withdraw = self.engine.expect(request_id)
         try:
             req, prepared = await asyncio.to_thread(self.build_request, chat, request_id)
             return self.submit(chat, req, prepared)
         finally:
-            if withdraw is not None:
-                withdraw()
+            withdraw()
 
     def build_request(
         self, chat: ChatRequest, request_id: str

@@ -19,12 +19,26 @@ from __future__ import annotations
 import json
 import os
 import signal
-import sys
 from dataclasses import dataclass, field
 from typing import Any
 
+import mlx.core as mx
+
+from mlx_server.boot.app import app_options, create_app
+from mlx_server.boot.chat import load_chat_model
+from mlx_server.boot.embedding import serves_embeddings
+from mlx_server.boot.memory import set_cache_limit
 from mlx_server.config import Settings
-from mlx_server.logs import log, set_prefix
+from mlx_server.engine.engine import EngineConfig
+from mlx_server.engine.lockstep.channel import Channel
+from mlx_server.engine.lockstep.follower import FollowerEngine
+from mlx_server.engine.lockstep.leader import Lead
+from mlx_server.engine.lockstep.watch import RankWatch, exchange_pids
+from mlx_server.logs import load_failed, log, set_prefix
+from mlx_server.models.base import ModelLoadError
+from mlx_server.models.loader import load_model
+from mlx_server.models.sharding import sharder
+from mlx_server.server.metrics import Metrics
 
 
 def launched_group() -> Any | None:
@@ -32,8 +46,6 @@ def launched_group() -> Any | None:
     more than one rank; None otherwise (nothing is initialised then)."""
     if "MLX_RANK" not in os.environ and "OMPI_COMM_WORLD_SIZE" not in os.environ:
         return None
-    import mlx.core as mx
-
     if not mx.distributed.is_available():
         return None
     group = mx.distributed.init()
@@ -50,9 +62,6 @@ def refusal(settings: Settings, size: int) -> str | None:
         return "speculative decoding (--draft-model, --prompt-lookup) does not run across ranks"
     if settings.kv_bits:
         return "the quantized KV cache (--kv-bits) does not run across ranks"
-    from mlx_server.embedding_wiring import serves_embeddings
-    from mlx_server.models.base import ModelLoadError
-
     try:
         if serves_embeddings(settings) is not None:
             return "embedding and reranker models cannot be served across ranks"
@@ -71,14 +80,10 @@ class Rank:
 
     @property
     def shard(self) -> Any:
-        from mlx_server.models.sharding import sharder
-
         return sharder(self.settings.shard, self.group)
 
     def join(self) -> Any:
         """The barrier after loading (every rank has its share), then the watch starts."""
-        from mlx_server.engine.lockstep.watch import RankWatch, exchange_pids
-
         peers = exchange_pids(self.group)
         log(f"Ranks: all {len(peers)} loaded (pids {', '.join(str(p) for _, p in peers)})")
         self.watch = RankWatch(self.group.rank(), peers, self.settings.rank_timeout_s)
@@ -87,9 +92,6 @@ class Rank:
 
     def lead(self) -> Any:
         """Rank 0: the engine's lockstep side (after the barrier)."""
-        from mlx_server.engine.lockstep.channel import Channel
-        from mlx_server.engine.lockstep.leader import Lead
-
         return Lead(Channel(self.group), self.join())
 
 
@@ -102,31 +104,24 @@ def announce(group: Any) -> None:
 
 def build(settings: Settings, group: Any) -> tuple[Any, Any]:
     """Rank 0: load its share and return (app, engine), the engine in lockstep."""
-    from mlx_server.wiring import build_app, load_chat_model, set_cache_limit
-
     problem = refusal(settings, group.size())
     if problem:
         raise ValueError(problem)
     set_cache_limit(settings)
-    parts = load_chat_model(settings, Rank(settings, group))
+    metrics = Metrics()
+    parts = load_chat_model(settings, Rank(settings, group), observer=metrics)
     if settings.prompt_cache_dir != "":
         log("Prompt cache: the disk tier is off across ranks (RAM tier only)")
-    return build_app(settings, parts.service, vision=False), parts.engine
+    return create_app(parts.service, **app_options(settings), metrics=metrics), parts.engine
 
 
 def follow(settings: Settings, group: Any) -> int:
     """A rank other than 0: load its share and follow rank 0 until it stops."""
-    from mlx_server.engine.engine import EngineConfig
-    from mlx_server.engine.lockstep.channel import Channel
-    from mlx_server.engine.lockstep.follower import FollowerEngine
-    from mlx_server.models.loader import load_model
-    from mlx_server.wiring import set_cache_limit
-
     # Ctrl-C reaches every process of the terminal: rank 0 shuts down and says stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     problem = refusal(settings, group.size())
     if problem:
-        return _fail(problem)
+        return load_failed(problem)
     set_cache_limit(settings)
     rank = Rank(settings, group)
     try:
@@ -138,19 +133,13 @@ def follow(settings: Settings, group: Any) -> int:
             shard=rank.shard,
         )
     except Exception as e:
-        return _fail(str(e) or type(e).__name__)
+        return load_failed(str(e) or type(e).__name__)
     channel = Channel(group)
     try:
         watch = rank.join()
         config = EngineConfig(**json.loads(channel.receive()))
     except Exception as e:  # rank 0 failed to start (it says why)
-        return _fail(f"rank 0 did not start: {type(e).__name__}: {e}")
+        return load_failed(f"rank 0 did not start: {type(e).__name__}: {e}")
     FollowerEngine(loaded.model, loaded.tokenizer, config, channel, watch).run()
     log("Ranks: rank 0 said stop")
     return 0
-
-
-def _fail(message: str) -> int:
-    log(f"Failed to load model: {message}")
-    print(f"Error: {message}", file=sys.stderr, flush=True)
-    return 1

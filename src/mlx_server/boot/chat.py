@@ -1,53 +1,38 @@
-"""Wires Settings into a loaded model, an engine, a chat service and the app."""
+"""Chat start-up: Settings into a loaded text or vision model, its started engine and its
+chat service."""
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Any
 
+from mlx_lm.models.cache import KVCache, make_prompt_cache
+
+from mlx_server.boot.disk_tier import disk_tier
+from mlx_server.boot.memory import prompt_cache_bytes
 from mlx_server.config import Settings
+from mlx_server.engine.constraints import ConstraintCompiler, ConstraintError
+from mlx_server.engine.engine import Engine, EngineConfig
+from mlx_server.engine.kv_quant import QuantizedKVModel
+from mlx_server.engine.kv_quant_layers import NoQuantizableLayer, plan_layers
+from mlx_server.engine.protocol import GenerationObserver
+from mlx_server.engine.speculative.drafters import check_same_tokenizer
+from mlx_server.engine.speculative.rollback import layer_kinds, rollback_problem
+from mlx_server.engine.speculative.runner import Speculation
+from mlx_server.engine.tuning import (
+    builds_kernels_on_first_use,
+    default_batch_size,
+    default_prefill_step,
+)
+from mlx_server.engine.vision_engine import VisionEngine
 from mlx_server.logs import log
+from mlx_server.models.base import ModelLoadError, trained_context
+from mlx_server.models.loader import activation_bytes, kv_bytes_per_token, load_model
+from mlx_server.models.media import MediaLimits
+from mlx_server.models.memory_plan import kv_shape, plan_memory, read_device, weights_bytes
+from mlx_server.models.vision import VisionPromptBuilder
+from mlx_server.service import ChatService
 from mlx_server.startup_report import weights_line
-
-
-def set_cache_limit(settings: Settings) -> int:
-    """MLX's buffer-cache limit (freed buffers kept for reuse). Returns bytes."""
-    import mlx.core as mx
-
-    from mlx_server.models.loader import device_memory_bytes
-
-    if settings.cache_limit_gb is not None:
-        limit = int(settings.cache_limit_gb * (1 << 30))
-    else:
-        limit = min(device_memory_bytes() // 4, 20 << 30)
-    mx.set_cache_limit(limit)
-    log(f"Memory cache limit: {limit // (1 << 20)}MB")
-    return limit
-
-
-def prompt_cache_bytes(settings: Settings, kv_budget: int) -> int:
-    """The prefix cache's RAM tier: ``--prompt-cache-gb``, else the whole KV budget. The
-    budget (engine/memory.py) counts the tier and evicts from it before a request waits, so
-    cached prompts use memory only while running requests do not need it."""
-    if settings.prompt_cache_gb is not None:
-        return int(settings.prompt_cache_gb * (1 << 30))
-    return kv_budget
-
-
-def build(settings: Settings) -> tuple[Any, Any]:
-    """Load the model and return (app, engine); the engine thread is started."""
-    if settings.several_models:  # a registry loads and unloads them on request
-        from mlx_server.registry.wiring import build_registry_app
-
-        return build_registry_app(settings)
-    from mlx_server.embedding_wiring import build_embedding, serves_embeddings
-
-    if (encoder_dir := serves_embeddings(settings)) is not None:
-        return build_embedding(settings, encoder_dir)
-    set_cache_limit(settings)
-    parts = load_chat_model(settings)
-    return build_app(settings, parts.service, vision=parts.vision), parts.engine
 
 
 @dataclass
@@ -61,16 +46,13 @@ class ModelParts:
     kv_budget_bytes: int
 
 
-def load_chat_model(settings: Settings, sharded: Any = None) -> ModelParts:
+def load_chat_model(
+    settings: Settings, sharded: Any = None, observer: GenerationObserver | None = None
+) -> ModelParts:
     """Load ``settings.model`` and start its engine (kernels built before it returns).
     ``sharded``: rank 0 of several (``sharded.Rank``): the model is split across the ranks
-    and the engine runs in lockstep with theirs."""
-    from mlx_server.engine.engine import Engine, EngineConfig
-    from mlx_server.engine.tuning import builds_kernels_on_first_use, default_prefill_step
-    from mlx_server.models.base import ModelLoadError, trained_context
-    from mlx_server.models.loader import load_model
-    from mlx_server.service import ChatService
-
+    and the engine runs in lockstep with theirs; ``observer``: watches the engine's
+    generations (the metrics)."""
     loaded = load_model(
         settings.model,
         model_id=settings.model_id,
@@ -90,8 +72,6 @@ def load_chat_model(settings: Settings, sharded: Any = None) -> ModelParts:
     vision = "vision" in loaded.capabilities
     engine_class: Any = Engine
     if vision:  # mlx-vlm's generation step: pixels in, one request at a time
-        from mlx_server.engine.vision_engine import VisionEngine
-
         engine_class = VisionEngine
     model, kv_per_token = loaded.model, loaded.kv_bytes_per_token
     disk, disk_off = None, ""
@@ -101,7 +81,7 @@ def load_chat_model(settings: Settings, sharded: Any = None) -> ModelParts:
     kv_budget, kv = plan.budget, plan.kv
     if not vision:
         if sharded is None:
-            disk, disk_off = _disk_tier(loaded, settings)
+            disk, disk_off = disk_tier(loaded, settings)
         else:
             disk_off = "the disk tier is off across ranks"
     batch = _batch_size(settings, kv_budget, kv.bytes_for(settings.ctx_size))
@@ -126,6 +106,7 @@ def load_chat_model(settings: Settings, sharded: Any = None) -> ModelParts:
             speculation=None if vision or sharded else _speculation(loaded, settings, model),
             lockstep=sharded.lead() if sharded is not None else None,
         ),
+        observer=observer,
     )
     service = ChatService(
         loaded.model_id,
@@ -150,44 +131,9 @@ def load_chat_model(settings: Settings, sharded: Any = None) -> ModelParts:
     return ModelParts(service, engine, loaded, vision, kv_budget)
 
 
-def build_app(settings: Settings, service: Any, *, vision: bool, extra: Any = None) -> Any:
-    """The app around a chat service (or a registry's routing service); ``extra``: routes
-    matched before the protocols' own."""
-    from mlx_server.app import create_app
-    from mlx_server.protocols.responses.store import ResponseStore
-    from mlx_server.server.browser_guard import BrowserPolicy
-    from mlx_server.server.middleware import MAX_BODY_BYTES
-
-    max_body = MAX_BODY_BYTES
-    if vision:  # room for at least one base64 image of the largest size allowed
-        max_body = max(max_body, int(settings.max_image_mb * (1 << 20) * 4 / 3) + (1 << 20))
-    browser = BrowserPolicy.from_flags(
-        settings.host, settings.allowed_hosts, settings.allowed_origins
-    )
-    store = ResponseStore(
-        settings.responses_store_size, int(settings.responses_store_mb * (1 << 20))
-    )
-    app = create_app(
-        service,
-        api_key=settings.api_key,
-        vision=vision,
-        max_body=max_body,
-        browser=browser,
-        metrics_open=settings.metrics_open,
-        responses_store=store,
-        webui=not settings.no_webui,
-        max_n=settings.max_n,
-        extra=extra,
-    )
-    return app
-
-
 def _memory_plan(settings: Settings, loaded: Any, kv_per_token: int) -> Any:
     """How the device's memory is shared (models/memory_plan.py), logged in one line;
     raises ModelLoadError when the weights leave no room for a conversation."""
-    from mlx_server.models.base import ModelLoadError
-    from mlx_server.models.memory_plan import kv_shape, plan_memory, read_device, weights_bytes
-
     given = settings.kv_budget_gb
     plan = plan_memory(
         read_device(),
@@ -204,8 +150,6 @@ def _memory_plan(settings: Settings, loaded: Any, kv_per_token: int) -> Any:
 
 def _batch_size(settings: Settings, kv_budget: int, kv_per_sequence: int) -> int:
     """``--max-batch-size``; 0 is the Swift server's "batching off": one sequence at a time."""
-    from mlx_server.engine.tuning import default_batch_size
-
     if settings.max_batch_size == 0:
         log("Batching off (--max-batch-size 0): one sequence at a time")
         return 1
@@ -219,11 +163,6 @@ def _quantized_kv(loaded: Any, settings: Settings, model: Any, per_token: int) -
     take it, and the KV bytes per token; a model none of whose layers can is refused."""
     if not settings.kv_bits:
         return model, per_token
-    from mlx_server.engine.kv_quant import QuantizedKVModel
-    from mlx_server.engine.kv_quant_layers import NoQuantizableLayer, plan_layers
-    from mlx_server.models.base import ModelLoadError
-    from mlx_server.models.loader import activation_bytes, kv_bytes_per_token
-
     bits, group = settings.kv_bits, settings.kv_group_size
     try:
         plan = plan_layers(model, bits, group)
@@ -239,76 +178,7 @@ def _quantized_kv(loaded: Any, settings: Settings, model: Any, per_token: int) -
     return QuantizedKVModel(model, bits, group, plan.quantized), per_token
 
 
-# A server restarted while the old process still writes its last entries (at most a few
-# seconds: the engine's shutdown is bounded) waits this long for the disk tier's folder.
-_DISK_LOCK_WAIT_S = 10.0
-
-
-def _disk_tier(loaded: Any, settings: Settings) -> tuple[Any, str]:
-    """The prefix cache's disk tier (``--prompt-cache-dir``), or None and why it is off."""
-    if settings.prompt_cache_dir == "":
-        return None, "turned off (--prompt-cache-dir '')"
-    if settings.prompt_cache_size <= 0:
-        return None, "no prefix cache (--prompt-cache-size 0)"
-    from pathlib import Path
-
-    from mlx_server.engine.disk_cache import DiskPromptCache, default_root, model_cache_dir
-    from mlx_server.engine.folder_lock import FolderLocked
-    from mlx_server.models.loader import activation_bytes
-
-    cfg = loaded.config.get("text_config", loaded.config)
-    layout = {
-        "activation_bytes": activation_bytes(loaded.model),
-        "dtype": settings.dtype,
-        "kv_bits": settings.kv_bits,
-        "kv_group_size": settings.kv_group_size if settings.kv_bits else None,
-        "layers": cfg.get("num_hidden_layers"),
-        "kv_heads": cfg.get("num_key_value_heads", cfg.get("num_attention_heads")),
-        "head_dim": cfg.get("head_dim"),
-    }
-    root = (
-        Path(settings.prompt_cache_dir).expanduser()
-        if settings.prompt_cache_dir
-        else default_root()
-    )
-    directory = model_cache_dir(root, Path(loaded.path), layout)
-    try:
-        disk = DiskPromptCache(
-            directory,
-            int(settings.prompt_cache_disk_gb * (1 << 30)),
-            lock_wait_s=_DISK_LOCK_WAIT_S,
-        )
-    except FolderLocked as e:
-        reason = f"{directory} is in use by {_holder(e.pid)}"
-        log(
-            f"Warning: prompt cache disk tier off: {reason}; this server keeps its prefix cache "
-            "in RAM only and leaves that directory alone (give each server its own "
-            "--prompt-cache-dir to give each a disk tier)"
-        )
-        return None, reason
-    except OSError as e:
-        log(f"Prompt cache: disk tier off, cannot use {directory}: {e}")
-        return None, f"cannot use {directory}: {e}"
-    stats = disk.stats()
-    log(
-        f"Prompt cache disk tier: {directory} ({stats['prompt_cache_disk_entries']} entries, "
-        f"{stats['prompt_cache_disk_bytes'] >> 20}MB, limit {settings.prompt_cache_disk_gb:g}GB)"
-    )
-    return disk, ""
-
-
-def _holder(pid: int | None) -> str:
-    if pid is None:
-        return "another process"
-    if pid == os.getpid():  # another model loaded from the same files
-        return f"another model of this process (pid {pid})"
-    return f"another process (pid {pid})"
-
-
 def _vision_prompt_builder(loaded: Any, settings: Settings) -> Any:
-    from mlx_server.models.media import MediaLimits
-    from mlx_server.models.vision import VisionPromptBuilder
-
     limits = MediaLimits(
         max_images=settings.max_images,
         max_image_bytes=int(settings.max_image_mb * (1 << 20)),
@@ -325,8 +195,6 @@ def _vision_prompt_builder(loaded: Any, settings: Settings) -> Any:
 
 def _constraint_compiler(tokenizer: Any) -> Any:
     """The grammar compiler for structured output, or None when the tokenizer can't have one."""
-    from mlx_server.engine.constraints import ConstraintCompiler, ConstraintError
-
     try:
         return ConstraintCompiler(tokenizer)
     except ConstraintError as e:
@@ -338,14 +206,6 @@ def _speculation(loaded: Any, settings: Settings, model: Any) -> Any:
     """Speculative decoding's settings, with the draft model loaded and checked (its
     tokenizer must be the model's), or None when it is off. Predicted outputs need no
     flag: a request that brings one speculates whenever it runs alone."""
-    from mlx_lm.models.cache import make_prompt_cache
-
-    from mlx_server.engine.speculative.drafters import check_same_tokenizer
-    from mlx_server.engine.speculative.rollback import layer_kinds, rollback_problem
-    from mlx_server.engine.speculative.runner import Speculation
-    from mlx_server.models.base import ModelLoadError
-    from mlx_server.models.loader import load_model
-
     cache = make_prompt_cache(model)
     if (problem := rollback_problem(cache)) is not None:
         if settings.prompt_lookup or settings.draft_model:
@@ -379,8 +239,6 @@ def _speculation(loaded: Any, settings: Settings, model: Any) -> Any:
 
 def _speculation_note(cache: list[Any], kinds: str) -> str:
     """What speculation does on this model's layers (the start-up log line)."""
-    from mlx_lm.models.cache import KVCache
-
     if all(type(c) is KVCache for c in cache):
         return f"Speculative decoding: on ({kinds})"
     return (

@@ -1,4 +1,5 @@
-"""Wires Settings into a loaded embedding or reranker model, its engine and its app."""
+"""Embedding start-up: Settings into a loaded embedding or reranker model, its started engine
+and its service."""
 
 from __future__ import annotations
 
@@ -7,16 +8,18 @@ from pathlib import Path
 from typing import Any
 
 from mlx_server.config import Settings
+from mlx_server.embedding_service import EmbeddingService
+from mlx_server.engine.embedding_engine import EmbeddingEngine, EmbeddingEngineConfig
+from mlx_server.engine.encoder_runner import EncoderRunner
 from mlx_server.logs import log
+from mlx_server.models.embedding import is_encoder_model, load_encoder
+from mlx_server.models.loader import default_model_id, resolve_model_dir
 from mlx_server.startup_report import weights_line
 
 
 def serves_embeddings(settings: Settings) -> Path | None:
     """The model directory when the model is to be served as an embedding/reranker model
     (its files say so); None for a chat model, which ``--embedding`` leaves a chat model."""
-    from mlx_server.models.embedding import is_encoder_model
-    from mlx_server.models.loader import resolve_model_dir
-
     model_dir = resolve_model_dir(settings.model)
     return model_dir if is_encoder_model(model_dir) else None
 
@@ -32,12 +35,6 @@ class EncoderParts:
 
 def load_embedding_model(settings: Settings, model_dir: Path) -> EncoderParts:
     """Load the encoder and start its engine (as ModelParts are, for the registry too)."""
-    from mlx_server.embedding_service import EmbeddingService
-    from mlx_server.engine.embedding_engine import EmbeddingEngine, EmbeddingEngineConfig
-    from mlx_server.engine.encoder_runner import EncoderRunner
-    from mlx_server.models.embedding import load_encoder
-    from mlx_server.models.loader import default_model_id
-
     model_id = settings.model_id or default_model_id(settings.model)
     loaded = load_encoder(model_dir, model_id=model_id, dtype=settings.dtype)
     spec = loaded.spec
@@ -62,26 +59,6 @@ def load_embedding_model(settings: Settings, model_dir: Path) -> EncoderParts:
     engine.start()
     engine.wait_ready()
     return EncoderParts(service, engine, loaded)
-
-
-def build_embedding(settings: Settings, model_dir: Path) -> tuple[Any, Any]:
-    """Load the encoder and return (app, engine); the engine thread is started."""
-    from mlx_server.embedding_app import create_embedding_app
-    from mlx_server.server.browser_guard import BrowserPolicy
-    from mlx_server.wiring import set_cache_limit
-
-    set_cache_limit(settings)
-    parts = load_embedding_model(settings, model_dir)
-    browser = BrowserPolicy.from_flags(
-        settings.host, settings.allowed_hosts, settings.allowed_origins
-    )
-    app = create_embedding_app(
-        parts.service,
-        api_key=settings.api_key,
-        browser=browser,
-        metrics_open=settings.metrics_open,
-    )
-    return app, parts.engine
 
 
 def _network(spec: Any) -> str:

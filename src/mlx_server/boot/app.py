@@ -1,0 +1,240 @@
+"""The app factory: wires the protocols' routes and error envelopes onto the server's
+plumbing (middleware, browser guard, metrics, error handlers) around one service: a chat
+model's, or an embedding or reranker model's, whose app answers the chat routes with a 400
+that says which model this is and what it serves. One plumbing stack for both."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, FastAPI, Request
+from pydantic import BaseModel
+
+from mlx_server.choices import DEFAULT_MAX_N
+from mlx_server.config import Settings
+from mlx_server.embedding_service import EmbeddingService
+from mlx_server.errors import InvalidRequest
+from mlx_server.logs import log
+from mlx_server.protocols.anthropic import errors as anthropic_errors
+from mlx_server.protocols.anthropic.routes import make_router as anthropic_router
+from mlx_server.protocols.llamacpp import make_router as tokenizer_router
+from mlx_server.protocols.ollama import errors as ollama_errors
+from mlx_server.protocols.ollama.embed import make_router as ollama_embed_router
+from mlx_server.protocols.ollama.routes import make_router as ollama_router
+from mlx_server.protocols.openai import errors as openai_errors
+from mlx_server.protocols.openai.completions import make_router as completions_router
+from mlx_server.protocols.openai.count_tokens import make_router as count_tokens_router
+from mlx_server.protocols.openai.embeddings import make_router as embeddings_router
+from mlx_server.protocols.openai.model_list import model_object
+from mlx_server.protocols.openai.rerank import make_router as rerank_router
+from mlx_server.protocols.openai.routes import make_router as openai_router
+from mlx_server.protocols.responses.routes import make_router as responses_router
+from mlx_server.protocols.responses.store import ResponseStore
+from mlx_server.server.aliases import OpenAIPathAliases
+from mlx_server.server.browser_guard import BrowserGuard, BrowserPolicy
+from mlx_server.server.errors import Envelopes, install_error_handlers
+from mlx_server.server.http import parse_body
+from mlx_server.server.ignored_fields import IgnoredFieldsHeader
+from mlx_server.server.metrics import Metrics, MetricsMiddleware, install_metrics, route_paths
+from mlx_server.server.middleware import MAX_BODY_BYTES, GuardMiddleware
+from mlx_server.server.streaming import KEEPALIVE_S
+from mlx_server.service import ChatService
+from mlx_server.webui import make_router as webui_router
+
+
+class CancelRequest(BaseModel):
+    id: str | None = None
+
+
+_HEALTH_STATS = ("prompt_cache_", "kv_in_use_bytes", "memory_")
+
+# The generating routes of a chat model, refused with a 400 (not a 404) by an embedding model.
+CHAT_PATHS = (
+    "/v1/chat/completions",
+    "/v1/chat/completions/count_tokens",
+    "/v1/completions",
+    "/v1/messages",
+    "/v1/messages/count_tokens",
+    "/v1/responses",
+    "/tokenize",
+    "/detokenize",
+    "/api/chat",
+    "/api/generate",
+)
+# Besides every /v1 path: the paths that need the API key too.
+KEYED_PATHS = frozenset({"/tokenize", "/detokenize", "/embeddings", "/rerank"})
+
+
+def create_app(
+    service: ChatService | EmbeddingService,
+    *,
+    api_key: str = "",
+    vision: bool = False,
+    max_body: int = MAX_BODY_BYTES,
+    browser: BrowserPolicy | None = None,
+    metrics_open: bool = False,
+    responses_store: ResponseStore | None = None,
+    webui: bool = True,
+    max_n: int = DEFAULT_MAX_N,
+    keepalive_s: float = KEEPALIVE_S,
+    extra: APIRouter | None = None,
+    metrics: Metrics | None = None,
+) -> FastAPI:
+    """Build the ASGI app around a ChatService (whose engine may be real or scripted) or an
+    EmbeddingService. ``keepalive_s``: how long a stream may stay silent before it gets a
+    keep-alive frame; ``extra``: routes matched before the ones below (several models'
+    /v1/models, /health, /v1/embeddings); ``metrics``: what the engines were built to
+    report their generations to (a new one, counting only HTTP, when not given)."""
+    app = FastAPI(title="mlx-server", docs_url=None, redoc_url=None, openapi_url=None)
+    # Paths match exactly: no redirect from "/v1/chat/completions/" to the route.
+    app.router.redirect_slashes = False
+    app.state.service = service
+    app.state.max_n = max_n  # most choices (n) per request
+    app.state.keepalive_s = keepalive_s
+    app.state.metrics = metrics = metrics or Metrics()
+    metrics.count(service.engine)
+    install_metrics(app, metrics)
+    if extra is not None:
+        app.include_router(extra)
+    if isinstance(service, EmbeddingService):
+        _embedding_routes(app, service)
+    else:
+        _chat_routes(app, service, vision=vision, store=responses_store, webui=webui)
+    envelopes = error_envelopes()
+    install_error_handlers(app, envelopes)
+    keyed = KEYED_PATHS if metrics_open else KEYED_PATHS | {"/metrics"}
+    app.add_middleware(IgnoredFieldsHeader)
+    app.add_middleware(
+        GuardMiddleware, envelopes=envelopes, api_key=api_key, max_body=max_body, keyed_paths=keyed
+    )
+    # Outside auth: preflights carry no key.
+    app.add_middleware(BrowserGuard, envelopes=envelopes, policy=browser)
+    app.add_middleware(
+        MetricsMiddleware,
+        metrics=metrics,
+        routes=lambda: route_paths(app.routes),
+    )
+    app.add_middleware(OpenAIPathAliases, routes=lambda: app.router.routes)  # outermost
+    return app
+
+
+def _chat_routes(
+    app: FastAPI,
+    service: ChatService,
+    *,
+    vision: bool,
+    store: ResponseStore | None,
+    webui: bool,
+) -> None:
+    engine = service.engine
+
+    @app.api_route("/health", methods=["GET", "HEAD"])
+    async def health() -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "status": "ok",
+            "active": engine.active_count,
+            "queued": engine.queue_depth,
+            **service.context_info(),
+        }
+        # prefix-cache counters (RAM and disk tiers), memory in use
+        body.update({k: v for k, v in engine.stats().items() if k.startswith(_HEALTH_STATS)})
+        return body
+
+    @app.post("/v1/cancel")
+    async def cancel(request: Request) -> dict[str, Any]:
+        raw = await request.body()
+        target = None
+        if raw.strip():
+            target = (await parse_body(request, CancelRequest)).id
+        n = engine.cancel(target)
+        log(f"Cancel requested: {n} active generation(s) cancelled")
+        return {"status": "cancelled" if n else "no_active_generation", "cancelled_count": n}
+
+    app.include_router(openai_router(service, vision=vision))
+    app.include_router(anthropic_router(service, vision=vision))
+    app.include_router(completions_router(service))
+    app.include_router(count_tokens_router(service, vision=vision))
+    app.include_router(tokenizer_router(service))
+    app.include_router(responses_router(service, vision=vision, store=store))
+    app.include_router(embeddings_router(None, service.model_id))  # a chat model: 400s
+    app.include_router(rerank_router(None, service.model_id))
+    app.include_router(ollama_router(service, vision=vision))
+    if webui:  # the chat page at / (static files; it uses the API above like any client)
+        app.include_router(webui_router())
+
+
+def _embedding_routes(app: FastAPI, service: EmbeddingService) -> None:
+    engine = service.engine
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        # The engine's counters too: inputs waiting, and inputs, tokens and batches done.
+        stats = {k: v for k, v in engine.stats().items() if isinstance(v, int)}
+        return {
+            "status": "ok",
+            **stats,
+            "active": engine.active_count,
+            "queued": engine.queue_depth,
+        }
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        entry = model_object(service.model_id, capabilities=service.capabilities)
+        return {"object": "list", "data": [entry]}
+
+    @app.post("/v1/cancel")
+    async def cancel() -> dict[str, Any]:
+        return {"status": "no_active_generation", "cancelled_count": 0}
+
+    async def refuse(request: Request) -> None:
+        serves = "/v1/rerank" if service.kind == "rerank" else "/v1/embeddings"
+        raise InvalidRequest(
+            f"the model '{service.model_id}' is {_article(service.kind)} {service.kind} model; "
+            f"it serves {serves}, not {request.url.path}",
+            param="model",
+            code="model_not_supported",
+        )
+
+    for path in CHAT_PATHS:
+        app.add_api_route(path, refuse, methods=["POST"])
+    app.include_router(embeddings_router(service, service.model_id))
+    app.include_router(rerank_router(service, service.model_id))
+    app.include_router(ollama_embed_router(service, service.model_id))
+
+
+def app_options(settings: Settings, *, vision: bool = False) -> dict[str, Any]:
+    """``create_app``'s keyword arguments for these settings; ``vision``: a model that takes
+    images is served (the body limit makes room for one)."""
+    max_body = MAX_BODY_BYTES
+    if vision:  # room for at least one base64 image of the largest size allowed
+        max_body = max(max_body, int(settings.max_image_mb * (1 << 20) * 4 / 3) + (1 << 20))
+    browser = BrowserPolicy.from_flags(
+        settings.host, settings.allowed_hosts, settings.allowed_origins
+    )
+    store = ResponseStore(
+        settings.responses_store_size, int(settings.responses_store_mb * (1 << 20))
+    )
+    return {
+        "api_key": settings.api_key,
+        "vision": vision,
+        "max_body": max_body,
+        "browser": browser,
+        "metrics_open": settings.metrics_open,
+        "responses_store": store,
+        "webui": not settings.no_webui,
+        "max_n": settings.max_n,
+    }
+
+
+def error_envelopes() -> Envelopes:
+    """OpenAI's envelope everywhere but on the paths a protocol claims for its own."""
+    envelopes = Envelopes(openai_errors.error_response)
+    for prefix in anthropic_errors.PATHS:
+        envelopes.register(prefix, anthropic_errors.error_response)
+    for prefix in ollama_errors.PATHS:
+        envelopes.register(prefix, ollama_errors.error_response)
+    return envelopes
+
+
+def _article(kind: str) -> str:
+    return "an" if kind[0] in "aeiou" else "a"
