@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from arch_models import FAMILIES, build  # noqa: E402
 from engine_runner import request, running_engine, solo  # noqa: E402
 
-from mlx_server.engine.disk_cache import DiskPromptCache  # noqa: E402
+from mlx_server.engine.cache.disk import DiskPromptCache  # noqa: E402
 from mlx_server.models.base import settle_arrays  # noqa: E402
 
 SYSTEM = "You are a coding agent. Read the files, run the tests, report tersely. " * 11

@@ -25,7 +25,7 @@ import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.sample_utils import make_sampler
 
-from mlx_server.engine.constraints import ConstraintCompiler, ConstraintSpec
+from mlx_server.engine.grammar.constraints import ConstraintCompiler, ConstraintSpec
 
 DEFAULT_MODELS = ("models/smollm2-135m-instruct-f32", "models/smollm2-135m-instruct")
 

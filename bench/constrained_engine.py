@@ -28,11 +28,11 @@ from typing import Any
 
 from mlx_lm import load
 
-from mlx_server.engine.batch_runner import BatchRunner
-from mlx_server.engine.constraints import ConstraintCompiler, ConstraintSpec
-from mlx_server.engine.engine import Engine, EngineConfig
-from mlx_server.engine.handle import TokenPiece
-from mlx_server.engine.solo import LoneFirstRunner, SoloRunner
+from mlx_server.engine.core.engine import Engine, EngineConfig
+from mlx_server.engine.core.handle import TokenPiece
+from mlx_server.engine.grammar.constraints import ConstraintCompiler, ConstraintSpec
+from mlx_server.engine.runners.batch import BatchRunner
+from mlx_server.engine.runners.solo import LoneFirstRunner, SoloRunner
 from mlx_server.events import Finished
 from mlx_server.types import GenerationRequest, SamplingParams
 

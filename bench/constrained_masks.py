@@ -36,9 +36,9 @@ import numpy as np
 from constrained import SCHEMA
 from mlx_lm.tokenizer_utils import load as load_tokenizer
 
-from mlx_server.engine.constraint_processor import GrammarLogitsProcessor
-from mlx_server.engine.constraints import ConstraintCompiler, ConstraintSpec
-from mlx_server.engine.grammar_masks import BatchGrammar, GrammarMasks, default_threads
+from mlx_server.engine.grammar.constraints import ConstraintCompiler, ConstraintSpec
+from mlx_server.engine.grammar.masks import BatchGrammar, GrammarMasks, default_threads
+from mlx_server.engine.grammar.processor import GrammarLogitsProcessor
 
 
 def ms(xs: list[float]) -> float | None:

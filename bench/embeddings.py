@@ -80,8 +80,8 @@ class Ours:
         import mlx.core as mx
 
         from mlx_server.embedding_service import EmbeddingService
-        from mlx_server.engine.embedding_engine import EmbeddingEngine
-        from mlx_server.engine.encoder_runner import EncoderRunner
+        from mlx_server.engine.embedding.engine import EmbeddingEngine
+        from mlx_server.engine.embedding.runner import EncoderRunner
         from mlx_server.models.embedding import load_encoder
 
         enc = load_encoder(model_dir, model_id="bench", dtype=dtype)

@@ -176,7 +176,7 @@ def worker_main(flags: list[str]) -> None:
         ]
 
     async def engine_burst(job: dict[str, Any]) -> dict[str, Any]:
-        from mlx_server.engine.handle import TokenPiece
+        from mlx_server.engine.core.handle import TokenPiece
         from mlx_server.events import Finished
 
         reqs = [service.build_request(c, f"r{job['rep']}-{i}")[0] for i, c in enumerate(chats(job))]

@@ -51,7 +51,7 @@ TEXT = (
 
 class PacedRunner:
     """A runner that takes a fixed time per step and answers one token of ``TEXT`` per
-    sequence (the runner interface of ``engine/runner.py``)."""
+    sequence (the runner interface of ``engine/runners/base.py``)."""
 
     def __init__(self, token_ids: list[int], a: argparse.Namespace):
         import mlx.core as mx
@@ -70,7 +70,7 @@ class PacedRunner:
         self.joining += 1
 
     def step(self) -> tuple[list[Any], list[Any]]:
-        from mlx_server.engine.runner import Response
+        from mlx_server.engine.runners.base import Response
 
         device = self.step_s
         if self.joining:  # a prefill pass for the wave; a new wave size builds kernels
@@ -115,7 +115,7 @@ def build(a: argparse.Namespace) -> tuple[Any, Any]:
     from mlx_lm.tokenizer_utils import load as load_tokenizer
 
     from mlx_server.config import Settings
-    from mlx_server.engine.engine import Engine, EngineConfig
+    from mlx_server.engine.core.engine import Engine, EngineConfig
     from mlx_server.service import ChatService
 
     tokenizer = load_tokenizer(Path(a.tokenizer))
@@ -163,7 +163,7 @@ def serve_main(a: argparse.Namespace) -> None:
 
 
 async def engine_burst(service: Any, rep: int, n: int, tokens: int) -> dict[str, Any]:
-    from mlx_server.engine.handle import TokenPiece
+    from mlx_server.engine.core.handle import TokenPiece
     from mlx_server.events import Finished
     from mlx_server.protocols.openai.adapter import to_chat_request
     from mlx_server.protocols.openai.schemas import ChatCompletionRequest

@@ -57,7 +57,7 @@ class Float16KVCache:
 def perplexity(model, tokens: list[int], bits: int, group: int, chunk: int):
     from mlx_lm.models.cache import make_prompt_cache
 
-    from mlx_server.engine.kv_quant import QuantizedKVModel
+    from mlx_server.engine.cache.kv_quant import QuantizedKVModel
 
     if bits == 16:
         cache = [Float16KVCache() for _ in model.layers]

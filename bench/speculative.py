@@ -81,8 +81,8 @@ def greedy(x: mx.array) -> mx.array:
 
 def decode(model: Any, prompt: list[int], n: int, drafter: Any, k: int) -> dict[str, Any]:
     """Decode ``n`` tokens (EOS ignored); tokens/s counted from the first token."""
-    from mlx_server.engine.runner import Insert
-    from mlx_server.engine.solo import SoloSequence
+    from mlx_server.engine.runners.base import Insert
+    from mlx_server.engine.runners.solo import SoloSequence
     from mlx_server.engine.speculative.sequence import SpeculativeSequence
     from mlx_server.types import GenerationRequest
 
@@ -173,8 +173,8 @@ def streams(
     ``predictions``, each stream's request carries one (OpenAI's Predicted Outputs)."""
     import asyncio
 
-    from mlx_server.engine.engine import Engine, EngineConfig
-    from mlx_server.engine.handle import TokenPiece
+    from mlx_server.engine.core.engine import Engine, EngineConfig
+    from mlx_server.engine.core.handle import TokenPiece
     from mlx_server.events import Finished
     from mlx_server.types import GenerationRequest, SamplingParams
 

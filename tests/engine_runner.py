@@ -9,8 +9,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from mlx_server.engine.engine import Engine, EngineConfig
-from mlx_server.engine.handle import GenerationHandle, Started, TokenPiece
+from mlx_server.engine.core.engine import Engine, EngineConfig
+from mlx_server.engine.core.handle import GenerationHandle, Started, TokenPiece
 from mlx_server.events import Finished, LogprobEntry
 from mlx_server.types import GenerationRequest, SamplingParams
 

@@ -14,7 +14,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from mlx_server.engine.handle import GenerationHandle, Started, TokenPiece
+from mlx_server.engine.core.handle import GenerationHandle, Started, TokenPiece
 from mlx_server.errors import Overloaded
 from mlx_server.events import Finished, Timings, Usage
 from mlx_server.parsing.stops import StopMatcher

@@ -15,9 +15,9 @@ from mlx_lm import load
 from spec_arch import build_arch_model
 from support import free_port, launch
 
-from mlx_server.engine import kv_quant_layers
-from mlx_server.engine.kv_quant import BatchableQuantizedKVCache, QuantizedKVModel
-from mlx_server.engine.kv_quant_layers import NoQuantizableLayer, plan_layers
+from mlx_server.engine.cache import kv_quant_layers
+from mlx_server.engine.cache.kv_quant import BatchableQuantizedKVCache, QuantizedKVModel
+from mlx_server.engine.cache.kv_quant_layers import NoQuantizableLayer, plan_layers
 
 pytestmark = pytest.mark.tiny
 

@@ -18,7 +18,7 @@ from engine_runner import (
     until,
 )
 
-from mlx_server.engine.handle import Started, TokenPiece
+from mlx_server.engine.core.handle import Started, TokenPiece
 from mlx_server.types import SamplingParams
 
 WORDS = "the quick brown fox jumps over lazy dog hello world paris capital of france".split()

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from mlx_server.config import user_cache_root
-from mlx_server.engine.disk_cache import default_root
+from mlx_server.engine.cache.disk import default_root
 from mlx_server.models.gguf.importer import cache_dir
 
 pytestmark = pytest.mark.tiny

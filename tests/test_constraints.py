@@ -21,7 +21,7 @@ from mlx_lm.tool_parsers import json_tools
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from mlx_server.engine.constraints import (
+from mlx_server.engine.grammar.constraints import (
     ConstraintCompiler,
     ConstraintError,
     ConstraintSpec,
@@ -471,7 +471,7 @@ def test_spec_equality_follows_the_canonical_key():
 
 def test_a_valid_spec_is_checked_once(monkeypatch):
     """A burst of requests with one schema validates it once; an invalid one every time."""
-    from mlx_server.engine import constraints
+    from mlx_server.engine.grammar import constraints
 
     spec = ConstraintSpec.json_schema({"type": "object", "properties": {"once": {}}})
     validate_spec(spec)

@@ -8,9 +8,9 @@ from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, SPMStreamingDetokeni
 from mlx_lm.tokenizer_utils import load as load_tokenizer
 from tiny_model import build_tokenizer
 
-from mlx_server.engine.delivery import Seq, deliver_token
-from mlx_server.engine.handle import TokenPiece
-from mlx_server.engine.runner import Response
+from mlx_server.engine.core.delivery import Seq, deliver_token
+from mlx_server.engine.core.handle import TokenPiece
+from mlx_server.engine.runners.base import Response
 from mlx_server.types import GenerationRequest
 
 

@@ -13,10 +13,10 @@ import pytest
 from engine_runner import chat_tokens, load_varied_model, request, running_engine, solo
 from mlx_lm.models.cache import KVCache
 
-from mlx_server.engine.disk_cache import MANIFEST, DiskPromptCache, model_cache_dir
-from mlx_server.engine.folder_lock import LOCK_FILE
-from mlx_server.engine.kv_quant import BatchableQuantizedKVCache
-from mlx_server.engine.prefix_cache import SYSTEM, PrefixCache
+from mlx_server.engine.cache.disk import MANIFEST, DiskPromptCache, model_cache_dir
+from mlx_server.engine.cache.folder_lock import LOCK_FILE
+from mlx_server.engine.cache.kv_quant import BatchableQuantizedKVCache
+from mlx_server.engine.cache.prefix import SYSTEM, PrefixCache
 
 
 def kv(n: int, layers: int = 2, start: int = 0) -> list[KVCache]:
@@ -253,7 +253,7 @@ def test_a_restarted_engine_serves_the_prompt_from_disk_with_the_same_output(lm,
 
 
 def test_the_default_directory_follows_the_environment(monkeypatch, tmp_path):
-    from mlx_server.engine.disk_cache import default_root
+    from mlx_server.engine.cache.disk import default_root
 
     monkeypatch.delenv("MLX_SERVER_PROMPT_CACHE_DIR", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))

@@ -18,9 +18,9 @@ import pytest
 from engine_runner import load_varied_model
 from test_disk_cache import entry_files, kv, reopen, stop
 
-from mlx_server.engine.disk_cache import MANIFEST, DiskPromptCache
-from mlx_server.engine.folder_lock import LOCK_FILE, FolderLocked
-from mlx_server.engine.prefix_cache import PrefixCache
+from mlx_server.engine.cache.disk import MANIFEST, DiskPromptCache
+from mlx_server.engine.cache.folder_lock import LOCK_FILE, FolderLocked
+from mlx_server.engine.cache.prefix import PrefixCache
 
 
 def snapshot(d: Path) -> dict[str, bytes]:
@@ -53,7 +53,7 @@ def test_a_second_cache_on_a_held_folder_is_refused_and_touches_nothing(tmp_path
 
 _HOLDER = """
 import sys, time
-from mlx_server.engine.disk_cache import DiskPromptCache
+from mlx_server.engine.cache.disk import DiskPromptCache
 disk = DiskPromptCache(sys.argv[1], 1 << 30)
 print("holding", flush=True)
 time.sleep(120)

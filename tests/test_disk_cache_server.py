@@ -17,7 +17,7 @@ import httpx
 import pytest
 from support import build_wide_model, free_port
 
-from mlx_server.engine.disk_cache import MANIFEST
+from mlx_server.engine.cache.disk import MANIFEST
 
 SYSTEM = "You are a terse assistant who answers questions about the capital of France. " * 25
 

@@ -10,7 +10,7 @@ import threading
 import numpy as np
 import pytest
 
-from mlx_server.engine.embedding_engine import EmbeddingEngine, EmbeddingEngineConfig
+from mlx_server.engine.embedding.engine import EmbeddingEngine, EmbeddingEngineConfig
 from mlx_server.errors import ServerError
 
 

@@ -8,8 +8,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlx_server.engine import encoder_runner
-from mlx_server.engine.encoder_runner import EncoderRunner
+from mlx_server.engine.embedding import runner as encoder_runner
+from mlx_server.engine.embedding.runner import EncoderRunner
 from mlx_server.models.embedding import EncoderSpec
 
 pytestmark = pytest.mark.tiny

@@ -10,7 +10,7 @@ import random
 import pytest
 from engine_runner import collect, generate, load_varied_model, request, running_engine, solo
 
-from mlx_server.engine.handle import TokenPiece
+from mlx_server.engine.core.handle import TokenPiece
 from mlx_server.events import Finished
 from mlx_server.types import SamplingParams
 

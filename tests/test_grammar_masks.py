@@ -23,12 +23,12 @@ from engine_runner import generate_all, request
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from test_constraints import SCHEMAS, make_hf_tokenizer, make_model
 
-from mlx_server.engine.batch_runner import BatchRunner
-from mlx_server.engine.constraint_processor import GrammarLogitsProcessor
-from mlx_server.engine.constraints import ConstraintCompiler, ConstraintSpec, build_grammar
-from mlx_server.engine.engine import Engine, EngineConfig
-from mlx_server.engine.grammar_masks import BatchGrammar, GrammarMasks
-from mlx_server.engine.mask_bits import unpack_on_device, unpack_on_host
+from mlx_server.engine.core.engine import Engine, EngineConfig
+from mlx_server.engine.grammar.constraints import ConstraintCompiler, ConstraintSpec, build_grammar
+from mlx_server.engine.grammar.mask_bits import unpack_on_device, unpack_on_host
+from mlx_server.engine.grammar.masks import BatchGrammar, GrammarMasks
+from mlx_server.engine.grammar.processor import GrammarLogitsProcessor
+from mlx_server.engine.runners.batch import BatchRunner
 from mlx_server.types import SamplingParams
 
 
@@ -257,7 +257,7 @@ def test_tokens_are_read_from_arrays_scheduled_before_the_forward_pass(
     the masks are computed while the device runs the pass."""
     from types import SimpleNamespace
 
-    from mlx_server.engine.batch_runner import MaskedDecode, _RowGrammar
+    from mlx_server.engine.runners.batch import MaskedDecode, _RowGrammar
 
     vocab = len(tokenizer)
     scheduled: list[list[tuple[int, ...]]] = []

@@ -9,8 +9,8 @@ import threading
 import mlx.core as mx
 import pytest
 
-from mlx_server.engine.handle import GenerationHandle, Outbox, TokenPiece
-from mlx_server.engine.sampling import SamplerPool, SharedSampler
+from mlx_server.engine.core.handle import GenerationHandle, Outbox, TokenPiece
+from mlx_server.engine.sampling.samplers import SamplerPool, SharedSampler
 from mlx_server.events import Finished, LogprobEntry, Timings, Usage
 from mlx_server.types import SamplingParams
 

@@ -12,7 +12,7 @@ import pytest
 from engine_runner import generate_all, request, running_engine, solo
 from support import build_wide_model, free_port
 
-from mlx_server.engine.kv_quant import (
+from mlx_server.engine.cache.kv_quant import (
     BatchableQuantizedKVCache,
     BatchQuantizedKVCache,
     QuantizedKVModel,

@@ -19,8 +19,8 @@ from mlx_lm.models.cache import (
     make_prompt_cache,
 )
 
-from mlx_server.engine import kv_serialize
-from mlx_server.engine.disk_cache import DiskPromptCache
+from mlx_server.engine.cache import serialize as kv_serialize
+from mlx_server.engine.cache.disk import DiskPromptCache
 
 pytestmark = pytest.mark.tiny
 

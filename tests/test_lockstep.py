@@ -10,9 +10,9 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import KVCache
 
+from mlx_server.engine.cache.prefix import SYSTEM, PrefixCache
 from mlx_server.engine.lockstep.leader import tokens_key
 from mlx_server.engine.lockstep.samplers import SamplerGroups
-from mlx_server.engine.prefix_cache import SYSTEM, PrefixCache
 
 
 def kv_state(n: int) -> list[KVCache]:

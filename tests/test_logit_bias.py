@@ -132,7 +132,7 @@ def test_invalid_logit_bias_is_a_400_naming_the_key(scripted, bias, param, path)
 def test_bias_row_is_added_in_one_operation():
     import mlx.core as mx
 
-    from mlx_server.engine.sampling import make_processors
+    from mlx_server.engine.sampling.samplers import make_processors
     from mlx_server.types import SamplingParams
 
     (process,) = make_processors(SamplingParams(logit_bias=((1, 5.0), (3, -100.0), (99, 1.0))))
@@ -146,7 +146,7 @@ def test_bias_row_is_added_in_one_operation():
 def test_bias_comes_before_the_penalties():
     import mlx.core as mx
 
-    from mlx_server.engine.sampling import make_processors
+    from mlx_server.engine.sampling.samplers import make_processors
     from mlx_server.types import SamplingParams
 
     params = SamplingParams(logit_bias=((1, 5.0),), presence_penalty=1.0, frequency_penalty=0.5)

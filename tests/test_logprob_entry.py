@@ -20,7 +20,7 @@ class _Tokenizer:
 def test_non_finite_values_become_the_floor_and_leave_the_alternatives(bad: float) -> None:
     import mlx.core as mx
 
-    from mlx_server.engine.logprobs import LOGPROB_FLOOR, logprob_entry
+    from mlx_server.engine.sampling.logprobs import LOGPROB_FLOOR, logprob_entry
 
     logprobs = mx.array([bad, -0.5, -1.0, bad])
     entry = logprob_entry(_Tokenizer(), 0, logprobs, k=4)
@@ -32,7 +32,7 @@ def test_non_finite_values_become_the_floor_and_leave_the_alternatives(bad: floa
 def test_a_finite_value_is_kept() -> None:
     import mlx.core as mx
 
-    from mlx_server.engine.logprobs import logprob_entry
+    from mlx_server.engine.sampling.logprobs import logprob_entry
 
     entry = logprob_entry(_Tokenizer(), 1, mx.array([-2.0, -0.25]), k=1)
     assert entry.logprob == -0.25 and [t.token for t in entry.top] == ["t1"]

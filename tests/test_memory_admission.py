@@ -12,9 +12,9 @@ import pytest
 from engine_runner import generate_all, request, running_engine
 from support import build_wide_model
 
-from mlx_server.engine.disk_cache import DiskPromptCache
-from mlx_server.engine.memory import MemoryBudget
-from mlx_server.engine.prefix_cache import PrefixCache
+from mlx_server.engine.cache.disk import DiskPromptCache
+from mlx_server.engine.cache.prefix import PrefixCache
+from mlx_server.engine.core.memory import MemoryBudget
 from mlx_server.models.loader import kv_bytes_per_token
 
 MB = 1 << 20

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from mlx_server.engine.scheduler import Scheduler
+from mlx_server.engine.core.scheduler import Scheduler
 from mlx_server.errors import ContextLengthExceeded
 from mlx_server.models.base import kv_bytes_per_token
 from mlx_server.models.memory_plan import (
@@ -167,7 +167,7 @@ def test_a_request_without_max_tokens_is_admitted_on_a_16gb_mac() -> None:
     """Llama-3.1-8B 4-bit at --ctx-size 32768: the request asks for the whole context."""
     import asyncio
 
-    from mlx_server.engine.handle import GenerationHandle, Outbox
+    from mlx_server.engine.core.handle import GenerationHandle, Outbox
     from mlx_server.types import GenerationRequest
 
     plan = _plan(MAC_16, "llama-3.1-8b")

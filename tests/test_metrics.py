@@ -191,7 +191,7 @@ def test_prefix_cache_evictions_reach_the_scrape():
     from mlx_lm.models.cache import KVCache
     from prometheus_client import generate_latest
 
-    from mlx_server.engine.prefix_cache import PrefixCache
+    from mlx_server.engine.cache.prefix import PrefixCache
     from mlx_server.server.metrics import Metrics
 
     def kv(n: int) -> list[KVCache]:

@@ -232,7 +232,7 @@ def test_the_decode_batch_state_speculation_steps_and_the_batched_cache_it_rolls
 
 
 def test_batch_generator_keeps_the_wired_limit_it_replaced_in_old_wired_limit():
-    """engine/wired.py stops each BatchGenerator from restoring the limit it found by clearing
+    """engine/core/wired.py stops each BatchGenerator from restoring the limit it found by clearing
     ``_old_wired_limit``; ``close()`` must then leave the limit alone."""
     import inspect
 

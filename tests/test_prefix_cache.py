@@ -19,7 +19,7 @@ from engine_runner import (
 from mlx_lm.models.cache import KVCache
 from support import free_port
 
-from mlx_server.engine.prefix_cache import SYSTEM, PrefixCache
+from mlx_server.engine.cache.prefix import SYSTEM, PrefixCache
 
 SYSTEM_PROMPT = "You are a terse assistant. Answer in one short line about the capital of France."
 

@@ -9,9 +9,9 @@ import pytest
 from arch_models import build
 from engine_runner import Result, generate, generate_all, request, running_engine, solo
 
-import mlx_server.engine.disk_cache as disk_cache
-import mlx_server.engine.prefix_cache as prefix_cache
-from mlx_server.engine.disk_cache import DiskPromptCache
+import mlx_server.engine.cache.disk as disk_cache
+import mlx_server.engine.cache.prefix as prefix_cache
+from mlx_server.engine.cache.disk import DiskPromptCache
 
 pytestmark = pytest.mark.tiny
 

@@ -15,8 +15,8 @@ from test_disk_cache import entry_files, kv, reopen, stop
 
 from mlx_server.boot.memory import prompt_cache_bytes
 from mlx_server.config import Settings
-from mlx_server.engine.disk_cache import DiskPromptCache
-from mlx_server.engine.prefix_cache import PrefixCache
+from mlx_server.engine.cache.disk import DiskPromptCache
+from mlx_server.engine.cache.prefix import PrefixCache
 
 
 def wait_for(cond, timeout: float = 20.0) -> None:
@@ -206,7 +206,7 @@ def test_an_engine_reads_a_disk_hit_off_its_thread_with_the_same_output(lm, tmp_
 
 
 def test_reads_ahead_are_bounded_and_stale_ones_are_forgotten(tmp_path, monkeypatch):
-    import mlx_server.engine.prefix_cache as prefix_cache
+    import mlx_server.engine.cache.prefix as prefix_cache
 
     disk = reopen(tmp_path)
     a, b = list(range(40)), list(range(500, 540))

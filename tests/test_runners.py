@@ -12,10 +12,10 @@ import mlx.core as mx
 import pytest
 from engine_runner import collect, generate, load_varied_model, request, running_engine, solo
 
-from mlx_server.engine.constraints import ConstraintCompiler, ConstraintSpec
-from mlx_server.engine.engine import Engine, EngineConfig
-from mlx_server.engine.handle import Started, TokenPiece
-from mlx_server.engine.runner import Insert, KVState, Progress, Response
+from mlx_server.engine.core.engine import Engine, EngineConfig
+from mlx_server.engine.core.handle import Started, TokenPiece
+from mlx_server.engine.grammar.constraints import ConstraintCompiler, ConstraintSpec
+from mlx_server.engine.runners.base import Insert, KVState, Progress, Response
 from mlx_server.types import SamplingParams
 
 WORDS = "the quick brown fox jumps over lazy dog hello world paris capital of france".split()

@@ -7,7 +7,12 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 
-from mlx_server.engine.sampling import SamplerPool, ban_tokens, make_sampler, sequence_sampling
+from mlx_server.engine.sampling.samplers import (
+    SamplerPool,
+    ban_tokens,
+    make_sampler,
+    sequence_sampling,
+)
 from mlx_server.types import GenerationRequest, SamplingParams
 
 pytestmark = pytest.mark.tiny

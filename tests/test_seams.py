@@ -9,15 +9,15 @@ from pathlib import Path
 from engine_runner import load_varied_model
 from scripted_engine import ScriptedEngine
 
-from mlx_server.engine.engine import Engine, EngineConfig
-from mlx_server.engine.protocol import ChatEngine, EngineLike, engine_stats
+from mlx_server.engine.core.engine import Engine, EngineConfig
+from mlx_server.engine.core.protocol import ChatEngine, EngineLike, engine_stats
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "mlx_server"
 
 
 def test_every_engine_is_engine_like(tmp_path_factory):
-    from mlx_server.engine.embedding_engine import EmbeddingEngine
-    from mlx_server.engine.vision_engine import VisionEngine
+    from mlx_server.engine.embedding.engine import EmbeddingEngine
+    from mlx_server.engine.runners.vision import VisionEngine
     from mlx_server.registry.catalog import Offer
     from mlx_server.registry.registry import Limits, ModelRegistry
     from mlx_server.registry.routing import RoutedEngine

@@ -24,8 +24,8 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 from tiny_model import FIM_SPECIALS, build_tiny_model
 
-from mlx_server.engine.constraints import ConstraintCompiler, ConstraintSpec
-from mlx_server.engine.sampling import make_processors, make_sampler
+from mlx_server.engine.grammar.constraints import ConstraintCompiler, ConstraintSpec
+from mlx_server.engine.sampling.samplers import make_processors, make_sampler
 from mlx_server.engine.speculative.controller import DraftLength
 from mlx_server.engine.speculative.drafters import (
     DraftModel,

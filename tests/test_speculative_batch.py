@@ -16,7 +16,7 @@ from engine_runner import load_varied_model
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import BatchKVCache
 
-from mlx_server.engine.sampling import make_processors, make_sampler
+from mlx_server.engine.sampling.samplers import make_processors, make_sampler
 from mlx_server.engine.speculative.batch import BatchSpeculator, RowSpec, install
 from mlx_server.engine.speculative.batch_verify import roll_back
 from mlx_server.engine.speculative.controller import BatchPlan
@@ -213,7 +213,7 @@ def test_a_row_sampling_its_drafts_from_a_draft_model_is_verified_by_rejection(t
     """The model drafting for itself at temperature 1: the draft's distribution is the
     target's, so rejection sampling accepts (nearly) every drafted token, where drafting
     the draft model's likeliest token would be accepted at the rate of its probability."""
-    from mlx_server.engine.sampling import SharedSampler, make_distribution
+    from mlx_server.engine.sampling.samplers import SharedSampler, make_distribution
     from mlx_server.engine.speculative.drafters import DraftModel
     from mlx_server.engine.speculative.rejection import Draws, Rejection
 

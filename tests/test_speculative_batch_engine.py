@@ -15,8 +15,8 @@ from conftest_gguf import (  # noqa: F401  (fixtures)
 )
 from engine_runner import collect, generate_all, load_varied_model, request, running_engine
 
-from mlx_server.engine.constraints import ConstraintCompiler, ConstraintSpec
-from mlx_server.engine.handle import TokenPiece
+from mlx_server.engine.core.handle import TokenPiece
+from mlx_server.engine.grammar.constraints import ConstraintCompiler, ConstraintSpec
 from mlx_server.engine.speculative.runner import Speculation
 from mlx_server.events import Finished
 from mlx_server.types import SamplingParams

@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 from engine_runner import collect, generate_all, load_varied_model, request, running_engine, solo
 
-from mlx_server.engine.constraints import ConstraintCompiler, ConstraintSpec
-from mlx_server.engine.handle import TokenPiece
+from mlx_server.engine.core.handle import TokenPiece
+from mlx_server.engine.grammar.constraints import ConstraintCompiler, ConstraintSpec
 from mlx_server.engine.speculative.runner import Speculation
 from mlx_server.events import Finished
 from mlx_server.types import SamplingParams

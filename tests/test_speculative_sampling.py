@@ -18,7 +18,7 @@ from engine_runner import build_varied_model
 from mlx_lm import load
 from mlx_lm.models.cache import make_prompt_cache
 
-from mlx_server.engine.sampling import make_distribution
+from mlx_server.engine.sampling.samplers import make_distribution
 from mlx_server.engine.speculative.drafters import DraftModel
 from mlx_server.engine.speculative.rejection import (
     Draws,
@@ -150,7 +150,7 @@ def test_a_batch_row_verifies_its_sampled_draft_by_rejection_beside_a_greedy_row
     sampling against ``P``), row 1 is greedy with a draft of its own."""
     from types import SimpleNamespace
 
-    from mlx_server.engine.sampling import SharedSampler, make_sampler
+    from mlx_server.engine.sampling.samplers import SharedSampler, make_sampler
     from mlx_server.engine.speculative.batch_verify import decide
 
     greedy = SharedSampler(make_sampler(SamplingParams(temperature=0.0)))

@@ -13,8 +13,8 @@ from engine_runner import GREEDY, collect, generate, request
 from PIL import Image
 from tiny_vlm import build_tiny_vlm
 
-from mlx_server.engine.engine import EngineConfig
-from mlx_server.engine.vision_engine import VisionEngine
+from mlx_server.engine.core.engine import EngineConfig
+from mlx_server.engine.runners.vision import VisionEngine
 from mlx_server.errors import Overloaded
 from mlx_server.models.loader import load_model
 from mlx_server.models.media import MediaLimits

@@ -13,8 +13,8 @@ import pytest
 from PIL import Image
 from tiny_vlm import build_tiny_idefics3
 
-from mlx_server.engine.engine import EngineConfig
-from mlx_server.engine.vision_engine import VisionEngine
+from mlx_server.engine.core.engine import EngineConfig
+from mlx_server.engine.runners.vision import VisionEngine
 from mlx_server.errors import ContextLengthExceeded, InvalidRequest
 from mlx_server.events import Finished, Logprobs, TextDelta
 from mlx_server.models.loader import load_model

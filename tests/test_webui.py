@@ -283,7 +283,7 @@ def test_reasoning_collapsed_apart_from_the_answer_and_tool_calls_shown(scripted
 
 
 def test_schema_answer_rendered_as_json(scripted_factory, tiny_tokenizer, open_page):
-    from mlx_server.engine.constraints import ConstraintCompiler
+    from mlx_server.engine.grammar.constraints import ConstraintCompiler
 
     # The scripted engine replays its text; the grammar is compiled and handed to it.
     scripted = scripted_factory(constraints=ConstraintCompiler(tiny_tokenizer))

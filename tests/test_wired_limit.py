@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from mlx_server.engine import wired
+from mlx_server.engine.core import wired
 
 pytestmark = pytest.mark.tiny
 
@@ -47,7 +47,7 @@ def test_generators_leave_the_limit_alone(metal, monkeypatch, tmp_path_factory) 
     import mlx.core as mx
     from engine_runner import load_varied_model
 
-    from mlx_server.engine.batch_runner import BatchRunner
+    from mlx_server.engine.runners.batch import BatchRunner
 
     restored: list[int] = []
     # As on Metal: the generator replaces the limit (here: 0) with the working set.

@@ -188,7 +188,7 @@ def batch_once(model: Any, tok: Any, prompts: list[list[int]], max_tokens: int) 
 
 
 async def engine_once(engine: Any, prompts: list[list[int]], max_tokens: int) -> dict[str, float]:
-    from mlx_server.engine.handle import TokenPiece
+    from mlx_server.engine.core.handle import TokenPiece
     from mlx_server.types import GenerationRequest, SamplingParams
 
     loop = asyncio.get_running_loop()
@@ -236,11 +236,11 @@ def phase_summary(snap: dict[str, Any], tokens: int) -> dict[str, Any]:
 
 
 async def engine_layer(model: Any, tok: Any, a: argparse.Namespace) -> None:
-    from mlx_server.engine.engine import Engine, EngineConfig
+    from mlx_server.engine.core.engine import Engine, EngineConfig
 
     kw: dict[str, Any] = {"max_batch_size": max(a.levels), "kv_budget_bytes": 64 << 30}
     try:  # the server's device-sized defaults, where this version of the engine has them
-        from mlx_server.engine.tuning import builds_kernels_on_first_use, default_prefill_step
+        from mlx_server.engine.core.tuning import builds_kernels_on_first_use, default_prefill_step
 
         kw.update(prefill_step_size=default_prefill_step(), warm_up=True)
         if "prefill_buckets" in EngineConfig.__dataclass_fields__:  # as the server sets it

@@ -43,8 +43,8 @@ def install() -> None:
 
     g = importlib.import_module("mlx_lm.generate")
 
-    from mlx_server.engine import engine as e
-    from mlx_server.engine import handle as h
+    from mlx_server.engine.core import engine as e
+    from mlx_server.engine.core import handle as h
 
     g.BatchGenerator.next = _timed("gen.next", g.BatchGenerator.next)
     g.GenerationBatch._step = _timed("gen.decode_step", g.GenerationBatch._step)

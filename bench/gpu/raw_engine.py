@@ -71,7 +71,7 @@ def eos_sampler(tok, sampler=None):
     eos = sorted(int(t) for t in tok.eos_token_ids)
     sampler = sampler or make_sampler(temp=0.0)
     try:
-        from mlx_server.engine.sampling import ban_tokens
+        from mlx_server.engine.sampling.samplers import ban_tokens
 
         ban = ban_tokens(eos)
     except ImportError:

@@ -11,20 +11,20 @@ from mlx_lm.models.cache import KVCache, make_prompt_cache
 from mlx_server.boot.disk_tier import disk_tier
 from mlx_server.boot.memory import prompt_cache_bytes
 from mlx_server.config import Settings
-from mlx_server.engine.constraints import ConstraintCompiler, ConstraintError
-from mlx_server.engine.engine import Engine, EngineConfig
-from mlx_server.engine.kv_quant import QuantizedKVModel
-from mlx_server.engine.kv_quant_layers import NoQuantizableLayer, plan_layers
-from mlx_server.engine.protocol import GenerationObserver
-from mlx_server.engine.speculative.drafters import check_same_tokenizer
-from mlx_server.engine.speculative.rollback import layer_kinds, rollback_problem
-from mlx_server.engine.speculative.runner import Speculation
-from mlx_server.engine.tuning import (
+from mlx_server.engine.cache.kv_quant import QuantizedKVModel
+from mlx_server.engine.cache.kv_quant_layers import NoQuantizableLayer, plan_layers
+from mlx_server.engine.core.engine import Engine, EngineConfig
+from mlx_server.engine.core.protocol import GenerationObserver
+from mlx_server.engine.core.tuning import (
     builds_kernels_on_first_use,
     default_batch_size,
     default_prefill_step,
 )
-from mlx_server.engine.vision_engine import VisionEngine
+from mlx_server.engine.grammar.constraints import ConstraintCompiler, ConstraintError
+from mlx_server.engine.runners.vision import VisionEngine
+from mlx_server.engine.speculative.drafters import check_same_tokenizer
+from mlx_server.engine.speculative.rollback import layer_kinds, rollback_problem
+from mlx_server.engine.speculative.runner import Speculation
 from mlx_server.logs import log
 from mlx_server.models.base import ModelLoadError, trained_context
 from mlx_server.models.loader import activation_bytes, kv_bytes_per_token, load_model

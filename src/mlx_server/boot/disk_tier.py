@@ -8,8 +8,8 @@ from pathlib import Path
 from typing import Any
 
 from mlx_server.config import Settings
-from mlx_server.engine.disk_cache import DiskPromptCache, default_root, model_cache_dir
-from mlx_server.engine.folder_lock import FolderLocked
+from mlx_server.engine.cache.disk import DiskPromptCache, default_root, model_cache_dir
+from mlx_server.engine.cache.folder_lock import FolderLocked
 from mlx_server.logs import log
 from mlx_server.models.loader import activation_bytes
 

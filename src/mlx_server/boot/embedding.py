@@ -9,8 +9,8 @@ from typing import Any
 
 from mlx_server.config import Settings
 from mlx_server.embedding_service import EmbeddingService
-from mlx_server.engine.embedding_engine import EmbeddingEngine, EmbeddingEngineConfig
-from mlx_server.engine.encoder_runner import EncoderRunner
+from mlx_server.engine.embedding.engine import EmbeddingEngine, EmbeddingEngineConfig
+from mlx_server.engine.embedding.runner import EncoderRunner
 from mlx_server.logs import log
 from mlx_server.models.embedding import is_encoder_model, load_encoder
 from mlx_server.models.loader import default_model_id, resolve_model_dir

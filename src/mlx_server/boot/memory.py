@@ -28,7 +28,7 @@ def kv_budget_bytes(settings: Settings) -> int:
 
 def prompt_cache_bytes(settings: Settings, kv_budget: int) -> int:
     """The prefix cache's RAM tier: ``--prompt-cache-gb``, else the whole KV budget. The
-    budget (engine/memory.py) counts the tier and evicts from it before a request waits, so
+    budget (engine/core/memory.py) counts the tier and evicts from it before a request waits, so
     cached prompts use memory only while running requests do not need it."""
     if settings.prompt_cache_gb is not None:
         return int(settings.prompt_cache_gb * (1 << 30))

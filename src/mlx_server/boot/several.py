@@ -34,7 +34,7 @@ def limits(settings: Settings) -> Limits:
         max_loaded=settings.models_max,
         idle_s=settings.idle_unload_s,
         max_waiting=max(1, settings.max_queue),
-        # The KV budget holds the prefix cache's RAM tier too (engine/memory.py).
+        # The KV budget holds the prefix cache's RAM tier too (engine/core/memory.py).
         overhead_bytes=kv_bytes,
     )
 

@@ -29,7 +29,7 @@ from mlx_server.boot.chat import load_chat_model
 from mlx_server.boot.embedding import serves_embeddings
 from mlx_server.boot.memory import set_cache_limit
 from mlx_server.config import Settings
-from mlx_server.engine.engine import EngineConfig
+from mlx_server.engine.core.engine import EngineConfig
 from mlx_server.engine.lockstep.channel import Channel
 from mlx_server.engine.lockstep.follower import FollowerEngine
 from mlx_server.engine.lockstep.leader import Lead

@@ -11,7 +11,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 from pydantic import BaseModel, ConfigDict
 
-from mlx_server.engine.protocol import EngineLike
+from mlx_server.engine.core.protocol import EngineLike
 from mlx_server.protocols.openai.model_list import model_object
 from mlx_server.registry.keep_alive import parse_keep_alive
 from mlx_server.registry.registry import LOADED, ModelRegistry, Slot

@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any, TypeVar
 
-from mlx_server.engine.handle import GenerationHandle
-from mlx_server.engine.protocol import EngineLike
+from mlx_server.engine.core.handle import GenerationHandle
+from mlx_server.engine.core.protocol import EngineLike
 from mlx_server.errors import InvalidRequest, Overloaded
 from mlx_server.registry.keep_alive import parse_keep_alive
 from mlx_server.registry.registry import ModelRegistry, Slot

@@ -38,8 +38,8 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
-from mlx_server.engine.handle import TokenPiece
-from mlx_server.engine.protocol import EngineCounters, engine_stats
+from mlx_server.engine.core.handle import TokenPiece
+from mlx_server.engine.core.protocol import EngineCounters, engine_stats
 from mlx_server.events import Finished
 
 Scope = dict[str, Any]

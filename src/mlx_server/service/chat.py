@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
-from mlx_server.engine.protocol import ChatEngine
+from mlx_server.engine.core.protocol import ChatEngine
 from mlx_server.errors import ContextLengthExceeded, InvalidRequest
 from mlx_server.logs import log
 from mlx_server.models.chat_template import load_chat_template
@@ -27,7 +27,7 @@ from mlx_server.service.structured import constraint_spec
 from mlx_server.types import ChatRequest, GenerationRequest
 
 if TYPE_CHECKING:
-    from mlx_server.engine.constraints import ConstraintCompiler
+    from mlx_server.engine.grammar.constraints import ConstraintCompiler
     from mlx_server.models.vision import VisionPromptBuilder
 
 T = TypeVar("T")

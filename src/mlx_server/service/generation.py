@@ -6,8 +6,8 @@ import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import replace
 
-from mlx_server.engine.handle import EngineEvent, GenerationHandle, Started, TokenPiece
-from mlx_server.engine.protocol import EngineLike
+from mlx_server.engine.core.handle import EngineEvent, GenerationHandle, Started, TokenPiece
+from mlx_server.engine.core.protocol import EngineLike
 from mlx_server.errors import InvalidRequest
 from mlx_server.events import Finished, Logprobs, OutputEvent
 from mlx_server.logs import log

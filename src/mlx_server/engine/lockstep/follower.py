@@ -12,12 +12,12 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from mlx_server.engine.engine import Engine, EngineConfig
+from mlx_server.engine.core.engine import Engine, EngineConfig
 from mlx_server.engine.lockstep.channel import Channel
 from mlx_server.engine.lockstep.leader import tokens_key
 from mlx_server.engine.lockstep.samplers import SamplerGroups, following
 from mlx_server.engine.lockstep.watch import RankWatch
-from mlx_server.engine.runner import Insert, KVState
+from mlx_server.engine.runners.base import Insert, KVState
 from mlx_server.logs import log
 from mlx_server.types import GenerationRequest
 

@@ -29,7 +29,7 @@ from typing import Any
 from mlx_server.engine.lockstep.channel import Channel
 from mlx_server.engine.lockstep.samplers import SamplerGroups, leading
 from mlx_server.engine.lockstep.watch import RankWatch
-from mlx_server.engine.runner import Insert, KVState, Progress, Response, Runner
+from mlx_server.engine.runners.base import Insert, KVState, Progress, Response, Runner
 from mlx_server.logs import log
 
 HEARTBEAT_S = 1.0

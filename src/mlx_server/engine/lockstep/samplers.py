@@ -19,7 +19,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from mlx_server.engine.sampling import Sampler
+from mlx_server.engine.sampling.samplers import Sampler
 
 
 def leading(group: Any, sampler: Sampler) -> Sampler:

@@ -14,9 +14,9 @@ from typing import Any
 
 from mlx_lm.generate import BatchGenerator
 
-from mlx_server.engine.batch_runner import BatchRunner
-from mlx_server.engine.runner import Insert, Progress, Response
-from mlx_server.engine.sampling import LogitsProcessor, Sampler
+from mlx_server.engine.runners.base import Insert, Progress, Response
+from mlx_server.engine.runners.batch import BatchRunner
+from mlx_server.engine.sampling.samplers import LogitsProcessor, Sampler
 from mlx_server.engine.speculative.batch import BatchSpeculator, RowSpec, install
 from mlx_server.engine.speculative.drafters import DraftModel
 from mlx_server.engine.speculative.rejection import wants_rejection

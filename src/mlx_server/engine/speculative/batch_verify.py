@@ -31,7 +31,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, TokenBuffer
 
-from mlx_server.engine.sampling import SharedSampler
+from mlx_server.engine.sampling.samplers import SharedSampler
 from mlx_server.engine.speculative.rejection import Rejection, speculative_sample
 from mlx_server.engine.speculative.rollback import (
     RollbackError,

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from mlx_server.engine.sampling import make_distribution, seed_key
+from mlx_server.engine.sampling.samplers import make_distribution, seed_key
 from mlx_server.types import SamplingParams
 
 Distribution = Callable[[mx.array], mx.array]  # log-probabilities (n, V) -> probabilities

@@ -18,7 +18,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, _BaseCache
 
-from mlx_server.engine.kv_quant import BatchableQuantizedKVCache
+from mlx_server.engine.cache.kv_quant import BatchableQuantizedKVCache
 
 # Layers whose trim is always exact: they need no saved state.
 _TRIMS_EXACTLY = (KVCache, QuantizedKVCache, BatchableQuantizedKVCache)

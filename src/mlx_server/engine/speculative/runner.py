@@ -13,8 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from mlx_server.engine.runner import Insert, Progress, Response
-from mlx_server.engine.solo import Handover, SoloRunner
+from mlx_server.engine.runners.base import Insert, Progress, Response
+from mlx_server.engine.runners.solo import Handover, SoloRunner
 from mlx_server.engine.speculative.batch import RowSpec
 from mlx_server.engine.speculative.drafters import (
     Drafter,

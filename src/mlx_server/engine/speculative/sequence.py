@@ -21,8 +21,8 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.generate import generation_stream
 
-from mlx_server.engine.runner import Insert, Progress, Response
-from mlx_server.engine.solo import SoloSequence
+from mlx_server.engine.runners.base import Insert, Progress, Response
+from mlx_server.engine.runners.solo import SoloSequence
 from mlx_server.engine.speculative.controller import DraftLength
 from mlx_server.engine.speculative.drafters import Drafter, DraftModel
 from mlx_server.engine.speculative.rejection import Rejection

@@ -38,7 +38,7 @@ from typing import Any, Protocol
 
 import mlx.core as mx
 
-from mlx_server.engine.sampling import LogitsProcessor, Sampler
+from mlx_server.engine.sampling.samplers import LogitsProcessor, Sampler
 from mlx_server.types import GenerationRequest
 
 KVState = tuple[Any, list[int]]  # (a prompt cache, the tokens in it)

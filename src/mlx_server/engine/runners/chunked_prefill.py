@@ -8,8 +8,8 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
-from mlx_server.engine.runner import Progress
-from mlx_server.engine.tuning import bucket
+from mlx_server.engine.core.tuning import bucket
+from mlx_server.engine.runners.base import Progress
 
 
 class ChunkedPrefill:

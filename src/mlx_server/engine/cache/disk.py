@@ -40,8 +40,8 @@ from typing import Any
 import numpy as np
 
 from mlx_server.config import user_cache_root
-from mlx_server.engine.folder_lock import FolderLock
-from mlx_server.engine.kv_serialize import FORMAT_VERSION, deserialize, serialize
+from mlx_server.engine.cache.folder_lock import FolderLock
+from mlx_server.engine.cache.serialize import FORMAT_VERSION, deserialize, serialize
 from mlx_server.logs import log
 
 MANIFEST = "index.json"

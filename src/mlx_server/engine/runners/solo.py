@@ -24,10 +24,10 @@ import mlx.core as mx
 from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import TokenBuffer
 
-from mlx_server.engine.batch_runner import BatchRunner
-from mlx_server.engine.chunked_prefill import ChunkedPrefill
-from mlx_server.engine.runner import Insert, KVState, Progress, Response, Runner
-from mlx_server.engine.sampling import LogitsProcessor, Sampler
+from mlx_server.engine.runners.base import Insert, KVState, Progress, Response, Runner
+from mlx_server.engine.runners.batch import BatchRunner
+from mlx_server.engine.runners.chunked_prefill import ChunkedPrefill
+from mlx_server.engine.sampling.samplers import LogitsProcessor, Sampler
 
 # What BatchRunner.join takes: uid, segments to feed, cache, tokens in it, tokens left to
 # generate, sampler, processors.

@@ -16,9 +16,9 @@ from typing import Any
 
 import mlx.core as mx
 
-from mlx_server.engine.engine import Engine, EngineConfig
-from mlx_server.engine.protocol import GenerationObserver
-from mlx_server.engine.runner import Insert, KVState, Progress, Response
+from mlx_server.engine.core.engine import Engine, EngineConfig
+from mlx_server.engine.core.protocol import GenerationObserver
+from mlx_server.engine.runners.base import Insert, KVState, Progress, Response
 
 
 class VisionRunner:

@@ -27,7 +27,7 @@ import jsonschema
 import llguidance
 import llguidance.hf
 
-from mlx_server.engine.constraint_processor import GrammarLogitsProcessor
+from mlx_server.engine.grammar.processor import GrammarLogitsProcessor
 
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions

@@ -28,10 +28,10 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from mlx_server.engine.delivery import Seq
-from mlx_server.engine.handle import GenerationHandle
-from mlx_server.engine.memory import MemoryBudget
-from mlx_server.engine.prefix_cache import PrefixCache
+from mlx_server.engine.cache.prefix import PrefixCache
+from mlx_server.engine.core.delivery import Seq
+from mlx_server.engine.core.handle import GenerationHandle
+from mlx_server.engine.core.memory import MemoryBudget
 from mlx_server.errors import ContextLengthExceeded, Overloaded, overflow_message
 from mlx_server.types import GenerationRequest
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from mlx_server.engine.wired import hands_off
+from mlx_server.engine.core.wired import hands_off
 
 CPU_BATCH = 8
 GPU_BATCH = 32

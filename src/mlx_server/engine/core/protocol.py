@@ -12,7 +12,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
-from mlx_server.engine.handle import EngineEvent, GenerationHandle
+from mlx_server.engine.core.handle import EngineEvent, GenerationHandle
 from mlx_server.types import GenerationRequest
 
 T = TypeVar("T")

@@ -29,8 +29,8 @@ import llguidance.numpy
 import mlx.core as mx
 import numpy as np
 
-from mlx_server.engine.constraint_processor import GrammarLogitsProcessor
-from mlx_server.engine.mask_bits import eos_words, fit_words, unpack, words_for
+from mlx_server.engine.grammar.mask_bits import eos_words, fit_words, unpack, words_for
+from mlx_server.engine.grammar.processor import GrammarLogitsProcessor
 
 
 class _Faultable(Protocol):

@@ -11,10 +11,10 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from mlx_server.engine.handle import GenerationHandle, TokenPiece
-from mlx_server.engine.logprobs import logprob_entry
-from mlx_server.engine.runner import Response
-from mlx_server.engine.sampling import SharedSampler
+from mlx_server.engine.core.handle import GenerationHandle, TokenPiece
+from mlx_server.engine.runners.base import Response
+from mlx_server.engine.sampling.logprobs import logprob_entry
+from mlx_server.engine.sampling.samplers import SharedSampler
 from mlx_server.events import Finished, LogprobEntry, Timings, Usage, finish_reason
 from mlx_server.logs import log
 from mlx_server.parsing.stops import StopMatcher

@@ -19,7 +19,7 @@ import llguidance
 import mlx.core as mx
 import numpy as np
 
-from mlx_server.engine.mask_bits import apply_bitmask, eos_words, fit_words
+from mlx_server.engine.grammar.mask_bits import apply_bitmask, eos_words, fit_words
 
 
 class GrammarLogitsProcessor:

@@ -9,8 +9,8 @@ from __future__ import annotations
 import traceback
 from collections.abc import Iterable
 
-from mlx_server.engine.delivery import Seq
-from mlx_server.engine.sampling import reset_random_state
+from mlx_server.engine.core.delivery import Seq
+from mlx_server.engine.sampling.samplers import reset_random_state
 from mlx_server.logs import log
 
 

@@ -29,8 +29,8 @@ from typing import TYPE_CHECKING, Any
 
 from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, trim_prompt_cache
 
-from mlx_server.engine.cache_faults import CacheFaults
-from mlx_server.engine.cache_misses import MissLog, worth
+from mlx_server.engine.cache.faults import CacheFaults
+from mlx_server.engine.cache.misses import MissLog, worth
 from mlx_server.logs import log
 
 _KEY = "model"  # one model per engine: a constant trie namespace
@@ -44,7 +44,7 @@ CONVERSATION = "assistant"
 CHECKPOINT = "user"
 
 if TYPE_CHECKING:
-    from mlx_server.engine.disk_cache import DiskPromptCache
+    from mlx_server.engine.cache.disk import DiskPromptCache
 
 
 class _SystemLast(LRUPromptCache.CacheOrder):

@@ -65,7 +65,7 @@ def _class(name: str) -> Any:
     layer comes back as the kind ``BatchGenerator`` can batch)."""
     from mlx_lm.models import cache as mlx_cache
 
-    from mlx_server.engine.kv_quant import BatchableQuantizedKVCache
+    from mlx_server.engine.cache.kv_quant import BatchableQuantizedKVCache
 
     if name in ("QuantizedKVCache", "BatchableQuantizedKVCache"):
         return BatchableQuantizedKVCache

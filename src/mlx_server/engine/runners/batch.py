@@ -21,11 +21,11 @@ from typing import Any, cast
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, StopSequences
 
-from mlx_server.engine.constraint_processor import GrammarLogitsProcessor
-from mlx_server.engine.grammar_masks import BatchGrammar, GrammarMasks
-from mlx_server.engine.runner import Insert, KVState, Progress, Response
-from mlx_server.engine.sampling import GuardedProcessor, LogitsProcessor, Sampler
-from mlx_server.engine.wired import hands_off
+from mlx_server.engine.core.wired import hands_off
+from mlx_server.engine.grammar.masks import BatchGrammar, GrammarMasks
+from mlx_server.engine.grammar.processor import GrammarLogitsProcessor
+from mlx_server.engine.runners.base import Insert, KVState, Progress, Response
+from mlx_server.engine.sampling.samplers import GuardedProcessor, LogitsProcessor, Sampler
 
 
 class BatchRunner:

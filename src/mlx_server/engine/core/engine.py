@@ -27,18 +27,18 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from mlx_server.engine import faults, wired
-from mlx_server.engine.batch_runner import BatchRunner
-from mlx_server.engine.checkpoints import needs_checkpoints
-from mlx_server.engine.delivery import Seq, deliver_finish, deliver_token
-from mlx_server.engine.handle import GenerationHandle, Outbox, Started
-from mlx_server.engine.prefix_cache import CHECKPOINT, SYSTEM, PrefixCache
-from mlx_server.engine.protocol import GenerationObserver
-from mlx_server.engine.runner import Insert, Progress, Response, Runner
-from mlx_server.engine.sampling import SamplerPool, reset_random_state, sequence_sampling
-from mlx_server.engine.scheduler import Scheduler
-from mlx_server.engine.solo import LoneFirstRunner, SoloRunner
-from mlx_server.engine.tuning import first_token, warm_up
+from mlx_server.engine.cache.checkpoints import needs_checkpoints
+from mlx_server.engine.cache.prefix import CHECKPOINT, SYSTEM, PrefixCache
+from mlx_server.engine.core import faults, wired
+from mlx_server.engine.core.delivery import Seq, deliver_finish, deliver_token
+from mlx_server.engine.core.handle import GenerationHandle, Outbox, Started
+from mlx_server.engine.core.protocol import GenerationObserver
+from mlx_server.engine.core.scheduler import Scheduler
+from mlx_server.engine.core.tuning import first_token, warm_up
+from mlx_server.engine.runners.base import Insert, Progress, Response, Runner
+from mlx_server.engine.runners.batch import BatchRunner
+from mlx_server.engine.runners.solo import LoneFirstRunner, SoloRunner
+from mlx_server.engine.sampling.samplers import SamplerPool, reset_random_state, sequence_sampling
 from mlx_server.errors import Overloaded
 from mlx_server.logs import log
 from mlx_server.types import GenerationRequest

@@ -19,7 +19,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
-from mlx_server.engine.kv_quant import quantize_layers
+from mlx_server.engine.cache.kv_quant import quantize_layers
 
 _TRIAL = [1, 2, 3, 4]  # token ids every vocabulary has
 

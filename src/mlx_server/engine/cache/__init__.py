@@ -1,0 +1,1 @@
+"""The prefix cache: the RAM tier, the disk tier, KV serialization and quantization."""

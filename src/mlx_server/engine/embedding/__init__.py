@@ -1,0 +1,1 @@
+"""The embedding engine and its encoder runner."""

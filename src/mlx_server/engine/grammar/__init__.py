@@ -1,0 +1,1 @@
+"""Grammar-constrained decoding: llguidance matchers, token masks, the logits processor."""

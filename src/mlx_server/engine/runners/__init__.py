@@ -1,0 +1,1 @@
+"""Runners behind the ``Runner`` protocol: lone, batch, vision."""

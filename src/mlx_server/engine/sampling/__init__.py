@@ -1,0 +1,1 @@
+"""Samplers, logits processors and log-probabilities."""
