@@ -11,4 +11,5 @@ bash scripts/setup.sh test,vision,embeddings
 # shellcheck source=/dev/null
 source scripts/openblas.sh
 bash scripts/check.sh
-.venv/bin/python -m pytest -q --durations=30 "$@"
+# Two workers, each running whole test files (module fixtures stay shared within a file).
+.venv/bin/python -m pytest -q -n 2 --dist loadfile --durations=30 "$@"
