@@ -143,7 +143,7 @@ def own_cache_dirs(server_args: list[str], names: list[str]) -> dict[str, list[s
     if root == "":
         return {n: [*args, "--prompt-cache-dir", ""] for n in names}
     if root is None:
-        from mlx_server.engine.disk_cache import default_root  # honours its variable
+        from mlx_server.engine.cache.disk import default_root  # honours its variable
 
         root = str(default_root())
     return {n: [*args, "--prompt-cache-dir", str(Path(root) / n)] for n in names}

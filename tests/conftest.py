@@ -140,6 +140,33 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         names = set(getattr(item, "fixturenames", ()))
         scripted = names & SCRIPTED_FIXTURES or item.module.__name__.endswith("_scripted")
         item.add_marker(pytest.mark.scripted if scripted else pytest.mark.tiny)
+    # The longest files first (stable: a file's own order is kept), so that the two xdist
+    # workers (scripts/test.sh) do not end with one of them alone on a long file.
+    rank = {name: i for i, name in enumerate(LONGEST_FILES)}
+    items.sort(key=lambda item: rank.get(Path(str(item.fspath)).name, len(rank)))
+
+
+# Files that take a minute or more on a 2-core machine (pytest --durations), longest first.
+LONGEST_FILES = (
+    "test_sharded.py",
+    "test_speculative.py",
+    "test_replicas.py",
+    "test_arch_matrix.py",
+    "test_gpu_kit.py",
+    "test_speculative_batch_engine.py",
+    "test_models_process.py",
+    "test_arch_kv_bits.py",
+    "test_arch_prefix_cache.py",
+    "test_arch_speculative.py",
+    "test_rerank_models.py",
+    "test_structured_demo.py",
+    "test_claude_code.py",
+    "test_n_choices.py",
+    "test_arch_speculative_http.py",
+    "test_fuzz.py",
+    "test_disk_cache_server.py",
+    "test_codex_cli.py",
+)
 
 
 @pytest.fixture(scope="session")
