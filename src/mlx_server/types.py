@@ -116,3 +116,11 @@ class GenerationRequest:
     # text, so its first token keeps a leading space (a chat answer starts a text of its
     # own, and drops it).
     continues_text: bool = False
+    # A prompt with media: its tokens as the prefix cache keys them, each media placeholder
+    # carrying the media's digest (models/media_key.py); None: the tokens themselves.
+    cache_tokens: list[int] | None = None
+
+    @property
+    def cache_key(self) -> list[int]:
+        """The prompt as the prefix cache keys it."""
+        return self.cache_tokens if self.cache_tokens is not None else self.prompt_tokens

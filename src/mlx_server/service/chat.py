@@ -17,6 +17,7 @@ from mlx_server.engine.core.protocol import ChatEngine
 from mlx_server.errors import ContextLengthExceeded, InvalidRequest
 from mlx_server.logs import log
 from mlx_server.models.chat_template import load_chat_template
+from mlx_server.models.media_key import CACHE_TOKENS
 from mlx_server.models.prompt import encode_prompt, inline_tools, render_prompt, template_text
 from mlx_server.models.system_turns import fold_late_system_messages, renders_system_in_place
 from mlx_server.parsing.detection import detect_output_format
@@ -227,6 +228,8 @@ class ChatService:
         check_sampling(chat.sampling, self.vocab_size)
         prepared = self.prepare(chat)
         processors = self._constraint_processors(chat, prepared)
+        vision_inputs = dict(prepared.vision_inputs) if prepared.vision_inputs else None
+        cache_tokens = vision_inputs.pop(CACHE_TOKENS, None) if vision_inputs else None
         req = GenerationRequest(
             request_id=request_id,
             prompt_tokens=prepared.tokens,
@@ -236,7 +239,8 @@ class ChatService:
             logprobs=chat.logprobs,
             top_logprobs=chat.top_logprobs,
             logits_processors=tuple(processors),
-            vision_inputs=prepared.vision_inputs,
+            vision_inputs=vision_inputs,
+            cache_tokens=cache_tokens,
             system_prefix_tokens=self.system_prefix_tokens(chat, prepared),
             ignore_eos=chat.ignore_eos,
             prediction_tokens=self._prediction_tokens(chat),

@@ -373,7 +373,7 @@ class Engine:
         prompt = list(req.prompt_tokens)
         cache, rest = None, prompt
         if self._prompt_cache is not None:
-            cache, rest = self._prompt_cache.fetch(prompt)
+            cache, rest = self._prompt_cache.fetch(req.cache_key)
         seq.cached = len(prompt) - len(rest)
         seq.prefill_left = len(rest)
         seq.handle.cached_tokens = seq.cached

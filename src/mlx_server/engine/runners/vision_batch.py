@@ -1,0 +1,159 @@
+"""Vision-language models in the continuous batch, with the prefix cache.
+
+A request whose uncached prompt holds images or videos is prefilled by a ``VisionPrefill``
+(the vision tower and the language model over the prompt's embeddings, a chunk per step,
+interleaved with the batch's decode steps); then it joins the ``BatchRunner`` over the
+language model. Every other request — text-only, or one whose media are all in its cached
+prefix — is a text request of the language model and goes to the batch as it is.
+
+The prefix cache keys a prompt with media by ``GenerationRequest.cache_key``: the prompt's
+tokens with each media placeholder replaced by a digest of the media (``models/
+media_key.py``), so the same image in the next turn hits and a different one misses. The
+runner keeps its sequences' real tokens (the processors' context) and answers their KV
+states in the key's terms, which is what the engine stores.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from mlx_server.engine.runners.base import Insert, KVState, Progress, Response
+from mlx_server.engine.runners.batch import BatchRunner
+from mlx_server.engine.runners.vision_prefill import LanguageModel, VisionPrefill
+
+
+class VisionBatchRunner:
+    """Prefills prompts with media itself, decodes everything in one batch."""
+
+    def __init__(
+        self,
+        vlm: Any,
+        eos: list[int],
+        *,
+        max_batch_size: int,
+        prefill_step_size: int,
+        keep_caches: bool = True,
+        make_batch: Callable[..., BatchRunner] = BatchRunner,
+    ):
+        self.vlm = vlm
+        self.lm = LanguageModel(vlm)
+        self.batch = make_batch(
+            self.lm,
+            eos,
+            max_batch_size=max_batch_size,
+            prefill_step_size=prefill_step_size,
+            keep_caches=keep_caches,
+        )
+        self._step_size = prefill_step_size
+        self._prefills: dict[int, VisionPrefill] = {}
+        self._keys: dict[int, list[int]] = {}  # uid -> its prompt as the prefix cache keys it
+        self._unkeyed: set[int] = set()  # media without a key (``cache_tokens``)
+        self.vision_prefills = 0  # prompts with media prefilled here (monitoring, tests)
+        self.peak_batch = 0  # the most sequences decoding together (monitoring, tests)
+
+    def __len__(self) -> int:
+        return len(self.batch) + len(self._prefills)
+
+    def insert(self, job: Insert) -> None:
+        req = job.request
+        if req.vision_inputs is not None and req.cache_tokens is None:
+            self._unkeyed.add(job.uid)  # no key for its media: its state is not kept
+        elif req.cache_tokens is not None:
+            self._keys[job.uid] = req.cache_tokens
+        if req.vision_inputs is not None and self._media_ahead(job):
+            self._prefills[job.uid] = VisionPrefill(
+                self.vlm, self.lm, job, prefill_step_size=self._step_size
+            )
+            self.vision_prefills += 1
+            return
+        self.batch.insert(job)
+
+    @staticmethod
+    def _media_ahead(job: Insert) -> bool:
+        """Whether media placeholders (where the key differs from the tokens) lie past the
+        cached prefix, before the last token (the batch feeds that one as a token: a chat
+        prompt's is text)."""
+        key = job.request.cache_tokens
+        todo = slice(job.cached, len(job.prompt) - 1)
+        return key is None or key[todo] != job.prompt[todo]
+
+    def step(self) -> tuple[list[Progress], list[Response]]:
+        progress = []
+        for uid, prefill in list(self._prefills.items()):
+            progress.append(prefill.step())  # its exception is the engine's to blame on it
+            if prefill.done:
+                del self._prefills[uid]
+                job = prefill.job
+                self.batch.join(
+                    uid,
+                    [job.prompt[len(prefill.fed) :]],
+                    prefill.cache,
+                    prefill.fed,
+                    job.request.max_tokens,
+                    job.sampler,
+                    job.processors,
+                )
+        if not len(self.batch):
+            return progress, []
+        more, responses = self.batch.step()
+        self.peak_batch = max(self.peak_batch, len(self.batch))
+        for r in responses:
+            if r.all_tokens is not None:
+                r.all_tokens = self._keyed(r.uid, r.all_tokens)
+                if r.uid in self._unkeyed:
+                    r.prompt_cache = None
+            if r.finish_reason is not None:
+                self._forget(r.uid)
+        return progress + more, responses
+
+    def remove(self, uids: list[int]) -> dict[int, KVState]:
+        out = {u: self._prefills.pop(u).state(copied=False) for u in uids if u in self._prefills}
+        out.update(self.batch.remove(uids))
+        keyed = self._keyed_states(out)
+        for u in uids:
+            self._forget(u)
+        return keyed
+
+    def extract_state(self, uids: list[int]) -> dict[int, KVState]:
+        uids = [u for u in uids if u not in self._unkeyed]
+        out = {u: self._prefills[u].state(copied=True) for u in uids if u in self._prefills}
+        out.update(self.batch.extract_state(uids))
+        return self._keyed_states(out)
+
+    def _keyed_states(self, states: dict[int, KVState]) -> dict[int, KVState]:
+        return {
+            u: (cache, self._keyed(u, tokens))
+            for u, (cache, tokens) in states.items()
+            if u not in self._unkeyed
+        }
+
+    def _forget(self, uid: int) -> None:
+        self._keys.pop(uid, None)
+        self._unkeyed.discard(uid)
+
+    def _keyed(self, uid: int, tokens: list[int]) -> list[int]:
+        """A sequence's tokens as the prefix cache keys them."""
+        key = self._keys.get(uid)
+        if key is None:
+            return tokens
+        n = min(len(tokens), len(key))
+        return key[:n] + list(tokens[n:])
+
+    def reset(self) -> None:
+        self._prefills.clear()
+        self._keys.clear()
+        self._unkeyed.clear()
+        self.batch.reset()
+
+    def close(self) -> None:
+        self._prefills.clear()
+        self.batch.close()
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "mode": "batch",
+            "vision_prefills": self.vision_prefills,
+            "peak_batch": self.peak_batch,
+            **self.batch.stats(),
+        }

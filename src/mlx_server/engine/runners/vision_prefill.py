@@ -1,0 +1,159 @@
+"""A vision request's prefill, so that its decoding can join the text batch.
+
+A vision-language model is a vision tower in front of a language model: once the prompt's
+image positions hold the tower's features (mlx-vlm's ``get_input_embeddings``), the rest is
+the language model's alone. So a prompt with images is prefilled here — the tower and the
+language model over the prompt's embeddings, in chunks, into a KV cache of its own — and
+the sequence then joins mlx-lm's ``BatchGenerator`` as a prefix-cache hit would: its cache,
+the tokens in it, and the last prompt token still to feed (a chat prompt ends with the
+assistant's header, which is text). Decoding is the language model's, batched with every
+other sequence, text-only or not.
+
+``LanguageModel`` is what the batch runs: mlx-vlm's language model behind the call mlx-lm
+makes (``model(tokens, cache=...)`` answering logits), on mlx-lm's cache classes, which the
+prefix cache, its disk tier and the batch's merging know.
+
+Not every model can: a language model whose decode steps need per-sequence inputs beyond
+the tokens (Qwen-VL's multimodal rotary positions, ``_rope_deltas``, kept on the model
+itself; cross-attention to the image in Llama 3.2 Vision) runs one request at a time
+(``batch_refusal`` says why).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.generate import generation_stream
+from mlx_lm.models import cache as lm_cache
+
+from mlx_server.engine.runners.base import Insert, Progress
+
+# Outputs of ``get_input_embeddings`` that only the prefill uses (Gemma 3's mask letting an
+# image's tokens see each other). Any other means decode steps would need it too.
+_PREFILL_ONLY = {"inputs_embeds", "attention_mask_4d"}
+
+
+class LanguageModel:
+    """mlx-vlm's language model as mlx-lm's batch calls a model; see the module docstring."""
+
+    def __init__(self, vlm: Any):
+        self.vlm = vlm
+        self.lm = vlm.language_model
+
+    def __call__(self, inputs: mx.array, cache: Any = None, **kwargs: Any) -> mx.array:
+        out = self.lm(inputs, cache=cache, **kwargs)
+        return getattr(out, "logits", out)
+
+    @property
+    def layers(self) -> Any:
+        return self.lm.layers
+
+    def make_cache(self) -> list[Any]:
+        """The language model's cache layers as mlx-lm's classes (same kinds and sizes)."""
+        make = getattr(self.lm, "make_cache", None)
+        if make is None:
+            return [lm_cache.KVCache() for _ in self.lm.layers]
+        return [_as_mlx_lm(c) for c in make()]
+
+    def __getattr__(self, name: str) -> Any:
+        if name in ("vlm", "lm"):  # not set yet
+            raise AttributeError(name)
+        return getattr(self.lm, name)
+
+
+def _as_mlx_lm(c: Any) -> Any:
+    kind = type(c).__name__
+    if kind == "KVCache":
+        return lm_cache.KVCache()
+    if kind == "RotatingKVCache":
+        return lm_cache.RotatingKVCache(max_size=c.max_size, keep=getattr(c, "keep", 0))
+    raise ValueError(f"its language model's {kind} layers are not batched here")
+
+
+def batch_refusal(vlm: Any) -> str:
+    """Why this vision model's requests cannot share the batch ("" when they can)."""
+    lm = getattr(vlm, "language_model", None)
+    if lm is None:
+        return "it has no separate language model"
+    if hasattr(lm, "_rope_deltas") or hasattr(lm, "get_rope_index"):
+        return "its language model keeps per-sequence multimodal rotary positions (M-RoPE)"
+    config = getattr(vlm, "config", None)
+    if getattr(config, "model_type", "") in ("mllama",):
+        return "its language model cross-attends to the image at every step"
+    try:
+        LanguageModel(vlm).make_cache()
+    except ValueError as e:
+        return str(e)
+    return ""
+
+
+def media_positions(prompt: list[int], ids: set[int]) -> list[int]:
+    """Where the prompt's image and video placeholders are."""
+    return [i for i, t in enumerate(prompt) if t in ids]
+
+
+class VisionPrefill:
+    """One prompt with media fed into its own KV cache, a chunk per ``step``; everything but
+    the last token (the batch feeds it, and samples from its logits). The vision tower runs
+    as it is made, so that media the model cannot take fail their own request only."""
+
+    def __init__(self, vlm: Any, lm: LanguageModel, job: Insert, *, prefill_step_size: int):
+        self.job = job
+        self.uid = job.uid
+        self._vlm = vlm
+        self.cache = job.cache if job.cache is not None else lm.make_cache()
+        self.fed = list(job.prompt[: job.cached])
+        self._prompt = job.prompt
+        self._end = len(job.prompt) - 1  # the last token is the batch's
+        self._step_size = prefill_step_size
+        self._embeds: mx.array | None = None
+        self._extra: dict[str, Any] = {}
+        with mx.stream(generation_stream):
+            self._embed()  # here, so that a failure is this request's (at its start)
+
+    @property
+    def done(self) -> bool:
+        return len(self.fed) >= self._end
+
+    def step(self) -> Progress:
+        """Feed one chunk of the prompt's embeddings."""
+        with mx.stream(generation_stream):
+            start = len(self.fed)
+            stop = min(self._end, start + self._step_size)
+            assert self._embeds is not None
+            self._vlm.language_model(  # (never empty: a prefill starts with 2+ tokens to go)
+                inputs=mx.array([self._prompt[start:stop]]),
+                inputs_embeds=self._embeds[:, start:stop],
+                cache=self.cache,
+                n_to_process=stop - start,
+                **self._extra,
+            )
+            mx.eval([c.state for c in self.cache])
+        self.fed = list(self._prompt[:stop])
+        if self.done:
+            self._embeds, self._extra = None, {}
+        mx.clear_cache()
+        total = self._end + 1 - self.job.cached
+        return Progress(self.uid, (stop - self.job.cached, total), end_of_segment=self.done)
+
+    def _embed(self) -> None:
+        inputs = dict(self.job.request.vision_inputs or {})
+        pixel_values = inputs.pop("pixel_values", None)
+        mask = inputs.pop("attention_mask", None)
+        out = self._vlm.get_input_embeddings(
+            mx.array([self._prompt]), pixel_values, mask=mask, **inputs
+        )
+        extra = {k: v for k, v in out.to_dict().items() if v is not None}
+        needs = sorted(set(extra) - _PREFILL_ONLY)
+        if needs:
+            raise ValueError(f"this model's images need {', '.join(needs)} at every step")
+        extra.pop("inputs_embeds")
+        self._embeds = out.inputs_embeds
+        self._extra = extra
+        mx.eval(self._embeds)
+
+    def state(self, copied: bool) -> tuple[Any, list[int]]:
+        """The KV state so far and the tokens in it."""
+        return (copy.deepcopy(self.cache) if copied else self.cache), list(self.fed)
