@@ -1,20 +1,22 @@
-"""The VisionEngine from Python, on the tiny Qwen2-VL: pixels reach the model, FIFO order,
-cancellation, limits, errors and shutdown."""
+"""The VisionEngine from Python, on the tiny Qwen2-VL: pixels reach the model, requests with
+and without images share the batch, cancellation, limits, errors and shutdown."""
 
 from __future__ import annotations
 
 import asyncio
 import base64
 import io
+import threading
+from dataclasses import replace
 from typing import Any
 
 import pytest
-from engine_runner import GREEDY, collect, generate, request
+from engine_runner import collect, generate, request
 from PIL import Image
 from tiny_vlm import build_tiny_vlm
 
-from mlx_server.engine.core.engine import EngineConfig
-from mlx_server.engine.runners.vision import VisionEngine
+from mlx_server.engine.core.engine import Engine, EngineConfig
+from mlx_server.engine.runners.vision import VisionEngine, VisionRunner
 from mlx_server.errors import Overloaded
 from mlx_server.models.loader import load_model
 from mlx_server.models.media import MediaLimits
@@ -92,21 +94,51 @@ def test_seeded_sampling_repeats(vlm, engine):
     assert once().text == once().text
 
 
-def test_requests_run_first_in_first_out(vlm, engine):
-    tokens, inputs = prompt(vlm)
-    reqs = [request(tokens, 6, vision_inputs=inputs, sampling=GREEDY) for _ in range(3)]
+def batched(engine, reqs):
+    """Results of ``reqs`` admitted together: the engine thread is held while they queue."""
+    release = threading.Event()
+    held = engine.call(release.wait)
 
     async def main():
-        done: list[str] = []
+        handles = [engine.submit(r) for r in reqs]
+        release.set()
+        return await asyncio.gather(*(collect(h) for h in handles))
 
-        async def one(req):
-            await collect(engine.submit(req))
-            done.append(req.request_id)
+    try:
+        return run(main())
+    finally:
+        release.set()
+        held.result(timeout=10)
 
-        await asyncio.gather(*(one(r) for r in reqs))
-        return done
 
-    assert run(main()) == [r.request_id for r in reqs]
+def test_images_and_text_share_the_batch_with_their_own_positions(vlm, engine):
+    """Qwen2-VL's positions run behind the token count after an image (M-RoPE): each
+    sequence in the batch keeps its own, so each gives what mlx-vlm's own ``generate_step``
+    gives (the one-at-a-time runner)."""
+    tokens, inputs = prompt(vlm)
+    wide, wide_inputs = prompt(vlm, (0, 0, 255), size=112)
+    text, _ = prompt(vlm, image=False)
+    reqs = [
+        request(tokens, 6, vision_inputs=inputs, ignore_eos=True),
+        request(wide, 6, vision_inputs=wide_inputs, ignore_eos=True),
+        request(text, 6, ignore_eos=True),
+    ]
+    eos = sorted(vlm.tokenizer.eos_token_ids)
+    serial = Engine(
+        vlm.model,
+        vlm.tokenizer,
+        EngineConfig(kv_bytes_per_token=256, prompt_cache_size=0, max_batch_size=1, solo=False),
+        runner=VisionRunner(vlm.model, eos, prefill_step_size=512),
+    )
+    serial.start()
+    try:
+        alone = [run(generate(serial, r)) for r in reqs]
+    finally:
+        serial.shutdown(timeout=10)
+    together = batched(engine, [replace(r, request_id=r.request_id + "-b") for r in reqs])
+    assert engine.stats()["peak_batch"] == 3
+    assert [r.text for r in together] == [r.text for r in alone]
+    assert all(r.reason == "length" and r.cached == 0 for r in together)
 
 
 def test_cancel_queued_and_running(vlm, engine):
@@ -126,7 +158,7 @@ def test_cancel_queued_and_running(vlm, engine):
     assert r_queued.reason == "cancelled" and r_queued.finished.usage.completion_tokens == 0
     assert r_long.reason == "cancelled" and r_long.finished.usage.completion_tokens < 2000
     assert engine.active_count == 0 and engine.queue_depth == 0
-    assert engine.stats()["mode"] == "sequential"
+    assert engine.stats()["mode"] == "batch"
 
 
 def test_a_failing_request_does_not_stop_the_engine(vlm, engine):

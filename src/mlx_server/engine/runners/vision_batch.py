@@ -20,6 +20,7 @@ from typing import Any
 
 from mlx_server.engine.runners.base import Insert, KVState, Progress, Response
 from mlx_server.engine.runners.batch import BatchRunner
+from mlx_server.engine.runners.vision_mrope import set_delta
 from mlx_server.engine.runners.vision_prefill import LanguageModel, VisionPrefill
 
 
@@ -61,6 +62,10 @@ class VisionBatchRunner:
             self._unkeyed.add(job.uid)  # no key for its media: its state is not kept
         elif req.cache_tokens is not None:
             self._keys[job.uid] = req.cache_tokens
+        if self.lm.mrope and not (req.vision_inputs is not None and self._media_ahead(job)):
+            # The text path: the cache says where this sequence's positions go on.
+            job.cache = job.cache if job.cache is not None else self.lm.make_cache()
+            set_delta(job.cache, self.lm.rope_delta(job))
         if req.vision_inputs is not None and self._media_ahead(job):
             self._prefills[job.uid] = VisionPrefill(
                 self.vlm, self.lm, job, prefill_step_size=self._step_size

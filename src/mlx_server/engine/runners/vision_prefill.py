@@ -13,10 +13,10 @@ other sequence, text-only or not.
 makes (``model(tokens, cache=...)`` answering logits), on mlx-lm's cache classes, which the
 prefix cache, its disk tier and the batch's merging know.
 
-Not every model can: a language model whose decode steps need per-sequence inputs beyond
-the tokens (Qwen-VL's multimodal rotary positions, ``_rope_deltas``, kept on the model
-itself; cross-attention to the image in Llama 3.2 Vision) runs one request at a time
-(``batch_refusal`` says why).
+Qwen-VL's multimodal rotary positions ride on each sequence's cache (``vision_mrope``).
+Families not checked to decode from tokens and a cache alone (cross-attention to the image
+in Llama 3.2 Vision, Gemma 3n's per-layer inputs, Qwen3-VL's deepstack features) run one
+request at a time (``batch_refusal`` says why).
 """
 
 from __future__ import annotations
@@ -29,10 +29,29 @@ from mlx_lm.generate import generation_stream
 from mlx_lm.models import cache as lm_cache
 
 from mlx_server.engine.runners.base import Insert, Progress
+from mlx_server.engine.runners.vision_mrope import (
+    MROPE_FAMILIES,
+    DeltaKVCache,
+    positions,
+    set_delta,
+)
 
 # Outputs of ``get_input_embeddings`` that only the prefill uses (Gemma 3's mask letting an
-# image's tokens see each other). Any other means decode steps would need it too.
-_PREFILL_ONLY = {"inputs_embeds", "attention_mask_4d"}
+# image's tokens see each other; Qwen-VL's positions, see vision_mrope.py). Any other would
+# mean decode steps need it too.
+_PREFILL_ONLY = {"inputs_embeds", "attention_mask_4d", "position_ids", "rope_deltas"}
+# The families whose language model decodes from tokens and a KV cache alone (checked with
+# tiny models, or the same language model as one that is): others run one at a time.
+BATCHED_FAMILIES = {
+    "idefics3",
+    "smolvlm",
+    "llava",
+    "llava_next",
+    "mistral3",
+    "pixtral",
+    "gemma3",
+    *MROPE_FAMILIES,
+}
 
 
 class LanguageModel:
@@ -41,8 +60,11 @@ class LanguageModel:
     def __init__(self, vlm: Any):
         self.vlm = vlm
         self.lm = vlm.language_model
+        self.mrope = family(vlm) in MROPE_FAMILIES  # positions from the caches' deltas
 
     def __call__(self, inputs: mx.array, cache: Any = None, **kwargs: Any) -> mx.array:
+        if self.mrope and cache is not None and "position_ids" not in kwargs:
+            kwargs["position_ids"] = positions(cache, inputs.shape[1])
         out = self.lm(inputs, cache=cache, **kwargs)
         return getattr(out, "logits", out)
 
@@ -53,12 +75,27 @@ class LanguageModel:
     def make_cache(self) -> list[Any]:
         """The language model's cache layers as mlx-lm's classes (same kinds and sizes)."""
         make = getattr(self.lm, "make_cache", None)
+        if self.mrope:
+            return [DeltaKVCache() for _ in self.lm.layers]
         if make is None:
             return [lm_cache.KVCache() for _ in self.lm.layers]
         return [_as_mlx_lm(c) for c in make()]
 
+    def rope_delta(self, job: Insert) -> int:
+        """A Qwen-VL prompt's position delta (0 without media)."""
+        inputs = job.request.vision_inputs or {}
+        if not self.mrope or "pixel_values" not in inputs and "video_grid_thw" not in inputs:
+            return 0
+        _, delta = self.lm.get_rope_index(
+            mx.array([job.prompt]),
+            inputs.get("image_grid_thw"),
+            inputs.get("video_grid_thw"),
+            inputs.get("attention_mask"),
+        )
+        return int(mx.array(delta).reshape(-1)[0].item())
+
     def __getattr__(self, name: str) -> Any:
-        if name in ("vlm", "lm"):  # not set yet
+        if name in ("vlm", "lm", "mrope"):  # not set yet
             raise AttributeError(name)
         return getattr(self.lm, name)
 
@@ -72,16 +109,17 @@ def _as_mlx_lm(c: Any) -> Any:
     raise ValueError(f"its language model's {kind} layers are not batched here")
 
 
+def family(vlm: Any) -> str:
+    return str(getattr(getattr(vlm, "config", None), "model_type", "") or "")
+
+
 def batch_refusal(vlm: Any) -> str:
     """Why this vision model's requests cannot share the batch ("" when they can)."""
     lm = getattr(vlm, "language_model", None)
     if lm is None:
         return "it has no separate language model"
-    if hasattr(lm, "_rope_deltas") or hasattr(lm, "get_rope_index"):
-        return "its language model keeps per-sequence multimodal rotary positions (M-RoPE)"
-    config = getattr(vlm, "config", None)
-    if getattr(config, "model_type", "") in ("mllama",):
-        return "its language model cross-attends to the image at every step"
+    if family(vlm) not in BATCHED_FAMILIES:
+        return f"{family(vlm) or 'this'} models are not batched yet"
     try:
         LanguageModel(vlm).make_cache()
     except ValueError as e:
@@ -110,6 +148,8 @@ class VisionPrefill:
         self._step_size = prefill_step_size
         self._embeds: mx.array | None = None
         self._extra: dict[str, Any] = {}
+        self._positions: mx.array | None = None
+        self.delta = 0
         with mx.stream(generation_stream):
             self._embed()  # here, so that a failure is this request's (at its start)
 
@@ -123,17 +163,21 @@ class VisionPrefill:
             start = len(self.fed)
             stop = min(self._end, start + self._step_size)
             assert self._embeds is not None
+            extra = dict(self._extra)
+            if self._positions is not None:
+                extra["position_ids"] = self._positions[..., start:stop]
             self._vlm.language_model(  # (never empty: a prefill starts with 2+ tokens to go)
                 inputs=mx.array([self._prompt[start:stop]]),
                 inputs_embeds=self._embeds[:, start:stop],
                 cache=self.cache,
                 n_to_process=stop - start,
-                **self._extra,
+                **extra,
             )
             mx.eval([c.state for c in self.cache])
         self.fed = list(self._prompt[:stop])
         if self.done:
-            self._embeds, self._extra = None, {}
+            self._embeds, self._extra, self._positions = None, {}, None
+            set_delta(self.cache, self.delta)  # where the text after the media goes on
         mx.clear_cache()
         total = self._end + 1 - self.job.cached
         return Progress(self.uid, (stop - self.job.cached, total), end_of_segment=self.done)
@@ -150,6 +194,9 @@ class VisionPrefill:
         if needs:
             raise ValueError(f"this model's images need {', '.join(needs)} at every step")
         extra.pop("inputs_embeds")
+        self._positions = extra.pop("position_ids", None)  # Qwen-VL: (3, 1, length)
+        delta = extra.pop("rope_deltas", None)
+        self.delta = 0 if delta is None else int(mx.array(delta).reshape(-1)[0].item())
         self._embeds = out.inputs_embeds
         self._extra = extra
         mx.eval(self._embeds)
