@@ -11,7 +11,7 @@ position on all three axes, text tokens rotate as with plain RoPE.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache
@@ -59,7 +59,7 @@ class DeltaBatchKVCache(BatchKVCache):
 
     def extract(self, idx: int) -> DeltaKVCache:
         plain = super().extract(idx)
-        out = DeltaKVCache(int(self.deltas[idx].item()))
+        out = DeltaKVCache(first_int(self.deltas[idx]))
         out.keys, out.values, out.offset = plain.keys, plain.values, plain.offset
         return out
 
@@ -73,6 +73,11 @@ def positions(cache: list[Any], length: int) -> mx.array:
         start = mx.array([c.offset + getattr(c, "delta", 0)])
     pos = start[:, None] + mx.arange(length)[None, :]
     return mx.broadcast_to(pos[None], (3, *pos.shape))
+
+
+def first_int(a: Any) -> int:
+    """The first element of an array (or a number) as an int."""
+    return int(cast(int, mx.array(a).reshape(-1)[0].item()))
 
 
 def set_delta(cache: list[Any], delta: int) -> None:

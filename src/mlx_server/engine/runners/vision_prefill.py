@@ -32,6 +32,7 @@ from mlx_server.engine.runners.base import Insert, Progress
 from mlx_server.engine.runners.vision_mrope import (
     MROPE_FAMILIES,
     DeltaKVCache,
+    first_int,
     positions,
     set_delta,
 )
@@ -92,7 +93,7 @@ class LanguageModel:
             inputs.get("video_grid_thw"),
             inputs.get("attention_mask"),
         )
-        return int(mx.array(delta).reshape(-1)[0].item())
+        return first_int(delta)
 
     def __getattr__(self, name: str) -> Any:
         if name in ("vlm", "lm", "mrope"):  # not set yet
@@ -196,7 +197,7 @@ class VisionPrefill:
         extra.pop("inputs_embeds")
         self._positions = extra.pop("position_ids", None)  # Qwen-VL: (3, 1, length)
         delta = extra.pop("rope_deltas", None)
-        self.delta = 0 if delta is None else int(mx.array(delta).reshape(-1)[0].item())
+        self.delta = 0 if delta is None else first_int(delta)
         self._embeds = out.inputs_embeds
         self._extra = extra
         mx.eval(self._embeds)
