@@ -13,7 +13,7 @@ other sequence, text-only or not.
 makes (``model(tokens, cache=...)`` answering logits), on mlx-lm's cache classes, which the
 prefix cache, its disk tier and the batch's merging know.
 
-Qwen-VL's multimodal rotary positions ride on each sequence's cache (``vision_mrope``).
+Qwen-VL's multimodal rotary positions ride on each sequence's cache (``cache/mrope.py``).
 Families not checked to decode from tokens and a cache alone (cross-attention to the image
 in Llama 3.2 Vision, Gemma 3n's per-layer inputs, Qwen3-VL's deepstack features) run one
 request at a time (``batch_refusal`` says why).
@@ -29,7 +29,7 @@ from mlx_lm.generate import generation_stream
 from mlx_lm.models import cache as lm_cache
 
 from mlx_server.engine.runners.base import Insert, Progress
-from mlx_server.engine.runners.vision_mrope import (
+from mlx_server.engine.cache.mrope import (
     MROPE_FAMILIES,
     DeltaKVCache,
     first_int,
@@ -38,7 +38,7 @@ from mlx_server.engine.runners.vision_mrope import (
 )
 
 # Outputs of ``get_input_embeddings`` that only the prefill uses (Gemma 3's mask letting an
-# image's tokens see each other; Qwen-VL's positions, see vision_mrope.py). Any other would
+# image's tokens see each other; Qwen-VL's positions, see cache/mrope.py). Any other would
 # mean decode steps need it too.
 _PREFILL_ONLY = {"inputs_embeds", "attention_mask_4d", "position_ids", "rope_deltas"}
 # The families whose language model decodes from tokens and a KV cache alone (checked with

@@ -1,4 +1,4 @@
-"""Qwen-VL's multimodal rotary positions (M-RoPE) in the batch.
+"""A KV cache kind for Qwen-VL: its multimodal rotary positions (M-RoPE) in the batch.
 
 Qwen2-VL and Qwen2.5-VL give an image's tokens positions on a grid (time, height, width),
 so the positions after an image run behind the token count: each sequence's text goes on
@@ -30,6 +30,16 @@ class DeltaKVCache(KVCache):
     @classmethod
     def merge(cls, caches: list[Any]) -> DeltaBatchKVCache:
         return DeltaBatchKVCache.merge(caches)
+
+    # The delta is part of the state, so that the disk tier keeps it (cache/serialize.py).
+    @property
+    def state(self) -> Any:
+        return self.keys, self.values, self.offset, self.delta
+
+    @state.setter
+    def state(self, v: Any) -> None:
+        self.keys, self.values, self.offset = v[:3]
+        self.delta = int(v[3]) if len(v) > 3 else 0
 
 
 class DeltaBatchKVCache(BatchKVCache):
