@@ -18,9 +18,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from mlx_server.engine.cache.mrope import set_delta
 from mlx_server.engine.runners.base import Insert, KVState, Progress, Response
 from mlx_server.engine.runners.batch import BatchRunner
-from mlx_server.engine.cache.mrope import set_delta
 from mlx_server.engine.runners.vision_prefill import LanguageModel, VisionPrefill
 
 

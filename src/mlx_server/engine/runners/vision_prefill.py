@@ -28,7 +28,6 @@ import mlx.core as mx
 from mlx_lm.generate import generation_stream
 from mlx_lm.models import cache as lm_cache
 
-from mlx_server.engine.runners.base import Insert, Progress
 from mlx_server.engine.cache.mrope import (
     MROPE_FAMILIES,
     DeltaKVCache,
@@ -36,6 +35,7 @@ from mlx_server.engine.cache.mrope import (
     positions,
     set_delta,
 )
+from mlx_server.engine.runners.base import Insert, Progress
 
 # Outputs of ``get_input_embeddings`` that only the prefill uses (Gemma 3's mask letting an
 # image's tokens see each other; Qwen-VL's positions, see cache/mrope.py). Any other would
