@@ -111,6 +111,54 @@ def batched(engine, reqs):
         held.result(timeout=10)
 
 
+def one_at_a_time(vlm, reqs):
+    """Results of ``reqs`` through mlx-vlm's ``generate_step`` (the one-at-a-time runner)."""
+    eos = sorted(vlm.tokenizer.eos_token_ids)
+    serial = Engine(
+        vlm.model,
+        vlm.tokenizer,
+        EngineConfig(kv_bytes_per_token=256, prompt_cache_size=0, max_batch_size=1, solo=False),
+        runner=VisionRunner(vlm.model, eos, prefill_step_size=512),
+    )
+    serial.start()
+    try:
+        return [run(generate(serial, r)) for r in reqs]
+    finally:
+        serial.shutdown(timeout=10)
+
+
+def test_the_next_turn_continues_from_the_cached_image(vlm, engine):
+    """Turn two's image is in the prefix cache: it runs on the text path (the lone runner)
+    from the cached state and its position delta, and gives what mlx-vlm gives."""
+    image = {"type": "image", "image": "data:image/png;base64," + base64.b64encode(_png()).decode()}
+    messages = [
+        {"role": "user", "content": [image, {"type": "text", "text": "Colour?"}]},
+        {"role": "assistant", "content": "Green, I think."},
+        {"role": "user", "content": "Sure?"},
+    ]
+    builder = VisionPromptBuilder(vlm.processor, vlm.config, MediaLimits())
+    encoded = []
+    for turn in (messages[:1], messages):
+        text = render_prompt(vlm.tokenizer, builder.template_messages(turn))
+        tokens, inputs = builder.encode(text, turn)
+        key = inputs.pop("cache_tokens")
+        encoded.append(
+            request(
+                tokens, 3, vision_inputs=inputs, cache_tokens=key, logprobs=True, top_logprobs=3
+            )
+        )
+    first = run(generate(engine, encoded[0]))
+    solo_runs = engine.stats()["solo_runs"]
+    second = run(generate(engine, encoded[1]))
+    assert second.cached >= len(encoded[0].prompt_tokens) - 1
+    assert engine.stats()["solo_runs"] == solo_runs + 1
+    # The same distributions (a wrong delta shifts them by ~0.1; the paths agree to ~1e-6).
+    for ours, theirs in zip([first, second], one_at_a_time(vlm, encoded), strict=True):
+        assert [[t.logprob for t in e.top] for e in ours.logprobs] == [
+            pytest.approx([t.logprob for t in e.top], abs=1e-3) for e in theirs.logprobs
+        ]
+
+
 def test_images_and_text_share_the_batch_with_their_own_positions(vlm, engine):
     """Qwen2-VL's positions run behind the token count after an image (M-RoPE): each
     sequence in the batch keeps its own, so each gives what mlx-vlm's own ``generate_step``
@@ -123,18 +171,7 @@ def test_images_and_text_share_the_batch_with_their_own_positions(vlm, engine):
         request(wide, 6, vision_inputs=wide_inputs, ignore_eos=True),
         request(text, 6, ignore_eos=True),
     ]
-    eos = sorted(vlm.tokenizer.eos_token_ids)
-    serial = Engine(
-        vlm.model,
-        vlm.tokenizer,
-        EngineConfig(kv_bytes_per_token=256, prompt_cache_size=0, max_batch_size=1, solo=False),
-        runner=VisionRunner(vlm.model, eos, prefill_step_size=512),
-    )
-    serial.start()
-    try:
-        alone = [run(generate(serial, r)) for r in reqs]
-    finally:
-        serial.shutdown(timeout=10)
+    alone = one_at_a_time(vlm, reqs)
     together = batched(engine, [replace(r, request_id=r.request_id + "-b") for r in reqs])
     assert engine.stats()["peak_batch"] == 3
     assert [r.text for r in together] == [r.text for r in alone]

@@ -115,13 +115,13 @@ class VisionEngine(Engine):
         config: EngineConfig | None = None,
         observer: GenerationObserver | None = None,
     ):
-        config = replace(config or EngineConfig(), solo=False, warm_up=False)
+        config = replace(config or EngineConfig(), warm_up=False)
         eos = sorted(int(t) for t in tokenizer.eos_token_ids)
         self.serial_reason = batch_refusal(model)
         runner: Any
         if self.serial_reason:
             log(f"Vision requests run one at a time: {self.serial_reason}")
-            config = replace(config, prompt_cache_size=0, max_batch_size=1)
+            config = replace(config, prompt_cache_size=0, max_batch_size=1, solo=False)
             runner = VisionRunner(model, eos, prefill_step_size=config.prefill_step_size)
         else:
             runner = VisionBatchRunner(
@@ -130,6 +130,7 @@ class VisionEngine(Engine):
                 max_batch_size=config.max_batch_size,
                 prefill_step_size=config.prefill_step_size,
                 keep_caches=config.prompt_cache_size > 0,
+                solo=config.solo,
             )
         # Batched, the engine sees the language model (its cache kinds decide checkpoints).
         net = runner.lm if isinstance(runner, VisionBatchRunner) else model

@@ -4,7 +4,8 @@ A request whose uncached prompt holds images or videos is prefilled by a ``Visio
 (the vision tower and the language model over the prompt's embeddings, a chunk per step,
 interleaved with the batch's decode steps); then it joins the ``BatchRunner`` over the
 language model. Every other request — text-only, or one whose media are all in its cached
-prefix — is a text request of the language model and goes to the batch as it is.
+prefix — is a text request of the language model and takes the text path: the lone runner
+while it is alone, the batch otherwise (``solo.LoneFirstRunner``).
 
 The prefix cache keys a prompt with media by ``GenerationRequest.cache_key``: the prompt's
 tokens with each media placeholder replaced by a digest of the media (``models/
@@ -21,6 +22,7 @@ from typing import Any
 from mlx_server.engine.cache.mrope import set_delta
 from mlx_server.engine.runners.base import Insert, KVState, Progress, Response
 from mlx_server.engine.runners.batch import BatchRunner
+from mlx_server.engine.runners.solo import LoneFirstRunner, SoloRunner
 from mlx_server.engine.runners.vision_prefill import LanguageModel, VisionPrefill
 
 
@@ -35,8 +37,11 @@ class VisionBatchRunner:
         max_batch_size: int,
         prefill_step_size: int,
         keep_caches: bool = True,
+        solo: bool = True,
         make_batch: Callable[..., BatchRunner] = BatchRunner,
     ):
+        """``solo``: a lone request without media runs on the lone runner, as on the text
+        path (``solo.LoneFirstRunner``)."""
         self.vlm = vlm
         self.lm = LanguageModel(vlm)
         self.batch = make_batch(
@@ -46,6 +51,11 @@ class VisionBatchRunner:
             prefill_step_size=prefill_step_size,
             keep_caches=keep_caches,
         )
+        # Where requests without media (or with all of it cached) go: the text path.
+        self.text: LoneFirstRunner | BatchRunner = self.batch
+        if solo:
+            lone = SoloRunner(self.lm, eos, prefill_step_size=prefill_step_size)
+            self.text = LoneFirstRunner(lone, self.batch)
         self._step_size = prefill_step_size
         self._prefills: dict[int, VisionPrefill] = {}
         self._keys: dict[int, list[int]] = {}  # uid -> its prompt as the prefix cache keys it
@@ -54,7 +64,8 @@ class VisionBatchRunner:
         self.peak_batch = 0  # the most sequences decoding together (monitoring, tests)
 
     def __len__(self) -> int:
-        return len(self.batch) + len(self._prefills)
+        lone = isinstance(self.text, LoneFirstRunner) and self.text.lone.busy
+        return len(self.batch) + len(self._prefills) + int(lone)
 
     def insert(self, job: Insert) -> None:
         req = job.request
@@ -72,7 +83,7 @@ class VisionBatchRunner:
             )
             self.vision_prefills += 1
             return
-        self.batch.insert(job)
+        self.text.insert(job)
 
     @staticmethod
     def _media_ahead(job: Insert) -> bool:
@@ -90,7 +101,7 @@ class VisionBatchRunner:
             if prefill.done:
                 del self._prefills[uid]
                 job = prefill.job
-                self.batch.join(
+                self.text.join(
                     uid,
                     [job.prompt[len(prefill.fed) :]],
                     prefill.cache,
@@ -99,9 +110,9 @@ class VisionBatchRunner:
                     job.sampler,
                     job.processors,
                 )
-        if not len(self.batch):
+        if isinstance(self.text, BatchRunner) and not len(self.batch):
             return progress, []
-        more, responses = self.batch.step()
+        more, responses = self.text.step()
         self.peak_batch = max(self.peak_batch, len(self.batch))
         for r in responses:
             if r.all_tokens is not None:
@@ -114,7 +125,7 @@ class VisionBatchRunner:
 
     def remove(self, uids: list[int]) -> dict[int, KVState]:
         out = {u: self._prefills.pop(u).state(copied=False) for u in uids if u in self._prefills}
-        out.update(self.batch.remove(uids))
+        out.update(self.text.remove(uids))
         keyed = self._keyed_states(out)
         for u in uids:
             self._forget(u)
@@ -123,7 +134,7 @@ class VisionBatchRunner:
     def extract_state(self, uids: list[int]) -> dict[int, KVState]:
         uids = [u for u in uids if u not in self._unkeyed]
         out = {u: self._prefills[u].state(copied=True) for u in uids if u in self._prefills}
-        out.update(self.batch.extract_state(uids))
+        out.update(self.text.extract_state(uids))
         return self._keyed_states(out)
 
     def _keyed_states(self, states: dict[int, KVState]) -> dict[int, KVState]:
@@ -149,16 +160,16 @@ class VisionBatchRunner:
         self._prefills.clear()
         self._keys.clear()
         self._unkeyed.clear()
-        self.batch.reset()
+        self.text.reset()
 
     def close(self) -> None:
         self._prefills.clear()
-        self.batch.close()
+        self.text.close()
 
     def stats(self) -> dict[str, Any]:
         return {
             "mode": "batch",
             "vision_prefills": self.vision_prefills,
             "peak_batch": self.peak_batch,
-            **self.batch.stats(),
+            **self.text.stats(),
         }
