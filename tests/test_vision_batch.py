@@ -1,7 +1,8 @@
 """Vision requests in the continuous batch and the prefix cache, through the chat service
 on the tiny Idefics3 (a Llama language model): requests with images and text-only ones
 decode together, the same image in the next turn is served from the cache and a different
-one is not, and cancelling one leaves the others running."""
+one is not, and cancelling one leaves the others running. And a tiny Gemma 3, whose
+sliding-window layers need checkpoints."""
 
 from __future__ import annotations
 
@@ -9,12 +10,13 @@ import asyncio
 from typing import Any
 
 import pytest
-from engine_runner import until
+from engine_runner import generate, request, until
+from test_vision_engine import batched
 from test_vision_service import ask, chat, image
 from tiny_vlm import build_tiny_idefics3
 
-from mlx_server.engine.core.engine import EngineConfig
-from mlx_server.engine.runners.vision import VisionEngine
+from mlx_server.engine.core.engine import Engine, EngineConfig
+from mlx_server.engine.runners.vision import VisionEngine, VisionRunner
 from mlx_server.events import Finished, TextDelta
 from mlx_server.models.loader import load_model
 from mlx_server.models.media import MediaLimits
@@ -121,3 +123,105 @@ def test_cancelling_one_leaves_the_others_running(service):
     assert f_long.reason == "cancelled" and f_long.usage.completion_tokens < 4000
     assert f_short.reason == "length" and f_short.usage.completion_tokens == 24
     assert engine.active_count == 0
+
+
+# ---- Gemma 3: sliding-window layers, checkpoints -------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def gemma(tmp_path_factory) -> Any:
+    """A tiny Gemma 3 built in memory (SigLIP tower, 4 image tokens, a sliding window of 8
+    tokens on every other layer), with the tests' tokenizer and hand-made inputs."""
+    import mlx.core as mx
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+    from mlx_vlm.models import gemma3
+    from tiny_vlm import SPECIALS, _tokenizer
+
+    from mlx_server.models.base import settle_arrays
+
+    path = tmp_path_factory.mktemp("gemma3")
+    vocab = _tokenizer(
+        path, [*SPECIALS, "<start_of_image>", "<image_soft_token>", "<end_of_image>"]
+    )
+    tok = load_tokenizer(path, eos_token_ids=[vocab["<|im_end|>"]])
+    image = vocab["<image_soft_token>"]
+    text = gemma3.TextConfig(
+        model_type="gemma3_text",
+        hidden_size=64,
+        num_hidden_layers=4,
+        intermediate_size=128,
+        num_attention_heads=4,
+        head_dim=16,
+        num_key_value_heads=2,
+        vocab_size=max(len(vocab), 64),
+        sliding_window=8,
+        sliding_window_pattern=2,
+        mm_tokens_per_image=4,
+        query_pre_attn_scalar=16,
+    )
+    tower = gemma3.VisionConfig(
+        model_type="siglip_vision_model",
+        num_hidden_layers=1,
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=2,
+        patch_size=14,
+        image_size=28,
+    )
+    mx.random.seed(0)
+    config = gemma3.ModelConfig(
+        text_config=text,
+        vision_config=tower,
+        model_type="gemma3",
+        vocab_size=text.vocab_size,
+        image_token_index=image,
+        hidden_size=64,
+    )
+    model = gemma3.Model(config)
+    head = model.language_model.lm_head
+    head.weight = head.weight * 4  # sharper than random: the outputs depend on the input
+    settle_arrays(model)
+    ids = tok.encode("<|im_start|>user\n", add_special_tokens=False)
+    ids += [vocab["<start_of_image>"], *[image] * 4, vocab["<end_of_image>"]]
+    ids += tok.encode("What is this?<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
+    pixels = [mx.random.normal((1, 3, 28, 28)) for _ in range(2)]
+    mask = mx.ones((1, len(ids)), dtype=mx.int32)
+    mx.eval(pixels, mask)  # made here, used on the engine threads
+
+    def req(i: int, n: int = 5) -> Any:
+        key = [-1 - i if t == image else t for t in ids]  # as media_key would, per picture
+        inputs = {"pixel_values": pixels[i], "attention_mask": mask}
+        return request(
+            ids, n, vision_inputs=inputs, cache_tokens=key, ignore_eos=True, logprobs=True
+        )
+
+    return model, tok, req, tok.encode("<|im_start|>user\nHi<|im_end|>\n", add_special_tokens=False)
+
+
+def test_gemma3_batched_as_mlx_vlm_gives_and_checkpointed(gemma):
+    model, tok, req, text = gemma
+    eos = sorted(tok.eos_token_ids)
+    serial = Engine(
+        model,
+        tok,
+        EngineConfig(kv_bytes_per_token=256, prompt_cache_size=0, max_batch_size=1, solo=False),
+        runner=VisionRunner(model, eos, prefill_step_size=8),
+    )
+    engine = VisionEngine(model, tok, EngineConfig(kv_bytes_per_token=256, prefill_step_size=8))
+    assert engine.serial_reason == ""
+    serial.start()
+    engine.start()
+    try:
+        alone = [asyncio.run(generate(serial, req(i))) for i in range(2)]
+        together = batched(engine, [req(0), req(1), request(text, 5, ignore_eos=True)])
+        again = asyncio.run(generate(engine, req(0)))
+        assert engine.stats()["peak_batch"] == 3
+    finally:
+        serial.shutdown(timeout=10)
+        engine.shutdown(timeout=10)
+    for ours, theirs in zip(together[:2], alone, strict=True):  # chunks of 8, window 8
+        assert [e.logprob for e in ours.logprobs] == pytest.approx(
+            [e.logprob for e in theirs.logprobs], abs=1e-3
+        )
+    # The sliding-window cache cannot be rewound: the prompt's end was kept as a checkpoint.
+    assert again.cached == len(req(0).prompt_tokens) - 1 and again.text == together[0].text

@@ -95,9 +95,9 @@ class VisionBatchRunner:
         return key is None or key[todo] != job.prompt[todo]
 
     def step(self) -> tuple[list[Progress], list[Response]]:
-        progress = []
+        # A prompt prefilled last step joins the batch now: until then the engine could take
+        # its state at the prompt's end (a checkpoint, for caches that cannot be rewound).
         for uid, prefill in list(self._prefills.items()):
-            progress.append(prefill.step())  # its exception is the engine's to blame on it
             if prefill.done:
                 del self._prefills[uid]
                 job = prefill.job
@@ -110,6 +110,7 @@ class VisionBatchRunner:
                     job.sampler,
                     job.processors,
                 )
+        progress = [p.step() for p in self._prefills.values()]  # a failure: the engine's
         if isinstance(self.text, BatchRunner) and not len(self.batch):
             return progress, []
         more, responses = self.text.step()
