@@ -97,6 +97,17 @@ def test_the_same_image_next_turn_is_cached_and_a_different_one_is_not(service):
     assert same.reason == other.reason == "length"
 
 
+def test_a_system_prompt_before_an_image_is_kept_as_such(service):
+    system = {"role": "system", "content": "You describe pictures for a blind reader. " * 8}
+    before = service.engine.stats()["prompt_cache_system_entries"]
+    _, first = run_all(service, chat(system, ask(image(RED)), max_tokens=2, ignore_eos=True))[0]
+    assert service.engine.stats()["prompt_cache_system_entries"] == before + 1
+    other = chat(system, ask(image(BLUE), text="Another."), max_tokens=2, ignore_eos=True)
+    _, second = run_all(service, other)[0]
+    assert second.usage.cached_tokens >= 60  # the system prompt, whichever entry serves it
+    assert second.usage.cached_tokens < first.usage.prompt_tokens - 20  # not the image
+
+
 def test_cancelling_one_leaves_the_others_running(service):
     engine = service.engine
     long = chat(ask(image(RED)), max_tokens=4000, ignore_eos=True)

@@ -189,15 +189,16 @@ class ChatService:
         n = 0
         while n < len(messages) and messages[n].get("role") in ("system", "developer"):
             n += 1
-        if n == len(messages) or self.vision is not None:
+        if n == len(messages):
             return 0
         end = _content_start(prepared.text, messages[:n], messages[n])
         if end <= 0:
             return 0
         head = self.tokenizer.encode(prepared.text[:end], add_special_tokens=False)
         common = 0
+        media = self.vision.placeholders if self.vision is not None else ()
         for a, b in zip(head, prepared.tokens, strict=False):
-            if a != b:
+            if a != b or b in media:  # (a first message's image is no part of the prefix)
                 break
             common += 1
         return common if common < len(prepared.tokens) else 0

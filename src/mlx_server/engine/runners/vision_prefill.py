@@ -147,6 +147,7 @@ class VisionPrefill:
         self._prompt = job.prompt
         self._end = len(job.prompt) - 1  # the last token is the batch's
         self._step_size = prefill_step_size
+        self._system_end = job.system_end
         self._embeds: mx.array | None = None
         self._extra: dict[str, Any] = {}
         self._positions: mx.array | None = None
@@ -163,6 +164,8 @@ class VisionPrefill:
         with mx.stream(generation_stream):
             start = len(self.fed)
             stop = min(self._end, start + self._step_size)
+            if start < self._system_end < stop:  # pause where the system prompt ends
+                stop = self._system_end
             assert self._embeds is not None
             extra = dict(self._extra)
             if self._positions is not None:
@@ -181,7 +184,10 @@ class VisionPrefill:
             set_delta(self.cache, self.delta)  # where the text after the media goes on
         mx.clear_cache()
         total = self._end + 1 - self.job.cached
-        return Progress(self.uid, (stop - self.job.cached, total), end_of_segment=self.done)
+        # Segments end where the system prompt ends (the engine keeps its state) and at the
+        # prompt's end (a checkpoint where the cache cannot be rewound), as in the batch.
+        ends = self.done or stop == self._system_end
+        return Progress(self.uid, (stop - self.job.cached, total), end_of_segment=ends)
 
     def _embed(self) -> None:
         inputs = dict(self.job.request.vision_inputs or {})
