@@ -20,7 +20,10 @@ A runner is used from the engine thread only. The runners today:
 - ``solo.SoloRunner``: one sequence on a plain KV cache (mlx-lm's ``generate_step`` path);
 - ``solo.LoneFirstRunner``: the text engine's default, a lone request on the solo runner,
   handed over to the batch runner when a second one starts;
-- ``vision_engine.VisionRunner``: one vision request at a time with mlx-vlm.
+- ``vision_batch.VisionBatchRunner``: a vision model's requests, images prefilled through
+  the vision tower (``vision_prefill``), decoded in the batch over its language model;
+- ``vision.VisionRunner``: one vision request at a time with mlx-vlm's ``generate_step``
+  (the families not batched).
 
 How a new runner plugs in: write a class with these methods and pass it to ``Engine`` as
 ``runner=``. A speculative decoder is one such runner (draft several tokens, verify them in
