@@ -51,7 +51,10 @@ def prompt(vlm, color=(255, 0, 0), size: int = 56, image: bool = True) -> tuple[
         content.insert(0, {"type": "image", "image": url})
     messages = [{"role": "user", "content": content}]
     text = render_prompt(vlm.tokenizer, builder.template_messages(messages))
-    return builder.encode(text, messages)
+    tokens, inputs = builder.encode(text, messages)
+    if inputs is not None:
+        inputs.pop("cache_tokens")  # (without its key, a request's state is not cached)
+    return tokens, inputs
 
 
 def run(coro):
@@ -171,11 +174,17 @@ def test_images_and_text_share_the_batch_with_their_own_positions(vlm, engine):
         request(wide, 6, vision_inputs=wide_inputs, ignore_eos=True),
         request(text, 6, ignore_eos=True),
     ]
-    alone = one_at_a_time(vlm, reqs)
+    green, green_inputs = prompt(vlm, (0, 255, 0), size=112)
+    lone = request(green, 6, vision_inputs=green_inputs, ignore_eos=True)
+    *alone, serial_lone = one_at_a_time(vlm, [*reqs, lone])
     together = batched(engine, [replace(r, request_id=r.request_id + "-b") for r in reqs])
     assert engine.stats()["peak_batch"] == 3
     assert [r.text for r in together] == [r.text for r in alone]
     assert all(r.reason == "length" and r.cached == 0 for r in together)
+    # Alone, a prefilled image prompt decodes on the lone runner, as text prompts do.
+    runs = engine.stats()["solo_runs"]
+    assert run(generate(engine, lone)).text == serial_lone.text
+    assert engine.stats()["solo_runs"] == runs + 1
 
 
 def test_cancel_queued_and_running(vlm, engine):

@@ -17,6 +17,7 @@ states in the key's terms, which is what the engine stores.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from mlx_server.engine.cache.mrope import set_delta
@@ -95,20 +96,17 @@ class VisionBatchRunner:
         return key is None or key[todo] != job.prompt[todo]
 
     def step(self) -> tuple[list[Progress], list[Response]]:
-        # A prompt prefilled last step joins the batch now: until then the engine could take
-        # its state at the prompt's end (a checkpoint, for caches that cannot be rewound).
+        # A prompt prefilled last step goes on now (until then the engine could take its
+        # state at the prompt's end: a checkpoint, for caches that cannot be rewound), as a
+        # prefix-cache hit would: on the lone runner if it is alone, else in the batch.
         for uid, prefill in list(self._prefills.items()):
             if prefill.done:
                 del self._prefills[uid]
                 job = prefill.job
-                self.text.join(
-                    uid,
-                    [job.prompt[len(prefill.fed) :]],
-                    prefill.cache,
-                    prefill.fed,
-                    job.request.max_tokens,
-                    job.sampler,
-                    job.processors,
+                alone = job.alone and not self._prefills
+                cached = len(prefill.fed)
+                self.text.insert(
+                    replace(job, cached=cached, cache=prefill.cache, system_end=0, alone=alone)
                 )
         progress = [p.step() for p in self._prefills.values()]  # a failure: the engine's
         if isinstance(self.text, BatchRunner) and not len(self.batch):
