@@ -28,7 +28,8 @@ from mlx_server.engine.runners.vision_prefill import LanguageModel, VisionPrefil
 
 
 class VisionBatchRunner:
-    """Prefills prompts with media itself, decodes everything in one batch."""
+    """Prefills prompts with media itself; every sequence decodes on the text path's
+    runners (the lone runner while alone, the batch otherwise)."""
 
     def __init__(
         self,
@@ -70,21 +71,20 @@ class VisionBatchRunner:
 
     def insert(self, job: Insert) -> None:
         req = job.request
+        if req.vision_inputs is not None and self._media_ahead(job):
+            # The vision tower runs here: media the model cannot take fail this request only.
+            prefill = VisionPrefill(self.vlm, self.lm, job, prefill_step_size=self._step_size)
+            self._prefills[job.uid] = prefill
+            self.vision_prefills += 1
+        else:
+            if self.lm.mrope:  # the cache says where this sequence's positions go on
+                job.cache = job.cache if job.cache is not None else self.lm.make_cache()
+                set_delta(job.cache, self.lm.rope_delta(job))
+            self.text.insert(job)
         if req.vision_inputs is not None and req.cache_tokens is None:
             self._unkeyed.add(job.uid)  # no key for its media: its state is not kept
         elif req.cache_tokens is not None:
             self._keys[job.uid] = req.cache_tokens
-        if self.lm.mrope and not (req.vision_inputs is not None and self._media_ahead(job)):
-            # The text path: the cache says where this sequence's positions go on.
-            job.cache = job.cache if job.cache is not None else self.lm.make_cache()
-            set_delta(job.cache, self.lm.rope_delta(job))
-        if req.vision_inputs is not None and self._media_ahead(job):
-            self._prefills[job.uid] = VisionPrefill(
-                self.vlm, self.lm, job, prefill_step_size=self._step_size
-            )
-            self.vision_prefills += 1
-            return
-        self.text.insert(job)
 
     @staticmethod
     def _media_ahead(job: Insert) -> bool:
