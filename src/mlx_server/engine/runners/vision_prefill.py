@@ -4,10 +4,10 @@ A vision-language model is a vision tower in front of a language model: once the
 image positions hold the tower's features (mlx-vlm's ``get_input_embeddings``), the rest is
 the language model's alone. So a prompt with images is prefilled here — the tower and the
 language model over the prompt's embeddings, in chunks, into a KV cache of its own — and
-the sequence then joins mlx-lm's ``BatchGenerator`` as a prefix-cache hit would: its cache,
-the tokens in it, and the last prompt token still to feed (a chat prompt ends with the
-assistant's header, which is text). Decoding is the language model's, batched with every
-other sequence, text-only or not.
+the sequence then goes on as a prefix-cache hit of a text prompt would: its cache, the
+tokens in it, and the last prompt token still to feed (a chat prompt ends with the
+assistant's header, which is text), on the text path's runners (``vision_batch``).
+Decoding is the language model's, batched with every other sequence, text-only or not.
 
 ``LanguageModel`` is what the batch runs: mlx-vlm's language model behind the call mlx-lm
 makes (``model(tokens, cache=...)`` answering logits), on mlx-lm's cache classes, which the
@@ -75,9 +75,9 @@ class LanguageModel:
 
     def make_cache(self) -> list[Any]:
         """The language model's cache layers as mlx-lm's classes (same kinds and sizes)."""
-        make = getattr(self.lm, "make_cache", None)
         if self.mrope:
             return [DeltaKVCache() for _ in self.lm.layers]
+        make = getattr(self.lm, "make_cache", None)
         if make is None:
             return [lm_cache.KVCache() for _ in self.lm.layers]
         return [_as_mlx_lm(c) for c in make()]
@@ -128,11 +128,6 @@ def batch_refusal(vlm: Any) -> str:
     return ""
 
 
-def media_positions(prompt: list[int], ids: set[int]) -> list[int]:
-    """Where the prompt's image and video placeholders are."""
-    return [i for i, t in enumerate(prompt) if t in ids]
-
-
 class VisionPrefill:
     """One prompt with media fed into its own KV cache, a chunk per ``step``; everything but
     the last token (the batch feeds it, and samples from its logits). The vision tower runs
@@ -170,7 +165,7 @@ class VisionPrefill:
             extra = dict(self._extra)
             if self._positions is not None:
                 extra["position_ids"] = self._positions[..., start:stop]
-            self._vlm.language_model(  # (never empty: a prefill starts with 2+ tokens to go)
+            self._vlm.language_model(  # (never empty: media lie before the last token)
                 inputs=mx.array([self._prompt[start:stop]]),
                 inputs_embeds=self._embeds[:, start:stop],
                 cache=self.cache,
