@@ -10,14 +10,20 @@ import asyncio
 import functools
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from mlx_server.engine.core.protocol import ChatEngine
 from mlx_server.errors import ContextLengthExceeded, InvalidRequest
 from mlx_server.logs import log
 from mlx_server.models.chat_template import load_chat_template
-from mlx_server.models.prompt import encode_prompt, inline_tools, render_prompt, template_text
+from mlx_server.models.prompt import (
+    encode_prompt,
+    history_tokens,
+    inline_tools,
+    render_prompt,
+    template_text,
+)
 from mlx_server.models.system_turns import fold_late_system_messages, renders_system_in_place
 from mlx_server.parsing.detection import detect_output_format
 from mlx_server.parsing.pipeline import OutputPipeline
@@ -65,11 +71,14 @@ class ChatService:
         vision: VisionPromptBuilder | None = None,
         capabilities: list[str] | None = None,
         trained_ctx: int | None = None,
+        history_ends: bool = False,
     ):
         """``constraints``: a ConstraintCompiler when structured output is available;
         ``vision``: a VisionPromptBuilder for vision-language models (media parts in,
         image tokens out); ``capabilities``: what ``/v1/models`` lists (``["vision"]``);
-        ``trained_ctx``: the model's trained maximum context, from its config."""
+        ``trained_ctx``: the model's trained maximum context, from its config;
+        ``history_ends``: tell the engine where each prompt's history ends (an engine that
+        keeps checkpoints of a cache it cannot rewind keeps one there)."""
         self.model_id = model_id
         self.tokenizer = tokenizer
         self.engine = engine
@@ -88,6 +97,7 @@ class ChatService:
         self.constraints = constraints
         self.capabilities = list(capabilities or [])
         self.vision = vision
+        self.history_ends = history_ends
 
     def context_info(self) -> dict[str, Any]:
         """The context the server enforces and the model's trained maximum, under the names
@@ -201,6 +211,20 @@ class ChatService:
             common += 1
         return common if common < len(prepared.tokens) else 0
 
+    def history_end(self, chat: ChatRequest, prepared: PreparedPrompt) -> int:
+        """How many leading prompt tokens render the conversation without the generation
+        prompt (the next turn repeats those, not always the generation prompt); 0 if not
+        asked for or not found. The template runs a second time, without it."""
+        if not self.history_ends or self.vision is not None or chat.continue_final_message:
+            return 0
+        if not chat.add_generation_prompt:
+            return 0
+        try:
+            history = self.render(replace(chat, add_generation_prompt=False))
+        except InvalidRequest:  # a template that wants the generation prompt: no boundary
+            return 0
+        return history_tokens(self.tokenizer, prepared.tokens, prepared.text, history)
+
     # ---- generation --------------------------------------------------------------------
 
     async def start(self, chat: ChatRequest, request_id: str | None = None) -> Generation:
@@ -238,6 +262,7 @@ class ChatService:
             logits_processors=tuple(processors),
             vision_inputs=prepared.vision_inputs,
             system_prefix_tokens=self.system_prefix_tokens(chat, prepared),
+            history_end=self.history_end(chat, prepared),
             ignore_eos=chat.ignore_eos,
             prediction_tokens=self._prediction_tokens(chat),
             # Continuing the final message continues its text: the first token keeps its space.
