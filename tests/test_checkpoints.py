@@ -67,8 +67,7 @@ def messages(turn: int) -> list[dict[str, str]]:
 def build_turns(tokenizer, hints: bool = True):
     service = ChatService("nh", tokenizer, None, ctx_size=4096, history_ends=hints)  # type: ignore[arg-type]
     return [
-        service.build_request(ChatRequest(messages(t), max_tokens=4), f"t{t}")[0]
-        for t in range(3)
+        service.build_request(ChatRequest(messages(t), max_tokens=4), f"t{t}")[0] for t in range(3)
     ]
 
 
