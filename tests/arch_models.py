@@ -429,7 +429,7 @@ def _with_head_dim(config: dict[str, Any], head_dim: int) -> dict[str, Any]:
     """The attention heads ``head_dim`` wide (a quantized KV cache needs a multiple of its
     group size, 32 at least), where the family's config sets their width."""
     text = config.get("text_config", config)
-    for key in ("head_dim", "query_pre_attn_scalar", "global_head_dim"):
+    for key in ("head_dim", "query_pre_attn_scalar", "global_head_dim", "qk_rope_head_dim"):
         if key in text:
             text[key] = max(text[key], head_dim)
     # Families that take the width as hidden size / heads (phi3, lfm2, granitemoehybrid).
