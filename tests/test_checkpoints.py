@@ -12,6 +12,7 @@ from engine_runner import generate, generate_all, request, running_engine, solo
 
 from mlx_server.engine.cache.checkpoints import MAX_CHUNKS, pauses
 from mlx_server.engine.runners.base import Insert
+from mlx_server.models.prompt import history_tokens
 from mlx_server.service import ChatService
 from mlx_server.types import ChatRequest
 
@@ -69,6 +70,25 @@ def build_turns(tokenizer, hints: bool = True):
     return [
         service.build_request(ChatRequest(messages(t), max_tokens=4), f"t{t}")[0] for t in range(3)
     ]
+
+
+class CharTokenizer:
+    """One token per character: ``history_tokens`` needs only ``encode``."""
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return [ord(c) for c in text]
+
+
+def test_no_history_end_unless_the_prompt_is_the_history_then_its_generation_prompt() -> None:
+    tok = CharTokenizer()
+    text = "<s>user: hi</s><a><think>"
+    tokens = tok.encode(text)
+    assert history_tokens(tok, tokens, text, "<s>user: hi</s>") == len("<s>user: hi</s>")
+    assert history_tokens(tok, tokens, text, "<s>user: ho</s>") == 0  # not a prefix
+    assert history_tokens(tok, tokens, text, text) == 0  # no generation prompt
+    assert history_tokens(tok, tokens, text, "") == 0
+    # The prompt's tokens do not end with the generation prompt's own: no boundary.
+    assert history_tokens(tok, [*tokens[:-1], 0], text, "<s>user: hi</s>") == 0
 
 
 def test_the_history_end_is_where_the_next_turn_goes_another_way(nemotron) -> None:
