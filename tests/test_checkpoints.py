@@ -104,6 +104,23 @@ def test_the_history_end_is_where_the_next_turn_goes_another_way(nemotron) -> No
     assert [t.history_end for t in build_turns(nemotron[1], hints=False)] == [0, 0, 0]
 
 
+def test_no_history_checkpoint_where_the_next_turn_repeats_the_whole_prompt(tmp_path) -> None:
+    """Qwen3's template: the next turn repeats ``<|im_start|>assistant\n`` (the checkpoint at
+    the prompt's end serves it), but not the empty reasoning block it adds without thinking."""
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    tokenizer = load_tokenizer(build("qwen3", tmp_path / "qwen3"))
+    service = ChatService("q", tokenizer, None, ctx_size=4096, history_ends=True)  # type: ignore[arg-type]
+
+    def hint(**kw) -> tuple[int, int]:
+        req = service.build_request(ChatRequest(messages(1), max_tokens=4, **kw), "q")[0]
+        return req.history_end, len(req.prompt_tokens)
+
+    assert hint()[0] == 0
+    end, n = hint(template_kwargs={"enable_thinking": False})
+    assert 0 < end < n - 1
+
+
 # ---- the engine resumes there ------------------------------------------------------------------
 
 

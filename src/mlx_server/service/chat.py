@@ -10,25 +10,20 @@ import asyncio
 import functools
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from mlx_server.engine.core.protocol import ChatEngine
 from mlx_server.errors import ContextLengthExceeded, InvalidRequest
 from mlx_server.logs import log
 from mlx_server.models.chat_template import load_chat_template
-from mlx_server.models.prompt import (
-    encode_prompt,
-    history_tokens,
-    inline_tools,
-    render_prompt,
-    template_text,
-)
+from mlx_server.models.prompt import encode_prompt, inline_tools, render_prompt, template_text
 from mlx_server.models.system_turns import fold_late_system_messages, renders_system_in_place
 from mlx_server.parsing.detection import detect_output_format
 from mlx_server.parsing.pipeline import OutputPipeline
 from mlx_server.parsing.reasoning import prompt_opens_reasoning, reasoning_tags
 from mlx_server.service.generation import Generation, check_sampling, submit
+from mlx_server.service.history import history_end
 from mlx_server.service.structured import constraint_spec
 from mlx_server.types import ChatRequest, GenerationRequest
 
@@ -212,18 +207,11 @@ class ChatService:
         return common if common < len(prepared.tokens) else 0
 
     def history_end(self, chat: ChatRequest, prepared: PreparedPrompt) -> int:
-        """How many leading prompt tokens render the conversation without the generation
-        prompt (the next turn repeats those, not always the generation prompt); 0 if not
-        asked for or not found. The template runs a second time, without it."""
-        if not self.history_ends or self.vision is not None or chat.continue_final_message:
+        """Where the prompt's history ends, for an engine that keeps a checkpoint there
+        (``history_ends``); 0 otherwise (see ``history.history_end``)."""
+        if not self.history_ends or self.vision is not None:
             return 0
-        if not chat.add_generation_prompt:
-            return 0
-        try:
-            history = self.render(replace(chat, add_generation_prompt=False))
-        except InvalidRequest:  # a template that wants the generation prompt: no boundary
-            return 0
-        return history_tokens(self.tokenizer, prepared.tokens, prepared.text, history)
+        return history_end(self.render, self.tokenizer, chat, prepared.text, prepared.tokens)
 
     # ---- generation --------------------------------------------------------------------
 
