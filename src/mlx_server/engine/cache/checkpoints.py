@@ -10,9 +10,9 @@ request is likely to diverge, and the engine keeps the state there (a ``CHECKPOI
 - the prompt's end, before generation (the prompt less its last token, which the first
   decode step feeds): an exact repeat, and the next turn where the template's generation
   prompt is what the history repeats (ChatML's ``<|im_start|>assistant\n``);
-- the end of the conversation history, before the generation prompt (the service finds it
-  by rendering the template without one): the next turn where the generation prompt is not
-  repeated (one that opens ``<think>``, as Nemotron-H's and Qwen3's without thinking do);
+- the end of the conversation history, before the generation prompt, where the next turn
+  does not repeat the generation prompt (one that opens ``<think>``, as Nemotron-H's does;
+  the chat service finds it, ``service/history.py``);
 - chunk boundaries of a long prefill (every ``every`` tokens, at most ``MAX_CHUNKS`` of them
   per request, spread out, the last kept): a long shared prefix the system-prompt entry does
   not cover serves a request whose later text differs.
