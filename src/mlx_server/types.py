@@ -109,6 +109,9 @@ class GenerationRequest:
     # Leading prompt tokens that render the system prompt (and tools): the engine keeps the
     # KV state of that prefix in its prefix cache longest. 0 when unknown.
     system_prefix_tokens: int = 0
+    # Where the conversation's history ends, before the generation prompt (0: not known):
+    # an engine whose cache cannot be rewound keeps the state there for the next turn.
+    history_end: int = 0
     # OpenAI's Predicted Outputs: the tokens of the text the client expects, drafted for
     # speculative decoding (empty: none given).
     prediction_tokens: tuple[int, ...] = ()

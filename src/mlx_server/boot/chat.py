@@ -11,6 +11,7 @@ from mlx_lm.models.cache import KVCache, make_prompt_cache
 from mlx_server.boot.disk_tier import disk_tier
 from mlx_server.boot.memory import prompt_cache_bytes
 from mlx_server.config import Settings
+from mlx_server.engine.cache.checkpoints import needs_checkpoints
 from mlx_server.engine.cache.kv_quant import QuantizedKVModel
 from mlx_server.engine.cache.kv_quant_layers import NoQuantizableLayer, plan_layers
 from mlx_server.engine.core.engine import Engine, EngineConfig
@@ -120,6 +121,7 @@ def load_chat_model(
         vision=_vision_prompt_builder(loaded, settings) if vision else None,
         capabilities=loaded.capabilities,
         trained_ctx=trained_context(loaded.config),
+        history_ends=not vision and settings.prompt_cache_size > 0 and needs_checkpoints(model),
     )
     log(
         f"KV budget: {kv_budget // (1 << 20)}MB, max batch size {batch}, prefix cache "

@@ -24,6 +24,7 @@ from mlx_server.parsing.detection import detect_output_format
 from mlx_server.parsing.pipeline import OutputPipeline
 from mlx_server.parsing.reasoning import prompt_opens_reasoning, reasoning_tags
 from mlx_server.service.generation import Generation, check_sampling, submit
+from mlx_server.service.history import history_end
 from mlx_server.service.structured import constraint_spec
 from mlx_server.types import ChatRequest, GenerationRequest
 
@@ -66,11 +67,14 @@ class ChatService:
         vision: VisionPromptBuilder | None = None,
         capabilities: list[str] | None = None,
         trained_ctx: int | None = None,
+        history_ends: bool = False,
     ):
         """``constraints``: a ConstraintCompiler when structured output is available;
         ``vision``: a VisionPromptBuilder for vision-language models (media parts in,
         image tokens out); ``capabilities``: what ``/v1/models`` lists (``["vision"]``);
-        ``trained_ctx``: the model's trained maximum context, from its config."""
+        ``trained_ctx``: the model's trained maximum context, from its config;
+        ``history_ends``: tell the engine where each prompt's history ends (an engine that
+        keeps checkpoints of a cache it cannot rewind keeps one there)."""
         self.model_id = model_id
         self.tokenizer = tokenizer
         self.engine = engine
@@ -89,6 +93,7 @@ class ChatService:
         self.constraints = constraints
         self.capabilities = list(capabilities or [])
         self.vision = vision
+        self.history_ends = history_ends
 
     def context_info(self) -> dict[str, Any]:
         """The context the server enforces and the model's trained maximum, under the names
@@ -203,6 +208,13 @@ class ChatService:
             common += 1
         return common if common < len(prepared.tokens) else 0
 
+    def history_end(self, chat: ChatRequest, prepared: PreparedPrompt) -> int:
+        """Where the prompt's history ends, for an engine that keeps a checkpoint there
+        (``history_ends``); 0 otherwise (see ``history.history_end``)."""
+        if not self.history_ends or self.vision is not None:
+            return 0
+        return history_end(self.render, self.tokenizer, chat, prepared.text, prepared.tokens)
+
     # ---- generation --------------------------------------------------------------------
 
     async def start(self, chat: ChatRequest, request_id: str | None = None) -> Generation:
@@ -243,6 +255,7 @@ class ChatService:
             vision_inputs=vision_inputs,
             cache_tokens=cache_tokens,
             system_prefix_tokens=self.system_prefix_tokens(chat, prepared),
+            history_end=self.history_end(chat, prepared),
             ignore_eos=chat.ignore_eos,
             prediction_tokens=self._prediction_tokens(chat),
             # Continuing the final message continues its text: the first token keeps its space.

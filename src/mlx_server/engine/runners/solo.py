@@ -52,7 +52,7 @@ class SoloSequence(ChunkedPrefill):
             job.cached,
             job.cache,
             prefill_step_size=prefill_step_size,
-            system_end=job.system_end,
+            pauses=job.pauses,
             buckets=buckets,
         )
         self.sampler = job.sampler

@@ -120,6 +120,7 @@ class SpeculativeRunner(SoloRunner):
             buckets=self._buckets,
             processors=job.processors,
             system_end=job.system_end,
+            checkpoints=job.checkpoints,
         )
         self.seq = seq
         self.runs += 1
