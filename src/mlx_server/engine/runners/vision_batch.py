@@ -106,7 +106,14 @@ class VisionBatchRunner:
                 alone = job.alone and not self._prefills
                 cached = len(prefill.fed)
                 self.text.insert(
-                    replace(job, cached=cached, cache=prefill.cache, system_end=0, alone=alone)
+                    replace(
+                        job,
+                        cached=cached,
+                        cache=prefill.cache,
+                        system_end=0,
+                        checkpoints=(),
+                        alone=alone,
+                    )
                 )
         progress = [p.step() for p in self._prefills.values()]  # a failure: the engine's
         if isinstance(self.text, BatchRunner) and not len(self.batch):

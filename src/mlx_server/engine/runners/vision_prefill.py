@@ -142,7 +142,8 @@ class VisionPrefill:
         self._prompt = job.prompt
         self._end = len(job.prompt) - 1  # the last token is the batch's
         self._step_size = prefill_step_size
-        self._system_end = job.system_end
+        # Where the engine keeps states: the system prompt's end, checkpoints (job.pauses).
+        self._pauses = [p for p in job.pauses if p < self._end]
         self._embeds: mx.array | None = None
         self._extra: dict[str, Any] = {}
         self._positions: mx.array | None = None
@@ -159,8 +160,7 @@ class VisionPrefill:
         with mx.stream(generation_stream):
             start = len(self.fed)
             stop = min(self._end, start + self._step_size)
-            if start < self._system_end < stop:  # pause where the system prompt ends
-                stop = self._system_end
+            stop = min([stop, *(p for p in self._pauses if p > start)])
             assert self._embeds is not None
             extra = dict(self._extra)
             if self._positions is not None:
@@ -179,9 +179,9 @@ class VisionPrefill:
             set_delta(self.cache, self.delta)  # where the text after the media goes on
         mx.clear_cache()
         total = self._end + 1 - self.job.cached
-        # Segments end where the system prompt ends (the engine keeps its state) and at the
-        # prompt's end (a checkpoint where the cache cannot be rewound), as in the batch.
-        ends = self.done or stop == self._system_end
+        # Segments end at the pauses and at the prompt's end (a checkpoint where the cache
+        # cannot be rewound), as in the batch: the engine keeps the states there.
+        ends = self.done or stop in self._pauses
         return Progress(self.uid, (stop - self.job.cached, total), end_of_segment=ends)
 
     def _embed(self) -> None:
