@@ -10,7 +10,7 @@ from engine_runner import load_varied_model
 from scripted_engine import ScriptedEngine
 
 from mlx_server.engine.core.engine import Engine, EngineConfig
-from mlx_server.engine.core.protocol import ChatEngine, EngineLike, engine_stats
+from mlx_server.engine.core.protocol import ChatEngine, EngineCounters, EngineLike, engine_stats
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "mlx_server"
 
@@ -19,17 +19,15 @@ def test_every_engine_is_engine_like(tmp_path_factory):
     from mlx_server.engine.embedding.engine import EmbeddingEngine
     from mlx_server.engine.runners.vision import VisionEngine
     from mlx_server.registry.catalog import Offer
+    from mlx_server.registry.lease import LoadedEngines, RegistryModels
     from mlx_server.registry.registry import Limits, ModelRegistry
-    from mlx_server.registry.routing import RoutedEngine
 
     model, tokenizer, _ = load_varied_model(tmp_path_factory)
     scripted = ScriptedEngine()
-    registry = ModelRegistry([Offer("m", "/m", "chat", 0)], Limits(0, 0, 0.0, 0, 0), print)
     for engine in (
         Engine(model, tokenizer, EngineConfig()),
         VisionEngine(model, tokenizer, EngineConfig()),
         EmbeddingEngine(runner=None),
-        RoutedEngine(registry),
         scripted,
     ):
         assert isinstance(engine, EngineLike), type(engine)
@@ -38,6 +36,11 @@ def test_every_engine_is_engine_like(tmp_path_factory):
         # Each kind declares the protocol's methods itself (not through __getattr__).
         declared = {n for c in type(engine).__mro__ for n in vars(c)}
         assert {"call", "stats", "submit", "cancel", "start", "shutdown"} <= declared
+    # A registry's models are counted as one for monitoring; no engine stands for them.
+    registry = ModelRegistry([Offer("m", "/m", "chat", 0)], Limits(0, 0, 0.0, 0, 0), print)
+    loaded = LoadedEngines(RegistryModels(registry, 256))
+    assert isinstance(loaded, EngineCounters) and not isinstance(loaded, EngineLike)
+    assert engine_stats(loaded) == {"active": 0, "queued": 0}
     # The engines the chat service generates on announce requests (no getattr probing).
     for engine in (Engine(model, tokenizer, EngineConfig()), scripted):
         assert isinstance(engine, ChatEngine), type(engine)

@@ -25,7 +25,7 @@ from mlx_server.server.framing import SSE, Framing
 from mlx_server.server.sse import Frame
 
 # Seconds of silence before a stream gets a keep-alive frame (Claude Code's HTTP client
-# gives up after 5 minutes without a byte); the app's ``keepalive_s`` overrides it.
+# gives up after 5 minutes without a byte): the app factory's default.
 KEEPALIVE_S = 15.0
 
 T = TypeVar("T")
@@ -85,14 +85,15 @@ async def respond(
     sources: Sequence[Source],
     *,
     stream: bool,
+    keepalive_s: float,
     on_end: Callable[[], None] | None = None,
     framing: Framing = SSE,
 ) -> Response:
-    """A stream of ``encoder``'s frames (SSE unless ``framing`` says) if ``stream``, else its
-    collected answer. ``on_end`` runs once the response is over, however it ended."""
+    """A stream of ``encoder``'s frames (SSE unless ``framing`` says) if ``stream``, with a
+    keep-alive frame after ``keepalive_s`` seconds of silence, else its collected answer.
+    ``on_end`` runs once the response is over, however it ended."""
     if stream:
-        interval = getattr(request.app.state, "keepalive_s", KEEPALIVE_S)
-        body = _stream(encoder, sources, interval, on_end, framing.encode)
+        body = _stream(encoder, sources, keepalive_s, on_end, framing.encode)
         return EventStreamResponse(body, media_type=framing.media_type, headers=framing.headers)
     result = await until_disconnect(
         request, _collect(encoder, sources, on_end), lambda: cancel_all(sources)

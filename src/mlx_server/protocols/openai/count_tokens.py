@@ -16,16 +16,17 @@ from fastapi import APIRouter, Request
 
 from mlx_server.protocols.openai.adapter import to_chat_request
 from mlx_server.protocols.openai.schemas import ChatCompletionRequest
+from mlx_server.registry.lease import Models
 from mlx_server.server.http import parse_body
-from mlx_server.service import ChatService
 
 
-def make_router(service: ChatService, *, vision: bool = False) -> APIRouter:
+def make_router(models: Models, *, vision: bool) -> APIRouter:
     router = APIRouter()
 
     @router.post("/v1/chat/completions/count_tokens")
     async def count_tokens(request: Request) -> dict[str, Any]:
         body = await parse_body(request, ChatCompletionRequest)
+        service = await models.chat(request, body.model, body.keep_alive)
         chat = to_chat_request(body, vision=vision)
         n = await service.count(chat)
         return {"object": "chat.completion.input_tokens", "input_tokens": n}

@@ -11,24 +11,21 @@ Qwen3-Embedding's retrieval instruction; ``prompt`` gives the prefix itself.
 from __future__ import annotations
 
 import base64
-from typing import Any, ClassVar, Literal
+from typing import Any, Literal
 
 import numpy as np
 from fastapi import APIRouter
-from pydantic import BaseModel, ConfigDict, StrictInt, StrictStr
+from pydantic import StrictInt, StrictStr
 
 from mlx_server.embedding_service import Embeddings, EmbeddingService
-from mlx_server.protocols.openai.encoder_route import encoder_router
+from mlx_server.protocols.openai.encoder_route import EncoderBody, encoder_router
+from mlx_server.registry.lease import Models
 
 PATHS = ("/v1/embeddings", "/embeddings")
 
 
-class EmbeddingRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    serves: ClassVar[str] = "embedding"  # several models: the body's model must embed
-
+class EmbeddingRequest(EncoderBody):
     input: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
-    model: str | None = None
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: StrictInt | None = None
     user: str | None = None
@@ -37,10 +34,9 @@ class EmbeddingRequest(BaseModel):
     prompt: StrictStr | None = None
 
 
-def make_router(service: EmbeddingService | None, model_id: str) -> APIRouter:
-    """The embeddings routes; with no service (a chat model) they answer a 400 naming it."""
-    refusal = "does not serve embeddings; start the server with an embedding model (or --embedding)"
-    return encoder_router(PATHS, EmbeddingRequest, _answer, service, model_id, refusal)
+def make_router(models: Models) -> APIRouter:
+    """The embeddings routes (a chat model named, or the only one served: a 400 naming it)."""
+    return encoder_router(PATHS, EmbeddingRequest, _answer, models)
 
 
 async def _answer(body: EmbeddingRequest, service: EmbeddingService) -> dict[str, Any]:

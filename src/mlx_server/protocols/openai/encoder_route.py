@@ -1,5 +1,5 @@
-"""What the embeddings and rerank routes share: a 400 naming the model when a chat model is
-served, the body parsed, the encoder's answer collected unless the client leaves first."""
+"""What the embeddings and rerank routes share: the body parsed, its model leased (a chat
+model is a 400 that says so), the encoder's answer collected unless the client leaves first."""
 
 from __future__ import annotations
 
@@ -9,35 +9,39 @@ from typing import Any, TypeVar
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict
 
 from mlx_server.embedding_service import EmbeddingService
-from mlx_server.errors import InvalidRequest
+from mlx_server.registry.lease import Models
 from mlx_server.server.http import parse_body
 from mlx_server.server.streaming import until_disconnect
 
-Body = TypeVar("Body", bound=BaseModel)
+
+class EncoderBody(BaseModel):
+    """What the embeddings and rerank bodies share: the model they name."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    # Several models: how long the named one stays loaded after this request (Ollama's
+    # keep_alive, checked where models load).
+    keep_alive: Any = None
+
+
+Body = TypeVar("Body", bound=EncoderBody)
 # The body's JSON answer from the service (raising what refuses the body).
 Answer = Callable[[Body, EmbeddingService], Awaitable[dict[str, Any]]]
 
 
 def encoder_router(
-    paths: tuple[str, ...],
-    schema: type[Body],
-    answer: Answer[Body],
-    service: EmbeddingService | None,
-    model_id: str,
-    refusal: str,
+    paths: tuple[str, ...], schema: type[Body], answer: Answer[Body], models: Models
 ) -> APIRouter:
-    """POST ``paths``: ``answer`` each parsed body; with no service (``model_id`` is a chat
-    model), a 400 that says it, then ``refusal``."""
+    """POST ``paths``: ``answer`` each parsed body with the embedding model it names."""
     router = APIRouter()
-    message = f"the model '{model_id}' is a chat model and {refusal}"
 
     async def route(request: Request) -> Response:
-        if service is None:
-            raise InvalidRequest(message, param="model", code="model_not_supported")
         body = await parse_body(request, schema)
+        service = await models.encoder(request, body.model, body.keep_alive)
         # A client gone: the work is cancelled, and with it the inputs still waiting.
         work = asyncio.ensure_future(answer(body, service))
         result = await until_disconnect(request, work, work.cancel)

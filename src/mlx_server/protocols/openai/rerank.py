@@ -9,13 +9,14 @@ and ``relevance_score``, best first (with ``document: {"text"}`` when asked for)
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any
 
 from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict, Field, StrictStr
 
 from mlx_server.embedding_service import EmbeddingService, Ranking
-from mlx_server.protocols.openai.encoder_route import encoder_router
+from mlx_server.protocols.openai.encoder_route import EncoderBody, encoder_router
+from mlx_server.registry.lease import Models
 
 PATHS = ("/v1/rerank", "/rerank")
 
@@ -25,23 +26,18 @@ class Document(BaseModel):
     text: StrictStr
 
 
-class RerankRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    serves: ClassVar[str] = "embedding"  # several models: the body's model must rerank
-
+class RerankRequest(EncoderBody):
     query: StrictStr
     documents: list[StrictStr | Document]
-    model: str | None = None
     top_n: int | None = Field(default=None, ge=1)
     return_documents: bool = False
     truncate: bool = False
     instruction: StrictStr | None = None
 
 
-def make_router(service: EmbeddingService | None, model_id: str) -> APIRouter:
-    """The rerank routes; with no service (a chat model) they answer a 400 naming it."""
-    refusal = "does not rerank; start the server with a reranker model"
-    return encoder_router(PATHS, RerankRequest, _answer, service, model_id, refusal)
+def make_router(models: Models) -> APIRouter:
+    """The rerank routes (a chat model named, or the only one served: a 400 naming it)."""
+    return encoder_router(PATHS, RerankRequest, _answer, models)
 
 
 async def _answer(body: RerankRequest, service: EmbeddingService) -> dict[str, Any]:

@@ -60,6 +60,9 @@ class SamplingFields(_Model):
     """What chat and text completions requests share: sampling, stop strings, streaming."""
 
     model: str = ""
+    # Several models: how long the named one stays loaded after this request (Ollama's
+    # keep_alive, checked where models load).
+    keep_alive: Any = None
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
     top_k: int | None = Field(default=None, ge=0)
