@@ -326,8 +326,8 @@ def test_count_tokens_request_maps_without_generation_fields():
 
 
 def run(events, fin: Finished, *, prompt: int = 10, cached: int = 0):
-    enc = StreamEncoder("msg_1", "m", prompt, cached)
-    stream = enc.start()
+    enc = StreamEncoder("msg_1", "m", prompt)
+    stream = enc.start(cached)
     for ev in events:
         stream += enc.event(ev)
     stream += enc.finish(fin)

@@ -18,6 +18,7 @@ import anyio
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from mlx_server.engine.core.handle import Started
 from mlx_server.errors import ServerError
 from mlx_server.events import Finished
 from mlx_server.logs import log
@@ -32,7 +33,12 @@ T = TypeVar("T")
 
 
 class Source(Protocol):
-    """One generation: neutral events ending with ``Finished``."""
+    """One generation: its start, then neutral events ending with ``Finished``."""
+
+    async def started(self) -> Started | None:
+        """Wait until the engine takes it up (it may queue first): its announcement, or
+        None if it ended without starting."""
+        ...
 
     def events(self) -> AsyncIterator[Any]: ...
 
@@ -40,20 +46,26 @@ class Source(Protocol):
 
 
 class Encoder(Protocol):
-    """A protocol's view of one response: the frames for each step of its generations, and
-    the whole answer. A collected answer runs the same steps and ignores the frames, so
-    both forms always carry the same content."""
+    """A protocol's view of one response: the frames for each step of its generations, or
+    the whole answer. Both forms run the same steps, so they carry the same content; a
+    streamed one keeps nothing for an answer, a collected one makes no frames for events."""
 
     @property
     def keepalive(self) -> Frame:
         """The frame sent when the stream has been silent for a while."""
         ...
 
-    async def start(self) -> list[Frame]:
-        """The frames before the first event (may wait for the engine to take the request)."""
+    def start(self, started: Sequence[Started | None], collect: bool) -> list[Frame]:
+        """The frames before the first event, once the engine took the generations up:
+        ``started`` holds each one's announcement (the prompt tokens the prefix cache
+        covered), None for one that ended first; ``collect``: the answer is collected
+        (``result``), not streamed."""
         ...
 
-    def event(self, index: int, ev: Any) -> list[Frame]: ...
+    def event(self, index: int, ev: Any) -> list[Frame]:
+        """A stream's frames for one event of generation ``index``; when collecting, the
+        event is kept for the answer and no frames are made."""
+        ...
 
     def finish(self, index: int, fin: Finished) -> list[Frame]:
         """Generation ``index`` ended (never with reason ``error``: see ``fail``)."""
@@ -109,8 +121,10 @@ def cancel_all(sources: Sequence[Source]) -> None:
         s.cancel()
 
 
-async def _steps(encoder: Encoder, sources: Sequence[Source]) -> AsyncIterator[list[Frame]]:
-    yield await encoder.start()
+async def _steps(
+    encoder: Encoder, sources: Sequence[Source], collect: bool
+) -> AsyncIterator[list[Frame]]:
+    yield encoder.start([await s.started() for s in sources], collect)
     async for i, ev in merged(sources):
         if isinstance(ev, Finished):
             if ev.reason == "error":
@@ -128,7 +142,7 @@ async def _collect(
 ) -> dict[str, Any]:
     try:
         try:
-            async for _ in _steps(encoder, sources):
+            async for _ in _steps(encoder, sources, collect=True):
                 pass
         except GenerationFailed as e:
             encoder.fail(str(e), e.fin)
@@ -146,7 +160,7 @@ async def _stream(
     on_end: Callable[[], None] | None,
     encode: Callable[[Frame], bytes],
 ) -> AsyncIterator[bytes]:
-    steps = with_keepalive(_steps(encoder, sources), interval)
+    steps = with_keepalive(_steps(encoder, sources, collect=False), interval)
     try:
         async for frames in steps:  # one write per step of the generation
             if frames is None:

@@ -36,7 +36,8 @@ def submit(engine: EngineLike, req: GenerationRequest, pipeline: OutputPipeline)
 
 
 class Generation:
-    """One running generation: iterate ``events()`` for neutral events, ending with Finished."""
+    """One running generation: ``started()`` once the engine takes it up, then ``events()``
+    for neutral events, ending with Finished."""
 
     def __init__(
         self,
@@ -52,14 +53,10 @@ class Generation:
         self._start: Started | None = None
         self._early: list[EngineEvent] = []  # read while waiting for the start, not yet used
 
-    @property
-    def cached_tokens(self) -> int:
-        """Prompt tokens the prefix cache covered (known once the generation started)."""
-        return self._start.cached_tokens if self._start else self.handle.cached_tokens
-
     async def started(self) -> Started | None:
         """Wait until the engine takes the request up (it may queue first) and return its
-        announcement, with the real cache split; None if it ended without starting."""
+        announcement (the prompt tokens the prefix cache covered); None if it ended
+        without starting."""
         while self._start is None and not self._early:
             try:
                 ev = await self.handle.next_event()
@@ -85,8 +82,7 @@ class Generation:
     async def events(self) -> AsyncIterator[StreamEvent]:
         try:
             async for ev in self._engine_events():
-                if isinstance(ev, Started):
-                    self._start = self._start or ev
+                if isinstance(ev, Started):  # read by started(), for the encoder's start
                     continue
                 if isinstance(ev, TokenPiece):
                     if ev.logprobs:

@@ -46,10 +46,8 @@ def make_router(models: Models, *, vision: bool, keepalive_s: float) -> APIRoute
         )
         message_id = new_message_id()
         gen = await _start(service, chat, message_id)
-        enc = StreamEncoder(message_id, body.model, gen.prompt_tokens, gen.cached_tokens)
-        return await respond(
-            request, MessagesEncoder(gen, enc), [gen], stream=body.stream, keepalive_s=keepalive_s
-        )
+        enc = MessagesEncoder(StreamEncoder(message_id, body.model, gen.prompt_tokens))
+        return await respond(request, enc, [gen], stream=body.stream, keepalive_s=keepalive_s)
 
     @router.post("/v1/messages/count_tokens")
     async def count_tokens(request: Request) -> dict[str, Any]:

@@ -57,7 +57,7 @@ def make_router(models: Models, *, vision: bool, keepalive_s: float) -> APIRoute
         neutral = to_chat_request(body, vision=vision)
         log(f"Request: ollama chat, model={body.model}, messages={len(neutral.messages)}")
         gen = await service.start(neutral, request_id=_request_id())
-        enc = OllamaEncoder(gen, body.model, clock, chat=True)
+        enc = OllamaEncoder(body.model, clock, chat=True)
         return await respond(
             request, enc, [gen], stream=body.stream, keepalive_s=keepalive_s, framing=NDJSON
         )
@@ -76,7 +76,7 @@ def make_router(models: Models, *, vision: bool, keepalive_s: float) -> APIRoute
         else:
             neutral = generate_chat_request(body, vision=vision)
             gen = await service.start(neutral, request_id=_request_id())
-        enc = OllamaEncoder(gen, body.model, clock, chat=False)
+        enc = OllamaEncoder(body.model, clock, chat=False)
         return await respond(
             request, enc, [gen], stream=body.stream, keepalive_s=keepalive_s, framing=NDJSON
         )
@@ -125,7 +125,7 @@ def _loaded(model: str, keep_alive: Any, *, chat: bool, clock: Clock) -> Respons
     """The answer to a request with nothing to generate: the model is loaded (the lease
     did it), or unloaded after this request when ``keep_alive`` is 0."""
     reason = "unload" if parse_keep_alive(keep_alive) == 0 else "load"
-    enc = OllamaEncoder(None, model, clock, chat=chat)
+    enc = OllamaEncoder(model, clock, chat=chat)
     body = enc.done(reason)
     if chat:
         body["message"] = {"role": "assistant", "content": ""}

@@ -3,9 +3,11 @@ choice, its chunks tagged with the choice's ``index``, the usage summed over the
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from mlx_server.choices import counted_once
+from mlx_server.engine.core.handle import Started
 from mlx_server.events import Finished
 from mlx_server.logs import log
 from mlx_server.protocols.openai.completions_encoder import (
@@ -17,14 +19,6 @@ from mlx_server.protocols.openai.encoder import DONE, KEEPALIVE, ChatEncoder, us
 from mlx_server.server.sse import Frame
 
 
-def _indexed(frames: list[Frame], i: int) -> list[Frame]:
-    for f in frames:
-        if isinstance(f.data, dict):
-            for choice in f.data.get("choices", []):
-                choice["index"] = i
-    return frames
-
-
 class ChoicesEncoder:
     """The ``Encoder`` of a chat completion with ``n`` choices."""
 
@@ -33,24 +27,20 @@ class ChoicesEncoder:
     def __init__(
         self, request_id: str, model: str, include_usage: bool, want_logprobs: bool, n: int
     ):
-        self.encs = [ChatEncoder(request_id, model, False, want_logprobs) for _ in range(n)]
-        for i, e in enumerate(self.encs):
+        self.encs = [ChatEncoder(request_id, model, False, want_logprobs, i) for i in range(n)]
+        for e in self.encs:
             e.chunks.created = self.encs[0].chunks.created
-            e.chunks.index = i  # frames made from a template carry it already
         self.include_usage = include_usage
         self.finals: dict[int, Finished] = {}
 
     def _usage(self) -> dict[str, Any]:
         return usage_json(total_usage([self.finals[i] for i in sorted(self.finals)]))
 
-    async def start(self) -> list[Frame]:
-        out: list[Frame] = []
-        for i, e in enumerate(self.encs):
-            out += _indexed(await e.start(), i)
-        return out
+    def start(self, started: Sequence[Started | None], collect: bool) -> list[Frame]:
+        return [f for e, s in zip(self.encs, started, strict=True) for f in e.start([s], collect)]
 
     def event(self, index: int, ev: Any) -> list[Frame]:
-        return _indexed(self.encs[index].event(index, ev), index)
+        return self.encs[index].event(index, ev)
 
     def finish(self, index: int, fin: Finished) -> list[Frame]:
         fin = counted_once(fin, index, len(self.encs))
@@ -58,7 +48,7 @@ class ChoicesEncoder:
         enc = self.encs[index]
         enc.fin = fin
         chunk = enc.chunks.final(fin, with_usage=False)
-        out = _indexed([Frame(chunk)], index)
+        out = [Frame(chunk)]
         if len(self.finals) == len(self.encs):  # the summed usage rides on the last one
             if self.include_usage:
                 usage = enc.chunks.usage_chunk(fin)
@@ -76,7 +66,7 @@ class ChoicesEncoder:
 
     def result(self) -> dict[str, Any]:
         out = self.encs[0].result()
-        out["choices"] = [{**e.result()["choices"][0], "index": i} for i, e in enumerate(self.encs)]
+        out["choices"] = [e.result()["choices"][0] for e in self.encs]
         out["usage"] = self._usage()
         out["timings"] = None  # per sequence; several ran
         log(f"Response: {len(self.encs)} choices")

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import Any
 
+from mlx_server.engine.core.handle import Started
 from mlx_server.events import Finished, Logprobs, TextDelta, Usage
 from mlx_server.logs import log
 from mlx_server.protocols.openai.encoder import (
@@ -30,13 +32,14 @@ class LegacyLogprobs:
         self.top_logprobs: list[dict[str, float]] = []
         self.text_offset: list[int] = []
 
-    def add(self, ev: Logprobs) -> dict[str, Any]:
-        """Record the entries; return the logprobs object for just these (a stream chunk's)."""
+    def add(self, ev: Logprobs, keep: bool) -> dict[str, Any]:
+        """The logprobs object for just these entries (a stream chunk's); ``keep``: record
+        them too (a collected answer's)."""
         part = LegacyLogprobs(self.offset)
         for e in ev.entries:
             top = {t.token: t.logprob for t in e.top}
             top.setdefault(e.token, e.logprob)
-            for lp in (self, part):
+            for lp in (self, part) if keep else (part,):
                 lp.tokens.append(e.token)
                 lp.token_logprobs.append(e.logprob)
                 lp.top_logprobs.append(top)
@@ -119,12 +122,19 @@ class CompletionEncoder:
         choice = {"text": text, "index": i, "logprobs": logprobs, "finish_reason": finish}
         return self.object([choice])
 
-    def chunk(self, i: int, ev: Any) -> dict[str, Any] | None:
-        """The chunk for one event, or None (logprobs wait for their text). The events
-        also build the whole response (``response()``)."""
+    def add(self, i: int, ev: Any) -> None:
+        """Keep one event of choice ``i`` for the whole response (``response()``)."""
         lp = self.logprobs[i]
         if isinstance(ev, Logprobs) and lp is not None:
-            new = lp.add(ev)
+            lp.add(ev, keep=True)
+        elif isinstance(ev, TextDelta) and ev.text:
+            self.texts[i].append(ev.text)
+
+    def chunk(self, i: int, ev: Any) -> dict[str, Any] | None:
+        """The chunk for one event, or None (logprobs wait for their text)."""
+        lp = self.logprobs[i]
+        if isinstance(ev, Logprobs) and lp is not None:
+            new = lp.add(ev, keep=False)
             held = self._pending.get(i)
             if held is not None:
                 for k in held:
@@ -133,7 +143,6 @@ class CompletionEncoder:
                 self._pending[i] = new
             return None
         if isinstance(ev, TextDelta) and ev.text:
-            self.texts[i].append(ev.text)
             return self._chunk(i, ev.text, logprobs=self._pending.pop(i, None))
         return None
 
@@ -163,11 +172,16 @@ class CompletionFrames:
         self.enc = enc
         self.include_usage = include_usage
         self.left = len(enc.echoes)
+        self.collect = False
 
-    async def start(self) -> list[Frame]:
+    def start(self, started: Sequence[Started | None], collect: bool) -> list[Frame]:
+        self.collect = collect
         return [Frame(c) for c in self.enc.echo_chunks()]
 
     def event(self, index: int, ev: Any) -> list[Frame]:
+        if self.collect:
+            self.enc.add(index, ev)
+            return []
         chunk = self.enc.chunk(index, ev)
         return [Frame(chunk)] if chunk is not None else []
 
@@ -197,7 +211,7 @@ class PromptOnly(CompletionFrames):
         for i, n in enumerate(prompt_tokens):
             enc.finals[i] = Finished("length", Usage(n, 0))
 
-    async def start(self) -> list[Frame]:
+    def start(self, started: Sequence[Started | None], collect: bool) -> list[Frame]:
         whole = self.enc.response()
         usage = whole.pop("usage")
         if not self.include_usage:

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Sequence
 from typing import Any, Literal
 
+from mlx_server.engine.core.handle import Started
 from mlx_server.events import (
     Finished,
     FinishReason,
@@ -124,21 +126,16 @@ class MessageBuilder:
 
 
 def completion_json(
-    request_id: str,
-    model: str,
-    created: int,
-    builder: MessageBuilder,
-    fin: Finished,
-    want_logprobs: bool,
+    chunks: ChunkEncoder, builder: MessageBuilder, fin: Finished, want_logprobs: bool
 ) -> dict[str, Any]:
     return {
-        "id": request_id,
+        "id": chunks.id,
         "object": "chat.completion",
-        "created": created,
-        "model": model,
+        "created": chunks.created,
+        "model": chunks.model,
         "choices": [
             {
-                "index": 0,
+                "index": chunks.index,
                 "message": builder.message(),
                 "finish_reason": finish_reason(fin),
                 "logprobs": {"content": builder.logprobs, "refusal": None}
@@ -239,22 +236,33 @@ DONE = Frame("[DONE]")
 
 
 class ChatEncoder:
-    """The ``Encoder`` of one chat completion: chunks streamed, the message collected."""
+    """The ``Encoder`` of one chat completion (choice ``index`` of it): chunks streamed, or
+    the message collected."""
 
     keepalive = KEEPALIVE
 
-    def __init__(self, request_id: str, model: str, include_usage: bool, want_logprobs: bool):
-        self.chunks = ChunkEncoder(request_id, model)
-        self.builder = MessageBuilder()
+    def __init__(
+        self,
+        request_id: str,
+        model: str,
+        include_usage: bool,
+        want_logprobs: bool,
+        index: int = 0,
+    ):
+        self.chunks = ChunkEncoder(request_id, model, index)
+        self.builder: MessageBuilder | None = None  # while collecting
         self.include_usage = include_usage
         self.want_logprobs = want_logprobs
         self.fin: Finished | None = None
 
-    async def start(self) -> list[Frame]:
+    def start(self, started: Sequence[Started | None], collect: bool) -> list[Frame]:
+        self.builder = MessageBuilder() if collect else None
         return [Frame(self.chunks.role())]
 
     def event(self, index: int, ev: Any) -> list[Frame]:
-        self.builder.add(ev)
+        if self.builder is not None:
+            self.builder.add(ev)
+            return []
         if isinstance(ev, TextDelta):  # the hot path
             return [Frame(self.chunks.content(ev.text))] if ev.text else []
         chunk = self.chunks.event(ev)
@@ -274,9 +282,8 @@ class ChatEncoder:
         return [Frame(stream_error(message))]
 
     def result(self) -> dict[str, Any]:
-        assert self.fin is not None
-        c = self.chunks
-        out = completion_json(c.id, c.model, c.created, self.builder, self.fin, self.want_logprobs)
+        assert self.fin is not None and self.builder is not None
+        out = completion_json(self.chunks, self.builder, self.fin, self.want_logprobs)
         choice = out["choices"][0]
         msg = choice["message"]
         log(

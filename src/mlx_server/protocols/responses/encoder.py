@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
+from mlx_server.engine.core.handle import Started
 from mlx_server.events import (
     Finished,
     ReasoningDelta,
@@ -283,7 +284,8 @@ class ResponseFrames:
     def frames(events: list[Event]) -> list[Frame]:
         return [Frame(e, event=e["type"]) for e in events]
 
-    async def start(self) -> list[Frame]:
+    def start(self, started: Sequence[Started | None], collect: bool) -> list[Frame]:
+        # Collected or not, the response is built as it goes: it is retrievable while live.
         return self.frames(self.enc.start())
 
     def event(self, index: int, ev: Any) -> list[Frame]:
