@@ -89,7 +89,7 @@ def test_the_server_is_plumbing_the_protocols_use():
         assert not bad, (path, bad)
     # ... and the protocols do use it: every generating route ends through its driver.
     for proto in ("openai", "anthropic", "responses"):
-        mods = set().union(*(imports_of(p) for p in (SRC / "protocols" / proto).glob("*.py")))
+        mods = set().union(*(imports_of(p) for p in (SRC / "protocols" / proto).rglob("*.py")))
         assert "mlx_server.server.streaming" in mods, proto
 
 
@@ -116,8 +116,8 @@ def test_every_protocol_translates_every_finish_reason():
 
     from mlx_server.events import Finished, FinishReason, Usage, finish_reason
     from mlx_server.protocols.anthropic.encoder import STOP_REASONS, stop_reason
-    from mlx_server.protocols.openai.encoder import FINISH_REASONS
-    from mlx_server.protocols.openai.encoder import finish_reason as openai_finish
+    from mlx_server.protocols.openai.finish import FINISH_REASONS
+    from mlx_server.protocols.openai.finish import finish_reason as openai_finish
 
     reasons = set(get_args(FinishReason))
     assert set(FINISH_REASONS) == reasons and set(STOP_REASONS) == reasons
@@ -219,7 +219,6 @@ def test_the_services_know_no_protocol_no_server_and_no_start_up():
 ROOT_MODULES = {
     "__init__",
     "__main__",
-    "choices",
     "cli",
     "config",
     "embedding_service",

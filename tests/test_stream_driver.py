@@ -12,8 +12,7 @@ from collections.abc import AsyncIterator
 import pytest
 
 from mlx_server.events import TextDelta
-from mlx_server.protocols.openai.choices import ChoicesEncoder
-from mlx_server.protocols.openai.encoder import ChatEncoder, ChunkEncoder
+from mlx_server.protocols.openai.chat.encoder import ChatEncoder, ChoicesEncoder, ChunkEncoder
 from mlx_server.server.sse import encode
 from mlx_server.server.streaming import with_keepalive
 

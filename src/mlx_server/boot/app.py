@@ -23,11 +23,10 @@ from mlx_server.protocols.ollama import errors as ollama_errors
 from mlx_server.protocols.ollama.embed import make_router as ollama_embed_router
 from mlx_server.protocols.ollama.routes import make_router as ollama_router
 from mlx_server.protocols.openai import errors as openai_errors
-from mlx_server.protocols.openai.completions import make_router as completions_router
-from mlx_server.protocols.openai.count_tokens import make_router as count_tokens_router
-from mlx_server.protocols.openai.embeddings import make_router as embeddings_router
-from mlx_server.protocols.openai.rerank import make_router as rerank_router
-from mlx_server.protocols.openai.routes import make_router as openai_router
+from mlx_server.protocols.openai.chat.routes import make_router as chat_router
+from mlx_server.protocols.openai.completions.routes import make_router as completions_router
+from mlx_server.protocols.openai.embeddings.routes import embeddings_router, rerank_router
+from mlx_server.protocols.openai.model_list import make_router as model_list_router
 from mlx_server.protocols.responses.routes import make_router as responses_router
 from mlx_server.protocols.responses.store import ResponseStore
 from mlx_server.registry.lease import Models, OneModel
@@ -145,12 +144,10 @@ def _chat_routes(
         return {"status": "cancelled" if n else "no_active_generation", "cancelled_count": n}
 
     keepalive_s = s.keepalive_s
-    app.include_router(
-        openai_router(models, vision=s.vision, max_n=s.max_n, keepalive_s=keepalive_s)
-    )
+    app.include_router(model_list_router(models))
+    app.include_router(chat_router(models, vision=s.vision, max_n=s.max_n, keepalive_s=keepalive_s))
     app.include_router(anthropic_router(models, vision=s.vision, keepalive_s=keepalive_s))
     app.include_router(completions_router(models, max_n=s.max_n, keepalive_s=keepalive_s))
-    app.include_router(count_tokens_router(models, vision=s.vision))
     app.include_router(tokenizer_router(models))
     app.include_router(
         responses_router(models, vision=s.vision, store=store, keepalive_s=keepalive_s)
@@ -167,10 +164,6 @@ def _embedding_routes(app: FastAPI, service: EmbeddingService, models: Models) -
     async def health() -> dict[str, Any]:
         return models.health()
 
-    @app.get("/v1/models")
-    async def list_models() -> dict[str, Any]:
-        return {"object": "list", "data": models.listing()}
-
     @app.post("/v1/cancel")
     async def cancel() -> dict[str, Any]:
         return {"status": "no_active_generation", "cancelled_count": 0}
@@ -186,6 +179,7 @@ def _embedding_routes(app: FastAPI, service: EmbeddingService, models: Models) -
 
     for path in CHAT_PATHS:
         app.add_api_route(path, refuse, methods=["POST"])
+    app.include_router(model_list_router(models))
     app.include_router(embeddings_router(models))
     app.include_router(rerank_router(models))
     app.include_router(ollama_embed_router(models))

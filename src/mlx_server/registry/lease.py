@@ -15,7 +15,6 @@ from fastapi import Request
 from mlx_server.embedding_service import EmbeddingService
 from mlx_server.engine.core.protocol import EngineCounters, EngineLike
 from mlx_server.errors import InvalidRequest
-from mlx_server.protocols.openai.model_list import model_object
 from mlx_server.registry.keep_alive import parse_keep_alive
 from mlx_server.registry.registry import LOADED, ModelRegistry, Slot
 from mlx_server.server.after_response import after_response
@@ -52,7 +51,8 @@ class Models(Protocol):
         ...
 
     def listing(self) -> list[dict[str, Any]]:
-        """``/v1/models``'s entries."""
+        """Each model's ``id`` and what ``/v1/models`` says of it (capabilities, context
+        size, a registry's load state ...)."""
         ...
 
     def health(self) -> dict[str, Any]:
@@ -96,8 +96,8 @@ class OneModel:
     def listing(self) -> list[dict[str, Any]]:
         service = self.service
         if isinstance(service, EmbeddingService):
-            return [model_object(service.model_id, capabilities=service.capabilities)]
-        entry = model_object(service.model_id, **service.context_info())
+            return [{"id": service.model_id, "capabilities": service.capabilities}]
+        entry = {"id": service.model_id, **service.context_info()}
         if service.capabilities:
             entry["capabilities"] = service.capabilities
         return [entry]
@@ -151,14 +151,14 @@ class RegistryModels:
         return [self._entry(s) for s in self.registry.slots.values()]
 
     def _entry(self, slot: Slot) -> dict[str, Any]:
-        """One ``/v1/models`` entry: OpenAI's fields, then the model's state."""
-        entry = model_object(
-            slot.id,
-            status=slot.state,
-            kind=slot.offer.kind,
-            context_length=self.ctx_size,
-            pinned=slot.pinned,
-        )
+        """One model's entry: its state, and while loaded its capabilities."""
+        entry: dict[str, Any] = {
+            "id": slot.id,
+            "status": slot.state,
+            "kind": slot.offer.kind,
+            "context_length": self.ctx_size,
+            "pinned": slot.pinned,
+        }
         if slot.state == LOADED and slot.parts is not None:
             entry["memory_bytes"] = slot.memory_bytes
             service = slot.parts.service

@@ -8,20 +8,20 @@ from dataclasses import replace
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from mlx_server.choices import check_n, start_text_choices
 from mlx_server.errors import InvalidRequest
 from mlx_server.logs import log
 from mlx_server.models.text_prompt import fim_stop_strings
-from mlx_server.protocols.openai.adapter import sampling_params
-from mlx_server.protocols.openai.choices import TextChoiceFrames
-from mlx_server.protocols.openai.completions_encoder import (
+from mlx_server.protocols.openai.completions.encoder import (
     CompletionEncoder,
     PromptOnly,
+    TextChoiceFrames,
 )
-from mlx_server.protocols.openai.completions_schema import CompletionRequest
+from mlx_server.protocols.openai.completions.schemas import CompletionRequest
+from mlx_server.protocols.openai.sampling import sampling_params
 from mlx_server.registry.lease import Models
 from mlx_server.server.http import parse_body
 from mlx_server.server.streaming import respond
+from mlx_server.service.choices import check_n, start_text_choices
 from mlx_server.service.text_completion import CompletionOptions, CompletionService
 
 

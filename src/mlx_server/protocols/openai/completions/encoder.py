@@ -9,15 +9,17 @@ from typing import Any
 from mlx_server.engine.core.handle import Started
 from mlx_server.events import Finished, Logprobs, TextDelta, Usage
 from mlx_server.logs import log
-from mlx_server.protocols.openai.encoder import (
+from mlx_server.protocols.openai.errors import stream_error
+from mlx_server.protocols.openai.finish import (
     DONE,
     KEEPALIVE,
     finish_reason,
     timings_json,
+    total_usage,
     usage_json,
 )
-from mlx_server.protocols.openai.errors import stream_error
 from mlx_server.server.sse import Frame
+from mlx_server.service.choices import counted_once
 
 
 class LegacyLogprobs:
@@ -54,14 +56,6 @@ class LegacyLogprobs:
             "top_logprobs": self.top_logprobs,
             "text_offset": self.text_offset,
         }
-
-
-def total_usage(finals: list[Finished]) -> Usage:
-    return Usage(
-        sum(f.usage.prompt_tokens for f in finals),
-        sum(f.usage.completion_tokens for f in finals),
-        sum(f.usage.cached_tokens for f in finals),
-    )
 
 
 class CompletionEncoder:
@@ -220,3 +214,14 @@ class PromptOnly(CompletionFrames):
 
     def end(self) -> list[Frame]:
         return [DONE]
+
+
+class TextChoiceFrames(CompletionFrames):
+    """Text completions frames for ``n`` choices per prompt: each prompt's usage counted once."""
+
+    def __init__(self, enc: CompletionEncoder, include_usage: bool, n: int):
+        super().__init__(enc, include_usage)
+        self.n = n
+
+    def finish(self, index: int, fin: Finished) -> list[Frame]:
+        return super().finish(index, counted_once(fin, index, self.n))
