@@ -69,8 +69,12 @@ class OneModel:
         self.default_id = service.model_id
 
     async def chat(self, request: Request, name: str | None, keep_alive: Any = None) -> ChatService:
-        if not isinstance(self.service, ChatService):
-            raise AssertionError("an embedding model's app refuses the chat routes")
+        if not isinstance(self.service, ChatService):  # its app refuses the chat routes first
+            raise InvalidRequest(
+                f"the model '{self.default_id}' is an embedding model; it does not generate text",
+                param="model",
+                code="model_not_supported",
+            )
         return self.service
 
     async def encoder(
