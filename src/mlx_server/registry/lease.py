@@ -30,8 +30,6 @@ class Models(Protocol):
     """What the routes serve. ``keep_alive``: the body's own (Ollama's meaning: how long
     the model stays loaded after this request); it is checked where models load."""
 
-    default_id: str
-
     async def chat(self, request: Request, name: str | None, keep_alive: Any = None) -> ChatService:
         """The chat model ``name`` (empty: the default), leased for ``request``."""
         ...
@@ -66,12 +64,12 @@ class OneModel:
 
     def __init__(self, service: ChatService | EmbeddingService):
         self.service = service
-        self.default_id = service.model_id
+        self.model_id = service.model_id
 
     async def chat(self, request: Request, name: str | None, keep_alive: Any = None) -> ChatService:
         if not isinstance(self.service, ChatService):  # its app refuses the chat routes first
             raise InvalidRequest(
-                f"the model '{self.default_id}' is an embedding model; it does not generate text",
+                f"the model '{self.model_id}' is an embedding model; it does not generate text",
                 param="model",
                 code="model_not_supported",
             )
@@ -82,7 +80,7 @@ class OneModel:
     ) -> EmbeddingService:
         if not isinstance(self.service, EmbeddingService):
             raise InvalidRequest(
-                f"the model '{self.default_id}' is a chat model; it does not serve embeddings "
+                f"the model '{self.model_id}' is a chat model; it does not serve embeddings "
                 "or rerank; start the server with an embedding or reranker model "
                 "(or --embedding)",
                 param="model",
@@ -125,7 +123,6 @@ class RegistryModels:
     def __init__(self, registry: ModelRegistry, ctx_size: int):
         self.registry = registry
         self.ctx_size = ctx_size
-        self.default_id = registry.default_id
 
     async def _lease(self, request: Request, name: str | None, keep_alive: Any, serves: str) -> Any:
         """The model's service; a model of the other kind is a 400, an unknown one a 404
