@@ -35,7 +35,7 @@ def test_a_content_chunk_is_the_dictionary_serialised(text):
 
 def test_every_choice_streams_its_own_index():
     enc = ChoicesEncoder("id", "m", include_usage=False, want_logprobs=False, n=3)
-    role = [json.loads(encode(f)[len(b"data: ") :]) for f in enc.start([None] * 3, False)]
+    role = [json.loads(encode(f)[len(b"data: ") :]) for f in enc.open(collect=False)]
     assert [r["choices"][0]["index"] for r in role] == [0, 1, 2]
     for i in range(3):
         (frame,) = enc.event(i, TextDelta(f"t{i}"))
@@ -44,9 +44,9 @@ def test_every_choice_streams_its_own_index():
             data["choices"][0]["index"] == i and data["choices"][0]["delta"]["content"] == f"t{i}"
         )
     single = ChatEncoder("id", "m", include_usage=False, want_logprobs=False)
-    single.start([None], collect=False)
+    single.open(collect=False)
     assert single.event(0, TextDelta("")) == []
-    single.start([None], collect=True)  # a collected answer makes no frames
+    single.open(collect=True)  # a collected answer makes no frames
     assert single.event(0, TextDelta("kept")) == [] and single.builder.content == ["kept"]
 
 

@@ -33,12 +33,9 @@ T = TypeVar("T")
 
 
 class Source(Protocol):
-    """One generation: its start, then neutral events ending with ``Finished``."""
-
-    async def started(self) -> Started | None:
-        """Wait until the engine takes it up (it may queue first): its announcement, or
-        None if it ended without starting."""
-        ...
+    """One generation: ``Started`` once the engine takes it up (it may queue first), then
+    neutral events, ending with ``Finished`` (which may come without a start: a request
+    cancelled while it waited)."""
 
     def events(self) -> AsyncIterator[Any]: ...
 
@@ -55,11 +52,14 @@ class Encoder(Protocol):
         """The frame sent when the stream has been silent for a while."""
         ...
 
-    def start(self, started: Sequence[Started | None], collect: bool) -> list[Frame]:
-        """The frames before the first event, once the engine took the generations up:
-        ``started`` holds each one's announcement (the prompt tokens the prefix cache
-        covered), None for one that ended first; ``collect``: the answer is collected
-        (``result``), not streamed."""
+    def open(self, collect: bool) -> list[Frame]:
+        """The frames a stream starts with, before any generation is taken up;
+        ``collect``: the answer is collected (``result``), not streamed."""
+        ...
+
+    def start(self, index: int, started: Started) -> list[Frame]:
+        """Generation ``index`` was taken up; ``started`` says how much of its prompt the
+        prefix cache covered."""
         ...
 
     def event(self, index: int, ev: Any) -> list[Frame]:
@@ -124,9 +124,11 @@ def cancel_all(sources: Sequence[Source]) -> None:
 async def _steps(
     encoder: Encoder, sources: Sequence[Source], collect: bool
 ) -> AsyncIterator[list[Frame]]:
-    yield encoder.start([await s.started() for s in sources], collect)
+    yield encoder.open(collect)
     async for i, ev in merged(sources):
-        if isinstance(ev, Finished):
+        if isinstance(ev, Started):
+            yield encoder.start(i, ev)
+        elif isinstance(ev, Finished):
             if ev.reason == "error":
                 raise GenerationFailed(ev)
             if ev.reason == "cancelled":

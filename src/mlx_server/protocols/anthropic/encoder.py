@@ -13,7 +13,6 @@ import copy
 import hashlib
 import json
 import uuid
-from collections.abc import Sequence
 from typing import Any, Literal
 
 from mlx_server.engine.core.handle import Started
@@ -297,18 +296,22 @@ class MessagesEncoder:
             self.acc.add(e)
         return []
 
-    def start(self, started: Sequence[Started | None], collect: bool) -> list[Frame]:
-        # message_start reports the prompt's cache split, known once the engine started it.
-        cached = started[0].cached_tokens if started[0] is not None else 0
+    def open(self, collect: bool) -> list[Frame]:
         self.acc = MessageAccumulator() if collect else None
+        return []
+
+    def start(self, index: int, started: Started) -> list[Frame]:
+        # message_start reports the prompt's cache split, known once the engine started it.
         self.opened = True
-        return self._frames(self.enc.start(cached))
+        return self._frames(self.enc.start(started.cached_tokens))
 
     def event(self, index: int, ev: Any) -> list[Frame]:
         return self._frames(self.enc.event(ev))
 
     def finish(self, index: int, fin: Finished) -> list[Frame]:
-        return self._frames(self.enc.finish(fin))
+        # A request cancelled while it waited ends without a start: the message opens here.
+        opening = [] if self.opened else self.start(index, Started(0))
+        return opening + self._frames(self.enc.finish(fin))
 
     def end(self) -> list[Frame]:
         return []

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Sequence
 from datetime import datetime, timezone
 from typing import Any
 
@@ -138,8 +137,11 @@ class OllamaEncoder:
         out["done"] = False
         return out
 
-    def start(self, started: Sequence[Started | None], collect: bool) -> list[Frame]:
+    def open(self, collect: bool) -> list[Frame]:
         self.collect = collect
+        return []
+
+    def start(self, index: int, started: Started) -> list[Frame]:
         self.clock.mark_started()
         return []
 

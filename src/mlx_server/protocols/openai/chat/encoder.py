@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Sequence
 from typing import Any
 
 from mlx_server.engine.core.handle import Started
@@ -209,9 +208,12 @@ class ChatEncoder:
         self.want_logprobs = want_logprobs
         self.fin: Finished | None = None
 
-    def start(self, started: Sequence[Started | None], collect: bool) -> list[Frame]:
+    def open(self, collect: bool) -> list[Frame]:
         self.builder = MessageBuilder() if collect else None
         return [Frame(self.chunks.role())]
+
+    def start(self, index: int, started: Started) -> list[Frame]:
+        return []
 
     def event(self, index: int, ev: Any) -> list[Frame]:
         if self.builder is not None:
@@ -264,8 +266,11 @@ class ChoicesEncoder:
     def _usage(self) -> dict[str, Any]:
         return usage_json(total_usage([self.finals[i] for i in sorted(self.finals)]))
 
-    def start(self, started: Sequence[Started | None], collect: bool) -> list[Frame]:
-        return [f for e, s in zip(self.encs, started, strict=True) for f in e.start([s], collect)]
+    def open(self, collect: bool) -> list[Frame]:
+        return [f for e in self.encs for f in e.open(collect)]
+
+    def start(self, index: int, started: Started) -> list[Frame]:
+        return []
 
     def event(self, index: int, ev: Any) -> list[Frame]:
         return self.encs[index].event(index, ev)

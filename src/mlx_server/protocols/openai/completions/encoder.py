@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
 from typing import Any
 
 from mlx_server.engine.core.handle import Started
@@ -168,9 +167,12 @@ class CompletionFrames:
         self.left = len(enc.echoes)
         self.collect = False
 
-    def start(self, started: Sequence[Started | None], collect: bool) -> list[Frame]:
+    def open(self, collect: bool) -> list[Frame]:
         self.collect = collect
         return [Frame(c) for c in self.enc.echo_chunks()]
+
+    def start(self, index: int, started: Started) -> list[Frame]:
+        return []
 
     def event(self, index: int, ev: Any) -> list[Frame]:
         if self.collect:
@@ -205,7 +207,7 @@ class PromptOnly(CompletionFrames):
         for i, n in enumerate(prompt_tokens):
             enc.finals[i] = Finished("length", Usage(n, 0))
 
-    def start(self, started: Sequence[Started | None], collect: bool) -> list[Frame]:
+    def open(self, collect: bool) -> list[Frame]:
         whole = self.enc.response()
         usage = whole.pop("usage")
         if not self.include_usage:
