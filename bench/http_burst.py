@@ -155,8 +155,8 @@ def worker_main(flags: list[str]) -> None:
     from mlx_server.boot.chat import load_chat_model
     from mlx_server.boot.memory import set_cache_limit
     from mlx_server.cli import parse_settings
-    from mlx_server.protocols.openai.adapter import to_chat_request
-    from mlx_server.protocols.openai.schemas import ChatCompletionRequest
+    from mlx_server.protocols.openai.chat.adapter import to_chat_request
+    from mlx_server.protocols.openai.chat.schemas import ChatCompletionRequest
 
     out = os.fdopen(os.dup(1), "w")  # results only; the server's log lines go to stderr
     os.dup2(2, 1)

@@ -165,8 +165,8 @@ def serve_main(a: argparse.Namespace) -> None:
 async def engine_burst(service: Any, rep: int, n: int, tokens: int) -> dict[str, Any]:
     from mlx_server.engine.core.handle import TokenPiece
     from mlx_server.events import Finished
-    from mlx_server.protocols.openai.adapter import to_chat_request
-    from mlx_server.protocols.openai.schemas import ChatCompletionRequest
+    from mlx_server.protocols.openai.chat.adapter import to_chat_request
+    from mlx_server.protocols.openai.chat.schemas import ChatCompletionRequest
 
     chats = [
         to_chat_request(ChatCompletionRequest.model_validate(body(rep, i, tokens)))
@@ -192,8 +192,8 @@ async def engine_burst(service: Any, rep: int, n: int, tokens: int) -> dict[str,
 
 async def service_burst(service: Any, rep: int, n: int, tokens: int) -> dict[str, Any]:
     from mlx_server.events import Finished
-    from mlx_server.protocols.openai.adapter import to_chat_request
-    from mlx_server.protocols.openai.schemas import ChatCompletionRequest
+    from mlx_server.protocols.openai.chat.adapter import to_chat_request
+    from mlx_server.protocols.openai.chat.schemas import ChatCompletionRequest
 
     chats = [
         to_chat_request(ChatCompletionRequest.model_validate(body(rep, i, tokens)))

@@ -52,8 +52,6 @@ def start_in_process(
     app_kw: dict | None = None,
     **service_kw,
 ) -> InProcessServer:
-    import uvicorn
-
     from mlx_server.boot.app import create_app
     from mlx_server.server.metrics import Metrics
     from mlx_server.service import ChatService
@@ -62,6 +60,13 @@ def start_in_process(
     engine = engine or ScriptedEngine(observer=metrics)
     service = ChatService("scripted-model", tokenizer, engine, ctx_size=ctx_size, **service_kw)
     app = create_app(service, api_key=api_key, metrics=metrics, **(app_kw or {}))
+    return serve_in_process(app, engine, service)
+
+
+def serve_in_process(app, engine=None, service=None) -> InProcessServer:
+    """Serve ``app`` with uvicorn on a thread of this process."""
+    import uvicorn
+
     port = free_port()
     config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error", lifespan="off")
     server = uvicorn.Server(config)

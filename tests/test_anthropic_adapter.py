@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from mlx_server.engine.core.handle import Started
 from mlx_server.errors import InvalidRequest, UnsupportedFeature
 from mlx_server.events import (
     Finished,
@@ -19,7 +20,11 @@ from mlx_server.protocols.anthropic.adapter import (
     system_text,
     to_chat_request,
 )
-from mlx_server.protocols.anthropic.encoder import MessageAccumulator, StreamEncoder
+from mlx_server.protocols.anthropic.encoder import (
+    MessageAccumulator,
+    MessagesEncoder,
+    StreamEncoder,
+)
 from mlx_server.protocols.anthropic.schemas import (
     CountTokensRequest,
     MessagesRequest,
@@ -326,8 +331,8 @@ def test_count_tokens_request_maps_without_generation_fields():
 
 
 def run(events, fin: Finished, *, prompt: int = 10, cached: int = 0):
-    enc = StreamEncoder("msg_1", "m", prompt, cached)
-    stream = enc.start()
+    enc = StreamEncoder("msg_1", "m", prompt)
+    stream = enc.start(cached)
     for ev in events:
         stream += enc.event(ev)
     stream += enc.finish(fin)
@@ -439,3 +444,28 @@ def test_consecutive_turns_of_one_role_are_merged():
             ],
         }
     ]
+
+
+@pytest.mark.parametrize("collect", [False, True])
+def test_message_start_carries_the_start_events_cache_split(collect):
+    enc = MessagesEncoder(StreamEncoder("msg_1", "m", 100))
+    assert enc.open(collect) == []
+    opening = enc.start(0, Started(cached_tokens=40))
+    closing = enc.finish(0, Finished("stop", Usage(100, 0, 40)))
+    if collect:
+        assert opening == closing == []
+        assert enc.result()["usage"]["cache_read_input_tokens"] == 40
+    else:
+        assert opening[0].event == "message_start"
+        assert opening[0].data["message"]["usage"]["cache_read_input_tokens"] == 40
+
+
+@pytest.mark.parametrize("collect", [False, True])
+def test_a_message_cancelled_before_it_started_still_opens(collect):
+    enc = MessagesEncoder(StreamEncoder("msg_1", "m", 7))
+    enc.open(collect)
+    frames = enc.finish(0, Finished("cancelled", Usage(7, 0)))
+    if collect:
+        assert frames == [] and enc.result()["usage"]["input_tokens"] == 7
+    else:
+        assert [f.event for f in frames][0] == "message_start"

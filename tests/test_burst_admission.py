@@ -12,8 +12,8 @@ from collections.abc import Callable
 import pytest
 from engine_runner import collect, load_varied_model, request, running_engine
 
-from mlx_server.protocols.openai.adapter import to_chat_request
-from mlx_server.protocols.openai.schemas import ChatCompletionRequest
+from mlx_server.protocols.openai.chat.adapter import to_chat_request
+from mlx_server.protocols.openai.chat.schemas import ChatCompletionRequest
 from mlx_server.service import ChatService
 
 pytestmark = pytest.mark.tiny

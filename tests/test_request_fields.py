@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from mlx_server.protocols.openai.completions_schema import CompletionRequest
-from mlx_server.protocols.openai.schemas import ChatCompletionRequest
+from mlx_server.protocols.openai.chat.schemas import ChatCompletionRequest
+from mlx_server.protocols.openai.completions.schemas import CompletionRequest
 from mlx_server.server.ignored_fields import known_fields
 
 TESTS = Path(__file__).parent

@@ -10,7 +10,7 @@ from engine_runner import load_varied_model
 from scripted_engine import ScriptedEngine
 
 from mlx_server.engine.core.engine import Engine, EngineConfig
-from mlx_server.engine.core.protocol import ChatEngine, EngineLike, engine_stats
+from mlx_server.engine.core.protocol import ChatEngine, EngineCounters, EngineLike, engine_stats
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "mlx_server"
 
@@ -19,17 +19,15 @@ def test_every_engine_is_engine_like(tmp_path_factory):
     from mlx_server.engine.embedding.engine import EmbeddingEngine
     from mlx_server.engine.runners.vision import VisionEngine
     from mlx_server.registry.catalog import Offer
+    from mlx_server.registry.lease import LoadedEngines, RegistryModels
     from mlx_server.registry.registry import Limits, ModelRegistry
-    from mlx_server.registry.routing import RoutedEngine
 
     model, tokenizer, _ = load_varied_model(tmp_path_factory)
     scripted = ScriptedEngine()
-    registry = ModelRegistry([Offer("m", "/m", "chat", 0)], Limits(0, 0, 0.0, 0, 0), print)
     for engine in (
         Engine(model, tokenizer, EngineConfig()),
         VisionEngine(model, tokenizer, EngineConfig()),
         EmbeddingEngine(runner=None),
-        RoutedEngine(registry),
         scripted,
     ):
         assert isinstance(engine, EngineLike), type(engine)
@@ -38,6 +36,11 @@ def test_every_engine_is_engine_like(tmp_path_factory):
         # Each kind declares the protocol's methods itself (not through __getattr__).
         declared = {n for c in type(engine).__mro__ for n in vars(c)}
         assert {"call", "stats", "submit", "cancel", "start", "shutdown"} <= declared
+    # A registry's models are counted as one for monitoring; no engine stands for them.
+    registry = ModelRegistry([Offer("m", "/m", "chat", 0)], Limits(0, 0, 0.0, 0, 0), print)
+    loaded = LoadedEngines(RegistryModels(registry, 256))
+    assert isinstance(loaded, EngineCounters) and not isinstance(loaded, EngineLike)
+    assert engine_stats(loaded) == {"active": 0, "queued": 0}
     # The engines the chat service generates on announce requests (no getattr probing).
     for engine in (Engine(model, tokenizer, EngineConfig()), scripted):
         assert isinstance(engine, ChatEngine), type(engine)
@@ -86,7 +89,7 @@ def test_the_server_is_plumbing_the_protocols_use():
         assert not bad, (path, bad)
     # ... and the protocols do use it: every generating route ends through its driver.
     for proto in ("openai", "anthropic", "responses"):
-        mods = set().union(*(imports_of(p) for p in (SRC / "protocols" / proto).glob("*.py")))
+        mods = set().union(*(imports_of(p) for p in (SRC / "protocols" / proto).rglob("*.py")))
         assert "mlx_server.server.streaming" in mods, proto
 
 
@@ -113,8 +116,8 @@ def test_every_protocol_translates_every_finish_reason():
 
     from mlx_server.events import Finished, FinishReason, Usage, finish_reason
     from mlx_server.protocols.anthropic.encoder import STOP_REASONS, stop_reason
-    from mlx_server.protocols.openai.encoder import FINISH_REASONS
-    from mlx_server.protocols.openai.encoder import finish_reason as openai_finish
+    from mlx_server.protocols.openai.finish import FINISH_REASONS
+    from mlx_server.protocols.openai.finish import finish_reason as openai_finish
 
     reasons = set(get_args(FinishReason))
     assert set(FINISH_REASONS) == reasons and set(STOP_REASONS) == reasons
@@ -216,7 +219,6 @@ def test_the_services_know_no_protocol_no_server_and_no_start_up():
 ROOT_MODULES = {
     "__init__",
     "__main__",
-    "choices",
     "cli",
     "config",
     "embedding_service",

@@ -164,8 +164,8 @@ def test_predicted_outputs_on_the_wire() -> None:
     from openai.types.completion_usage import CompletionUsage
 
     from mlx_server.events import Usage
-    from mlx_server.protocols.openai.encoder import usage_json
-    from mlx_server.protocols.openai.schemas import ChatCompletionRequest
+    from mlx_server.protocols.openai.chat.schemas import ChatCompletionRequest
+    from mlx_server.protocols.openai.finish import usage_json
 
     msgs = [{"role": "user", "content": "edit this"}]
     parts = [{"type": "text", "text": "def f():"}, {"type": "text", "text": " pass"}]

@@ -12,8 +12,7 @@ from collections.abc import AsyncIterator
 import pytest
 
 from mlx_server.events import TextDelta
-from mlx_server.protocols.openai.choices import ChoicesEncoder
-from mlx_server.protocols.openai.encoder import ChatEncoder, ChunkEncoder
+from mlx_server.protocols.openai.chat.encoder import ChatEncoder, ChoicesEncoder, ChunkEncoder
 from mlx_server.server.sse import encode
 from mlx_server.server.streaming import with_keepalive
 
@@ -36,6 +35,8 @@ def test_a_content_chunk_is_the_dictionary_serialised(text):
 
 def test_every_choice_streams_its_own_index():
     enc = ChoicesEncoder("id", "m", include_usage=False, want_logprobs=False, n=3)
+    role = [json.loads(encode(f)[len(b"data: ") :]) for f in enc.open(collect=False)]
+    assert [r["choices"][0]["index"] for r in role] == [0, 1, 2]
     for i in range(3):
         (frame,) = enc.event(i, TextDelta(f"t{i}"))
         data = json.loads(encode(frame)[len(b"data: ") :])
@@ -43,7 +44,10 @@ def test_every_choice_streams_its_own_index():
             data["choices"][0]["index"] == i and data["choices"][0]["delta"]["content"] == f"t{i}"
         )
     single = ChatEncoder("id", "m", include_usage=False, want_logprobs=False)
+    single.open(collect=False)
     assert single.event(0, TextDelta("")) == []
+    single.open(collect=True)  # a collected answer makes no frames
+    assert single.event(0, TextDelta("kept")) == [] and single.builder.content == ["kept"]
 
 
 async def source(

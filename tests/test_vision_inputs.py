@@ -20,8 +20,8 @@ from mlx_server.models.media import (
     is_video_container,
     read_bytes,
 )
-from mlx_server.protocols.openai.adapter import to_chat_request
-from mlx_server.protocols.openai.schemas import ChatCompletionRequest
+from mlx_server.protocols.openai.chat.adapter import to_chat_request
+from mlx_server.protocols.openai.chat.schemas import ChatCompletionRequest
 
 LIMITS = MediaLimits()
 

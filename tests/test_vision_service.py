@@ -14,6 +14,7 @@ from PIL import Image
 from tiny_vlm import build_tiny_idefics3
 
 from mlx_server.engine.core.engine import EngineConfig
+from mlx_server.engine.core.handle import Started
 from mlx_server.engine.runners.vision import VisionEngine
 from mlx_server.errors import ContextLengthExceeded, InvalidRequest
 from mlx_server.events import Finished, Logprobs, TextDelta
@@ -65,7 +66,7 @@ def run(service: ChatService, req: ChatRequest) -> tuple[str, Finished]:
             elif isinstance(ev, Finished):
                 final = ev
             else:
-                assert isinstance(ev, Logprobs)
+                assert isinstance(ev, Logprobs | Started)
         return text, final
 
     return asyncio.run(main())

@@ -1,10 +1,25 @@
 """Checks of request parameters that need the model: valid in the protocol, but not for
-every vocabulary."""
+every vocabulary, or not for a model that takes text only."""
 
 from __future__ import annotations
 
 from mlx_server.errors import InvalidRequest
-from mlx_server.types import SamplingParams
+from mlx_server.types import ChatRequest, SamplingParams
+
+
+def check_text_only(chat: ChatRequest, model_id: str) -> None:
+    """Refuse media parts for a text-only model (a server that also serves a vision model
+    lets its protocols take them), naming the first."""
+    for m in chat.messages:
+        content = m.get("content")
+        for part in content if isinstance(content, list) else []:
+            if part.get("type") != "text":
+                where = part.get("param") or "messages"
+                raise InvalidRequest(
+                    f"{where} is an {part.get('type')} part, but model '{model_id}' accepts "
+                    "text only",
+                    param=where,
+                )
 
 
 def check_logit_bias(sampling: SamplingParams, vocab_size: int) -> None:

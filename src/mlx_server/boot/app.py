@@ -1,16 +1,17 @@
 """The app factory: wires the protocols' routes and error envelopes onto the server's
-plumbing (middleware, browser guard, metrics, error handlers) around one service: a chat
-model's, or an embedding or reranker model's, whose app answers the chat routes with a 400
-that says which model this is and what it serves. One plumbing stack for both."""
+plumbing (middleware, browser guard, metrics, error handlers) around the models served: one
+chat model, one embedding or reranker model (whose app answers the chat routes with a 400
+that says which model this is and what it serves), or a registry's. One plumbing stack for
+all; every router is handed the ``Models`` its requests lease from and its settings."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request
 from pydantic import BaseModel
 
-from mlx_server.choices import DEFAULT_MAX_N
 from mlx_server.config import Settings
 from mlx_server.embedding_service import EmbeddingService
 from mlx_server.errors import InvalidRequest
@@ -22,14 +23,14 @@ from mlx_server.protocols.ollama import errors as ollama_errors
 from mlx_server.protocols.ollama.embed import make_router as ollama_embed_router
 from mlx_server.protocols.ollama.routes import make_router as ollama_router
 from mlx_server.protocols.openai import errors as openai_errors
-from mlx_server.protocols.openai.completions import make_router as completions_router
-from mlx_server.protocols.openai.count_tokens import make_router as count_tokens_router
-from mlx_server.protocols.openai.embeddings import make_router as embeddings_router
-from mlx_server.protocols.openai.model_list import model_object
-from mlx_server.protocols.openai.rerank import make_router as rerank_router
-from mlx_server.protocols.openai.routes import make_router as openai_router
+from mlx_server.protocols.openai.chat.routes import make_router as chat_router
+from mlx_server.protocols.openai.completions.routes import make_router as completions_router
+from mlx_server.protocols.openai.embeddings.routes import embeddings_router, rerank_router
+from mlx_server.protocols.openai.model_list import make_router as model_list_router
 from mlx_server.protocols.responses.routes import make_router as responses_router
 from mlx_server.protocols.responses.store import ResponseStore
+from mlx_server.registry.lease import Models, OneModel
+from mlx_server.server.after_response import AfterResponse
 from mlx_server.server.aliases import OpenAIPathAliases
 from mlx_server.server.browser_guard import BrowserGuard, BrowserPolicy
 from mlx_server.server.errors import Envelopes, install_error_handlers
@@ -45,8 +46,6 @@ from mlx_server.webui import make_router as webui_router
 class CancelRequest(BaseModel):
     id: str | None = None
 
-
-_HEALTH_STATS = ("prompt_cache_", "kv_in_use_bytes", "memory_")
 
 # The generating routes of a chat model, refused with a 400 (not a 404) by an embedding model.
 CHAT_PATHS = (
@@ -66,7 +65,7 @@ KEYED_PATHS = frozenset({"/tokenize", "/detokenize", "/embeddings", "/rerank"})
 
 
 def create_app(
-    service: ChatService | EmbeddingService,
+    served: ChatService | EmbeddingService | Models,
     *,
     api_key: str = "",
     vision: bool = False,
@@ -75,34 +74,36 @@ def create_app(
     metrics_open: bool = False,
     responses_store: ResponseStore | None = None,
     webui: bool = True,
-    max_n: int = DEFAULT_MAX_N,
+    max_n: int = Settings.max_n,
     keepalive_s: float = KEEPALIVE_S,
     extra: APIRouter | None = None,
     metrics: Metrics | None = None,
 ) -> FastAPI:
-    """Build the ASGI app around a ChatService (whose engine may be real or scripted) or an
-    EmbeddingService. ``keepalive_s``: how long a stream may stay silent before it gets a
-    keep-alive frame; ``extra``: routes matched before the ones below (several models'
-    /v1/models, /health, /v1/embeddings); ``metrics``: what the engines were built to
-    report their generations to (a new one, counting only HTTP, when not given)."""
+    """Build the ASGI app around one model's service (a ChatService, whose engine may be
+    real or scripted, or an EmbeddingService) or a registry's ``Models``. ``max_n``: the
+    most choices per request; ``keepalive_s``: how long a stream may stay silent before it
+    gets a keep-alive frame; ``extra``: routes matched before the ones below (a registry's
+    load and unload); ``metrics``: what the engines were built to report their generations
+    to (a new one, counting only HTTP, when not given)."""
+    models = OneModel(served) if isinstance(served, ChatService | EmbeddingService) else served
     app = FastAPI(title="mlx-server", docs_url=None, redoc_url=None, openapi_url=None)
     # Paths match exactly: no redirect from "/v1/chat/completions/" to the route.
     app.router.redirect_slashes = False
-    app.state.service = service
-    app.state.max_n = max_n  # most choices (n) per request
-    app.state.keepalive_s = keepalive_s
-    app.state.metrics = metrics = metrics or Metrics()
-    metrics.count(service.engine)
+    metrics = metrics or Metrics()
+    metrics.count(models.counters())
     install_metrics(app, metrics)
     if extra is not None:
         app.include_router(extra)
-    if isinstance(service, EmbeddingService):
-        _embedding_routes(app, service)
+    if isinstance(served, EmbeddingService):
+        _embedding_routes(app, served, models)
     else:
-        _chat_routes(app, service, vision=vision, store=responses_store, webui=webui)
+        store = responses_store if responses_store is not None else ResponseStore()
+        settings = _RouteSettings(vision, max_n, keepalive_s)
+        _chat_routes(app, models, settings, store=store, webui=webui)
     envelopes = error_envelopes()
     install_error_handlers(app, envelopes)
     keyed = KEYED_PATHS if metrics_open else KEYED_PATHS | {"/metrics"}
+    app.add_middleware(AfterResponse)  # gives back the models the request leased
     app.add_middleware(IgnoredFieldsHeader)
     app.add_middleware(
         GuardMiddleware, envelopes=envelopes, api_key=api_key, max_body=max_body, keyed_paths=keyed
@@ -118,27 +119,19 @@ def create_app(
     return app
 
 
-def _chat_routes(
-    app: FastAPI,
-    service: ChatService,
-    *,
-    vision: bool,
-    store: ResponseStore | None,
-    webui: bool,
-) -> None:
-    engine = service.engine
+@dataclass(frozen=True)
+class _RouteSettings:
+    vision: bool  # media parts are taken (a model that takes images is served)
+    max_n: int
+    keepalive_s: float
 
+
+def _chat_routes(
+    app: FastAPI, models: Models, s: _RouteSettings, *, store: ResponseStore, webui: bool
+) -> None:
     @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> dict[str, Any]:
-        body: dict[str, Any] = {
-            "status": "ok",
-            "active": engine.active_count,
-            "queued": engine.queue_depth,
-            **service.context_info(),
-        }
-        # prefix-cache counters (RAM and disk tiers), memory in use
-        body.update({k: v for k, v in engine.stats().items() if k.startswith(_HEALTH_STATS)})
-        return body
+        return models.health()
 
     @app.post("/v1/cancel")
     async def cancel(request: Request) -> dict[str, Any]:
@@ -146,41 +139,30 @@ def _chat_routes(
         target = None
         if raw.strip():
             target = (await parse_body(request, CancelRequest)).id
-        n = engine.cancel(target)
+        n = sum(engine.cancel(target) for engine in models.engines())
         log(f"Cancel requested: {n} active generation(s) cancelled")
         return {"status": "cancelled" if n else "no_active_generation", "cancelled_count": n}
 
-    app.include_router(openai_router(service, vision=vision))
-    app.include_router(anthropic_router(service, vision=vision))
-    app.include_router(completions_router(service))
-    app.include_router(count_tokens_router(service, vision=vision))
-    app.include_router(tokenizer_router(service))
-    app.include_router(responses_router(service, vision=vision, store=store))
-    app.include_router(embeddings_router(None, service.model_id))  # a chat model: 400s
-    app.include_router(rerank_router(None, service.model_id))
-    app.include_router(ollama_router(service, vision=vision))
+    keepalive_s = s.keepalive_s
+    app.include_router(model_list_router(models))
+    app.include_router(chat_router(models, vision=s.vision, max_n=s.max_n, keepalive_s=keepalive_s))
+    app.include_router(anthropic_router(models, vision=s.vision, keepalive_s=keepalive_s))
+    app.include_router(completions_router(models, max_n=s.max_n, keepalive_s=keepalive_s))
+    app.include_router(tokenizer_router(models))
+    app.include_router(
+        responses_router(models, vision=s.vision, store=store, keepalive_s=keepalive_s)
+    )
+    app.include_router(embeddings_router(models))  # a chat model: 400s
+    app.include_router(rerank_router(models))
+    app.include_router(ollama_router(models, vision=s.vision, keepalive_s=keepalive_s))
     if webui:  # the chat page at / (static files; it uses the API above like any client)
         app.include_router(webui_router())
 
 
-def _embedding_routes(app: FastAPI, service: EmbeddingService) -> None:
-    engine = service.engine
-
+def _embedding_routes(app: FastAPI, service: EmbeddingService, models: Models) -> None:
     @app.get("/health")
     async def health() -> dict[str, Any]:
-        # The engine's counters too: inputs waiting, and inputs, tokens and batches done.
-        stats = {k: v for k, v in engine.stats().items() if isinstance(v, int)}
-        return {
-            "status": "ok",
-            **stats,
-            "active": engine.active_count,
-            "queued": engine.queue_depth,
-        }
-
-    @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
-        entry = model_object(service.model_id, capabilities=service.capabilities)
-        return {"object": "list", "data": [entry]}
+        return models.health()
 
     @app.post("/v1/cancel")
     async def cancel() -> dict[str, Any]:
@@ -197,9 +179,10 @@ def _embedding_routes(app: FastAPI, service: EmbeddingService) -> None:
 
     for path in CHAT_PATHS:
         app.add_api_route(path, refuse, methods=["POST"])
-    app.include_router(embeddings_router(service, service.model_id))
-    app.include_router(rerank_router(service, service.model_id))
-    app.include_router(ollama_embed_router(service, service.model_id))
+    app.include_router(model_list_router(models))
+    app.include_router(embeddings_router(models))
+    app.include_router(rerank_router(models))
+    app.include_router(ollama_embed_router(models))
 
 
 def app_options(settings: Settings, *, vision: bool = False) -> dict[str, Any]:

@@ -1,13 +1,11 @@
-"""Several-models start-up: the catalog, the registry, the routing service and the app."""
+"""Several-models start-up: the catalog, the registry and the app whose routes lease from it."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
 from pathlib import Path
-from typing import Any, cast
-
-from fastapi import APIRouter
+from typing import Any
 
 from mlx_server.boot.app import app_options, create_app
 from mlx_server.boot.chat import load_chat_model
@@ -16,13 +14,10 @@ from mlx_server.boot.memory import kv_budget_bytes, set_cache_limit
 from mlx_server.config import Settings
 from mlx_server.logs import log
 from mlx_server.models.loader import device_memory_bytes
-from mlx_server.protocols.ollama.embed import make_router as ollama_embed_router
-from mlx_server.protocols.openai.embeddings import make_router as embeddings_router
-from mlx_server.protocols.openai.rerank import make_router as rerank_router
 from mlx_server.registry.catalog import Offer, discover
+from mlx_server.registry.lease import RegistryModels
 from mlx_server.registry.registry import Limits, ModelRegistry
 from mlx_server.registry.routes import ModelsCollector, make_router
-from mlx_server.registry.routing import RequestLeases, RoutedEmbeddings, RoutedService, binder
 from mlx_server.server.metrics import Metrics
 
 
@@ -39,8 +34,9 @@ def limits(settings: Settings) -> Limits:
     )
 
 
-def build(settings: Settings) -> tuple[Any, Any]:
-    """The app over every offered model (pinned ones loaded now) and its routing engine."""
+def build(settings: Settings) -> tuple[Any, ModelRegistry]:
+    """The app over every offered model (pinned ones loaded now) and the registry (which
+    stops every loaded model's engine at shutdown)."""
     offers = discover(settings)
     if not offers:
         raise ValueError(f"no models found in {settings.models_dir}")
@@ -63,27 +59,11 @@ def build(settings: Settings) -> tuple[Any, Any]:
         return load_chat_model(one, observer=metrics)  # every model's generations counted
 
     registry = ModelRegistry(offers, limits(settings), load, pinned=tuple(settings.pinned))
-    service = RoutedService(registry)
     vision = any(o.kind == "vision" for o in offers)
-    extra = routes(registry, settings.ctx_size)
     options = app_options(settings, vision=vision)
-    app = create_app(cast(Any, service), **options, extra=extra, metrics=metrics)
+    models = RegistryModels(registry, settings.ctx_size)
+    app = create_app(models, **options, extra=make_router(registry), metrics=metrics)
     metrics.registry.register(ModelsCollector(registry))
-    app.state.bind_model = binder(registry)
-    app.state.registry = registry
-    app.add_middleware(RequestLeases, registry=registry)
     for model_id in settings.pinned:  # loaded before the server reports ready
         asyncio.run(registry.load(model_id))
-    return app, service.engine
-
-
-def routes(registry: ModelRegistry, ctx_size: int) -> Any:
-    """The registry's own routes, and the embeddings and rerank routes over its embedding
-    models (matched before the chat app's, which answer a 400 for one chat model)."""
-    router = APIRouter()
-    router.include_router(make_router(registry, ctx_size))
-    encoders = cast(Any, RoutedEmbeddings(registry))  # an EmbeddingService per request
-    router.include_router(embeddings_router(encoders, registry.default_id))
-    router.include_router(rerank_router(encoders, registry.default_id))
-    router.include_router(ollama_embed_router(encoders, registry.default_id))
-    return router
+    return app, registry

@@ -16,24 +16,27 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict
 
 from mlx_server.models.text_prompt import check_token_ids
+from mlx_server.registry.lease import Models
 from mlx_server.server.http import parse_body
-from mlx_server.service import ChatService
 
 _SPM_BYTE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
-class TokenizeRequest(BaseModel):
+class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
+    model: str | None = None  # several models: whose tokenizer
+    keep_alive: Any = None
+
+
+class TokenizeRequest(_Body):
     content: str
     add_special: bool = False
     parse_special: bool = True
     with_pieces: bool = False
 
 
-class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
+class DetokenizeRequest(_Body):
     tokens: list[int]
 
 
@@ -67,13 +70,13 @@ def piece(data: bytes) -> str | list[int]:
         return list(data)
 
 
-def make_router(service: ChatService) -> APIRouter:
+def make_router(models: Models) -> APIRouter:
     router = APIRouter()
-    tokenizer = service.tokenizer
 
     @router.post("/tokenize")
     async def tokenize(request: Request) -> dict[str, Any]:
         body = await parse_body(request, TokenizeRequest)
+        tokenizer = (await models.chat(request, body.model, body.keep_alive)).tokenizer
         kwargs: dict[str, Any] = {"add_special_tokens": body.add_special}
         if not body.parse_special:
             kwargs["split_special_tokens"] = True  # special-token text stays plain text
@@ -88,6 +91,7 @@ def make_router(service: ChatService) -> APIRouter:
     @router.post("/detokenize")
     async def detokenize(request: Request) -> dict[str, Any]:
         body = await parse_body(request, DetokenizeRequest)
+        tokenizer = (await models.chat(request, body.model, body.keep_alive)).tokenizer
         ids = check_token_ids(tokenizer, body.tokens, "tokens")
         return {"content": tokenizer.decode(ids, skip_special_tokens=False)}
 

@@ -1,60 +1,32 @@
-"""Routes of a server with several models: the listing with each model's status, loading
-and unloading on demand, health per model, and per-model gauges on ``/metrics``."""
+"""Routes of a server with several models: loading and unloading on demand, and per-model
+gauges on ``/metrics``."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any, ClassVar
+from typing import Any
 
 from fastapi import APIRouter, Request
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from pydantic import BaseModel, ConfigDict
 
-from mlx_server.engine.core.protocol import EngineLike
-from mlx_server.protocols.openai.model_list import model_object
 from mlx_server.registry.keep_alive import parse_keep_alive
-from mlx_server.registry.registry import LOADED, ModelRegistry, Slot
+from mlx_server.registry.registry import LOADED, ModelRegistry
 from mlx_server.server.http import parse_body
-
-_DISK_STATE = ("prompt_cache_disk", "prompt_cache_disk_dir", "prompt_cache_disk_off_reason")
 
 
 class ModelAction(BaseModel):
     model_config = ConfigDict(extra="ignore")
-    binds_model: ClassVar[bool] = False  # these routes manage models; no request lease
 
     model: str
     keep_alive: float | str | None = None
 
 
-def model_entry(slot: Slot, ctx_size: int) -> dict[str, Any]:
-    """One ``/v1/models`` entry: OpenAI's fields, then the model's state."""
-    entry = model_object(
-        slot.id,
-        status=slot.state,
-        kind=slot.offer.kind,
-        context_length=ctx_size,
-        pinned=slot.pinned,
-    )
-    if slot.state == LOADED and slot.parts is not None:
-        entry["memory_bytes"] = slot.memory_bytes
-        service = slot.parts.service
-        if service.capabilities:
-            entry["capabilities"] = list(service.capabilities)
-        info = getattr(service, "context_info", None)
-        if callable(info):  # the trained context and the like, where the service says
-            entry.update(info())
-    return entry
-
-
-def make_router(registry: ModelRegistry, ctx_size: int) -> APIRouter:
+def make_router(registry: ModelRegistry) -> APIRouter:
+    """Loading and unloading on demand (the listing and ``/health`` are the app's, through
+    ``RegistryModels``)."""
     router = APIRouter()
-
-    @router.get("/v1/models")
-    async def models() -> dict[str, Any]:
-        data = [model_entry(s, ctx_size) for s in registry.slots.values()]
-        return {"object": "list", "data": data}
 
     @router.post("/v1/models/load")
     async def load(request: Request) -> dict[str, Any]:
@@ -70,29 +42,7 @@ def make_router(registry: ModelRegistry, ctx_size: int) -> APIRouter:
         status = await registry.unload(body.model)
         return {"model": registry.slot(body.model).id, "status": status}
 
-    @router.api_route("/health", methods=["GET", "HEAD"])
-    async def health() -> dict[str, Any]:
-        per_model = {s.id: _health(s) for s in registry.slots.values()}
-        return {
-            "status": "ok",
-            "active": sum(m.get("active", 0) for m in per_model.values()),
-            "queued": sum(m.get("queued", 0) for m in per_model.values()),
-            "models": per_model,
-        }
-
     return router
-
-
-def _health(slot: Slot) -> dict[str, Any]:
-    out: dict[str, Any] = {"status": slot.state}
-    if slot.state == LOADED and slot.parts is not None:
-        engine: EngineLike = slot.parts.engine
-        out.update(
-            active=engine.active_count, queued=engine.queue_depth, memory_bytes=slot.memory_bytes
-        )
-        # whether its prefix cache has a disk tier, and why not
-        out.update({k: v for k, v in engine.stats().items() if k in _DISK_STATE})
-    return out
 
 
 class ModelsCollector(Collector):

@@ -36,9 +36,6 @@ async def parse_body(request: Request, schema: type[M]) -> M:
         body = schema.model_validate(obj)
     except ValidationError as e:
         raise InvalidRequest(describe_validation_error(e), param=_first_loc(e)) from e
-    bind = getattr(request.app.state, "bind_model", None)
-    if bind is not None:  # several models: the one the body names is leased for the request
-        await bind(request, schema, obj)
     return body
 
 

@@ -207,8 +207,7 @@ class EngineCollector(Collector):
         yield _gauge(
             "kv_bytes_in_use", "KV memory admitted for running requests", stats["kv_in_use_bytes"]
         )
-        config = getattr(self.engine, "config", None)
-        budget = getattr(config, "kv_budget_bytes", 0)
+        budget = stats.get("memory_budget_bytes", 0)  # the memory the engine admits KV into
         yield _gauge("kv_budget_bytes", "KV memory budget (--kv-budget-gb)", budget)
         yield _gauge(
             "prefix_cache_entries", "Prefix-cache entries", stats.get("prompt_cache_entries", 0)

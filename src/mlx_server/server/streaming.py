@@ -18,6 +18,7 @@ import anyio
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from mlx_server.engine.core.handle import Started
 from mlx_server.errors import ServerError
 from mlx_server.events import Finished
 from mlx_server.logs import log
@@ -25,14 +26,16 @@ from mlx_server.server.framing import SSE, Framing
 from mlx_server.server.sse import Frame
 
 # Seconds of silence before a stream gets a keep-alive frame (Claude Code's HTTP client
-# gives up after 5 minutes without a byte); the app's ``keepalive_s`` overrides it.
+# gives up after 5 minutes without a byte): the app factory's default.
 KEEPALIVE_S = 15.0
 
 T = TypeVar("T")
 
 
 class Source(Protocol):
-    """One generation: neutral events ending with ``Finished``."""
+    """One generation: ``Started`` once the engine takes it up (it may queue first), then
+    neutral events, ending with ``Finished`` (which may come without a start: a request
+    cancelled while it waited)."""
 
     def events(self) -> AsyncIterator[Any]: ...
 
@@ -40,20 +43,29 @@ class Source(Protocol):
 
 
 class Encoder(Protocol):
-    """A protocol's view of one response: the frames for each step of its generations, and
-    the whole answer. A collected answer runs the same steps and ignores the frames, so
-    both forms always carry the same content."""
+    """A protocol's view of one response: the frames for each step of its generations, or
+    the whole answer. Both forms run the same steps, so they carry the same content; a
+    streamed one keeps nothing for an answer, a collected one makes no frames for events."""
 
     @property
     def keepalive(self) -> Frame:
         """The frame sent when the stream has been silent for a while."""
         ...
 
-    async def start(self) -> list[Frame]:
-        """The frames before the first event (may wait for the engine to take the request)."""
+    def open(self, collect: bool) -> list[Frame]:
+        """The frames a stream starts with, before any generation is taken up;
+        ``collect``: the answer is collected (``result``), not streamed."""
         ...
 
-    def event(self, index: int, ev: Any) -> list[Frame]: ...
+    def start(self, index: int, started: Started) -> list[Frame]:
+        """Generation ``index`` was taken up; ``started`` says how much of its prompt the
+        prefix cache covered."""
+        ...
+
+    def event(self, index: int, ev: Any) -> list[Frame]:
+        """A stream's frames for one event of generation ``index``; when collecting, the
+        event is kept for the answer and no frames are made."""
+        ...
 
     def finish(self, index: int, fin: Finished) -> list[Frame]:
         """Generation ``index`` ended (never with reason ``error``: see ``fail``)."""
@@ -85,14 +97,15 @@ async def respond(
     sources: Sequence[Source],
     *,
     stream: bool,
+    keepalive_s: float,
     on_end: Callable[[], None] | None = None,
     framing: Framing = SSE,
 ) -> Response:
-    """A stream of ``encoder``'s frames (SSE unless ``framing`` says) if ``stream``, else its
-    collected answer. ``on_end`` runs once the response is over, however it ended."""
+    """A stream of ``encoder``'s frames (SSE unless ``framing`` says) if ``stream``, with a
+    keep-alive frame after ``keepalive_s`` seconds of silence, else its collected answer.
+    ``on_end`` runs once the response is over, however it ended."""
     if stream:
-        interval = getattr(request.app.state, "keepalive_s", KEEPALIVE_S)
-        body = _stream(encoder, sources, interval, on_end, framing.encode)
+        body = _stream(encoder, sources, keepalive_s, on_end, framing.encode)
         return EventStreamResponse(body, media_type=framing.media_type, headers=framing.headers)
     result = await until_disconnect(
         request, _collect(encoder, sources, on_end), lambda: cancel_all(sources)
@@ -108,10 +121,14 @@ def cancel_all(sources: Sequence[Source]) -> None:
         s.cancel()
 
 
-async def _steps(encoder: Encoder, sources: Sequence[Source]) -> AsyncIterator[list[Frame]]:
-    yield await encoder.start()
+async def _steps(
+    encoder: Encoder, sources: Sequence[Source], collect: bool
+) -> AsyncIterator[list[Frame]]:
+    yield encoder.open(collect)
     async for i, ev in merged(sources):
-        if isinstance(ev, Finished):
+        if isinstance(ev, Started):
+            yield encoder.start(i, ev)
+        elif isinstance(ev, Finished):
             if ev.reason == "error":
                 raise GenerationFailed(ev)
             if ev.reason == "cancelled":
@@ -127,7 +144,7 @@ async def _collect(
 ) -> dict[str, Any]:
     try:
         try:
-            async for _ in _steps(encoder, sources):
+            async for _ in _steps(encoder, sources, collect=True):
                 pass
         except GenerationFailed as e:
             encoder.fail(str(e), e.fin)
@@ -145,7 +162,7 @@ async def _stream(
     on_end: Callable[[], None] | None,
     encode: Callable[[Frame], bytes],
 ) -> AsyncIterator[bytes]:
-    steps = with_keepalive(_steps(encoder, sources), interval)
+    steps = with_keepalive(_steps(encoder, sources, collect=False), interval)
     try:
         async for frames in steps:  # one write per step of the generation
             if frames is None:

@@ -23,6 +23,7 @@ from mlx_server.models.system_turns import fold_late_system_messages, renders_sy
 from mlx_server.parsing.detection import detect_output_format
 from mlx_server.parsing.pipeline import OutputPipeline
 from mlx_server.parsing.reasoning import prompt_opens_reasoning, reasoning_tags
+from mlx_server.request_checks import check_text_only
 from mlx_server.service.generation import Generation, check_sampling, submit
 from mlx_server.service.history import history_end
 from mlx_server.service.structured import constraint_spec
@@ -169,6 +170,8 @@ class ChatService:
 
     def prepare(self, chat: ChatRequest) -> PreparedPrompt:
         """Render and tokenize; check prompt + max_tokens against the context size."""
+        if self.vision is None:
+            check_text_only(chat, self.model_id)
         text = self.render(chat)
         tokens, vision_inputs = self._encode(chat, text)
         n = len(tokens)

@@ -6,7 +6,7 @@ import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import replace
 
-from mlx_server.engine.core.handle import EngineEvent, GenerationHandle, Started, TokenPiece
+from mlx_server.engine.core.handle import GenerationHandle, Started, TokenPiece
 from mlx_server.engine.core.protocol import EngineLike
 from mlx_server.errors import InvalidRequest
 from mlx_server.events import Finished, Logprobs, OutputEvent
@@ -15,7 +15,7 @@ from mlx_server.parsing.pipeline import OutputPipeline
 from mlx_server.request_checks import check_logit_bias
 from mlx_server.types import GenerationRequest, SamplingParams
 
-StreamEvent = OutputEvent | Logprobs | Finished
+StreamEvent = Started | OutputEvent | Logprobs | Finished
 
 
 def check_sampling(sampling: SamplingParams, vocab_size: int) -> None:
@@ -36,7 +36,8 @@ def submit(engine: EngineLike, req: GenerationRequest, pipeline: OutputPipeline)
 
 
 class Generation:
-    """One running generation: iterate ``events()`` for neutral events, ending with Finished."""
+    """One running generation: iterate ``events()`` for ``Started`` once the engine takes
+    it up, then neutral events, ending with Finished."""
 
     def __init__(
         self,
@@ -49,44 +50,15 @@ class Generation:
         self.handle = handle
         self.pipeline = pipeline
         self.prompt_tokens = prompt_tokens
-        self._start: Started | None = None
-        self._early: list[EngineEvent] = []  # read while waiting for the start, not yet used
-
-    @property
-    def cached_tokens(self) -> int:
-        """Prompt tokens the prefix cache covered (known once the generation started)."""
-        return self._start.cached_tokens if self._start else self.handle.cached_tokens
-
-    async def started(self) -> Started | None:
-        """Wait until the engine takes the request up (it may queue first) and return its
-        announcement, with the real cache split; None if it ended without starting."""
-        while self._start is None and not self._early:
-            try:
-                ev = await self.handle.next_event()
-            except BaseException:  # the consumer went away while the request waited
-                self.handle.cancel()
-                raise
-            if isinstance(ev, Started):
-                self._start = ev
-            else:
-                self._early.append(ev)
-        return self._start
-
-    async def _engine_events(self) -> AsyncIterator[EngineEvent]:
-        while self._early:
-            yield self._early.pop(0)
-        if not self.handle.done:
-            async for ev in self.handle:
-                yield ev
 
     def cancel(self) -> None:
         self.handle.cancel()
 
     async def events(self) -> AsyncIterator[StreamEvent]:
         try:
-            async for ev in self._engine_events():
-                if isinstance(ev, Started):
-                    self._start = self._start or ev
+            async for ev in self.handle:
+                if isinstance(ev, Started):  # for the encoder's opening frames
+                    yield ev
                     continue
                 if isinstance(ev, TokenPiece):
                     if ev.logprobs:

@@ -44,22 +44,18 @@ class CompletionOptions:
 
 
 class CompletionService:
-    """Raw-text generations on a chat service's engine, tokenizer and context size."""
+    """Raw-text generations on a chat service's engine, tokenizer and context size (one
+    per request: it keeps nothing of its own)."""
 
     def __init__(self, chat: ChatService):
         self.chat = chat
-        # Per tokenizer: a server with several models routes to several.
-        self._fim: dict[int, tuple[Any, Any]] = {}
 
     @property
     def tokenizer(self) -> Tokenizer:
         return self.chat.tokenizer
 
     def fim_tokens(self) -> Any:
-        tokenizer = self.tokenizer
-        if id(tokenizer) not in self._fim:  # the tokenizer is kept, so its id stays its own
-            self._fim[id(tokenizer)] = (tokenizer, find_fim_tokens(tokenizer))
-        return self._fim[id(tokenizer)][1]
+        return find_fim_tokens(self.tokenizer)  # the vocabulary is read once per tokenizer
 
     def build_prompt(self, i: int, prompt: PromptInput, suffix: str | None) -> TextPrompt:
         """Token ids for one prompt (raises InvalidRequest naming it)."""

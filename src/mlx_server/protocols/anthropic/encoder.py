@@ -15,6 +15,7 @@ import json
 import uuid
 from typing import Any, Literal
 
+from mlx_server.engine.core.handle import Started
 from mlx_server.events import (
     Finished,
     FinishReason,
@@ -28,7 +29,6 @@ from mlx_server.events import (
 from mlx_server.logs import log
 from mlx_server.protocols.anthropic.errors import error_json
 from mlx_server.server.sse import Frame
-from mlx_server.service import Generation
 
 StopReason = Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"]
 STOP_REASONS: dict[FinishReason, StopReason] = {
@@ -104,19 +104,19 @@ def context_error_message(prompt_tokens: int, max_tokens: int, ctx_size: int) ->
 class StreamEncoder:
     """Builds the stream events of one response, tracking which content block is open."""
 
-    def __init__(self, message_id: str, model: str, prompt_tokens: int, cached_tokens: int = 0):
+    def __init__(self, message_id: str, model: str, prompt_tokens: int):
         self.message_id = message_id
         self.model = model
         self.prompt_tokens = prompt_tokens
-        self.cached_tokens = cached_tokens
         self._index = -1  # index of the newest block
         self._open: str | None = None  # kind of the open block
         self._thinking: list[str] = []
         self._calls: dict[int, int] = {}  # call index → block index
         self._args: dict[int, str] = {}  # call index → arguments sent so far
 
-    def start(self) -> list[dict[str, Any]]:
-        """``message_start`` (empty content, the prompt's token count) and a ``ping``."""
+    def start(self, cached_tokens: int = 0) -> list[dict[str, Any]]:
+        """``message_start`` (empty content, the prompt's token count, of which
+        ``cached_tokens`` came from the prefix cache) and a ``ping``."""
         message: dict[str, Any] = {
             "id": self.message_id,
             "type": "message",
@@ -127,7 +127,7 @@ class StreamEncoder:
             "stop_sequence": None,
             "stop_details": None,
             "container": None,
-            "usage": usage_json(self.prompt_tokens, 0, self.cached_tokens),
+            "usage": usage_json(self.prompt_tokens, 0, cached_tokens),
         }
         return [{"type": "message_start", "message": message}, {"type": "ping"}]
 
@@ -275,12 +275,12 @@ PING = Frame({"type": "ping"}, event="ping")
 
 
 class MessagesEncoder:
-    """The ``Encoder`` of one Messages response: stream events, folded for a whole message."""
+    """The ``Encoder`` of one Messages response: stream events, or folded into a whole
+    message."""
 
-    def __init__(self, gen: Generation, enc: StreamEncoder):
-        self.gen = gen
+    def __init__(self, enc: StreamEncoder):
         self.enc = enc
-        self.acc = MessageAccumulator()
+        self.acc: MessageAccumulator | None = None  # while collecting
         self.opened = False
 
     @property
@@ -289,23 +289,29 @@ class MessagesEncoder:
         (the first event of a stream); a comment line while the request still queues."""
         return PING if self.opened else Frame(comment="keep-alive")
 
-    def _fold(self, events: list[dict[str, Any]]) -> list[Frame]:
+    def _frames(self, events: list[dict[str, Any]]) -> list[Frame]:
+        if self.acc is None:
+            return frames(events)
         for e in events:
             self.acc.add(e)
-        return frames(events)
+        return []
 
-    async def start(self) -> list[Frame]:
-        # message_start reports the prompt's cache split, known once the engine starts it.
-        await self.gen.started()
-        self.enc.cached_tokens = self.gen.cached_tokens
+    def open(self, collect: bool) -> list[Frame]:
+        self.acc = MessageAccumulator() if collect else None
+        return []
+
+    def start(self, index: int, started: Started) -> list[Frame]:
+        # message_start reports the prompt's cache split, known once the engine started it.
         self.opened = True
-        return self._fold(self.enc.start())
+        return self._frames(self.enc.start(started.cached_tokens))
 
     def event(self, index: int, ev: Any) -> list[Frame]:
-        return self._fold(self.enc.event(ev))
+        return self._frames(self.enc.event(ev))
 
     def finish(self, index: int, fin: Finished) -> list[Frame]:
-        return self._fold(self.enc.finish(fin))
+        # A request cancelled while it waited ends without a start: the message opens here.
+        opening = [] if self.opened else self.start(index, Started(0))
+        return opening + self._frames(self.enc.finish(fin))
 
     def end(self) -> list[Frame]:
         return []
@@ -314,6 +320,7 @@ class MessagesEncoder:
         return frames([error_json("api_error", message)])
 
     def result(self) -> dict[str, Any]:
+        assert self.acc is not None
         msg = self.acc.message
         kinds = ", ".join(b["type"] for b in msg["content"]) or "none"
         log(f"Response: blocks [{kinds}], stop_reason={msg['stop_reason']}")

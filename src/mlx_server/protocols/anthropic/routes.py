@@ -23,19 +23,22 @@ from mlx_server.protocols.anthropic.encoder import (
     new_message_id,
 )
 from mlx_server.protocols.anthropic.schemas import CountTokensRequest, MessagesRequest
+from mlx_server.registry.lease import Models
 from mlx_server.server.http import parse_body
 from mlx_server.server.streaming import respond
 from mlx_server.service import ChatService, Generation
 from mlx_server.types import ChatRequest
 
 
-def make_router(service: ChatService, *, vision: bool = False) -> APIRouter:
-    """The Anthropic Messages API over ``service``; image blocks are accepted if ``vision``."""
+def make_router(models: Models, *, vision: bool, keepalive_s: float) -> APIRouter:
+    """The Anthropic Messages API over ``models``; image blocks are accepted if ``vision``;
+    ``keepalive_s``: a stream's longest silence."""
     router = APIRouter()
 
     @router.post("/v1/messages")
     async def messages(request: Request) -> Response:
         body = await parse_body(request, MessagesRequest)
+        service = await models.chat(request, body.model, body.keep_alive)
         chat = to_chat_request(body, vision=vision)
         log(
             f"Request: model={body.model}, messages={len(chat.messages)}, "
@@ -43,12 +46,13 @@ def make_router(service: ChatService, *, vision: bool = False) -> APIRouter:
         )
         message_id = new_message_id()
         gen = await _start(service, chat, message_id)
-        enc = StreamEncoder(message_id, body.model, gen.prompt_tokens, gen.cached_tokens)
-        return await respond(request, MessagesEncoder(gen, enc), [gen], stream=body.stream)
+        enc = MessagesEncoder(StreamEncoder(message_id, body.model, gen.prompt_tokens))
+        return await respond(request, enc, [gen], stream=body.stream, keepalive_s=keepalive_s)
 
     @router.post("/v1/messages/count_tokens")
     async def count_tokens(request: Request) -> dict[str, Any]:
         body = await parse_body(request, CountTokensRequest)
+        service = await models.chat(request, body.model, body.keep_alive)
         chat = to_chat_request(body, vision=vision)
         return {"input_tokens": await service.count(chat)}
 

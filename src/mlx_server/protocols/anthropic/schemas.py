@@ -118,6 +118,9 @@ class CountTokensRequest(_Model):
     """The body of ``/v1/messages/count_tokens``: a Messages request without generation fields."""
 
     model: str
+    # Several models: how long the named one stays loaded after this request (Ollama's
+    # keep_alive, checked where models load).
+    keep_alive: Any = None
     messages: list[InputMessage] = Field(min_length=1)
     system: str | list[SystemBlock] | None = None
     tools: list[ToolDefinition] | None = None

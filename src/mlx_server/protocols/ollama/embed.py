@@ -10,18 +10,17 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel
 
 from mlx_server.embedding_service import EmbeddingService
-from mlx_server.errors import InvalidRequest
+from mlx_server.registry.lease import Models
 from mlx_server.server.http import parse_body
 from mlx_server.server.streaming import until_disconnect
 
 from .schemas import EmbedBody, EmbeddingsBody
 
 
-def make_router(service: EmbeddingService | None, model_id: str) -> APIRouter:
-    """The embedding routes; with no service (a chat model) they answer a 400 naming it."""
+def make_router(models: Models) -> APIRouter:
+    """The embedding routes (a chat model named, or the only one served: a 400 naming it)."""
     router = APIRouter()
 
     @router.post("/api/embed")
@@ -34,17 +33,12 @@ def make_router(service: EmbeddingService | None, model_id: str) -> APIRouter:
 
     async def _answer(
         request: Request,
-        schema: type[BaseModel],
+        schema: type[EmbedBody] | type[EmbeddingsBody],
         answer: Callable[[Any, EmbeddingService, int], Awaitable[dict[str, Any]]],
     ) -> Response:
         arrived = time.perf_counter_ns()
-        if service is None:
-            raise InvalidRequest(
-                f"the model '{model_id}' is a chat model and does not serve embeddings; start "
-                "the server with an embedding model (or --embedding)",
-                param="model",
-            )
         body = await parse_body(request, schema)
+        service = await models.encoder(request, body.model, body.keep_alive)
         work = asyncio.ensure_future(answer(body, service, arrived))
         result = await until_disconnect(request, work, work.cancel)
         return Response(status_code=499) if result is None else JSONResponse(result)

@@ -14,6 +14,7 @@ import time
 from datetime import datetime, timezone
 from typing import Any
 
+from mlx_server.engine.core.handle import Started
 from mlx_server.events import (
     Finished,
     FinishReason,
@@ -26,7 +27,6 @@ from mlx_server.events import (
 )
 from mlx_server.logs import log
 from mlx_server.server.sse import Frame
-from mlx_server.service import Generation
 
 DONE_REASONS: dict[FinishReason, str] = {
     "stop": "stop",
@@ -103,8 +103,7 @@ class OllamaEncoder:
     """The stream driver's ``Encoder`` for one ``/api/chat`` (``chat=True``) or
     ``/api/generate`` response."""
 
-    def __init__(self, gen: Generation | None, model: str, clock: Clock, *, chat: bool):
-        self.gen = gen
+    def __init__(self, model: str, clock: Clock, *, chat: bool):
         self.model = model
         self.clock = clock
         self.chat = chat
@@ -116,6 +115,7 @@ class OllamaEncoder:
         # Log-probabilities ride on the next piece sent (or the last chunk).
         self._pending: list[dict[str, Any]] = []
         self.logprobs: list[dict[str, Any]] = []
+        self.collect = False  # the pieces are kept for one object, not sent
 
     @property
     def keepalive(self) -> Frame:
@@ -141,34 +141,39 @@ class OllamaEncoder:
         out["done"] = False
         return out
 
-    async def start(self) -> list[Frame]:
-        if self.gen is not None:
-            await self.gen.started()
+    def open(self, collect: bool) -> list[Frame]:
+        self.collect = collect
+        return []
+
+    def start(self, index: int, started: Started) -> list[Frame]:
         self.clock.mark_started()
         return []
 
     def event(self, index: int, ev: Any) -> list[Frame]:
         if isinstance(ev, Logprobs):
             entries = [logprob_json(e) for e in ev.entries]
-            self._pending += entries
-            self.logprobs += entries
+            (self.logprobs if self.collect else self._pending).extend(entries)
             return []
         if isinstance(ev, TextDelta) and ev.text:
             self.clock.mark_piece()
-            self.content.append(ev.text)
-            return [Frame(self._chunk(ev.text))]
+            return self._piece(self.content, ev.text, ev.text)
         if isinstance(ev, ReasoningDelta) and ev.text:
             self.clock.mark_piece()
-            self.thinking.append(ev.text)
-            return [Frame(self._chunk("", thinking=ev.text))]
+            return self._piece(self.thinking, ev.text, "", thinking=ev.text)
         if isinstance(ev, ToolCallStart):
             self._names[ev.index] = ev.name
             return []
         if isinstance(ev, ToolCallEnd) and self.chat:
             call = tool_call_json(self._names.get(ev.index, ""), ev.arguments, ev.index)
-            self.tool_calls.append(call)
-            return [Frame(self._chunk("", calls=[call]))]
+            return self._piece(self.tool_calls, call, "", calls=[call])
         return []
+
+    def _piece(self, kept: list[Any], value: Any, text: str, **chunk: Any) -> list[Frame]:
+        """A stream's chunk for one piece, or the piece kept for a collected answer."""
+        if self.collect:
+            kept.append(value)
+            return []
+        return [Frame(self._chunk(text, **chunk))]
 
     def finish(self, index: int, fin: Finished) -> list[Frame]:
         return [Frame(self.done(DONE_REASONS[fin.reason], self.clock.counters(fin)))]

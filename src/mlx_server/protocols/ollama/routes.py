@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse, Response
 from mlx_server.errors import InvalidRequest
 from mlx_server.logs import log
 from mlx_server.models.text_prompt import fim_stop_strings
-from mlx_server.protocols.ollama import models
+from mlx_server.protocols.ollama import views
 from mlx_server.protocols.ollama.adapter import (
     generate_chat_request,
     text_options,
@@ -27,10 +27,11 @@ from mlx_server.protocols.ollama.embed import make_router as embed_router
 from mlx_server.protocols.ollama.encoder import Clock, OllamaEncoder
 from mlx_server.protocols.ollama.schemas import ChatBody, GenerateBody, ModelBody
 from mlx_server.registry.keep_alive import parse_keep_alive
+from mlx_server.registry.lease import Models
 from mlx_server.server.framing import NDJSON
 from mlx_server.server.http import parse_body
 from mlx_server.server.streaming import respond
-from mlx_server.service import ChatService, Generation
+from mlx_server.service import Generation
 from mlx_server.service.text_completion import CompletionService
 
 # The Ollama version /api/version reports: one recent enough that clients which compare
@@ -40,55 +41,59 @@ OLLAMA_VERSION = "0.12.6"
 _MANAGEMENT = ("/api/pull", "/api/push", "/api/delete", "/api/create", "/api/copy")
 
 
-def make_router(service: ChatService, *, vision: bool = False) -> APIRouter:
-    """Ollama's API over ``service``; ``images`` are accepted if ``vision``."""
+def make_router(models: Models, *, vision: bool, keepalive_s: float) -> APIRouter:
+    """Ollama's API over ``models``; ``images`` are accepted if ``vision``; ``keepalive_s``:
+    a stream's longest silence."""
     router = APIRouter()
-    completions = CompletionService(service)
 
     @router.post("/api/chat")
     async def chat(request: Request) -> Response:
         arrived = time.perf_counter_ns()
         body = await parse_body(request, ChatBody)
+        service = await models.chat(request, body.model, body.keep_alive)
         clock = Clock(arrived)
         if not body.messages:  # Ollama's way to load a model (or unload it: keep_alive 0)
             return _loaded(body.model, body.keep_alive, chat=True, clock=clock)
         neutral = to_chat_request(body, vision=vision)
         log(f"Request: ollama chat, model={body.model}, messages={len(neutral.messages)}")
         gen = await service.start(neutral, request_id=_request_id())
-        enc = OllamaEncoder(gen, body.model, clock, chat=True)
-        return await respond(request, enc, [gen], stream=body.stream, framing=NDJSON)
+        enc = OllamaEncoder(body.model, clock, chat=True)
+        return await respond(
+            request, enc, [gen], stream=body.stream, keepalive_s=keepalive_s, framing=NDJSON
+        )
 
     @router.post("/api/generate")
     async def generate(request: Request) -> Response:
         arrived = time.perf_counter_ns()
         body = await parse_body(request, GenerateBody)
+        service = await models.chat(request, body.model, body.keep_alive)
         clock = Clock(arrived)
         if not body.prompt and not body.images and body.suffix is None:
             return _loaded(body.model, body.keep_alive, chat=False, clock=clock)
         log(f"Request: ollama generate, model={body.model}, raw={str(body.raw).lower()}")
         if body.raw or body.suffix is not None:
-            gen = await _start_text(completions, body)
+            gen = await _start_text(CompletionService(service), body)
         else:
             neutral = generate_chat_request(body, vision=vision)
             gen = await service.start(neutral, request_id=_request_id())
-        enc = OllamaEncoder(gen, body.model, clock, chat=False)
-        return await respond(request, enc, [gen], stream=body.stream, framing=NDJSON)
+        enc = OllamaEncoder(body.model, clock, chat=False)
+        return await respond(
+            request, enc, [gen], stream=body.stream, keepalive_s=keepalive_s, framing=NDJSON
+        )
 
     @router.get("/api/tags")
-    async def tags(request: Request) -> dict[str, Any]:
-        views = models.views(request.app.state, service)
-        return {"models": [models.tag_entry(v) for v in views]}
+    async def tags() -> dict[str, Any]:
+        return {"models": [views.tag_entry(v) for v in views.views(models)]}
 
     @router.get("/api/ps")
-    async def ps(request: Request) -> dict[str, Any]:
-        views = [v for v in models.views(request.app.state, service) if v.loaded]
-        return {"models": [models.ps_entry(v) for v in views]}
+    async def ps() -> dict[str, Any]:
+        loaded = [v for v in views.views(models) if v.loaded]
+        return {"models": [views.ps_entry(v) for v in loaded]}
 
     @router.post("/api/show")
     async def show(request: Request) -> dict[str, Any]:
         body = await parse_body(request, ModelBody)
-        view = models.find(request.app.state, service, body.model_name)
-        return models.show(view)
+        return views.show(views.find(models, body.model_name))
 
     @router.get("/api/version")
     async def version() -> dict[str, Any]:
@@ -99,7 +104,7 @@ def make_router(service: ChatService, *, vision: bool = False) -> APIRouter:
 
     for path in _MANAGEMENT:
         router.add_api_route(path, manage, methods=["POST", "DELETE"])
-    router.include_router(embed_router(None, service.model_id))
+    router.include_router(embed_router(models))
     return router
 
 
@@ -120,7 +125,7 @@ def _loaded(model: str, keep_alive: Any, *, chat: bool, clock: Clock) -> Respons
     """The answer to a request with nothing to generate: the model is loaded (the lease
     did it), or unloaded after this request when ``keep_alive`` is 0."""
     reason = "unload" if parse_keep_alive(keep_alive) == 0 else "load"
-    enc = OllamaEncoder(None, model, clock, chat=chat)
+    enc = OllamaEncoder(model, clock, chat=chat)
     body = enc.done(reason)
     if chat:
         body["message"] = {"role": "assistant", "content": ""}

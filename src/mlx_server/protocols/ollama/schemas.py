@@ -4,7 +4,7 @@ accepted and listed in the ignored-fields header."""
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
 
@@ -95,7 +95,6 @@ class ModelBody(BaseModel):
     """/api/show; the model management routes (pull, delete, create, copy, push)."""
 
     model_config = ConfigDict(extra="ignore", populate_by_name=True)
-    binds_model: ClassVar[bool] = False  # describes a model; leases none
 
     model: StrictStr = Field(default="", alias="model")
     name: StrictStr | None = None  # the older clients' name for ``model``
@@ -108,7 +107,6 @@ class ModelBody(BaseModel):
 
 class EmbedBody(BaseModel):
     model_config = ConfigDict(extra="ignore")
-    serves: ClassVar[str] = "embedding"  # several models: the body's model must embed
 
     model: StrictStr
     input: StrictStr | list[StrictStr]
@@ -122,7 +120,6 @@ class EmbeddingsBody(BaseModel):
     """The older /api/embeddings: one ``prompt``, one ``embedding``."""
 
     model_config = ConfigDict(extra="ignore")
-    serves: ClassVar[str] = "embedding"
 
     model: StrictStr
     prompt: StrictStr = ""

@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from mlx_server.engine.core.handle import Started
 from mlx_server.events import (
     Finished,
     ReasoningDelta,
@@ -283,8 +284,12 @@ class ResponseFrames:
     def frames(events: list[Event]) -> list[Frame]:
         return [Frame(e, event=e["type"]) for e in events]
 
-    async def start(self) -> list[Frame]:
+    def open(self, collect: bool) -> list[Frame]:
+        # Collected or not, the response is built as it goes: it is retrievable while live.
         return self.frames(self.enc.start())
+
+    def start(self, index: int, started: Started) -> list[Frame]:
+        return []
 
     def event(self, index: int, ev: Any) -> list[Frame]:
         return self.frames(self.enc.event(ev))

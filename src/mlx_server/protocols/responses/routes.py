@@ -26,6 +26,7 @@ from mlx_server.protocols.responses.encoder import ResponseEncoder, ResponseFram
 from mlx_server.protocols.responses.items import new_id
 from mlx_server.protocols.responses.schemas import CreateResponseRequest
 from mlx_server.protocols.responses.store import ResponseStore, StoredResponse
+from mlx_server.registry.lease import Models
 from mlx_server.server.http import parse_body
 from mlx_server.server.streaming import respond
 from mlx_server.service import ChatService, Generation
@@ -37,6 +38,7 @@ class Run:
 
     enc: ResponseEncoder
     gen: Generation
+    service: ChatService  # the model it runs on
     adapted: Adapted
     history: list[dict[str, Any]]
     keep: bool
@@ -44,19 +46,25 @@ class Run:
 
 
 def make_router(
-    service: ChatService, *, vision: bool = False, store: ResponseStore | None = None
+    models: Models, *, vision: bool, store: ResponseStore, keepalive_s: float
 ) -> APIRouter:
-    """The Responses API over ``service``; ``input_image`` parts are accepted if ``vision``."""
+    """The Responses API over ``models``; ``input_image`` parts are accepted if ``vision``;
+    ``keepalive_s``: a stream's longest silence."""
     router = APIRouter()
-    responses = Responses(service, vision, store if store is not None else ResponseStore())
+    responses = Responses(vision, store)
 
     @router.post("/v1/responses")
     async def create(request: Request) -> Response:
         body = await parse_body(request, CreateResponseRequest)
-        run = await responses.start(body)
-        frames = ResponseFrames(run.enc)
+        service = await models.chat(request, body.model, body.keep_alive)
+        run = await responses.start(service, body)
         return await respond(
-            request, frames, [run.gen], stream=body.stream, on_end=lambda: responses.end(run)
+            request,
+            ResponseFrames(run.enc),
+            [run.gen],
+            stream=body.stream,
+            keepalive_s=keepalive_s,
+            on_end=lambda: responses.end(run),
         )
 
     @router.get("/v1/responses/{response_id}")
@@ -84,15 +92,14 @@ def make_router(
 class Responses:
     """The state behind the routes: live runs and the store."""
 
-    def __init__(self, service: ChatService, vision: bool, store: ResponseStore):
-        self.service = service
+    def __init__(self, vision: bool, store: ResponseStore):
         self.vision = vision
         self.store = store
         self.live: dict[str, Run] = {}
 
     # ---- create --------------------------------------------------------------------------
 
-    async def start(self, body: CreateResponseRequest) -> Run:
+    async def start(self, service: ChatService, body: CreateResponseRequest) -> Run:
         if body.background:
             raise UnsupportedFeature(
                 "background responses are not supported; use stream or a plain request",
@@ -117,15 +124,16 @@ class Responses:
         )
         rid = new_id("resp")
         try:
-            gen = await self.service.start(chat, request_id=rid)
+            gen = await service.start(chat, request_id=rid)
         except ContextLengthExceeded as e:
             raise e.with_param("input") from e
-        enc = ResponseEncoder(rid, self._base(body, adapted), self._count_tokens)
-        run = Run(enc, gen, adapted, history, keep=body.store is not False)
+        base = self._base(body, adapted, service.model_id)
+        enc = ResponseEncoder(rid, base, lambda text: _count_tokens(service, text))
+        run = Run(enc, gen, service, adapted, history, keep=body.store is not False)
         self.live[rid] = run
         return run
 
-    def _base(self, body: CreateResponseRequest, adapted: Adapted) -> dict[str, Any]:
+    def _base(self, body: CreateResponseRequest, adapted: Adapted, model_id: str) -> dict[str, Any]:
         """The request-derived fields of the response object."""
         fmt: dict[str, Any] = {"type": "text"}
         if body.text is not None and body.text.format is not None:
@@ -136,7 +144,7 @@ class Responses:
         reasoning = body.reasoning
         summary = reasoning.summary if reasoning is not None else None
         base = {
-            "model": body.model or self.service.model_id,
+            "model": body.model or model_id,
             "instructions": body.instructions,
             "max_output_tokens": body.max_output_tokens,
             "metadata": body.metadata or {},
@@ -158,9 +166,6 @@ class Responses:
         if body.user is not None:
             base["user"] = body.user
         return base
-
-    def _count_tokens(self, text: str) -> int:
-        return len(self.service.tokenizer.encode(text, add_special_tokens=False))
 
     def end(self, run: Run) -> None:
         """Forget the live run; store it (a run cut short by its client as cancelled)."""
@@ -202,7 +207,7 @@ class Responses:
         if run is None:
             return self.lookup(rid)  # already ended: unchanged
         run.gen.cancel()
-        self.service.engine.cancel(rid)
+        run.service.engine.cancel(rid)
         try:
             await asyncio.wait_for(run.done.wait(), timeout=30)
         except asyncio.TimeoutError:
@@ -236,6 +241,10 @@ class Responses:
             "last_id": page[-1]["id"] if page else "",
             "has_more": len(items) > limit,
         }
+
+
+def _count_tokens(service: ChatService, text: str) -> int:
+    return len(service.tokenizer.encode(text, add_special_tokens=False))
 
 
 def _not_found(rid: str) -> NotFound:

@@ -35,6 +35,9 @@ class ReasoningConfig(_Model):
 
 class CreateResponseRequest(_Model):
     model: str = ""
+    # Several models: how long the named one stays loaded after this request (Ollama's
+    # keep_alive, checked where models load).
+    keep_alive: Any = None
     input: str | list[Any] = Field(default_factory=list)
     instructions: str | None = None
     tools: list[Any] | None = None

@@ -7,7 +7,7 @@ from typing import Any
 
 from pydantic import Field, field_validator
 
-from mlx_server.protocols.openai.schemas import SamplingFields
+from mlx_server.protocols.openai.sampling import SamplingFields
 
 
 class CompletionRequest(SamplingFields):

@@ -8,8 +8,9 @@ from typing import Any
 from mlx_server.errors import InvalidRequest
 from mlx_server.models.reasoning_effort import effort_kwargs
 from mlx_server.parsing.tools import validate_tools
-from mlx_server.protocols.openai.schemas import ChatCompletionRequest, Message
-from mlx_server.types import AUTO, ChatRequest, SamplingParams, ToolChoice
+from mlx_server.protocols.openai.chat.schemas import ChatCompletionRequest, Message
+from mlx_server.protocols.openai.sampling import sampling_params
+from mlx_server.types import AUTO, ChatRequest, ToolChoice
 
 _ROLES = {
     "system": "system",
@@ -78,45 +79,6 @@ def template_controls(body: ChatCompletionRequest) -> tuple[bool, bool]:
         )
     add = body.add_generation_prompt if body.add_generation_prompt is not None else not cont
     return add, cont
-
-
-def sampling_params(body: Any) -> SamplingParams:
-    """OpenAI's sampling fields (chat and text completions share them), 0.7 by default."""
-    return SamplingParams(
-        temperature=0.7 if body.temperature is None else body.temperature,
-        top_p=1.0 if body.top_p is None else body.top_p,
-        top_k=body.top_k or 0,
-        min_p=body.min_p or 0.0,
-        repetition_penalty=body.repetition_penalty,
-        presence_penalty=body.presence_penalty,
-        frequency_penalty=body.frequency_penalty,
-        seed=body.seed,
-        logit_bias=logit_bias(body.logit_bias),
-    )
-
-
-LOGIT_BIAS_LIMIT = 100.0
-
-
-def logit_bias(raw: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
-    """OpenAI's ``logit_bias`` map as sorted (token id, bias) pairs; a key that is not a
-    token id or a bias outside [-100, 100] is refused, naming the key. Whether the ids are
-    in the model's vocabulary is checked where the vocabulary is known."""
-    pairs: dict[int, float] = {}
-    for key, value in (raw or {}).items():
-        where = f"logit_bias.{key}"
-        token = key.strip()
-        if not token.isdigit() or not token.isascii():
-            raise InvalidRequest(
-                f"{where}: logit_bias keys must be token ids (non-negative integers)", param=where
-            )
-        if not -LOGIT_BIAS_LIMIT <= value <= LOGIT_BIAS_LIMIT:
-            raise InvalidRequest(
-                f"{where}: the bias must be between -100 and 100; got {value}", param=where
-            )
-        if value:
-            pairs[int(token)] = float(value)
-    return tuple(sorted(pairs.items()))
 
 
 def _tool_choice(tc: str | dict[str, Any] | None) -> ToolChoice:

@@ -5,17 +5,20 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from mlx_server.engine.core.handle import Started
 from mlx_server.events import Finished, Logprobs, TextDelta, Usage
 from mlx_server.logs import log
-from mlx_server.protocols.openai.encoder import (
+from mlx_server.protocols.openai.errors import stream_error
+from mlx_server.protocols.openai.finish import (
     DONE,
     KEEPALIVE,
     finish_reason,
     timings_json,
+    total_usage,
     usage_json,
 )
-from mlx_server.protocols.openai.errors import stream_error
 from mlx_server.server.sse import Frame
+from mlx_server.service.choices import counted_once
 
 
 class LegacyLogprobs:
@@ -30,13 +33,14 @@ class LegacyLogprobs:
         self.top_logprobs: list[dict[str, float]] = []
         self.text_offset: list[int] = []
 
-    def add(self, ev: Logprobs) -> dict[str, Any]:
-        """Record the entries; return the logprobs object for just these (a stream chunk's)."""
+    def add(self, ev: Logprobs, keep: bool) -> dict[str, Any]:
+        """The logprobs object for just these entries (a stream chunk's); ``keep``: record
+        them too (a collected answer's)."""
         part = LegacyLogprobs(self.offset)
         for e in ev.entries:
             top = {t.token: t.logprob for t in e.top}
             top.setdefault(e.token, e.logprob)
-            for lp in (self, part):
+            for lp in (self, part) if keep else (part,):
                 lp.tokens.append(e.token)
                 lp.token_logprobs.append(e.logprob)
                 lp.top_logprobs.append(top)
@@ -51,14 +55,6 @@ class LegacyLogprobs:
             "top_logprobs": self.top_logprobs,
             "text_offset": self.text_offset,
         }
-
-
-def total_usage(finals: list[Finished]) -> Usage:
-    return Usage(
-        sum(f.usage.prompt_tokens for f in finals),
-        sum(f.usage.completion_tokens for f in finals),
-        sum(f.usage.cached_tokens for f in finals),
-    )
 
 
 class CompletionEncoder:
@@ -119,12 +115,19 @@ class CompletionEncoder:
         choice = {"text": text, "index": i, "logprobs": logprobs, "finish_reason": finish}
         return self.object([choice])
 
-    def chunk(self, i: int, ev: Any) -> dict[str, Any] | None:
-        """The chunk for one event, or None (logprobs wait for their text). The events
-        also build the whole response (``response()``)."""
+    def add(self, i: int, ev: Any) -> None:
+        """Keep one event of choice ``i`` for the whole response (``response()``)."""
         lp = self.logprobs[i]
         if isinstance(ev, Logprobs) and lp is not None:
-            new = lp.add(ev)
+            lp.add(ev, keep=True)
+        elif isinstance(ev, TextDelta) and ev.text:
+            self.texts[i].append(ev.text)
+
+    def chunk(self, i: int, ev: Any) -> dict[str, Any] | None:
+        """The chunk for one event, or None (logprobs wait for their text)."""
+        lp = self.logprobs[i]
+        if isinstance(ev, Logprobs) and lp is not None:
+            new = lp.add(ev, keep=False)
             held = self._pending.get(i)
             if held is not None:
                 for k in held:
@@ -133,7 +136,6 @@ class CompletionEncoder:
                 self._pending[i] = new
             return None
         if isinstance(ev, TextDelta) and ev.text:
-            self.texts[i].append(ev.text)
             return self._chunk(i, ev.text, logprobs=self._pending.pop(i, None))
         return None
 
@@ -163,11 +165,19 @@ class CompletionFrames:
         self.enc = enc
         self.include_usage = include_usage
         self.left = len(enc.echoes)
+        self.collect = False
 
-    async def start(self) -> list[Frame]:
+    def open(self, collect: bool) -> list[Frame]:
+        self.collect = collect
         return [Frame(c) for c in self.enc.echo_chunks()]
 
+    def start(self, index: int, started: Started) -> list[Frame]:
+        return []
+
     def event(self, index: int, ev: Any) -> list[Frame]:
+        if self.collect:
+            self.enc.add(index, ev)
+            return []
         chunk = self.enc.chunk(index, ev)
         return [Frame(chunk)] if chunk is not None else []
 
@@ -197,7 +207,7 @@ class PromptOnly(CompletionFrames):
         for i, n in enumerate(prompt_tokens):
             enc.finals[i] = Finished("length", Usage(n, 0))
 
-    async def start(self) -> list[Frame]:
+    def open(self, collect: bool) -> list[Frame]:
         whole = self.enc.response()
         usage = whole.pop("usage")
         if not self.include_usage:
@@ -206,3 +216,14 @@ class PromptOnly(CompletionFrames):
 
     def end(self) -> list[Frame]:
         return [DONE]
+
+
+class TextChoiceFrames(CompletionFrames):
+    """Text completions frames for ``n`` choices per prompt: each prompt's usage counted once."""
+
+    def __init__(self, enc: CompletionEncoder, include_usage: bool, n: int):
+        super().__init__(enc, include_usage)
+        self.n = n
+
+    def finish(self, index: int, fin: Finished) -> list[Frame]:
+        return super().finish(index, counted_once(fin, index, self.n))

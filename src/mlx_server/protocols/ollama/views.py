@@ -13,7 +13,10 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
+from mlx_server.embedding_service import EmbeddingService
 from mlx_server.errors import NotFound
+from mlx_server.registry.lease import Models, OneModel, RegistryModels
+from mlx_server.service import ChatService
 
 # ``expires_at`` of a model kept loaded for good (Ollama writes a far-future time too).
 FOREVER = datetime(2318, 1, 1, tzinfo=timezone.utc)
@@ -30,7 +33,7 @@ class ModelView:
     loaded: bool = True
     memory_bytes: int = 0
     expires_in: float = math.inf  # seconds until an idle unload
-    service: Any = None  # the chat service while loaded
+    service: ChatService | None = None  # a chat model's, while loaded
     config: dict[str, Any] = field(default_factory=dict)
     ctx_size: int = 0  # the context the server enforces for it
 
@@ -62,29 +65,31 @@ class ModelView:
             return ["embedding"]
         caps = ["completion"]
         service = self.service
-        if service is not None and getattr(service, "tool_format", None) is not None:
+        if service is not None and service.tool_format is not None:
             caps.append("tools")
-        if self.kind == "vision" or (service is not None and getattr(service, "vision", None)):
+        if self.kind == "vision" or (service is not None and service.vision is not None):
             caps.append("vision")
-        if service is not None and "think" in (getattr(service, "template", None) or ""):
+        if service is not None and "think" in (service.template or ""):
             caps.append("thinking")
         return caps
 
 
-def views(app_state: Any, service: Any) -> list[ModelView]:
+def views(models: Models) -> list[ModelView]:
     """Every offered model."""
-    registry = getattr(app_state, "registry", None)
-    if registry is None:
-        return [_single(service)]
-    # Every model is started with the same --ctx-size: any loaded one tells it.
-    ctx = next((s.parts.service.ctx_size for s in registry.loaded() if _chat(s)), 0)
+    if isinstance(models, OneModel):
+        return [_single(models.service)]
+    assert isinstance(models, RegistryModels)
+    registry = models.registry
+    # Every model is started with the same --ctx-size: any loaded one tells what it came to.
+    chat = [s.parts.service for s in registry.loaded() if s.offer.kind != "embedding"]
+    ctx = chat[0].ctx_size if chat else 0
     return [_from_slot(slot, registry, ctx) for slot in registry.slots.values()]
 
 
-def find(app_state: Any, service: Any, name: str) -> ModelView:
+def find(models: Models, name: str) -> ModelView:
     """The model ``name`` names (a single model answers to any name, as on /v1); 404 if none."""
-    every = views(app_state, service)
-    if getattr(app_state, "registry", None) is None:
+    every = views(models)
+    if isinstance(models, OneModel):
         return every[0]
     for view in every:
         if name in (view.id, f"{view.id}:latest"):
@@ -124,7 +129,7 @@ def ps_entry(view: ModelView) -> dict[str, Any]:
 def show(view: ModelView) -> dict[str, Any]:
     service = view.service
     ctx_size = view.ctx_size
-    template = (getattr(service, "template", None) or "") if service is not None else ""
+    template = (service.template or "") if service is not None else ""
     arch = view.details()["family"] or "mlx"
     info: dict[str, Any] = {"general.architecture": arch, f"{arch}.context_length": ctx_size}
     for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
@@ -141,24 +146,21 @@ def show(view: ModelView) -> dict[str, Any]:
     }
 
 
-def _single(service: Any) -> ModelView:
-    path = _model_dir(service)
-    kind = "embedding" if getattr(service, "kind", None) else "chat"
-    if kind == "chat" and getattr(service, "vision", None) is not None:
-        kind = "vision"
+def _single(service: ChatService | EmbeddingService) -> ModelView:
+    path = _model_dir(service.tokenizer)
+    if isinstance(service, EmbeddingService):
+        kind, chat = "embedding", None
+    else:
+        kind, chat = "chat" if service.vision is None else "vision", service
     return ModelView(
         service.model_id,
         kind=kind,
         path=str(path) if path else None,
         disk_bytes=_disk_bytes(path),
-        service=service if kind != "embedding" else None,
+        service=chat,
         config=_read_config(path),
-        ctx_size=int(getattr(service, "ctx_size", 0) or 0),
+        ctx_size=chat.ctx_size if chat is not None else 0,
     )
-
-
-def _chat(slot: Any) -> bool:
-    return bool(slot.offer.kind != "embedding" and slot.parts is not None)
 
 
 def _from_slot(slot: Any, registry: Any, ctx_size: int) -> ModelView:
@@ -177,16 +179,15 @@ def _from_slot(slot: Any, registry: Any, ctx_size: int) -> ModelView:
         loaded=parts is not None,
         memory_bytes=slot.memory_bytes,
         expires_in=expires,
-        service=getattr(parts, "service", None) if slot.offer.kind != "embedding" else None,
+        service=parts.service if parts is not None and slot.offer.kind != "embedding" else None,
         config=config,
         ctx_size=ctx_size or int(config.get("max_position_embeddings") or 0),
     )
 
 
-def _model_dir(service: Any) -> Path | None:
+def _model_dir(tokenizer: Any) -> Path | None:
     """A single model's folder: where its tokenizer was loaded from."""
-    tokenizer = getattr(service, "tokenizer", None)
-    name = getattr(tokenizer, "name_or_path", None) or getattr(service, "model_path", None)
+    name = getattr(tokenizer, "name_or_path", None)
     path = Path(str(name)).expanduser() if name else None
     return path if path is not None and path.exists() else None
 

@@ -15,18 +15,14 @@ from __future__ import annotations
 import asyncio
 import uuid
 from dataclasses import replace
-from typing import TYPE_CHECKING
 
 from mlx_server.errors import InvalidRequest
 from mlx_server.events import Finished, Usage
+from mlx_server.service.chat import ChatService, PreparedPrompt
+from mlx_server.service.generation import Generation
+from mlx_server.service.text_completion import CompletionOptions, CompletionService, TextPrompt
 from mlx_server.types import ChatRequest, GenerationRequest, SamplingParams
 
-if TYPE_CHECKING:
-    from mlx_server.service import ChatService, Generation
-    from mlx_server.service.chat import PreparedPrompt
-    from mlx_server.service.text_completion import CompletionOptions, CompletionService, TextPrompt
-
-DEFAULT_MAX_N = 16
 _SEEDS = 1 << 64
 
 

@@ -1,76 +1,35 @@
-"""Neutral events → OpenAI chat.completion JSON and chat.completion.chunk SSE frames."""
+"""Neutral events → OpenAI chat.completion JSON and chat.completion.chunk SSE frames; with
+several choices (``n``), one single-choice ``ChatEncoder`` per choice, the usage summed."""
 
 from __future__ import annotations
 
 import json
 import time
-from typing import Any, Literal
+from typing import Any
 
+from mlx_server.engine.core.handle import Started
 from mlx_server.events import (
     Finished,
-    FinishReason,
     LogprobEntry,
     Logprobs,
     ReasoningDelta,
     TextDelta,
-    Timings,
     ToolCallArgsDelta,
     ToolCallEnd,
     ToolCallStart,
-    Usage,
 )
 from mlx_server.logs import log
 from mlx_server.protocols.openai.errors import stream_error
+from mlx_server.protocols.openai.finish import (
+    DONE,
+    KEEPALIVE,
+    finish_reason,
+    timings_json,
+    total_usage,
+    usage_json,
+)
 from mlx_server.server.sse import Frame, RawJSON
-
-OpenAIFinish = Literal["stop", "length", "tool_calls"]
-# OpenAI has no 'stop_sequence', 'cancelled' or 'error'.
-FINISH_REASONS: dict[FinishReason, OpenAIFinish] = {
-    "stop": "stop",
-    "stop_sequence": "stop",
-    "length": "length",
-    "tool_calls": "tool_calls",
-    "cancelled": "stop",
-    "error": "stop",
-}
-
-
-def finish_reason(ev: Finished) -> OpenAIFinish:
-    """OpenAI's name for the neutral finish reason."""
-    if ev.in_reasoning and ev.reason in ("stop", "stop_sequence", "length"):
-        return "length"  # the answer never came: the reasoning was cut off
-    return FINISH_REASONS[ev.reason]
-
-
-def usage_json(u: Usage) -> dict[str, Any]:
-    out: dict[str, Any] = {
-        "prompt_tokens": u.prompt_tokens,
-        "completion_tokens": u.completion_tokens,
-        "total_tokens": u.total_tokens,
-        "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
-    }
-    if u.accepted_prediction_tokens is not None:
-        out["completion_tokens_details"] = {
-            "accepted_prediction_tokens": u.accepted_prediction_tokens,
-            "rejected_prediction_tokens": u.rejected_prediction_tokens or 0,
-        }
-    return out
-
-
-def timings_json(t: Timings) -> dict[str, Any]:
-    out = {
-        "cache_n": t.cache_n,
-        "prompt_n": t.prompt_n,
-        "prompt_ms": round(t.prompt_ms, 3),
-        "prompt_per_second": round(t.prompt_per_second, 3),
-        "predicted_n": t.predicted_n,
-        "predicted_ms": round(t.predicted_ms, 3),
-        "predicted_per_second": round(t.predicted_per_second, 3),
-    }
-    if t.draft_n:  # llama.cpp's names, there only when speculative decoding drafted
-        out["draft_n"] = t.draft_n
-        out["draft_n_accepted"] = t.draft_n_accepted
-    return out
+from mlx_server.service.choices import counted_once
 
 
 def logprob_json(e: LogprobEntry) -> dict[str, Any]:
@@ -124,21 +83,16 @@ class MessageBuilder:
 
 
 def completion_json(
-    request_id: str,
-    model: str,
-    created: int,
-    builder: MessageBuilder,
-    fin: Finished,
-    want_logprobs: bool,
+    chunks: ChunkEncoder, builder: MessageBuilder, fin: Finished, want_logprobs: bool
 ) -> dict[str, Any]:
     return {
-        "id": request_id,
+        "id": chunks.id,
         "object": "chat.completion",
-        "created": created,
-        "model": model,
+        "created": chunks.created,
+        "model": chunks.model,
         "choices": [
             {
-                "index": 0,
+                "index": chunks.index,
                 "message": builder.message(),
                 "finish_reason": finish_reason(fin),
                 "logprobs": {"content": builder.logprobs, "refusal": None}
@@ -234,27 +188,37 @@ class ChunkEncoder:
         }
 
 
-KEEPALIVE = Frame(comment="keep-alive")
-DONE = Frame("[DONE]")
-
-
 class ChatEncoder:
-    """The ``Encoder`` of one chat completion: chunks streamed, the message collected."""
+    """The ``Encoder`` of one chat completion (choice ``index`` of it): chunks streamed, or
+    the message collected."""
 
     keepalive = KEEPALIVE
 
-    def __init__(self, request_id: str, model: str, include_usage: bool, want_logprobs: bool):
-        self.chunks = ChunkEncoder(request_id, model)
-        self.builder = MessageBuilder()
+    def __init__(
+        self,
+        request_id: str,
+        model: str,
+        include_usage: bool,
+        want_logprobs: bool,
+        index: int = 0,
+    ):
+        self.chunks = ChunkEncoder(request_id, model, index)
+        self.builder: MessageBuilder | None = None  # while collecting
         self.include_usage = include_usage
         self.want_logprobs = want_logprobs
         self.fin: Finished | None = None
 
-    async def start(self) -> list[Frame]:
+    def open(self, collect: bool) -> list[Frame]:
+        self.builder = MessageBuilder() if collect else None
         return [Frame(self.chunks.role())]
 
+    def start(self, index: int, started: Started) -> list[Frame]:
+        return []
+
     def event(self, index: int, ev: Any) -> list[Frame]:
-        self.builder.add(ev)
+        if self.builder is not None:
+            self.builder.add(ev)
+            return []
         if isinstance(ev, TextDelta):  # the hot path
             return [Frame(self.chunks.content(ev.text))] if ev.text else []
         chunk = self.chunks.event(ev)
@@ -274,13 +238,69 @@ class ChatEncoder:
         return [Frame(stream_error(message))]
 
     def result(self) -> dict[str, Any]:
-        assert self.fin is not None
-        c = self.chunks
-        out = completion_json(c.id, c.model, c.created, self.builder, self.fin, self.want_logprobs)
+        assert self.fin is not None and self.builder is not None
+        out = completion_json(self.chunks, self.builder, self.fin, self.want_logprobs)
         choice = out["choices"][0]
         msg = choice["message"]
         log(
             f"Response: {len(msg.get('content') or '')} chars, "
             f"{len(msg.get('tool_calls') or [])} tool call(s), finish={choice['finish_reason']}"
         )
+        return out
+
+
+class ChoicesEncoder:
+    """The ``Encoder`` of a chat completion with ``n`` choices."""
+
+    keepalive = KEEPALIVE
+
+    def __init__(
+        self, request_id: str, model: str, include_usage: bool, want_logprobs: bool, n: int
+    ):
+        self.encs = [ChatEncoder(request_id, model, False, want_logprobs, i) for i in range(n)]
+        for e in self.encs:
+            e.chunks.created = self.encs[0].chunks.created
+        self.include_usage = include_usage
+        self.finals: dict[int, Finished] = {}
+
+    def _usage(self) -> dict[str, Any]:
+        return usage_json(total_usage([self.finals[i] for i in sorted(self.finals)]))
+
+    def open(self, collect: bool) -> list[Frame]:
+        return [f for e in self.encs for f in e.open(collect)]
+
+    def start(self, index: int, started: Started) -> list[Frame]:
+        return []
+
+    def event(self, index: int, ev: Any) -> list[Frame]:
+        return self.encs[index].event(index, ev)
+
+    def finish(self, index: int, fin: Finished) -> list[Frame]:
+        fin = counted_once(fin, index, len(self.encs))
+        self.finals[index] = fin
+        enc = self.encs[index]
+        enc.fin = fin
+        chunk = enc.chunks.final(fin, with_usage=False)
+        out = [Frame(chunk)]
+        if len(self.finals) == len(self.encs):  # the summed usage rides on the last one
+            if self.include_usage:
+                usage = enc.chunks.usage_chunk(fin)
+                usage["usage"] = self._usage()
+                out.append(Frame(usage))
+            else:
+                chunk["usage"] = self._usage()
+        return out
+
+    def end(self) -> list[Frame]:
+        return [DONE]
+
+    def fail(self, message: str, fin: Finished | None) -> list[Frame]:
+        return self.encs[0].fail(message, fin)
+
+    def result(self) -> dict[str, Any]:
+        out = self.encs[0].result()
+        out["choices"] = [e.result()["choices"][0] for e in self.encs]
+        out["usage"] = self._usage()
+        out["timings"] = None  # per sequence; several ran
+        log(f"Response: {len(self.encs)} choices")
         return out

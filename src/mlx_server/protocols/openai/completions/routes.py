@@ -8,20 +8,20 @@ from dataclasses import replace
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from mlx_server.choices import DEFAULT_MAX_N, check_n, start_text_choices
 from mlx_server.errors import InvalidRequest
 from mlx_server.logs import log
 from mlx_server.models.text_prompt import fim_stop_strings
-from mlx_server.protocols.openai.adapter import sampling_params
-from mlx_server.protocols.openai.choices import TextChoiceFrames
-from mlx_server.protocols.openai.completions_encoder import (
+from mlx_server.protocols.openai.completions.encoder import (
     CompletionEncoder,
     PromptOnly,
+    TextChoiceFrames,
 )
-from mlx_server.protocols.openai.completions_schema import CompletionRequest
+from mlx_server.protocols.openai.completions.schemas import CompletionRequest
+from mlx_server.protocols.openai.sampling import sampling_params
+from mlx_server.registry.lease import Models
 from mlx_server.server.http import parse_body
 from mlx_server.server.streaming import respond
-from mlx_server.service import ChatService
+from mlx_server.service.choices import check_n, start_text_choices
 from mlx_server.service.text_completion import CompletionOptions, CompletionService
 
 
@@ -39,13 +39,14 @@ def options(body: CompletionRequest) -> CompletionOptions:
     )
 
 
-def make_router(service: ChatService) -> APIRouter:
+def make_router(models: Models, *, max_n: int, keepalive_s: float) -> APIRouter:
     router = APIRouter()
-    completions = CompletionService(service)
 
     @router.post("/v1/completions")
     async def create_completion(request: Request) -> Response:
         body = await parse_body(request, CompletionRequest)
+        service = await models.chat(request, body.model, body.keep_alive)
+        completions = CompletionService(service)
         if body.echo and body.logprobs is not None:
             raise InvalidRequest(
                 "echo with logprobs is not supported: the prompt's log-probabilities are not "
@@ -55,7 +56,7 @@ def make_router(service: ChatService) -> APIRouter:
         opts = options(body)
         if body.suffix is not None:  # stop where the model leaves the hole it fills
             opts = replace(opts, stop=opts.stop + fim_stop_strings(service.tokenizer))
-        n = check_n(body.n, getattr(request.app.state, "max_n", DEFAULT_MAX_N))
+        n = check_n(body.n, max_n)
         prompts = await completions.prepare(body.prompts(), body.suffix, opts.max_tokens)
         log(
             f"Request: completions, model={body.model}, prompts={len(prompts)}, "
@@ -71,9 +72,9 @@ def make_router(service: ChatService) -> APIRouter:
             only = PromptOnly(
                 enc, include_usage, [0 if j else len(p.tokens) for p in prompts for j in range(n)]
             )
-            return await respond(request, only, [], stream=body.stream)
+            return await respond(request, only, [], stream=body.stream, keepalive_s=keepalive_s)
         gens = start_text_choices(completions, prompts, opts, request_id, n)
         frames = TextChoiceFrames(enc, include_usage, n)
-        return await respond(request, frames, gens, stream=body.stream)
+        return await respond(request, frames, gens, stream=body.stream, keepalive_s=keepalive_s)
 
     return router

@@ -6,6 +6,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from mlx_server.protocols.openai.sampling import SamplingFields
+
 
 class _Model(BaseModel):
     model_config = ConfigDict(extra="ignore")
@@ -47,44 +49,9 @@ class Message(_Model):
     videos: list[str] | None = None
 
 
-class StreamOptions(_Model):
-    include_usage: bool = False
-
-
 class ResponseFormat(_Model):
     type: str = "text"
     json_schema: dict[str, Any] | None = None
-
-
-class SamplingFields(_Model):
-    """What chat and text completions requests share: sampling, stop strings, streaming."""
-
-    model: str = ""
-    temperature: float | None = Field(default=None, ge=0, le=2)
-    top_p: float | None = Field(default=None, gt=0, le=1)
-    top_k: int | None = Field(default=None, ge=0)
-    min_p: float | None = Field(default=None, ge=0, le=1)
-    repetition_penalty: float | None = Field(default=None, gt=0)
-    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
-    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
-    # A signed or unsigned 64-bit integer (OpenAI documents int64).
-    seed: int | None = Field(default=None, ge=-(1 << 63), lt=1 << 64)
-    n_predict: int | None = None
-    ignore_eos: bool | None = None  # llama.cpp's: generate max_tokens whatever the model says
-    # Token id (as a JSON key) → bias added to its logit, in [-100, 100].
-    logit_bias: dict[str, float] | None = None
-    n: int | None = Field(default=None, ge=1)  # at most --max-n (checked by the route)
-    stop: str | list[str] | None = None
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    user: str | None = None
-
-    @field_validator("stop")
-    @classmethod
-    def _check_stop(cls, v: str | list[str] | None) -> str | list[str] | None:
-        if isinstance(v, list) and len(v) > 16:
-            raise ValueError("at most 16 stop strings are allowed")
-        return v
 
 
 class PredictionPart(_Model):
