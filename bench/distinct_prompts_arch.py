@@ -115,7 +115,10 @@ def main() -> None:
             try:
                 row, ok = family_row(name, Path(tmp), opts.n, opts.concurrency)
             except Exception as e:  # one family's failure is a row, not the end of the table
-                row, ok = f"| {name} | failed: {type(e).__name__}: {e} | | | | | | | | FAIL |", False
+                row, ok = (
+                    f"| {name} | failed: {type(e).__name__}: {e} | | | | | | | | FAIL |",
+                    False,
+                )
             print(row, flush=True)
             all_ok &= ok
     sys.exit(0 if all_ok else 1)
