@@ -7,12 +7,13 @@ Checks, per family: every response is a 200, ``/health`` still says ok afterward
 tier holds entries, and the repeat is served from the cache (cached tokens > 0). Prints one
 row per family; exits 1 if any row fails a check.
 
-    PYTHONPATH=src python bench/distinct_prompts_arch.py [-n 100] [--concurrency 4] [family ...]
+    PYTHONPATH=src python bench/distinct_prompts_arch.py [-n 100] [--concurrency 4] [--stream] [family ...]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import tempfile
 import time
@@ -46,16 +47,37 @@ def body(n: int) -> dict:
     }
 
 
-def ask(client: httpx.Client, n: int) -> tuple[int, dict]:
-    """The status (0: no answer within the timeout) and the body of prompt ``n``."""
+def ask(client: httpx.Client, n: int, stream: bool = False) -> tuple[int, dict]:
+    """The status (0: no answer within the timeout) and the body of prompt ``n`` (streamed:
+    its last chunk, which carries the usage; 0 unless the stream ends with ``[DONE]``)."""
     try:
+        if stream:
+            return ask_streamed(client, n)
         r = client.post("/v1/chat/completions", json=body(n))
     except httpx.TimeoutException:
         return 0, {}
     return r.status_code, (r.json() if r.status_code == 200 else {})
 
 
-def family_row(name: str, root: Path, n_prompts: int, concurrency: int) -> tuple[str, bool]:
+def ask_streamed(client: httpx.Client, n: int) -> tuple[int, dict]:
+    # Keep-alive frames would keep a read timeout from ever firing: a deadline of its own.
+    deadline = time.monotonic() + TIMEOUT_S
+    req = {**body(n), "stream": True, "stream_options": {"include_usage": True}}
+    last: dict = {}
+    with client.stream("POST", "/v1/chat/completions", json=req) as r:
+        if r.status_code != 200:
+            return r.status_code, {}
+        for line in r.iter_lines():
+            if line == "data: [DONE]":
+                return 200, last
+            if line.startswith("data: "):
+                last = json.loads(line[len("data: ") :])
+            if time.monotonic() > deadline:
+                break
+    return 0, {}
+
+
+def family_row(name: str, root: Path, opts: argparse.Namespace) -> tuple[str, bool]:
     model = build(name, root / name)
     args = ["-m", str(model), "--port", str(free_port()), "--ctx-size", "4096"]
     args += ["--prompt-cache-dir", str(root / f"{name}-cache")]
@@ -65,10 +87,11 @@ def family_row(name: str, root: Path, n_prompts: int, concurrency: int) -> tuple
     try:
         assert srv.wait_ready(300), "\n".join(srv.lines[-20:])
         with httpx.Client(base_url=srv.base_url, timeout=TIMEOUT_S) as client:
-            with ThreadPoolExecutor(concurrency) as pool:
-                statuses = [s for s, _ in pool.map(lambda n: ask(client, n), range(n_prompts))]
+            with ThreadPoolExecutor(opts.concurrency) as pool:
+                asked = pool.map(lambda n: ask(client, n, opts.stream), range(opts.n))
+                statuses = [s for s, _ in asked]
             health = client.get("/health").json()
-            status, again = ask(client, 0)
+            status, again = ask(client, 0, opts.stream)
         statuses.append(status)
     finally:
         srv.stop()
@@ -98,11 +121,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("-n", type=int, default=100, help="distinct prompts per family")
     parser.add_argument("--concurrency", type=int, default=4)
+    parser.add_argument("--stream", action="store_true", help="streamed requests")
     parser.add_argument("families", nargs="*", default=list(FAMILIES))
     opts = parser.parse_args()
     print(
         f"{opts.n} distinct ~1,100-token prompts per family, {opts.concurrency} at a time, "
-        f"RAM tier {RAM_ENTRIES} entries, then the first prompt again"
+        f"{'streamed, ' if opts.stream else ''}RAM tier {RAM_ENTRIES} entries, "
+        "then the first prompt again"
     )
     print(
         "| family | answered (200) | 5xx | no answer | RAM evictions | disk entries "
@@ -113,7 +138,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for name in opts.families:
             try:
-                row, ok = family_row(name, Path(tmp), opts.n, opts.concurrency)
+                row, ok = family_row(name, Path(tmp), opts)
             except Exception as e:  # one family's failure is a row, not the end of the table
                 row, ok = (
                     f"| {name} | failed: {type(e).__name__}: {e} | | | | | | | | FAIL |",
