@@ -144,3 +144,42 @@ def test_a_miss_says_why(plain, capsys):
     assert stats["prompt_cache_miss_no_entry"] == 2 and stats["prompt_cache_miss_evicted"] == 1
     out = capsys.readouterr().out
     assert out.count("miss for a") == 3 and "evicted" in out
+
+
+def own_system(n: int, length: int = 48) -> list[int]:
+    """A system prompt of its own for each ``n`` (past the 16-token sliding window)."""
+    return [(n * 17 + 5 * i) % 150 + 20 for i in range(length)]
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "gemma3_text", "deepseek_v3"])
+def test_more_distinct_prompts_than_the_ram_tier_holds(family, tmp_path):
+    """Twenty prompts, each with its own system prompt, through a RAM tier of four entries
+    (the first alone, then four at a time): every one is answered, states leave RAM for the
+    disk tier without a failure, and a repeat of the first is served from there with the
+    first's output. Recurrent state (qwen3_5), a sliding window (gemma3_text), MLA latents
+    (deepseek_v3)."""
+    from mlx_lm import load
+
+    from mlx_server.models.base import settle_arrays
+
+    model, tokenizer = load(str(build(family, tmp_path / family)))[:2]
+    settle_arrays(model)  # as the server's loader: the engine thread runs it
+    prompts = [own_system(n) + [(n * 31 + 7 * i) % 150 + 20 for i in range(8)] for n in range(20)]
+
+    def ask_own(tokens: list[int]):
+        return request(tokens, 3, ignore_eos=True, system_prefix_tokens=len(tokens) - 8)
+
+    disk = DiskPromptCache(tmp_path / "disk", 1 << 30, min_tokens=16)
+    with running_engine(model, tokenizer, prompt_cache_disk=disk, prompt_cache_size=4) as engine:
+        # The first alone (the repeat's reference), then the rest four at a time.
+        results = within_deadline(engine, [ask_own(prompts[0])], together=False)
+        for i in range(1, len(prompts), 4):
+            results += within_deadline(engine, [ask_own(p) for p in prompts[i : i + 4]], True)
+        assert disk.flush(30)
+        (again,) = within_deadline(engine, [ask_own(prompts[0])], together=False)
+        stats = engine.stats()
+    assert [r.reason for r in results] == ["length"] * len(prompts)
+    assert stats["prompt_cache_evictions"] > 0 and stats["prompt_cache_failures"] == 0
+    assert stats["prompt_cache_entries"] <= 4 and stats["prompt_cache_disk_entries"] > 4
+    assert stats["prompt_cache_disk_hits"] >= 1 and again.cached >= len(prompts[0]) - 8
+    assert again.text == results[0].text
