@@ -81,7 +81,7 @@ def server_factory():
         procs.append(sp)
         if wait:
             assert sp.wait_ready(), (
-                f"server did not become ready: {sp.lines} {sp.proc.stderr.read() if sp.proc.poll() is not None else ''}"
+                f"server did not become ready: {sp.lines} {sp.stderr_text()}"
             )
         return sp
 

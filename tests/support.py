@@ -86,6 +86,8 @@ class ServerProcess:
     lines: list[str] = field(default_factory=list)
     _q: queue.Queue = field(default_factory=queue.Queue)
     _pumping: threading.Thread | None = None
+    err_lines: list[str] = field(default_factory=list)
+    _draining: threading.Thread | None = None
 
     @property
     def base_url(self) -> str:
@@ -97,6 +99,18 @@ class ServerProcess:
             self.lines.append(line.rstrip("\n"))
             self._q.put(line)
         self._q.put(None)
+
+    def _drain(self) -> None:
+        """Read stderr as it comes: a pipe nobody reads fills up and blocks the server."""
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            self.err_lines.append(line.rstrip("\n"))
+
+    def stderr_text(self, timeout: float = 10) -> str:
+        """What the server wrote to stderr; once it has exited, all of it."""
+        if self.proc.poll() is not None and self._draining is not None:
+            self._draining.join(timeout)
+        return "\n".join(self.err_lines)
 
     def wait_ready(self, timeout: float = 120) -> bool:
         deadline = time.time() + timeout
@@ -143,6 +157,8 @@ class ServerProcess:
                 self.proc.wait()
         if self._pumping is not None:
             self._pumping.join(10)  # it reads stdout to its end
+        if self._draining is not None:
+            self._draining.join(10)
         for pipe in (self.proc.stdout, self.proc.stderr):
             if pipe is not None:
                 pipe.close()
@@ -170,6 +186,8 @@ def launch(args: list[str], env: dict[str, str] | None = None) -> ServerProcess:
     sp = ServerProcess(proc, port)
     sp._pumping = threading.Thread(target=sp._pump, daemon=True)
     sp._pumping.start()
+    sp._draining = threading.Thread(target=sp._drain, daemon=True)
+    sp._draining.start()
     return sp
 
 

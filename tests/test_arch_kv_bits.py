@@ -128,7 +128,7 @@ def test_the_server_refuses_at_start_when_no_layer_can_take_it(models: dict[str,
     sp = launch(["-m", str(models["gpt_oss"]), "--port", str(free_port()), "--kv-bits", "8"])
     try:
         assert sp.wait_exit(120) == 1
-        out = "\n".join(sp.lines) + (sp.proc.stderr.read() if sp.proc.stderr else "")
+        out = "\n".join(sp.lines) + sp.stderr_text()
         assert "no layer of this model can hold a quantized KV cache" in out
         assert "attention sinks" in out
     finally:

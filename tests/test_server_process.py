@@ -231,7 +231,7 @@ def test_port_in_use(tiny_model_dir, server_factory):
         rc = sp.proc.wait(60)
     assert rc != 0
     assert not any("http server listening" in line for line in sp.lines)
-    assert "in use" in sp.proc.stderr.read().lower()
+    assert "in use" in sp.stderr_text().lower()
 
 
 def test_load_failure(tmp_path, server_factory):
@@ -239,13 +239,13 @@ def test_load_failure(tmp_path, server_factory):
     assert sp.wait_exit(60) == 1
     assert any(line.startswith("[mlx] Failed to load model:") for line in sp.lines)
     assert not any("listening" in line for line in sp.lines)
-    assert sp.proc.stderr.read().strip()
+    assert sp.stderr_text().strip()
 
 
 def test_unknown_flag_exits_2(server_factory):
     sp = server_factory(["-m", "x", "--no-such-flag", "y"], wait=False)
     assert sp.proc.wait(30) == 2
-    assert "usage" in sp.proc.stderr.read().lower()
+    assert "usage" in sp.stderr_text().lower()
 
 
 def test_default_model_id_keeps_dots(tmp_path, tiny_model_dir, server_factory):
@@ -268,7 +268,7 @@ def test_non_loopback_warning(tiny_model_dir, server_factory):
 def test_unknown_tool_call_parser_lists_valid_names(server_factory):
     sp = server_factory(["-m", "x", "--tool-call-parser", "bogus"], wait=False)
     assert sp.proc.wait(30) == 2
-    err = sp.proc.stderr.read()
+    err = sp.stderr_text()
     assert "bogus" in err and "json_tools" in err and "mistral" in err
 
 
@@ -278,7 +278,7 @@ def test_hf_repo_id_offline_fails_clearly(server_factory, tmp_path):
         ["-m", "some-org/some-model", "--port", str(free_port())], wait=False, env=env
     )
     assert sp.proc.wait(60) == 1
-    err = sp.proc.stderr.read()
+    err = sp.stderr_text()
     assert "some-org/some-model" in err and "offline" in err.lower()
 
 
@@ -318,7 +318,7 @@ def test_non_gguf_file_named_gguf_fails_clearly(server_factory, tmp_path):
     )
     assert sp.wait_exit(60) == 1
     assert any(line.startswith("[mlx] Failed to load model:") for line in sp.lines)
-    assert "gguf" in sp.proc.stderr.read().lower()
+    assert "gguf" in sp.stderr_text().lower()
 
 
 def test_ignore_eos_generates_max_tokens(e2e_server):
