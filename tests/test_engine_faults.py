@@ -8,9 +8,18 @@ import asyncio
 import random
 
 import pytest
-from engine_runner import collect, drive, generate, load_varied_model, request, running_engine, solo
+from engine_runner import (
+    collect,
+    drive,
+    generate,
+    load_varied_model,
+    request,
+    running_engine,
+    solo,
+    until,
+)
 
-from mlx_server.engine.core.handle import TokenPiece
+from mlx_server.engine.core.handle import Started, TokenPiece
 from mlx_server.events import Finished
 from mlx_server.types import SamplingParams
 
@@ -162,6 +171,29 @@ def test_a_short_request_starts_while_long_prompts_prefill(lm):
 
         drive(engine, run())
         assert order[0] == "S", order
+
+
+def test_a_consumer_that_fell_behind_reads_the_first_token_then_the_end(lm):
+    """The reading pattern above on a loop that fell behind (a loaded machine): every
+    event of the request waits in its handle, the first text piece merges the rest, and
+    the loop reading on after it still gets the end."""
+    model, tokenizer = lm
+    with running_engine(model, tokenizer, prompt_cache_size=0) as engine:
+
+        async def run():
+            handle = engine.submit(request(tokens(tokenizer, 6, 21), 4, ignore_eos=True))
+            assert isinstance(await handle.next_event(), Started)  # it runs now
+            await until(lambda: engine.active_count == 0, "the request to end")
+            # Blocks the loop on purpose: the engine's last flush is behind this call.
+            engine.call(lambda: None).result(timeout=60)
+            await asyncio.sleep(0)  # the deliveries it scheduled run before this task
+            async for ev in handle:
+                if isinstance(ev, TokenPiece):
+                    break
+            return [ev async for ev in handle]
+
+        rest = drive(engine, run(), timeout=30)
+        assert [type(ev) for ev in rest] == [Finished] and rest[0].reason == "length"
 
 
 def test_generate_after_faults_is_deterministic(lm):
