@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Coroutine, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from mlx_server.engine.core.engine import Engine, EngineConfig
 from mlx_server.engine.core.handle import GenerationHandle, Started, TokenPiece
@@ -15,6 +15,7 @@ from mlx_server.events import Finished, LogprobEntry
 from mlx_server.types import GenerationRequest, SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0)
+T = TypeVar("T")
 
 
 async def until(condition: Callable[[], object], what: str, timeout: float = 60) -> None:
@@ -80,7 +81,26 @@ def solo(engine: Engine, reqs: list[GenerationRequest]) -> list[Result]:
     async def run() -> list[Result]:
         return [await generate(engine, r) for r in reqs]
 
-    return asyncio.run(run())
+    return drive(engine, run())
+
+
+DEADLINE_S = 120.0
+
+
+def drive(engine: Engine, work: Coroutine[Any, Any, T], timeout: float = DEADLINE_S) -> T:
+    """``asyncio.run(work)`` with a deadline: a generation that never ends fails the test
+    after ``timeout`` seconds with the engine's counters (what runs, prefills, waits),
+    instead of hanging until the suite's own timeout."""
+
+    async def bounded() -> T:
+        try:
+            return await asyncio.wait_for(work, timeout)
+        except asyncio.TimeoutError:
+            raise AssertionError(
+                f"the engine work did not end within {timeout:.0f}s; engine: {engine.stats()}"
+            ) from None
+
+    return asyncio.run(bounded())
 
 
 @contextmanager

@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from engine_runner import collect, load_varied_model, request, running_engine, solo, until
+from engine_runner import collect, drive, load_varied_model, request, running_engine, solo, until
 from support import free_port
 
 from mlx_server.errors import InvalidRequest, Overloaded
@@ -49,7 +49,7 @@ def test_a_burst_beyond_the_kv_budget_queues_and_all_complete(lm):
         model, tokenizer, prompt_cache_size=0, kv_budget_bytes=budget, kv_bytes_per_token=PER_TOKEN
     ) as engine:
         alone = solo(engine, [request(p, 60) for p in ps])
-        queued, results = asyncio.run(burst(engine))
+        queued, results = drive(engine, burst(engine))
         assert engine.stats()["kv_in_use_bytes"] == 0
     assert queued >= 3  # at most one was admitted (and none finished) while submitting
     assert max(seen) == 1
@@ -78,7 +78,7 @@ def test_a_full_queue_refuses_with_overloaded(lm):
         kv_budget_bytes=PER_TOKEN * 100,
         kv_bytes_per_token=PER_TOKEN,
     ) as engine:
-        refused, results = asyncio.run(burst(engine))
+        refused, results = drive(engine, burst(engine))
         assert engine.queue_depth == 0 and engine.active_count == 0
     assert refused >= 8 - 3  # two queued, at most one already admitted
     assert all(r.reason == "length" for r in results)
@@ -94,7 +94,7 @@ def test_a_request_larger_than_the_budget_is_refused_with_the_reason(lm):
         model, tokenizer, kv_budget_bytes=PER_TOKEN * 500, kv_bytes_per_token=PER_TOKEN
     ) as engine:
         with pytest.raises(InvalidRequest) as info:
-            asyncio.run(submit(engine))
+            drive(engine, submit(engine))
         assert engine.queue_depth == 0
         (ok,) = solo(engine, [request(prompts(tokenizer, 1)[0], 8)])
     # Worded as a context overflow (Jan reloads with a larger context on it), naming the
@@ -125,7 +125,7 @@ def test_a_cancelled_queued_request_frees_its_queue_slot(lm):
     with running_engine(
         model, tokenizer, max_queue=1, kv_budget_bytes=PER_TOKEN * 400, kv_bytes_per_token=PER_TOKEN
     ) as engine:
-        waiting, third, first = asyncio.run(run(engine))
+        waiting, third, first = drive(engine, run(engine))
     assert waiting.reason == "cancelled" and waiting.finished.usage.completion_tokens == 0
     assert third.reason == first.reason == "length"
 

@@ -5,7 +5,6 @@ layers can is refused at start. Never a server that starts and then fails its re
 
 from __future__ import annotations
 
-import asyncio
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -153,7 +152,7 @@ def test_every_family_serves_with_kv_bits_or_is_refused(tmp_path: Path, family: 
     same cache; a batch of two runs to its end. Or the plan refuses, saying why."""
     import mlx.core as mx
     from arch_models import build
-    from engine_runner import generate_all, request, running_engine, solo
+    from engine_runner import drive, generate_all, request, running_engine, solo
     from mlx_lm.generate import generate_step
 
     from mlx_server.models.base import settle_arrays
@@ -173,6 +172,6 @@ def test_every_family_serves_with_kv_bits_or_is_refused(tmp_path: Path, family: 
         # Raw text continued: the first token keeps its leading space, as decode gives it.
         (alone,) = solo(engine, [request(prompt, 4, ignore_eos=True, continues_text=True)])
         pair = [request(prompt, 4, ignore_eos=True), request(prompt[::-1], 4, ignore_eos=True)]
-        batched = asyncio.run(asyncio.wait_for(generate_all(engine, pair), 120))
+        batched = drive(engine, generate_all(engine, pair))
     assert alone.text == tokenizer.decode(want)
     assert [r.finished.reason for r in batched] == ["length", "length"]

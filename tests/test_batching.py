@@ -10,6 +10,7 @@ import re
 import pytest
 from engine_runner import (
     collect,
+    drive,
     generate_all,
     load_varied_model,
     request,
@@ -77,7 +78,7 @@ def test_six_concurrent_requests_each_get_their_own_result(lm):
         stop_prompt, stop, probe = stop_probe(engine, tokenizer)
         (greedy2,) = solo(engine, [request(prompt(tokenizer, 22, seed=2), 24)])
         alone = solo(engine, six_requests(tokenizer, stop_prompt, stop))
-        together = asyncio.run(generate_all(engine, six_requests(tokenizer, stop_prompt, stop)))
+        together = drive(engine, generate_all(engine, six_requests(tokenizer, stop_prompt, stop)))
 
     for a, b in zip(alone, together, strict=True):
         assert b.text == a.text
@@ -115,7 +116,7 @@ def test_staggered_joins_match_solo_results(lm):
                 await asyncio.sleep(0.005 * i)
             return await asyncio.gather(*handles)
 
-        joined = asyncio.run(staggered())
+        joined = drive(engine, staggered())
         assert engine.active_count == 0 and engine.queue_depth == 0
     assert [r.text for r in joined] == [r.text for r in alone]
     assert [r.finished.usage.completion_tokens for r in joined] == [20 + i for i in range(6)]
@@ -143,7 +144,7 @@ def test_long_prompt_is_prefilled_in_chunks_while_others_decode(lm):
         return await runner, joiner
 
     with running_engine(model, tokenizer, prompt_cache_size=0, prefill_step_size=16) as engine:
-        running, joiner = asyncio.run(run(engine))
+        running, joiner = drive(engine, run(engine))
         (alone,) = solo(engine, [request(long_prompt, 4)])
     assert running.reason == joiner.reason == "length"
     # Between the join and the joiner's first token the running stream kept producing:
@@ -180,7 +181,7 @@ def test_cancelling_one_sequence_leaves_the_others_unharmed(lm):
 
     with running_engine(model, tokenizer, prompt_cache_size=0) as engine:
         alone = solo(engine, [request(p, 40) for p in prompts])
-        results, by_id = asyncio.run(run(engine))
+        results, by_id = drive(engine, run(engine))
         assert engine.active_count == 0 and engine.queue_depth == 0
         (after,) = solo(engine, [request(prompts[2], 40)])
     assert results[1].reason == "cancelled"
@@ -210,7 +211,7 @@ def test_batch_size_limit_bounds_concurrency(lm):
 
     with running_engine(model, tokenizer, prompt_cache_size=0, max_batch_size=2) as engine:
         alone = solo(engine, [request(p, 16) for p in prompts])
-        finished = asyncio.run(run(engine))
+        finished = drive(engine, run(engine))
     assert max(seen) <= 2
     assert finished == [(a.text, "length") for a in alone]
 
@@ -243,7 +244,7 @@ def test_prefill_is_paced_so_long_prompts_do_not_pile_up(lm):
 
     with running_engine(model, tokenizer, prompt_cache_size=0, prefill_step_size=16) as engine:
         alone = solo(engine, [request(p, 6) for p in longs])
-        paced = asyncio.run(run(engine))
+        paced = drive(engine, run(engine))
     # Four long prompts in 16-token chunks: two share a step, never more than two chunks' worth.
     assert 16 < max(seen) <= 32
     assert [r.text for r in paced] == [a.text for a in alone]
@@ -283,7 +284,7 @@ def test_a_lone_stream_keeps_its_text_when_others_join_it(lm):
             raise AssertionError("no Finished")
 
         for after in (1, 5):
-            fin, text, joined = asyncio.run(join(after))
+            fin, text, joined = drive(engine, join(after))
             assert fin.reason == alone.reason and text == alone.text
             assert fin.usage.completion_tokens == alone.finished.usage.completion_tokens
             assert [r.text for r in joined] == [r.text for r in rest]
@@ -298,6 +299,6 @@ def test_a_lone_stream_keeps_its_text_when_others_join_it(lm):
             more = [asyncio.ensure_future(collect(engine.submit(request(p, 12)))) for p in others]
             return await lead, await asyncio.gather(*more)
 
-        lead, joined = asyncio.run(join_in_prefill())
+        lead, joined = drive(engine, join_in_prefill())
         assert lead.text == alone.text and [r.text for r in joined] == [r.text for r in rest]
         assert engine.active_count == 0 and engine.queue_depth == 0

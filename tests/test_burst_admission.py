@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable
 
 import pytest
-from engine_runner import collect, load_varied_model, request, running_engine
+from engine_runner import collect, drive, load_varied_model, request, running_engine
 
 from mlx_server.protocols.openai.chat.adapter import to_chat_request
 from mlx_server.protocols.openai.chat.schemas import ChatCompletionRequest
@@ -71,7 +71,7 @@ def test_announced_requests_start_together(lm, monkeypatch):
             rest = [engine.submit(r) for r in reqs[1:]]
             return list(await asyncio.wait_for(asyncio.gather(*map(collect, [first, *rest])), 120))
 
-        results = asyncio.run(run())
+        results = drive(engine, run())
         assert [r.reason for r in results] == ["length"] * 3
         assert engine.stats()["solo_runs"] == 0  # none ran on the lone path: one batch
 
@@ -85,7 +85,7 @@ def test_a_lone_announced_request_is_not_held(lm):
         async def run():
             return await asyncio.wait_for(collect(engine.submit(req)), 120)
 
-        assert asyncio.run(run()).reason == "length"
+        assert drive(engine, run()).reason == "length"
         assert engine.stats()["solo_runs"] == 1
 
 
@@ -104,7 +104,7 @@ def test_a_withdrawn_announcement_releases_the_queue(lm, monkeypatch):
             withdraw()
             return await asyncio.wait_for(collect(handle), 120)
 
-        assert asyncio.run(run()).reason == "length"
+        assert drive(engine, run()).reason == "length"
 
 
 def test_the_chat_service_announces_what_it_renders(lm):
@@ -133,6 +133,6 @@ def test_the_chat_service_announces_what_it_renders(lm):
 
             return list(await asyncio.wait_for(asyncio.gather(*map(drain, gens)), 120))
 
-        assert asyncio.run(run()) == [4, 4, 4, 4]
+        assert drive(engine, run()) == [4, 4, 4, 4]
         assert engine.stats()["solo_runs"] == 0
         assert not engine._sched.expected  # every announcement ended with its request

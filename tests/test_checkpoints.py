@@ -4,11 +4,9 @@ those points on a tiny Nemotron-H (Mamba, attention and MoE layers), alone and b
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 from arch_models import build
-from engine_runner import generate, generate_all, request, running_engine, solo
+from engine_runner import drive, generate, generate_all, request, running_engine, solo
 
 from mlx_server.engine.cache.checkpoints import MAX_CHUNKS, pauses
 from mlx_server.engine.runners.base import Insert
@@ -130,7 +128,7 @@ def run(engine, reqs, together: bool):
             return await generate_all(engine, reqs)
         return [await generate(engine, r) for r in reqs]
 
-    return asyncio.run(asyncio.wait_for(go(), 120))
+    return drive(engine, go())
 
 
 @pytest.mark.parametrize("together", [False, True], ids=["alone", "batched"])

@@ -8,9 +8,18 @@ import asyncio
 import random
 
 import pytest
-from engine_runner import collect, generate, load_varied_model, request, running_engine, solo
+from engine_runner import (
+    collect,
+    drive,
+    generate,
+    load_varied_model,
+    request,
+    running_engine,
+    solo,
+    until,
+)
 
-from mlx_server.engine.core.handle import TokenPiece
+from mlx_server.engine.core.handle import Started, TokenPiece
 from mlx_server.events import Finished
 from mlx_server.types import SamplingParams
 
@@ -44,7 +53,7 @@ def test_a_bad_seed_fails_alone_and_its_neighbour_finishes(lm):
             good = engine.submit(request(p, 12))
             return await asyncio.gather(collect(bad), collect(good))
 
-        bad, good = asyncio.run(run())
+        bad, good = drive(engine, run())
         assert bad.reason == "error" and "seed" not in bad.text
         assert bad.finished.error and "TypeError" in bad.finished.error
         assert good.reason == expected.reason and good.text == expected.text
@@ -92,7 +101,7 @@ def test_a_failing_processor_ends_its_sequence_and_the_batch_goes_on(lm):
             ]
             return await asyncio.gather(*(collect(h) for h in handles))
 
-        first, failed, third = asyncio.run(run())
+        first, failed, third = drive(engine, run())
         assert failed.reason == "error" and "processor exploded" in (failed.finished.error or "")
         assert failed.finished.usage.completion_tokens < 16
         assert (first.text, first.reason) == (expected[0].text, expected[0].reason)
@@ -123,7 +132,7 @@ def test_after_a_step_fault_queued_requests_and_the_next_one_succeed(lm, monkeyp
             queued = engine.submit(request(p, 12))
             return await asyncio.gather(collect(running), collect(queued))
 
-        running, queued = asyncio.run(run())
+        running, queued = drive(engine, run())
         assert running.reason == "error" and "device fault" in (running.finished.error or "")
         assert queued.reason in ("length", "stop") and queued.finished.error is None
         (after,) = solo(engine, [request(p, 6, sampling=SAMPLED)])
@@ -160,8 +169,31 @@ def test_a_short_request_starts_while_long_prompts_prefill(lm):
             hs.append(engine.submit(request(short, 4)))
             await asyncio.gather(*(first_token(n, h) for n, h in zip("ABS", hs, strict=True)))
 
-        asyncio.run(run())
+        drive(engine, run())
         assert order[0] == "S", order
+
+
+def test_a_consumer_that_fell_behind_reads_the_first_token_then_the_end(lm):
+    """The reading pattern above on a loop that fell behind (a loaded machine): every
+    event of the request waits in its handle, the first text piece merges the rest, and
+    the loop reading on after it still gets the end."""
+    model, tokenizer = lm
+    with running_engine(model, tokenizer, prompt_cache_size=0) as engine:
+
+        async def run():
+            handle = engine.submit(request(tokens(tokenizer, 6, 21), 4, ignore_eos=True))
+            assert isinstance(await handle.next_event(), Started)  # it runs now
+            await until(lambda: engine.active_count == 0, "the request to end")
+            # Blocks the loop on purpose: the engine's last flush is behind this call.
+            engine.call(lambda: None).result(timeout=60)
+            await asyncio.sleep(0)  # the deliveries it scheduled run before this task
+            async for ev in handle:
+                if isinstance(ev, TokenPiece):
+                    break
+            return [ev async for ev in handle]
+
+        rest = drive(engine, run(), timeout=30)
+        assert [type(ev) for ev in rest] == [Finished] and rest[0].reason == "length"
 
 
 def test_generate_after_faults_is_deterministic(lm):
@@ -170,8 +202,8 @@ def test_generate_after_faults_is_deterministic(lm):
     p = tokens(tokenizer, 8, 6)
     seeded = SamplingParams(temperature=1.0, seed=7)
     with running_engine(model, tokenizer) as engine:
-        before = asyncio.run(generate(engine, request(p, 10, sampling=seeded)))
+        before = drive(engine, generate(engine, request(p, 10, sampling=seeded)))
         wide = SamplingParams(temperature=1.0, top_k=vocab_width(model))
         solo(engine, [request(p, 4, sampling=wide)])
-        after = asyncio.run(generate(engine, request(p, 10, sampling=seeded)))
+        after = drive(engine, generate(engine, request(p, 10, sampling=seeded)))
         assert before.text == after.text and after.finished.error is None

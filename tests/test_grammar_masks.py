@@ -8,7 +8,6 @@ here the constraint's doing.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import random
 from typing import Any
@@ -19,7 +18,7 @@ import llguidance.hf
 import mlx.core as mx
 import numpy as np
 import pytest
-from engine_runner import generate_all, request
+from engine_runner import drive, generate_all, request
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from test_constraints import SCHEMAS, make_hf_tokenizer, make_model
 
@@ -173,7 +172,7 @@ def test_a_mixed_batch_gives_valid_json_and_the_per_row_path_s_tokens(model, tok
         assert masks[name].overlap == (threads > 1)
         engine = engine_with(model, tokenizer, batch_grammars=batched, grammar_masks=masks[name])
         try:
-            outputs[name] = asyncio.run(generate_all(engine, mixed_requests(tokenizer, compiler)))
+            outputs[name] = drive(engine, generate_all(engine, mixed_requests(tokenizer, compiler)))
         finally:
             engine.shutdown(timeout=10)
     assert masks["per_row"].steps == 0  # mlx-lm's per-row calls did all the masking
@@ -236,7 +235,7 @@ def test_a_broken_grammar_ends_only_its_own_request(model, tokenizer, compiler):
     ]
     engine = engine_with(model, tokenizer, grammar_masks=GrammarMasks(threads=2))
     try:
-        results = asyncio.run(generate_all(engine, reqs))
+        results = drive(engine, generate_all(engine, reqs))
     finally:
         engine.shutdown(timeout=10)
     exploded, stopped, refused, *good = results

@@ -77,6 +77,27 @@ def test_a_consumer_that_falls_behind_gets_the_waiting_pieces_merged():
     assert [e.token for e in events[0].logprobs] == ["Hel", "lo"]
 
 
+def test_a_consumer_that_stops_after_a_merged_piece_still_gets_the_end():
+    """The event that stopped a merge is the handle's, not one iteration's: a consumer that
+    leaves its loop after the merged piece (as one reading only the first token does) and
+    iterates again gets the Finished event instead of waiting forever."""
+
+    async def run():
+        h = GenerationHandle("r", asyncio.get_running_loop(), coalesce=True)
+        for event in (TokenPiece("a"), TokenPiece("b"), FINISHED):
+            h.push(event)
+        await asyncio.sleep(0)
+        async for event in h:  # the first event only
+            first = event
+            break
+        rest = await asyncio.wait_for(drain(h), timeout=5)
+        return first, rest, h.done
+
+    first, rest, done = asyncio.run(run())
+    assert first.text == "ab"
+    assert rest == [FINISHED] and done
+
+
 def test_without_coalescing_every_piece_is_its_own_event():
     async def run():
         h = GenerationHandle("r", asyncio.get_running_loop())

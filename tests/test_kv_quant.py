@@ -3,13 +3,12 @@ the admission estimate says, and relies on mlx-lm internals checked here by cont
 
 from __future__ import annotations
 
-import asyncio
 import time
 
 import httpx
 import mlx.core as mx
 import pytest
-from engine_runner import generate_all, request, running_engine, solo
+from engine_runner import drive, generate_all, request, running_engine, solo
 from support import build_wide_model, free_port
 
 from mlx_server.engine.cache.kv_quant import (
@@ -75,7 +74,7 @@ def test_a_batch_gives_the_same_tokens_as_each_prompt_alone(wide):
     qmodel = QuantizedKVModel(model, 8, 64)
     ps = prompts(tokenizer)
     with running_engine(qmodel, tokenizer, prompt_cache_size=0) as engine:
-        together = asyncio.run(generate_all(engine, [request(p, 10) for p in ps]))
+        together = drive(engine, generate_all(engine, [request(p, 10) for p in ps]))
         alone = solo(engine, [request(p, 10) for p in ps])
     assert [r.text for r in together] == [r.text for r in alone]
     assert all(r.finished.usage.completion_tokens == 10 for r in together)

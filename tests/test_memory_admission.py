@@ -4,12 +4,11 @@ requests wait, and nothing is killed."""
 
 from __future__ import annotations
 
-import asyncio
 import threading
 
 import mlx.core as mx
 import pytest
-from engine_runner import generate_all, request, running_engine
+from engine_runner import drive, generate_all, request, running_engine
 from support import build_wide_model
 
 from mlx_server.engine.cache.disk import DiskPromptCache
@@ -74,7 +73,7 @@ def test_many_long_prompts_under_a_small_budget_all_finish_within_it(wide, tmp_p
             prompt_cache_disk=disk,
         ) as engine,
     ):
-        results = asyncio.run(generate_all(engine, [request(p, 16) for p in prompts]))
+        results = drive(engine, generate_all(engine, [request(p, 16) for p in prompts]))
         stats = engine.stats()
     assert [r.reason for r in results] == ["length"] * len(prompts)  # nothing killed
     # Without the shared budget the RAM tier would keep all 16 states (~80 MB).

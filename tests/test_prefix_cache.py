@@ -3,13 +3,12 @@ cached answer at temperature 0 equals the uncached one."""
 
 from __future__ import annotations
 
-import asyncio
-
 import httpx
 import mlx.core as mx
 import pytest
 from engine_runner import (
     chat_tokens,
+    drive,
     generate_all,
     load_varied_model,
     request,
@@ -166,7 +165,7 @@ def test_concurrent_conversations_share_a_cached_system_prompt(lm):
         running_engine(model, tokenizer, prompt_cache_size=0) as cold,
     ):
         solo(warm, [request(prompts[0], 8)])
-        batch = asyncio.run(generate_all(warm, [request(p, 16) for p in prompts[1:]]))
+        batch = drive(warm, generate_all(warm, [request(p, 16) for p in prompts[1:]]))
         expected = solo(cold, [request(p, 16) for p in prompts[1:]])
     assert [b.text for b in batch] == [e.text for e in expected]
     shared = len(chat_tokens(tokenizer, [conversation(0)[0]]))  # at least the system turn
@@ -266,7 +265,7 @@ def test_stopped_and_cancelled_sequences_leave_reusable_state(lm):
         running_engine(model, tokenizer) as warm,
         running_engine(model, tokenizer, prompt_cache_size=0) as cold,
     ):
-        asyncio.run(cancel_after(warm, 4))
+        drive(warm, cancel_after(warm, 4))
         assert warm.prefix_cache is not None and len(warm.prefix_cache) == 1
         (again,) = solo(warm, [request(ids, 10)])
         assert again.cached == len(ids) - 1

@@ -3,11 +3,9 @@ keep checkpoints: the engine on tiny hybrid and plain models, without HTTP."""
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 from arch_models import build
-from engine_runner import Result, generate, generate_all, request, running_engine, solo
+from engine_runner import Result, drive, generate, generate_all, request, running_engine, solo
 
 import mlx_server.engine.cache.disk as disk_cache
 import mlx_server.engine.cache.prefix as prefix_cache
@@ -51,7 +49,7 @@ def within_deadline(engine, reqs: list, together: bool) -> list[Result]:
             return await generate_all(engine, reqs)
         return [await generate(engine, r) for r in reqs]
 
-    return asyncio.run(asyncio.wait_for(run(), 120))
+    return drive(engine, run())
 
 
 def cold_texts(model, tokenizer, prompts: list[list[int]]) -> list[str]:
@@ -125,7 +123,7 @@ def test_a_cache_that_cannot_be_rewound_resumes_from_the_prompt_checkpoint(
     want = cold_texts(model, tokenizer, [turn1, turn2])
     with running_engine(model, tokenizer) as engine:
         if together:  # the batch runner's path: a second request beside the first
-            asyncio.run(generate_all(engine, [ask(turn1), ask(prompt(7, 30))]))
+            drive(engine, generate_all(engine, [ask(turn1), ask(prompt(7, 30))]))
         else:
             solo(engine, [ask(turn1)])
         again, extended = solo(engine, [ask(turn1), ask(turn2)])

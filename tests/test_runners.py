@@ -10,7 +10,7 @@ from typing import Any
 
 import mlx.core as mx
 import pytest
-from engine_runner import collect, generate, load_varied_model, request, running_engine, solo
+from engine_runner import collect, drive, generate, load_varied_model, request, running_engine, solo
 
 from mlx_server.engine.core.engine import Engine, EngineConfig
 from mlx_server.engine.core.handle import Started, TokenPiece
@@ -113,7 +113,7 @@ def test_a_lone_stream_with_processors_keeps_its_output_when_others_join(lm, com
 
             for after in (1, 6):
                 runs = engine.stats()["solo_runs"]
-                fin, text, joined = asyncio.run(join(after))
+                fin, text, joined = drive(engine, join(after))
                 assert engine.stats()["solo_runs"] == runs + 1, name
                 assert (text, fin.reason) == (alone.text, alone.reason), (name, after)
                 assert fin.usage.completion_tokens == alone.finished.usage.completion_tokens
@@ -171,10 +171,10 @@ def test_a_new_runner_plugs_in_and_the_engine_delivers_its_tokens(lm):
     engine = Engine(model, tokenizer, EngineConfig(prompt_cache_size=0), runner=runner)
     engine.start()
     try:
-        whole = asyncio.run(generate(engine, request([1, 2, 3], 100)))
+        whole = drive(engine, generate(engine, request([1, 2, 3], 100)))
         assert whole.text.strip() == tokenizer.decode(tokens).strip() and whole.reason == "length"
         assert whole.finished.usage.completion_tokens == len(tokens)
-        stopped = asyncio.run(generate(engine, request([1, 2, 3], 100, stop=("paris",))))
+        stopped = drive(engine, generate(engine, request([1, 2, 3], 100, stop=("paris",))))
         assert stopped.reason == "stop_sequence" and "paris" not in stopped.text
         assert stopped.text == whole.text[: whole.text.index("paris")]
         assert len(runner.removed) == 1  # the stop string took it out of the runner

@@ -13,7 +13,7 @@ from conftest_gguf import (  # noqa: F401  (fixtures)
     demo_f32_dir_fixture,
     demo_gguf_fixture,
 )
-from engine_runner import collect, generate_all, load_varied_model, request, running_engine
+from engine_runner import collect, drive, generate_all, load_varied_model, request, running_engine
 
 from mlx_server.engine.core.handle import TokenPiece
 from mlx_server.engine.grammar.constraints import ConstraintCompiler, ConstraintSpec
@@ -45,7 +45,7 @@ def same(a: Any, b: Any, name: str) -> None:
 
 
 def batch(engine: Any, reqs: list[Any]) -> list[Any]:
-    return asyncio.run(generate_all(engine, reqs))
+    return drive(engine, generate_all(engine, reqs))
 
 
 def predicted(tokenizer: Any, results: list[Any], which: list[int]) -> list[tuple[int, ...]]:
@@ -171,7 +171,7 @@ def test_a_lone_speculating_request_goes_on_speculating_in_the_batch(lm: Any) ->
             rest = await generate_all(fast, [request(p, 20, ignore_eos=True) for p in ps[1:]])
             return [await first, *rest]
 
-        got = asyncio.run(mixed())
+        got = drive(fast, mixed())
         assert fast.stats()["solo_runs"] == 1
     for g, w in zip(got, [lead_want, *rest_want], strict=True):
         same(g, w, "handover")
@@ -225,7 +225,7 @@ def test_cancelling_a_speculating_row_leaves_the_others_exact(lm: Any) -> None:
                 await asyncio.gather(cancelled(handles[0]), *(collect(h) for h in handles[1:]))
             )
 
-        fin, *rest = asyncio.run(cancel_one())
+        fin, *rest = drive(fast, cancel_one())
         assert fin.reason == "cancelled"
         again = batch(fast, [request(p, 40, ignore_eos=True) for p in ps])
         assert fast.active_count == 0

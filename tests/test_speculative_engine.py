@@ -8,7 +8,15 @@ import asyncio
 from typing import Any
 
 import pytest
-from engine_runner import collect, generate_all, load_varied_model, request, running_engine, solo
+from engine_runner import (
+    collect,
+    drive,
+    generate_all,
+    load_varied_model,
+    request,
+    running_engine,
+    solo,
+)
 
 from mlx_server.engine.core.handle import TokenPiece
 from mlx_server.engine.grammar.constraints import ConstraintCompiler, ConstraintSpec
@@ -123,7 +131,7 @@ def test_a_batch_mixes_speculating_and_plain_requests_with_unchanged_output(lm: 
             rest = await generate_all(engine, [request(o, 16, ignore_eos=True) for o in others])
             return [await first, *rest]
 
-        got = asyncio.run(mixed(fast))
+        got = drive(fast, mixed(fast))
         want = solo(plain, [request(p, 40, ignore_eos=True)]) + solo(
             plain, [request(o, 16, ignore_eos=True) for o in others]
         )
@@ -151,7 +159,7 @@ def test_cancelling_mid_speculation_frees_the_sequence_and_the_next_request_is_e
                     return ev
             raise AssertionError("no Finished")
 
-        fin = asyncio.run(cancel_after(3))
+        fin = drive(e, cancel_after(3))
         assert fin.reason == "cancelled"
         (again,) = solo(e, [request(p, 40, ignore_eos=True)])
         assert e.active_count == 0

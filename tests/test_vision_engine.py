@@ -11,7 +11,7 @@ from dataclasses import replace
 from typing import Any
 
 import pytest
-from engine_runner import collect, generate, request
+from engine_runner import collect, drive, generate, request
 from PIL import Image
 from tiny_vlm import build_tiny_vlm
 
@@ -57,17 +57,15 @@ def prompt(vlm, color=(255, 0, 0), size: int = 56, image: bool = True) -> tuple[
     return tokens, inputs
 
 
-def run(coro):
-    return asyncio.run(coro)
-
-
 def test_pixels_reach_the_model(vlm, engine):
     async def first_token(color):
         tokens, inputs = prompt(vlm, color)
         req = request(tokens, 1, vision_inputs=inputs, logprobs=True, top_logprobs=5)
         return (await generate(engine, req)).logprobs[0]
 
-    red, blue, red_again = (run(first_token(c)) for c in [(255, 0, 0), (0, 0, 255), (255, 0, 0)])
+    red, blue, red_again = (
+        drive(engine, first_token(c)) for c in [(255, 0, 0), (0, 0, 255), (255, 0, 0)]
+    )
     assert red == red_again
     assert red.top != blue.top  # a different picture, a different next-token distribution
 
@@ -76,12 +74,12 @@ def test_usage_counts_image_tokens_and_max_tokens(vlm, engine):
     tokens, inputs = prompt(vlm, size=112)
     text_tokens, none = prompt(vlm, image=False)
     assert none is None and len(tokens) == len(text_tokens) + 2 + 16
-    r = run(generate(engine, request(tokens, 5, vision_inputs=inputs)))
+    r = drive(engine, generate(engine, request(tokens, 5, vision_inputs=inputs)))
     assert r.reason == "length"
     assert r.finished.usage.prompt_tokens == len(tokens)
     assert r.finished.usage.completion_tokens == 5
     assert r.finished.timings.prompt_n == len(tokens) and r.finished.timings.predicted_n == 5
-    text_only = run(generate(engine, request(text_tokens, 3)))
+    text_only = drive(engine, generate(engine, request(text_tokens, 3)))
     assert text_only.reason == "length" and text_only.finished.usage.prompt_tokens == len(
         text_tokens
     )
@@ -92,7 +90,9 @@ def test_seeded_sampling_repeats(vlm, engine):
     sampling = SamplingParams(temperature=1.0, top_p=0.9, seed=3)
 
     def once():
-        return run(generate(engine, request(tokens, 8, vision_inputs=inputs, sampling=sampling)))
+        return drive(
+            engine, generate(engine, request(tokens, 8, vision_inputs=inputs, sampling=sampling))
+        )
 
     assert once().text == once().text
 
@@ -108,7 +108,7 @@ def batched(engine, reqs):
         return await asyncio.gather(*(collect(h) for h in handles))
 
     try:
-        return run(main())
+        return drive(engine, main())
     finally:
         release.set()
         held.result(timeout=10)
@@ -125,7 +125,7 @@ def one_at_a_time(vlm, reqs):
     )
     serial.start()
     try:
-        return [run(generate(serial, r)) for r in reqs]
+        return [drive(serial, generate(serial, r)) for r in reqs]
     finally:
         serial.shutdown(timeout=10)
 
@@ -150,9 +150,9 @@ def test_the_next_turn_continues_from_the_cached_image(vlm, engine):
                 tokens, 3, vision_inputs=inputs, cache_tokens=key, logprobs=True, top_logprobs=3
             )
         )
-    first = run(generate(engine, encoded[0]))
+    first = drive(engine, generate(engine, encoded[0]))
     solo_runs = engine.stats()["solo_runs"]
-    second = run(generate(engine, encoded[1]))
+    second = drive(engine, generate(engine, encoded[1]))
     assert second.cached >= len(encoded[0].prompt_tokens) - 1
     assert engine.stats()["solo_runs"] == solo_runs + 1
     # The same distributions (a wrong delta shifts them by ~0.1; the paths agree to ~1e-6).
@@ -183,7 +183,7 @@ def test_images_and_text_share_the_batch_with_their_own_positions(vlm, engine):
     assert all(r.reason == "length" and r.cached == 0 for r in together)
     # Alone, a prefilled image prompt decodes on the lone runner, as text prompts do.
     runs = engine.stats()["solo_runs"]
-    assert run(generate(engine, lone)).text == serial_lone.text
+    assert drive(engine, generate(engine, lone)).text == serial_lone.text
     assert engine.stats()["solo_runs"] == runs + 1
 
 
@@ -200,7 +200,7 @@ def test_cancel_queued_and_running(vlm, engine):
         assert engine.cancel() == 1  # only the running one is left to cancel
         return await collect(h_long), await collect(h_queued)
 
-    r_long, r_queued = run(main())
+    r_long, r_queued = drive(engine, main())
     assert r_queued.reason == "cancelled" and r_queued.finished.usage.completion_tokens == 0
     assert r_long.reason == "cancelled" and r_long.finished.usage.completion_tokens < 2000
     assert engine.active_count == 0 and engine.queue_depth == 0
@@ -210,9 +210,9 @@ def test_cancel_queued_and_running(vlm, engine):
 def test_a_failing_request_does_not_stop_the_engine(vlm, engine):
     tokens, inputs = prompt(vlm)
     broken = dict(inputs, image_grid_thw=inputs["image_grid_thw"] * 3)  # more patches than pixels
-    r = run(generate(engine, request(tokens, 4, vision_inputs=broken)))
+    r = drive(engine, generate(engine, request(tokens, 4, vision_inputs=broken)))
     assert r.reason == "error" and r.finished.error
-    ok = run(generate(engine, request(tokens, 4, vision_inputs=inputs)))
+    ok = drive(engine, generate(engine, request(tokens, 4, vision_inputs=inputs)))
     assert ok.reason == "length"
 
 
@@ -226,7 +226,7 @@ def test_shutdown_refuses_new_requests(vlm):
         eng.submit(request(tokens, 4, vision_inputs=inputs))
 
     with pytest.raises(Overloaded):
-        run(submit())
+        drive(eng, submit())
 
 
 def test_images_in_tool_results_need_a_template_that_shows_them(vlm):

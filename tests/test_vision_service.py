@@ -4,12 +4,12 @@ count them, check them against the context, and run the request on the VisionEng
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import io
 from typing import Any
 
 import pytest
+from engine_runner import drive
 from PIL import Image
 from tiny_vlm import build_tiny_idefics3
 
@@ -69,7 +69,7 @@ def run(service: ChatService, req: ChatRequest) -> tuple[str, Finished]:
                 assert isinstance(ev, Logprobs | Started)
         return text, final
 
-    return asyncio.run(main())
+    return drive(service.engine, main())
 
 
 def test_image_tokens_per_image_and_per_turn(service):

@@ -86,6 +86,10 @@ class GenerationHandle:
         self._outbox = outbox
         self._coalesce = coalesce
         self._queue: asyncio.Queue[EngineEvent] = asyncio.Queue()
+        # The event that stopped a merge, read from the queue and not yet yielded. The
+        # handle's, not one iteration's: a consumer may leave its ``async for`` after the
+        # merged piece and iterate again (or call ``next_event``), and must still get it.
+        self._held: EngineEvent | None = None
         self.cancelled = False
         self.done = False
         self.cached_tokens = 0
@@ -107,24 +111,26 @@ class GenerationHandle:
 
     async def next_event(self) -> EngineEvent:
         """The next event (for a consumer that reads the first one on its own)."""
-        event = await self._queue.get()
+        event = await self._take()
         if isinstance(event, Finished):
             self.done = True
         return event
 
     async def __aiter__(self) -> AsyncIterator[EngineEvent]:
-        if self.done:
-            return
-        held: EngineEvent | None = None
-        while True:
-            event = held if held is not None else await self._queue.get()
-            held = None
+        while not self.done:
+            event = await self._take()
             if self._coalesce and isinstance(event, TokenPiece):
-                event, held = self._merge_waiting(event)
-            yield event
+                event, self._held = self._merge_waiting(event)
             if isinstance(event, Finished):
                 self.done = True
-                return
+            yield event
+
+    async def _take(self) -> EngineEvent:
+        """The held event if there is one, else the next queued one."""
+        if self._held is not None:
+            event, self._held = self._held, None
+            return event
+        return await self._queue.get()
 
     def _merge_waiting(self, first: TokenPiece) -> tuple[TokenPiece, EngineEvent | None]:
         """``first`` and the text pieces queued behind it as one piece; also the event
