@@ -316,6 +316,10 @@ async def engine_layer(model: Any, tok: Any, a: argparse.Namespace) -> None:
     if hasattr(engine, "wait_ready"):  # an engine that warms up before it serves
         await asyncio.to_thread(engine.wait_ready)
     emit(layer="engine", what="ready_s", value=time.perf_counter() - t_ready)
+    deadline = time.perf_counter() + 120
+    while getattr(engine, "warming_up", False) and time.perf_counter() < deadline:
+        await asyncio.sleep(0.05)  # the rest of the warm-up, run while idle
+    emit(layer="engine", what="warm_s", value=time.perf_counter() - t_ready)
     try:
         # The first burst, before anything has run: kernels for new shapes are compiled here.
         first = await engine_once(engine, burst_prompts(tok, 8, "first"), 32)
