@@ -80,10 +80,11 @@ def warm_up(
 class WarmUp:
     """The warm-up in pieces. Before the readiness line, what a first, lone request meets:
     the lone path's prefill buckets and batch size 1. Afterwards, one piece at a time while
-    the engine has nothing else to do (``step``): a full prefill chunk, then batch sizes 2
-    to ``max_batch_size``. A request that arrives meanwhile waits for the piece under way
-    only; a shape it meets before its piece has run is built on first use, as it would
-    have been without a warm-up."""
+    the engine has nothing else to do (``step``): batch sizes 2 to ``max_batch_size``, the
+    small ones first (what a few concurrent requests meet), then a full prefill chunk in
+    the batch. A request that arrives meanwhile waits for the piece under way only; a shape
+    it meets before its piece has run is built on first use, as it would have been
+    without a warm-up."""
 
     def __init__(
         self,
@@ -100,9 +101,9 @@ class WarmUp:
         self.budget_s = budget_s
         self.buckets = buckets
         self.spent = 0.0  # seconds, over every piece run so far
-        self._later: list[Any] = [self._full_chunk] + [
+        self._later: list[Any] = [
             (lambda n=n: self._batch(n)) for n in range(2, max_batch_size + 1)
-        ]
+        ] + [self._full_chunk]
 
     @property
     def pending(self) -> bool:
