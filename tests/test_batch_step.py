@@ -76,8 +76,9 @@ def test_grouped_rows_decode_as_mlx_lms_row_by_row_step(tiny: Any) -> None:
     got, grouped = _decode(model, tok, by_group=True)
     assert [len(got[i]) for i in range(5)] == [24, 24, 24, 10, 24]
     assert got == want
-    # mlx-lm draws row by row in a mixed batch; the step draws both greedy rows at once.
-    assert 2 not in per_row and 2 in grouped
+    # mlx-lm draws row by row in a mixed batch; the step draws the greedy rows in one call
+    # over the whole batch (shapes that depend on the batch size alone).
+    assert set(per_row) == {1} and max(grouped) >= 4
 
 
 def test_sample_by_group_puts_each_groups_tokens_back_in_row_order() -> None:
@@ -99,8 +100,9 @@ def test_process_rows_leaves_rows_without_processors_untouched() -> None:
         seen.append(tokens.tolist())
         return logits + 1
 
-    logits = mx.zeros((3, 4))
-    fed = mx.array([7, 8, 9])
-    out = process_rows(logits, fed, [(1, [add_one], TokenBuffer([5]))])
-    assert out.tolist() == [[0] * 4, [1] * 4, [0] * 4]
-    assert seen == [[5, 8]]  # the row's context, then the token fed this step
+    for n in (3, 8):  # many rows of the batch processed (a concatenation), a few (a where)
+        seen.clear()
+        fed = mx.arange(n) + 7
+        out = process_rows(mx.zeros((n, 4)), fed, [(1, [add_one], TokenBuffer([5]))])
+        assert out.tolist() == [[0] * 4] + [[1] * 4] + [[0] * 4] * (n - 2)
+        assert seen == [[5, 8]]  # the row's context, then the token fed this step

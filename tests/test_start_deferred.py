@@ -78,3 +78,32 @@ def test_a_slow_tokenizer_is_refused_at_once_even_by_a_lazy_compiler():
 
     with pytest.raises(ConstraintError, match="fast tokenizer"):
         ConstraintCompiler(Slow(), lazy=True)
+
+
+def test_requests_asking_for_one_schema_together_build_it_once(tiny_tokenizer, monkeypatch):
+    import threading
+
+    compiler = ConstraintCompiler(tiny_tokenizer)
+    real, builds, release = compiler._build, [], threading.Event()
+
+    def build(spec: ConstraintSpec) -> Any:
+        builds.append(spec)
+        assert release.wait(30)
+        return real(spec)
+
+    monkeypatch.setattr(compiler, "_build", build)
+    spec = ConstraintSpec.json_schema({"type": "object", "properties": {"a": {"type": "string"}}})
+    got: list[Any] = []
+    threads = [
+        threading.Thread(target=lambda: got.append(compiler.compile(spec))) for _ in range(6)
+    ]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 30
+    while compiler.hits + compiler.misses < 6 and time.monotonic() < deadline:
+        time.sleep(0.01)  # every thread has asked: one builds, five wait for it
+    release.set()
+    for t in threads:
+        t.join(30)
+    assert len(builds) == 1 and compiler.misses == 1 and compiler.hits == 5
+    assert len(got) == 6 and all(m is got[0] for m in got)

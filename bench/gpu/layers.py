@@ -266,13 +266,16 @@ async def level(engine: Any, model: Any, tok: Any, a: argparse.Namespace, n: int
     phases.reset()
     wall = 0.0
     for r in range(a.rounds):
+        # Prompts of their own each round: a round repeating the last one's would be served
+        # from the prefix cache (one token to prefill, new cached lengths), not the same work.
+        prompts = burst_prompts(tok, n, f"request {r}")
         if with_batch and r % 2 == 0:
-            theirs.append(batch_once(model, tok, burst_prompts(tok, n, "request"), a.max_tokens))
+            theirs.append(batch_once(model, tok, prompts, a.max_tokens))
         t = time.perf_counter()
-        ours.append(await engine_once(engine, burst_prompts(tok, n, "request"), a.max_tokens))
+        ours.append(await engine_once(engine, prompts, a.max_tokens))
         wall += time.perf_counter() - t
         if with_batch and r % 2 == 1:
-            theirs.append(batch_once(model, tok, burst_prompts(tok, n, "request"), a.max_tokens))
+            theirs.append(batch_once(model, tok, prompts, a.max_tokens))
     snap = phases.snapshot()
     med = lambda rows, k: statistics.median(x[k] for x in rows)  # noqa: E731
     if theirs:

@@ -20,6 +20,7 @@ import json
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -205,6 +206,7 @@ class ConstraintCompiler:
         self._cache_size = cache_size
         self._lock = threading.Lock()
         self._wrap_lock = threading.Lock()
+        self._building: dict[str, Future[llguidance.LLMatcher]] = {}  # keys being built
         self.hits = 0
         self.misses = 0
         if not lazy:
@@ -246,19 +248,37 @@ class ConstraintCompiler:
         )
 
     def compile(self, spec: ConstraintSpec) -> llguidance.LLMatcher:
-        """The cached matcher for ``spec`` in its initial state (copy it before use)."""
+        """The cached matcher for ``spec`` in its initial state (copy it before use). A
+        spec is built once however many requests ask for it together: the others wait
+        for that build (building holds the interpreter lock, so N builds of one schema
+        for a burst of N would stall everything N times over)."""
         key = spec.key()
         with self._lock:
             if key in self._cache:
                 self.hits += 1
                 self._cache.move_to_end(key)
                 return self._cache[key]
-            self.misses += 1
-        matcher = self._build(spec)
+            building = self._building.get(key)
+            if building is None:
+                self.misses += 1
+                self._building[key] = mine = Future()
+            else:
+                self.hits += 1
+        if building is not None:
+            return building.result()  # the build's matcher, or its exception
+        try:
+            matcher = self._build(spec)
+        except BaseException as e:
+            with self._lock:
+                del self._building[key]
+            mine.set_exception(e)
+            raise
         with self._lock:
             self._cache[key] = matcher
             while len(self._cache) > self._cache_size:
                 self._cache.popitem(last=False)
+            del self._building[key]
+        mine.set_result(matcher)
         return matcher
 
     def _build(self, spec: ConstraintSpec) -> llguidance.LLMatcher:

@@ -78,11 +78,14 @@ class DecodeStep:
     def __call__(self, inputs: mx.array, cache: Any = None) -> mx.array:
         self.give_back()  # should a step have failed between here and its sampling
         rows = self._rows() if self._grammars else None
+        lend = self._must_lend()
+        if rows is None and not lend:  # mlx-lm's own step, exactly
+            return cast(mx.array, self.model(inputs, cache=cache))
         if rows is None:
             logits = cast(mx.array, self.model(inputs, cache=cache))[:, -1, :]
         else:
             logits = self._masked(inputs, cache, rows)
-        if self._by_group and getattr(self._batch, "samplers", None) is not None:
+        if lend:
             logits = self._lend(inputs, logits)
         return logits[:, None, :]
 
@@ -99,16 +102,22 @@ class DecodeStep:
 
     # ---- processors and samplers for the whole batch ----------------------------------------
 
+    def _must_lend(self) -> bool:
+        """Whether mlx-lm's own step would go row by row: several sampler objects, or a
+        row with processors."""
+        batch = self._batch
+        samplers = getattr(batch, "samplers", None)
+        if not self._by_group or samplers is None:
+            return False
+        first = samplers[0] if samplers else None
+        return any(s is not first for s in samplers) or any(batch.logits_processors)
+
     def _lend(self, inputs: mx.array, logits: mx.array) -> mx.array:
-        """Run the rows' processors here and lend mlx-lm one sampler for every row, unless
-        mlx-lm's own step is already one call (one sampler object, no processors)."""
+        """Run the rows' processors here and lend mlx-lm one sampler for every row."""
         batch = self._batch
         samplers, processors = batch.samplers, batch.logits_processors
         n = len(batch.uids)
-        with_processors = [e for e in range(n) if processors and processors[e]]
-        first = samplers[0] if samplers else None
-        if not with_processors and all(s is first for s in samplers):
-            return logits
+        with_processors = [e for e in range(n) if processors[e]]
         if with_processors:
             contexts = batch._token_context
             todo = [(e, processors[e], contexts[e]) for e in with_processors]

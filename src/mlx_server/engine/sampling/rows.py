@@ -25,7 +25,11 @@ from mlx_server.engine.sampling.samplers import Sampler
 
 def sample_by_group(samplers: Sequence[Sampler], logprobs: mx.array) -> mx.array:
     """Tokens for ``logprobs`` (rows × vocab), row ``i`` drawn by ``samplers[i]``, each
-    distinct sampler called once on its rows."""
+    distinct sampler called once. Every operation has a shape that depends on the batch
+    size only, not on how its rows are grouped (where kernels are built per shape, as on
+    CUDA, a regrouping builds nothing): a sampler of several rows draws over the whole
+    batch and keeps its rows; a sampler of one row (a seed's) draws over that row alone,
+    exactly as mlx-lm's row-by-row step calls it."""
     groups: dict[int, tuple[Sampler, list[int]]] = {}
     for i, s in enumerate(samplers):
         entry = groups.get(id(s))
@@ -35,16 +39,21 @@ def sample_by_group(samplers: Sequence[Sampler], logprobs: mx.array) -> mx.array
             entry[1].append(i)
     if len(groups) == 1:
         return samplers[0](logprobs)
-    parts, order = [], []
-    for sampler, rows in groups.values():
-        part = logprobs[rows[0] : rows[0] + 1] if len(rows) == 1 else logprobs[mx.array(rows)]
-        parts.append(sampler(part))
-        order += rows
-    tokens = mx.concatenate(parts, axis=0)
-    back = [0] * len(order)
-    for position, row in enumerate(order):
-        back[row] = position
-    return tokens[mx.array(back)]
+    n = logprobs.shape[0]
+    ordered = sorted(groups.values(), key=lambda g: -len(g[1]))  # the largest group first
+    tokens: mx.array | None = None
+    for sampler, rows in ordered:
+        drawn = sampler(logprobs[rows[0] : rows[0] + 1] if len(rows) == 1 else logprobs)
+        if tokens is None and len(rows) > 1:
+            tokens = drawn
+            continue
+        if tokens is None:
+            tokens = mx.zeros((n,), dtype=drawn.dtype)
+        keep = set(rows)
+        mine = mx.array([i in keep for i in range(n)])
+        tokens = mx.where(mine, drawn.astype(tokens.dtype), tokens)
+    assert tokens is not None
+    return tokens
 
 
 def process_rows(
@@ -54,17 +63,22 @@ def process_rows(
 ) -> mx.array:
     """``logits`` (rows × vocab) with each listed row ``(i, processors, context)`` passed
     through its processors, in order, given its token context (mlx-lm's ``TokenBuffer``,
-    which takes the token ``fed[i]`` first, as mlx-lm's own step does)."""
-    done = []
+    which takes the token ``fed[i]`` first, as mlx-lm's own step does). A few rows are
+    written back one ``where`` each, many by mlx-lm's own concatenation of every row: the
+    shapes depend on the batch size only."""
+    n = logits.shape[0]
+    done: dict[int, mx.array] = {}
     for i, processors, context in rows:
         tokens = context.update_and_fetch(fed[i : i + 1])
         row = logits[i : i + 1]
         for p in processors:
             row = p(tokens, row)
-        done.append(row)
+        done[i] = row
     if not done:
         return logits
-    if len(done) == logits.shape[0]:
-        return mx.concatenate(done, axis=0)
-    logits[mx.array([i for i, _, _ in rows])] = mx.concatenate(done, axis=0)
+    if 4 * len(done) > n:
+        return mx.concatenate([done.get(i, logits[i : i + 1]) for i in range(n)], axis=0)
+    for i, row in done.items():
+        mine = mx.array([j == i for j in range(n)])[:, None]
+        logits = mx.where(mine, row.astype(logits.dtype), logits)
     return logits
