@@ -261,7 +261,8 @@ class ConstraintCompiler:
             building = self._building.get(key)
             if building is None:
                 self.misses += 1
-                self._building[key] = mine = Future()
+                mine: Future[llguidance.LLMatcher] = Future()
+                self._building[key] = mine
             else:
                 self.hits += 1
         if building is not None:
