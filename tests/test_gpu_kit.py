@@ -45,7 +45,7 @@ def results(tiny_model_dir: Path, tmp_path_factory) -> Path:
         "--repeats", "1", "--prefill-repeats", "1", "--system-tokens", "50", "--ignore-eos",
         "--out", str(out))  # fmt: skip
     kit("layers.py", "--model", m, "--label", "layers tiny", "--levels", "1,2",
-        "--max-tokens", "4", "--single-tokens", "4", "--system-tokens", "50",
+        "--max-tokens", "4", "--single-tokens", "4", "--system-tokens", "50", "--rounds", "2",
         "--out", str(out))  # fmt: skip
     port = free_port()
     srv = launch(["-m", m, "--port", str(port), "--model-id", "m", "--ctx-size", "4096",

@@ -256,7 +256,7 @@ def test_tokens_are_read_from_arrays_scheduled_before_the_forward_pass(
     the masks are computed while the device runs the pass."""
     from types import SimpleNamespace
 
-    from mlx_server.engine.runners.batch import MaskedDecode, _RowGrammar
+    from mlx_server.engine.runners.batch_step import DecodeStep, RowGrammar
 
     vocab = len(tokenizer)
     scheduled: list[list[tuple[int, ...]]] = []
@@ -274,9 +274,9 @@ def test_tokens_are_read_from_arrays_scheduled_before_the_forward_pass(
     scheduled.clear()
     grammar = compiler.processor(ConstraintSpec.json_object())
     batch = SimpleNamespace(uids=[7, 8], logits_processors=[(grammar,), ()])
-    rows = {7: _RowGrammar(grammar, BatchGrammar(grammar))}
+    rows = {7: RowGrammar(grammar, BatchGrammar(grammar))}
     masks = GrammarMasks(threads=1)
-    decode = MaskedDecode(
+    decode = DecodeStep(
         lambda x, cache=None: mx.zeros((2, 1, vocab)) + 1, batch, rows, lambda: masks
     )
     out = decode(mx.array([[3], [4]]), cache=None)

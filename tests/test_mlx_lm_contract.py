@@ -74,7 +74,7 @@ def test_sampling_helpers(name):
 
 
 def test_the_decode_batch_the_grammar_masks_wrap():
-    """BatchRunner wraps the model of BatchGenerator's decode batch (``MaskedDecode``): that
+    """BatchRunner wraps the model of BatchGenerator's decode batch (``DecodeStep``): that
     batch must be one object for the generator's life, call ``self.model(inputs[:, None],
     cache=...)`` each step with the tokens fed, sample from what it returns, and keep
     ``uids`` and a per-row ``logits_processors`` list in row order."""

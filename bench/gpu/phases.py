@@ -5,8 +5,10 @@ mlx-lm's ``BatchGenerator.next`` (split into the decode step, the prefill chunks
 spent waiting in ``mx.eval`` for the GPU), the engine's per-token work (``Engine._on_token``:
 detokenizing, stop strings, logprobs, the hand-off to asyncio) and the hand-off itself
 (``GenerationHandle.push`` and, once batched, ``Engine._flush``). ``snapshot()`` returns the
-totals; ``reset()`` zeroes them. Only calls made on the engine's thread are counted, so the
-asyncio side does not blur the figures.
+totals (wall seconds, and the engine thread's CPU seconds: wall well above CPU where no
+``mx.eval`` waits is time the thread spent blocked, e.g. waiting for the interpreter lock
+while the asyncio thread holds it); ``reset()`` zeroes them. Only calls made on the
+engine's thread are counted, so the asyncio side does not blur the figures.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from collections import defaultdict
 from typing import Any
 
 TOTAL: dict[str, float] = defaultdict(float)
+CPU: dict[str, float] = defaultdict(float)
 COUNT: dict[str, int] = defaultdict(int)
 _ENGINE_THREAD = "mlx-engine"
 
@@ -25,11 +28,30 @@ def _timed(name: str, fn: Any) -> Any:
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         if threading.current_thread().name != _ENGINE_THREAD:
             return fn(*args, **kwargs)
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.thread_time()
         try:
             return fn(*args, **kwargs)
         finally:
             TOTAL[name] += time.perf_counter() - t
+            CPU[name] += time.thread_time() - c
+            COUNT[name] += 1
+
+    wrapper.__wrapped__ = fn
+    return wrapper
+
+
+def _timed_elsewhere(name: str, fn: Any) -> Any:
+    """Like ``_timed``, for calls made on any thread but the engine's (the asyncio side)."""
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if threading.current_thread().name == _ENGINE_THREAD:
+            return fn(*args, **kwargs)
+        t, c = time.perf_counter(), time.thread_time()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            TOTAL[name] += time.perf_counter() - t
+            CPU[name] += time.thread_time() - c
             COUNT[name] += 1
 
     wrapper.__wrapped__ = fn
@@ -53,18 +75,25 @@ def install() -> None:
         "gen.prefill_to_decode", g.PromptProcessingBatch.generate
     )
     mx.eval = _timed("mx.eval (GPU wait)", mx.eval)
+    mx.async_eval = _timed("mx.async_eval (launch)", mx.async_eval)
     for name in ("_step", "_handle_responses", "_admit", "_drop_cancelled", "_start", "_finish"):
         if hasattr(e.Engine, name):
             setattr(e.Engine, name, _timed(f"engine.{name}", getattr(e.Engine, name)))
     e.deliver_token = _timed("engine.deliver_token", e.deliver_token)
     h.Outbox.flush = _timed("engine.flush", h.Outbox.flush)
     h.GenerationHandle.push = _timed("handle.push", h.GenerationHandle.push)
+    if hasattr(h, "_deliver"):  # the asyncio side taking one step's events
+        h._deliver = _timed_elsewhere("loop.deliver", h._deliver)
 
 
 def reset() -> None:
     TOTAL.clear()
+    CPU.clear()
     COUNT.clear()
 
 
 def snapshot() -> dict[str, Any]:
-    return {k: {"s": round(TOTAL[k], 4), "n": COUNT[k]} for k in sorted(TOTAL)}
+    return {
+        k: {"s": round(TOTAL[k], 4), "cpu_s": round(CPU[k], 4), "n": COUNT[k]}
+        for k in sorted(TOTAL)
+    }

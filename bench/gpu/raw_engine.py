@@ -32,7 +32,11 @@ from mlx_lm import load, stream_generate  # noqa: E402
 from mlx_lm.sample_utils import make_sampler  # noqa: E402
 
 
-def run_once(model, tok, prompt_ids, max_tokens, logits_processors=None, sampler=None):
+def run_once(
+    model, tok, prompt_ids, max_tokens, logits_processors=None, sampler=None, on_token=None
+):
+    """One timed stream; ``on_token(resp)`` does a variant's own work on each token (a true
+    return ends the stream there, as a matched stop string does)."""
     t0 = time.perf_counter()
     t_first = t_last = None
     last = None
@@ -45,12 +49,15 @@ def run_once(model, tok, prompt_ids, max_tokens, logits_processors=None, sampler
         sampler=sampler or make_sampler(temp=0.0),
         logits_processors=logits_processors,
     ):
+        done = on_token is not None and on_token(resp)  # timed with the token
         now = time.perf_counter()
         if t_first is None:
             t_first = now
         t_last = now
         n += 1
         last = resp
+        if done:
+            break
     return {
         "prompt_tokens": last.prompt_tokens,
         "generation_tokens": last.generation_tokens,

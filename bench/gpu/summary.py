@@ -66,8 +66,14 @@ def main(path: str) -> None:
                     parts = ", ".join(
                         f"{k} {v['ms_per_step']:.2f}" for k, v in ph.items() if isinstance(v, dict)
                     )
+                    ratio = r.get("decode_ratio_per_round")
+                    vs = (
+                        f", decode / BatchGenerator per round {ratio['median']:.2f} ({ratio['min']:.2f}-{ratio['max']:.2f}), asyncio cpu {r.get('main_cpu_ms_per_step', 0):.2f} ms/step"
+                        if ratio
+                        else ""
+                    )
                     print(
-                        f"  Engine     N={n:<3} aggregate {r['aggregate_tok_s']:.0f} tok/s, decode {r['decode_tok_s']:.0f}; ms/step: {parts}"
+                        f"  Engine     N={n:<3} aggregate {r['aggregate_tok_s']:.0f} tok/s, decode {r['decode_tok_s']:.0f}{vs}; ms/step: {parts}"
                     )
             elif sc == "burst":
                 lv = r["levels"][0]

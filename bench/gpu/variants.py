@@ -2,8 +2,9 @@
 """One stream per request variant, over HTTP against the raw engine doing the same work.
 
 Variants: greedy; temperature 0.7 with top_p 0.95; logprobs with top_logprobs 5; ignore_eos;
-a stop string. The raw counterpart of each is ``mlx_lm.stream_generate`` in this process with
-the same sampler (for ``ignore_eos``, the server's own: EOS ids banned in the sampler), taking
+a stop string. The raw counterpart of each is ``raw_engine.run_once`` (``mlx_lm.stream_generate``, the
+same call layers.py and raw_engine.py time the raw engine with) in this process with the
+same sampler (for ``ignore_eos``, the server's own: EOS ids banned in the sampler), taking
 the top 5 log-probabilities of each token for ``logprobs`` and matching the stop string in
 the detokenized text for ``stop``. The server runs at --base-url and is idle while the raw
 engine runs.
@@ -34,7 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import mlx.core as mx  # noqa: E402
 import raw_engine  # noqa: E402
 from bench_openai import LONG_PROMPT, Bench, parse_args, rnd  # noqa: E402
-from mlx_lm import load, stream_generate  # noqa: E402
+from mlx_lm import load  # noqa: E402
 from mlx_lm.sample_utils import make_sampler  # noqa: E402
 
 STOP = "\n\nTHE END."  # a stop string the text does not contain: checked, never matched
@@ -50,27 +51,27 @@ VARIANTS: dict[str, tuple[dict[str, Any], dict[str, float], str]] = {
 
 
 def raw_run(model: Any, tok: Any, ids: list[int], max_tokens: int, sampler: Any, work: str) -> dict:
+    """The raw side: ``raw_engine.run_once`` (the call layers.py and raw_engine.py time the
+    raw engine with), plus the variant's own work on each token."""
     if work == "ignore_eos":
         sampler = raw_engine.eos_sampler(tok, sampler)
-    t0 = time.perf_counter()
-    t_first = t_last = 0.0
-    n = 0
-    text = ""
-    for resp in stream_generate(model, tok, ids, max_tokens=max_tokens, sampler=sampler):
-        if work == "top5":
-            top = mx.argpartition(-resp.logprobs, 5)[:5]
-            _ = (top.tolist(), resp.logprobs[top].tolist())
-        elif work == "stop":
-            text += resp.text
-            if STOP in text:
-                break
-        t_last = time.perf_counter()
-        t_first = t_first or t_last
-        n += 1
+    text: list[str] = []
+
+    def top5(resp: Any) -> bool:
+        top = mx.argpartition(-resp.logprobs, 5)[:5]
+        _ = (top.tolist(), resp.logprobs[top].tolist())
+        return False
+
+    def stop(resp: Any) -> bool:
+        text.append(resp.text)
+        return STOP in "".join(text[-8:])
+
+    on_token = {"top5": top5, "stop": stop}.get(work)
+    r = raw_engine.run_once(model, tok, ids, max_tokens, sampler=sampler, on_token=on_token)
     return {
-        "tokens": n,
-        "ttft_s": t_first - t0,
-        "decode_tok_s": (n - 1) / (t_last - t_first) if n > 1 and t_last > t_first else None,
+        "tokens": r["generation_tokens"],
+        "ttft_s": r["wall_ttft_s"],
+        "decode_tok_s": r["wall_decode_tok_s"],
     }
 
 
@@ -157,7 +158,7 @@ def main() -> int:
     p.add_argument("--server-model", default="m")
     p.add_argument("--label", default="")
     p.add_argument("--max-tokens", type=int, default=256)
-    p.add_argument("--repeats", type=int, default=3, help="rounds over every variant")
+    p.add_argument("--repeats", type=int, default=5, help="rounds over every variant")
     p.add_argument("--only", default="", help="comma list of variants (default: all)")
     p.add_argument("--out")
     a = p.parse_args()

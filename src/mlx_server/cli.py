@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from dataclasses import MISSING
 from typing import Any
 
+from mlx_server import startup_report  # noqa: F401  (its clock times the imports to come)
 from mlx_server.config import Settings, check_bounds, env_name, settings_fields
 from mlx_server.legacy_flags import add_legacy_flags, apply_legacy, pop_legacy
 

@@ -1,14 +1,38 @@
 """What the start-up log says about the computation: the device, the BLAS library behind the
 CPU's matmuls, and the dtype the weights run in. On Linux CPU these decide the speed
 (float32 with OpenBLAS preloaded is several times faster than MLX's bundled reference BLAS,
-docs/benchmarks.md), and nothing else in the log showed them."""
+docs/benchmarks.md), and nothing else in the log showed them. Also where the start's time
+went, phase by phase (``START``), in one line before the readiness lines."""
 
 from __future__ import annotations
 
 import ctypes
 import sys
+import time
 from collections import Counter
 from typing import Any
+
+
+class StartPhases:
+    """Seconds per start-up phase, each from the previous mark (the first from when this
+    module was imported: the command line's own import, before the heavy ones)."""
+
+    def __init__(self) -> None:
+        self._last = self._first = time.perf_counter()
+        self.phases: list[tuple[str, float]] = []
+
+    def mark(self, name: str) -> None:
+        now = time.perf_counter()
+        self.phases = [*self.phases[-15:], (name, now - self._last)]
+        self._last = now
+
+    def line(self) -> str:
+        """``Start: imports 3.1s, load 2.0s, ... (6.2s in all)``."""
+        parts = ", ".join(f"{name} {secs:.1f}s" for name, secs in self.phases)
+        return f"Start: {parts} ({self._last - self._first:.1f}s in all)"
+
+
+START = StartPhases()
 
 
 def openblas_version() -> str | None:

@@ -34,7 +34,7 @@ from mlx_server.models.media import MediaLimits
 from mlx_server.models.memory_plan import kv_shape, plan_memory, read_device, weights_bytes
 from mlx_server.models.vision import VisionPromptBuilder
 from mlx_server.service import ChatService
-from mlx_server.startup_report import weights_line
+from mlx_server.startup_report import START, weights_line
 
 
 @dataclass
@@ -62,6 +62,7 @@ def load_chat_model(
         chat_template=settings.chat_template,
         shard=sharded.shard if sharded is not None else None,
     )
+    START.mark("load")
     log(f"Model id: {loaded.model_id} ({loaded.path})")
     log(weights_line(loaded.model, loaded.config, settings.dtype))
     if settings.chat_template:
@@ -127,8 +128,10 @@ def load_chat_model(
         f"KV budget: {kv_budget // (1 << 20)}MB, max batch size {batch}, prefix cache "
         f"{engine.config.prompt_cache_bytes // (1 << 20)}MB"
     )
+    START.mark("service")
     engine.start()
-    engine.wait_ready()  # kernels for every batch shape are built before the readiness line
+    engine.wait_ready()  # a lone request's kernels are built before the readiness line
+    START.mark("warm-up")
     if engine.start_error:  # no readiness line for a model that cannot run
         engine.shutdown()
         raise ModelLoadError(engine.start_error)
@@ -200,7 +203,7 @@ def _vision_prompt_builder(loaded: Any, settings: Settings) -> Any:
 def _constraint_compiler(tokenizer: Any) -> Any:
     """The grammar compiler for structured output, or None when the tokenizer can't have one."""
     try:
-        return ConstraintCompiler(tokenizer)
+        return ConstraintCompiler(tokenizer, lazy=True)  # wrapped by the first constrained request
     except ConstraintError as e:
         log(f"Structured output is unavailable for this model: {e}")
         return None

@@ -16,7 +16,7 @@ from mlx_server.config import Settings
 from mlx_server.logs import load_failed, log
 from mlx_server.server.metrics import Metrics
 from mlx_server.server.run import PortInUse, bind_socket, is_loopback, serve
-from mlx_server.startup_report import compute_line
+from mlx_server.startup_report import START, compute_line
 
 
 def build(settings: Settings, group: Any = None) -> tuple[Any, Any]:
@@ -41,6 +41,7 @@ def build(settings: Settings, group: Any = None) -> tuple[Any, Any]:
 def start(settings: Settings, notes: list[str], argv: list[str] | None = None) -> int:
     """Serve until shut down; returns the exit status. ``notes``: lines to log about the
     flags of an earlier Swift server; ``argv``: the flags, handed to each rank of ``--ranks``."""
+    START.mark("imports")
     group = sharded.launched_group()  # started by mlx.launch with several ranks
     if group is None and settings.ranks > 1:
         if problem := sharded.refusal(settings, settings.ranks):
@@ -74,6 +75,8 @@ def start(settings: Settings, notes: list[str], argv: list[str] | None = None) -
         sock.close()
         return load_failed(str(e) or type(e).__name__)
     log(f"Model loaded in {time.perf_counter() - t0:.2f}s")
+    START.mark("app")
+    log(START.line())
     serve(
         app,
         engine,

@@ -34,7 +34,7 @@ from mlx_server.engine.core.delivery import Seq, deliver_finish, deliver_token
 from mlx_server.engine.core.handle import GenerationHandle, Outbox, Started
 from mlx_server.engine.core.protocol import GenerationObserver
 from mlx_server.engine.core.scheduler import Scheduler
-from mlx_server.engine.core.tuning import first_token, warm_up
+from mlx_server.engine.core.tuning import WarmUp, first_token
 from mlx_server.engine.runners.base import Insert, Progress, Response, Runner
 from mlx_server.engine.runners.batch import BatchRunner
 from mlx_server.engine.runners.solo import LoneFirstRunner, SoloRunner
@@ -58,7 +58,9 @@ class EngineConfig:
     kv_bytes_per_sequence: int = 0  # sliding windows and recurrent states (memory_plan)
     prompt_cache_disk: Any = None  # disk_cache.DiskPromptCache: the prefix cache's disk tier
     prompt_cache_disk_off: str = ""  # without one: why (reported by /health)
-    warm_up: bool = False  # run every batch size once before serving (see tuning.warm_up)
+    # Run every batch size once: a lone request's shapes before serving, the rest while idle
+    # (tuning.WarmUp; all before serving when ranks run in lockstep).
+    warm_up: bool = False
     # Compute one token before serving (tuning.first_token); a failure is ``start_error``.
     first_token: bool = False
     # Bytes this engine's model keeps resident (weights and KV budget): its share of the
@@ -128,6 +130,7 @@ class Engine:
         self._ready = threading.Event()
         self._thread: threading.Thread | None = None
         self.start_error = ""
+        self._warming: WarmUp | None = None  # warm-up pieces left for idle time
         self._wired = 0  # bytes claimed of the process's wired limit (wired.py)  # why the model cannot serve (set before wait_ready returns)
 
     def _default_runner(self) -> Runner:
@@ -223,6 +226,11 @@ class Engine:
         return self._ready.wait(timeout)
 
     @property
+    def warming_up(self) -> bool:
+        """Whether warm-up pieces are left for idle time (benchmarks wait for them)."""
+        return self._warming is not None
+
+    @property
     def active_count(self) -> int:
         return len(self._sched.active)
 
@@ -291,7 +299,12 @@ class Engine:
                 hold = sched.gather_left() if sched.pending else 0.5
                 if not hold:  # queued requests that need not wait for others
                     return True
-                sched.wake.wait(hold)
+                warm = self._warming is not None and not sched.pending
+                if not warm:
+                    sched.wake.wait(hold)
+            if warm:  # idle: the next piece of the warm-up, outside the lock
+                self._warm_up_later()
+                continue
             if self.config.lockstep is not None:
                 self.config.lockstep.idle()  # the other ranks hear from rank 0 while idle
 
@@ -326,15 +339,40 @@ class Engine:
                 n, step = self.config.max_batch_size, self.config.prefill_step_size
                 buckets = self.config.prefill_buckets
                 budget = self._warm_up_budget()
-                secs = warm_up(self.model, n, step, budget, buckets=buckets)
+                plan = WarmUp(self.model, n, step, budget, buckets=buckets)
+                secs = plan.before_ready()
+                if budget == float("inf"):  # ranks in lockstep: every rank, every piece, now
+                    while plan.pending:
+                        secs += plan.step()
                 what = ", the prefill buckets" if buckets else ""
-                log(f"Warm-up: batch sizes 1-{n}{what} and a {step}-token prefill in {secs:.1f}s")
+                sizes, later = (
+                    ("1", f"; batch sizes 2-{n} while idle") if plan.pending else (f"1-{n}", "")
+                )
+                log(f"Warm-up: batch sizes {sizes}{what} in {secs:.1f}s{later}")
+                self._warming = plan if plan.pending else None
             except Exception as e:  # serving without it is slower at first, not wrong
                 log(f"Warm-up failed: {faults.describe(e)}")
         self._ready.set()
 
+    def _warm_up_later(self) -> None:
+        """One piece of the warm-up left for idle time (see ``tuning.WarmUp``)."""
+        plan = self._warming
+        if plan is None:
+            return
+        try:
+            plan.step()
+        except Exception as e:  # serving goes on; shapes not warmed are built on first use
+            log(f"Warm-up failed: {faults.describe(e)}")
+            reset_random_state()
+            self._warming = None
+            return
+        if not plan.pending:
+            self._warming = None
+            log(f"Warm-up: done while idle ({plan.spent:.1f}s in all)")
+
     def _warm_up_budget(self) -> float:
-        """Seconds the warm-up may take; ranks in lockstep all run every warm-up step."""
+        """Seconds the warm-up may take; ranks in lockstep all run every warm-up step (an
+        unbounded budget: all of it before serving, none left for idle time)."""
         return 30.0 if self.config.lockstep is None else float("inf")
 
     # ---- engine thread: starting sequences ---------------------------------------------

@@ -70,29 +70,94 @@ def warm_up(
     ``max_batch_size``, with a generator of its own (nothing reaches the prefix cache), and
     with ``buckets`` a lone prefill of every bucket length after a cached prefix. Stops
     early after ``budget_s``. Returns the seconds it took."""
-    from mlx_lm.generate import BatchGenerator
+    plan = WarmUp(model, max_batch_size, prefill_step_size, budget_s, buckets=buckets)
+    secs = plan.before_ready()
+    while plan.pending:
+        secs += plan.step()
+    return secs
 
-    t0 = time.perf_counter()
-    if buckets:
-        _prefill_buckets(model, prefill_step_size)
-    gen = BatchGenerator(
-        model,
-        completion_batch_size=max_batch_size,
-        prefill_batch_size=max_batch_size,
-        prefill_step_size=prefill_step_size,
-        stop_tokens=[],
-    )
-    hands_off(gen)
-    try:
-        _drain(gen, [[1 + i % 7 for i in range(prefill_step_size + 1)]], 2)
-        for n in range(1, max_batch_size + 1):
-            if time.perf_counter() - t0 > budget_s:
-                break
-            _drain(gen, [[1 + (i + j) % 7 for j in range(16)] for i in range(n)], 3)
-    finally:
-        gen.close()
-        mx.clear_cache()
-    return time.perf_counter() - t0
+
+class WarmUp:
+    """The warm-up in pieces. Before the readiness line, what a first, lone request meets:
+    the lone path's prefill buckets and batch size 1. Afterwards, one piece at a time while
+    the engine has nothing else to do (``step``): batch sizes 2 to ``max_batch_size``, the
+    small ones first (what a few concurrent requests meet), then a full prefill chunk in
+    the batch. A request that arrives meanwhile waits for the piece under way only; a shape
+    it meets before its piece has run is built on first use, as it would have been
+    without a warm-up."""
+
+    def __init__(
+        self,
+        model: Any,
+        max_batch_size: int,
+        prefill_step_size: int,
+        budget_s: float = 30.0,
+        *,
+        buckets: bool = False,
+    ):
+        self.model = model
+        self.max_batch_size = max_batch_size
+        self.step_size = prefill_step_size
+        self.budget_s = budget_s
+        self.buckets = buckets
+        self.spent = 0.0  # seconds, over every piece run so far
+        self._later: list[Any] = [
+            (lambda n=n: self._batch(n)) for n in range(2, max_batch_size + 1)
+        ] + [self._full_chunk]
+
+    @property
+    def pending(self) -> bool:
+        """Whether pieces are left (none once the budget is spent)."""
+        return bool(self._later) and self.spent < self.budget_s
+
+    def before_ready(self) -> float:
+        """The pieces a first request needs; returns their seconds."""
+        t0 = time.perf_counter()
+        try:
+            if self.buckets:
+                _prefill_buckets(self.model, self.step_size)
+            self._batch(1)
+        finally:
+            mx.clear_cache()
+        return self._spend(t0)
+
+    def step(self) -> float:
+        """Run the next piece; returns its seconds."""
+        t0 = time.perf_counter()
+        piece = self._later.pop(0)
+        try:
+            piece()
+        finally:
+            if not self.pending:
+                mx.clear_cache()
+        return self._spend(t0)
+
+    def _spend(self, t0: float) -> float:
+        secs = time.perf_counter() - t0
+        self.spent += secs
+        return secs
+
+    def _full_chunk(self) -> None:
+        self._drain([[1 + i % 7 for i in range(self.step_size + 1)]], 2)
+
+    def _batch(self, n: int) -> None:
+        self._drain([[1 + (i + j) % 7 for j in range(16)] for i in range(n)], 3)
+
+    def _drain(self, prompts: list[list[int]], max_tokens: int) -> None:
+        from mlx_lm.generate import BatchGenerator
+
+        gen = BatchGenerator(
+            self.model,
+            completion_batch_size=self.max_batch_size,
+            prefill_batch_size=self.max_batch_size,
+            prefill_step_size=self.step_size,
+            stop_tokens=[],
+        )
+        hands_off(gen)
+        try:
+            _drain(gen, prompts, max_tokens)
+        finally:
+            gen.close()
 
 
 def first_token(model: Any) -> None:

@@ -20,12 +20,14 @@ import json
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import jsonschema
 import llguidance
 import llguidance.hf
+from transformers import PreTrainedTokenizerFast
 
 from mlx_server.engine.grammar.processor import GrammarLogitsProcessor
 
@@ -181,24 +183,53 @@ class ConstraintCompiler:
         *,
         cache_size: int = 64,
         eos_token_ids: Sequence[int] | None = None,
+        lazy: bool = False,
     ):
+        """``lazy``: wrap the tokenizer in the first ``compile`` instead of here. Wrapping
+        takes a second or more on a large vocabulary and holds the interpreter lock all
+        along (tokenizers' and llguidance's native code), so it cannot overlap other start
+        work; a server that starts lazily is ready that much sooner, and its first
+        constrained request pays it once. A slow tokenizer is refused here either way."""
         hf_tokenizer = getattr(tokenizer, "_tokenizer", tokenizer)
         eos = eos_token_ids or getattr(tokenizer, "eos_token_ids", None)
         if not eos and hf_tokenizer.eos_token_id is not None:
             eos = [hf_tokenizer.eos_token_id]
         self.eos_token_ids: tuple[int, ...] = tuple(sorted(eos or ()))
-        try:
-            self._tokenizer = llguidance.hf.from_tokenizer(
-                hf_tokenizer, eos_token=list(self.eos_token_ids) or None
+        if not isinstance(hf_tokenizer, PreTrainedTokenizerFast):
+            raise ConstraintError(
+                "constrained decoding needs a fast tokenizer: Only fast tokenizers are supported"
             )
-        except ValueError as e:
-            raise ConstraintError(f"constrained decoding needs a fast tokenizer: {e}") from e
-        self._vocab = {str(k): v for k, v in hf_tokenizer.get_vocab().items()}
+        self._hf = hf_tokenizer
+        self._wrapped: llguidance.LLTokenizer | None = None
+        self._vocab: dict[str, int] = {}
         self._cache: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
         self._cache_size = cache_size
         self._lock = threading.Lock()
+        self._wrap_lock = threading.Lock()
+        self._building: dict[str, Future[llguidance.LLMatcher]] = {}  # keys being built
         self.hits = 0
         self.misses = 0
+        if not lazy:
+            _ = self._tokenizer
+
+    @property
+    def _tokenizer(self) -> llguidance.LLTokenizer:
+        """llguidance's view of the tokenizer (made on first use), and with it the
+        vocabulary by token text."""
+        if self._wrapped is None:
+            with self._wrap_lock:
+                if self._wrapped is None:
+                    try:
+                        wrapped = llguidance.hf.from_tokenizer(
+                            self._hf, eos_token=list(self.eos_token_ids) or None
+                        )
+                    except ValueError as e:
+                        raise ConstraintError(
+                            f"constrained decoding needs a fast tokenizer: {e}"
+                        ) from e
+                    self._vocab = {str(k): v for k, v in self._hf.get_vocab().items()}
+                    self._wrapped = wrapped
+        return self._wrapped
 
     def processor(
         self, spec: ConstraintSpec, *, activate_after: Sequence[int] | None = None
@@ -217,19 +248,38 @@ class ConstraintCompiler:
         )
 
     def compile(self, spec: ConstraintSpec) -> llguidance.LLMatcher:
-        """The cached matcher for ``spec`` in its initial state (copy it before use)."""
+        """The cached matcher for ``spec`` in its initial state (copy it before use). A
+        spec is built once however many requests ask for it together: the others wait
+        for that build (building holds the interpreter lock, so N builds of one schema
+        for a burst of N would stall everything N times over)."""
         key = spec.key()
         with self._lock:
             if key in self._cache:
                 self.hits += 1
                 self._cache.move_to_end(key)
                 return self._cache[key]
-            self.misses += 1
-        matcher = self._build(spec)
+            building = self._building.get(key)
+            if building is None:
+                self.misses += 1
+                mine: Future[llguidance.LLMatcher] = Future()
+                self._building[key] = mine
+            else:
+                self.hits += 1
+        if building is not None:
+            return building.result()  # the build's matcher, or its exception
+        try:
+            matcher = self._build(spec)
+        except BaseException as e:
+            with self._lock:
+                del self._building[key]
+            mine.set_exception(e)
+            raise
         with self._lock:
             self._cache[key] = matcher
             while len(self._cache) > self._cache_size:
                 self._cache.popitem(last=False)
+            del self._building[key]
+        mine.set_result(matcher)
         return matcher
 
     def _build(self, spec: ConstraintSpec) -> llguidance.LLMatcher:
@@ -242,8 +292,9 @@ class ConstraintCompiler:
 
     def _marker(self, text: str) -> str:
         """A lark element for a tool-call marker: a special token by id, else a string."""
+        tokenizer = self._tokenizer  # the vocabulary is read with it
         token_id = self._vocab.get(text)
-        if token_id is not None and self._tokenizer.is_special_token(token_id):
+        if token_id is not None and tokenizer.is_special_token(token_id):
             return f"<[{token_id}]>"
         return json.dumps(text)
 

@@ -5,27 +5,24 @@ step; ``BatchGenerator`` numbers them itself, so the runner maps its numbers to 
 scheduler's uids. A sequence handed over from the solo runner joins as a prefix-cache hit
 would: its cache, the tokens in it, and the tokens still to feed.
 
-Grammars are masked for the whole batch at once (``grammar_masks.GrammarMasks``): the model
-inside mlx-lm's decode batch is wrapped (``MaskedDecode``), and from a sequence's second
-decode step on its grammar leaves mlx-lm's per-row processor list. Its first token is
-sampled under the grammar by that per-row processor, in the batch mlx-lm makes for
-sequences that have just finished their prefill.
+The model inside mlx-lm's decode batch is wrapped (``batch_step.DecodeStep``): grammars are
+masked for the whole batch at once, processors run only on the rows that have some, and
+each distinct sampler draws for all its rows in one call. A sequence's first token is
+sampled by mlx-lm's per-row calls, in the batch it makes for sequences that have just
+finished their prefill.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
-import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, StopSequences
 
 from mlx_server.engine.core.wired import hands_off
-from mlx_server.engine.grammar.masks import BatchGrammar, GrammarMasks
-from mlx_server.engine.grammar.processor import GrammarLogitsProcessor
+from mlx_server.engine.grammar.masks import GrammarMasks
 from mlx_server.engine.runners.base import Insert, KVState, Progress, Response
-from mlx_server.engine.sampling.samplers import GuardedProcessor, LogitsProcessor, Sampler
+from mlx_server.engine.runners.batch_step import DecodeStep, RowGrammar, row_grammar
+from mlx_server.engine.sampling.samplers import LogitsProcessor, Sampler
 
 
 class BatchRunner:
@@ -41,17 +38,20 @@ class BatchRunner:
         keep_caches: bool = True,
         grammar_masks: GrammarMasks | None = None,
         batch_grammars: bool = True,
+        by_group: bool = True,
     ):
         """``batch_grammars=False`` leaves grammars to mlx-lm's per-row processor calls
-        (the way before the batched masks; kept to compare against)."""
+        (the way before the batched masks; kept to compare against); ``by_group=False``
+        leaves processors and sampling to mlx-lm's step (row by row when rows differ)."""
         self.model = model
         self._eos = eos
         self._max_batch = max_batch_size
         self._step_size = prefill_step_size
         self._keep_caches = keep_caches  # return the KV state of removed sequences
         self._batch_grammars = batch_grammars
+        self._by_group = by_group
         self._masks = grammar_masks
-        self._grammars: dict[int, _RowGrammar] = {}  # BatchGenerator's number -> its grammar
+        self._grammars: dict[int, RowGrammar] = {}  # BatchGenerator's number -> its grammar
         self._gen = self._new_generator()
         self._uid: dict[int, int] = {}  # BatchGenerator's number -> the scheduler's uid
         self._gen_uid: dict[int, int] = {}  # and back
@@ -70,10 +70,16 @@ class BatchRunner:
             stop_tokens=[[t] for t in self._eos],
         )
         hands_off(gen)  # the process's wired limit is set once (wired.py)
-        if self._batch_grammars:
+        if self._batch_grammars or self._by_group:
             # The decode batch lives as long as the generator (it grows and shrinks in place).
             decode = gen._generation_batch
-            decode.model = MaskedDecode(decode.model, decode, self._grammars, self._grammar_masks)
+            decode.model = DecodeStep(
+                decode.model,
+                decode,
+                self._grammars,
+                self._grammar_masks,
+                by_group=self._by_group,
+            )
         return gen
 
     def _grammar_masks(self) -> GrammarMasks:
@@ -114,7 +120,7 @@ class BatchRunner:
         )
         self._uid[gen_uid] = uid
         self._gen_uid[uid] = gen_uid
-        grammar = _row_grammar(processors) if self._batch_grammars else None
+        grammar = row_grammar(processors) if self._batch_grammars else None
         if grammar is not None:
             self._grammars[gen_uid] = grammar
 
@@ -173,84 +179,3 @@ class BatchRunner:
         if gen_uid is not None:
             self._uid.pop(gen_uid, None)
             self._grammars.pop(gen_uid, None)
-
-
-@dataclass(eq=False)
-class _RowGrammar:
-    """A sequence's grammar: the processor object in its per-row list, and the batch's view."""
-
-    listed: Any  # what mlx-lm's per-row list holds (the guard around the grammar, or it)
-    grammar: BatchGrammar
-    adopted: bool = False  # taken out of the per-row list, masked by the batch
-
-
-def _row_grammar(processors: list[LogitsProcessor]) -> _RowGrammar | None:
-    for p in processors:
-        if isinstance(p, GuardedProcessor) and isinstance(p.processor, GrammarLogitsProcessor):
-            return _RowGrammar(p, BatchGrammar(p.processor, p.owner))
-        if isinstance(p, GrammarLogitsProcessor):
-            return _RowGrammar(p, BatchGrammar(p))
-    return None
-
-
-class MaskedDecode:
-    """Stands in for the model inside mlx-lm's decode batch (``GenerationBatch``, whose
-    step calls ``self.model(inputs[:, None], cache=...)`` and reads the last position):
-    runs the model, then masks the rows of sequences with a grammar, the whole batch in one
-    ``GrammarMasks`` call, while the device computes the forward pass. mlx-lm's per-row
-    processors (penalties, bias, ``ignore_eos``) then see the masked logits; a mask sets
-    scores to -inf, which those leave at -inf, so the order changes no result.
-    """
-
-    def __init__(
-        self,
-        model: Any,
-        batch: Any,
-        grammars: dict[int, _RowGrammar],
-        masks: Callable[[], GrammarMasks],
-    ):
-        self.model = model
-        self._batch = batch
-        self._grammars = grammars
-        self._masks = masks
-
-    def __call__(self, inputs: mx.array, cache: Any = None) -> mx.array:
-        rows = self._rows() if self._grammars else None
-        if rows is None:
-            return cast(mx.array, self.model(inputs, cache=cache))
-        # The fed tokens are scheduled apart, so reading them waits for the previous step
-        # only (a read of anything queued after the forward pass would wait for all of
-        # it). The grammars consume them and fill their masks on the masks' worker thread
-        # while this one launches the pass (with one core to spare, here after the launch,
-        # while the device runs it); the masks are applied before sampling.
-        mx.async_eval(inputs)
-        logits = self.model(inputs, cache=cache)[:, -1, :]
-        tokens = [row[-1] for row in cast(list[list[int]], inputs.tolist())]
-        masks = self._masks()
-        plan = masks.plan(rows, tokens)
-        if plan is None:
-            return logits[:, None, :]
-        vocab = logits.shape[-1]
-        pending = masks.submit(plan, vocab) if masks.overlap else None
-        mx.async_eval(logits)
-        plan = pending.result() if pending is not None else masks.compute(plan, vocab)
-        return masks.mask(plan, logits)[:, None, :]
-
-    def __getattr__(self, name: str) -> Any:
-        if name == "model":  # not set yet
-            raise AttributeError(name)
-        return getattr(self.model, name)
-
-    def _rows(self) -> list[BatchGrammar | None] | None:
-        """Each row's grammar (None: none); None when no row has one. A grammar seen here
-        for the first time leaves its row's per-row processor list."""
-        batch = self._batch
-        found = [self._grammars.get(uid) for uid in batch.uids]
-        if not any(found):
-            return None
-        for e, row in enumerate(found):
-            if row is not None and not row.adopted:
-                listed = batch.logits_processors[e] or ()
-                batch.logits_processors[e] = tuple(p for p in listed if p is not row.listed)
-                row.adopted = True
-        return [row.grammar if row is not None else None for row in found]

@@ -1,0 +1,109 @@
+"""What the start leaves for after the readiness line: the warm-up's batch sizes above one
+(run while the engine is idle, a request served meanwhile) and the grammar compiler's
+wrapping of the tokenizer (done by the first compile)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from mlx_server.engine.core.engine import Engine, EngineConfig
+from mlx_server.engine.grammar.constraints import (
+    ConstraintCompiler,
+    ConstraintError,
+    ConstraintSpec,
+)
+from mlx_server.events import Finished
+from mlx_server.types import GenerationRequest, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def lm(tiny_model_dir: Path) -> tuple[Any, Any]:
+    from mlx_lm import load
+
+    model, tokenizer = load(str(tiny_model_dir))[:2]
+    return model, tokenizer
+
+
+async def _generate(engine: Engine, prompt: list[int]) -> Finished:
+    req = GenerationRequest(
+        request_id="r",
+        prompt_tokens=prompt,
+        max_tokens=5,
+        sampling=SamplingParams(temperature=0.0),
+        ignore_eos=True,
+    )
+    async for event in engine.submit(req):
+        if isinstance(event, Finished):
+            return event
+    raise AssertionError("no Finished event")
+
+
+def test_batch_sizes_above_one_warm_up_while_idle_and_a_request_runs_meanwhile(lm):
+    model, tokenizer = lm
+    engine = Engine(model, tokenizer, EngineConfig(max_batch_size=4, warm_up=True))
+    engine.start()
+    try:
+        assert engine.wait_ready(60)
+        assert engine.warming_up  # sizes 2-4 and the full chunk are left for idle time
+        done = asyncio.run(_generate(engine, tokenizer.encode("Hello there")))
+        assert done.reason == "length" and done.usage.completion_tokens == 5
+        deadline = time.monotonic() + 60
+        while engine.warming_up and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert not engine.warming_up
+        again = asyncio.run(_generate(engine, tokenizer.encode("Hello again")))
+        assert again.usage.completion_tokens == 5
+    finally:
+        engine.shutdown()
+
+
+def test_a_lazy_compiler_compiles_as_one_that_wrapped_the_tokenizer_at_once(tiny_tokenizer):
+    spec = ConstraintSpec.json_object()
+    now = ConstraintCompiler(tiny_tokenizer)
+    lazy = ConstraintCompiler(tiny_tokenizer, lazy=True)
+    assert lazy._wrapped is None  # nothing wrapped before the first compile
+    a, b = now.processor(spec), lazy.processor(spec)
+    assert a.mask_words == b.mask_words
+    assert a.matcher.compute_bitmask() == b.matcher.compute_bitmask()
+
+
+def test_a_slow_tokenizer_is_refused_at_once_even_by_a_lazy_compiler():
+    class Slow:
+        eos_token_id = 0
+
+    with pytest.raises(ConstraintError, match="fast tokenizer"):
+        ConstraintCompiler(Slow(), lazy=True)
+
+
+def test_requests_asking_for_one_schema_together_build_it_once(tiny_tokenizer, monkeypatch):
+    import threading
+
+    compiler = ConstraintCompiler(tiny_tokenizer)
+    real, builds, release = compiler._build, [], threading.Event()
+
+    def build(spec: ConstraintSpec) -> Any:
+        builds.append(spec)
+        assert release.wait(30)
+        return real(spec)
+
+    monkeypatch.setattr(compiler, "_build", build)
+    spec = ConstraintSpec.json_schema({"type": "object", "properties": {"a": {"type": "string"}}})
+    got: list[Any] = []
+    threads = [
+        threading.Thread(target=lambda: got.append(compiler.compile(spec))) for _ in range(6)
+    ]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 30
+    while compiler.hits + compiler.misses < 6 and time.monotonic() < deadline:
+        time.sleep(0.01)  # every thread has asked: one builds, five wait for it
+    release.set()
+    for t in threads:
+        t.join(30)
+    assert len(builds) == 1 and compiler.misses == 1 and compiler.hits == 5
+    assert len(got) == 6 and all(m is got[0] for m in got)
