@@ -57,14 +57,17 @@ class PromptLookup:
     def __init__(self, min_n: int = 1, max_n: int = 3):
         self._min_n, self._max_n = min_n, max_n
         self._index = NgramIndex(min_n, max_n)
-        self._context: list[int] = []
+        self._seen: tuple[int, int, int] = (0, -1, -1)  # length, first and last token
 
     def propose(self, context: list[int], k: int) -> list[int]:
         if k <= 0 or len(context) < 2:
             return []
-        if context[: len(self._context)] != self._context[: len(context)]:
+        # Called on every step (``controller.Shadow``): a context that goes on from the
+        # last one is told by its ends, not by comparing it whole.
+        n, first, last = self._seen
+        if n > len(context) or (n and (context[0] != first or context[n - 1] != last)):
             self._index = NgramIndex(self._min_n, self._max_n)  # another sequence's context
-        self._context = context
+        self._seen = (len(context), context[0], context[-1])
         # An n-gram ending at the last position is the query itself: index only those with
         # at least one token after them.
         self._index.extend(context, len(context))

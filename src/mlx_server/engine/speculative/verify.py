@@ -30,6 +30,7 @@ from mlx_server.engine.speculative.rejection import Rejection, speculative_sampl
 from mlx_server.engine.speculative.rollback import Rollback
 
 Processor = Callable[[mx.array, mx.array], mx.array]
+PAD_TOKEN = 0  # fed after a short draft to fill its pass; its logits are never read
 
 
 @dataclass
@@ -51,21 +52,30 @@ def verify(
     sampler: Callable[[mx.array], mx.array] | None,
     processors: Sequence[Processor] = (),
     history: list[int] | None = None,
+    pad: int = 0,
 ) -> Verified:
     """Feed ``last`` and ``draft`` after ``cache``, decide the emitted tokens, and trim the
     cache so it holds ``last`` and the accepted draft tokens (not the final emitted one).
 
     ``sampler`` None means greedy. ``history`` (the context before ``last``) is what the
     processors see, as in mlx-lm: the tokens so far, ending with the one just fed.
+    ``pad``: positions fed after the draft and never used (the pass's shape; see
+    ``costs``): attention is causal, so they change no position before them.
     """
     rollback = Rollback(model, cache)
-    logits = rollback.feed([last, *draft])
+    logits = _feed(rollback, last, draft, pad)
     if sampler is None and not processors:
         out = _greedy(logits, draft)
     else:
         context = [*(history or []), last]
         out = _sequential(logits, draft, sampler, processors, context)
     return _kept(out, rollback)
+
+
+def _feed(rollback: Rollback, last: int, draft: list[int], pad: int) -> mx.array:
+    """The logits at ``last`` and each draft token, from one pass padded by ``pad``."""
+    logits = rollback.feed([last, *draft, *[PAD_TOKEN] * pad])
+    return logits[: len(draft) + 1] if pad else logits
 
 
 def _kept(out: Verified, rollback: Rollback) -> Verified:
@@ -113,12 +123,18 @@ def _sequential(
 
 
 def verify_sampled(
-    model: Any, cache: Any, last: int, draft: list[int], q: mx.array, rejection: Rejection
+    model: Any,
+    cache: Any,
+    last: int,
+    draft: list[int],
+    q: mx.array,
+    rejection: Rejection,
+    pad: int = 0,
 ) -> Verified:
     """``verify`` for a draft sampled from the draft model's distribution ``q`` (k, vocab):
     rejection sampling against the target's (``rejection.speculative_sample``)."""
     rollback = Rollback(model, cache)
-    logits = rollback.feed([last, *draft])
+    logits = _feed(rollback, last, draft, pad)
     logprobs = _logprobs(logits)
     tokens = speculative_sample(rejection.distribution(logprobs), draft, q, rejection.draws)
     out = Verified(tokens, [logprobs[i] for i in range(len(tokens))], len(tokens) - 1)
