@@ -22,7 +22,7 @@ import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, GenerationBatch
 
 from mlx_server.engine.speculative.batch_verify import Sampled, can_roll_back, verify_batch
-from mlx_server.engine.speculative.controller import Acceptance, BatchPlan, Shadow
+from mlx_server.engine.speculative.controller import PRIOR, Acceptance, BatchPlan, Shadow
 from mlx_server.engine.speculative.costs import StepCosts, bucket
 from mlx_server.engine.speculative.drafters import Drafter, DraftModel
 from mlx_server.engine.speculative.plan_log import PlanLog
@@ -40,8 +40,8 @@ class RowSpec:
     shadow: Shadow | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
-        if self.acceptance is None:
-            self.acceptance = Acceptance(backs_off=not self.cheap)
+        if self.acceptance is None:  # a shadowed drafter earns its rate before a try
+            self.acceptance = Acceptance(0.0 if self.cheap else PRIOR, backs_off=not self.cheap)
         if self.cheap and self.shadow is None:
             self.shadow = Shadow()
             self.acceptance.backs_off = False

@@ -10,9 +10,11 @@ does not pay, and plain decoding is then exactly the runner's own.
 The rate must stay current while nothing is drafted, or drafting could never start again.
 A cheap drafter (prompt lookup, a predicted output: a few dict reads) is asked anyway on
 plain steps, and its proposal is scored against the tokens plain decoding then emits
-(``Shadow``): the rate it would have had, for free. So with nothing to accept the rate
-falls within a few steps, drafting stops and stays stopped, and it starts again as soon
-as the drafts match (after a predicted output's edit, when an answer turns to quoting).
+(``Shadow``): the rate it would have had, for free. Its rate starts at 0, so it drafts
+only once its drafts have matched, and two verified tries in a row with nothing accepted
+set it back to 0. So with nothing to accept drafting stops within two steps and stays
+stopped, and it starts again as soon as the drafts match (after a predicted output's
+edit, when an answer turns to quoting).
 A draft model costs a forward pass per token: it is not shadowed, and instead backs off
 (``Acceptance``): after two failed tries it stops for 4 steps, then 8, ... up to
 ``MAX_WAIT``, and probes with one token when the wait ends; one accepted token resets it.
@@ -34,13 +36,14 @@ FIRST_WAIT = 4  # steps without drafting after the first failures (a draft model
 MAX_WAIT = 256
 FAILS_BEFORE_WAIT = 2
 EMA = 0.2  # per scored position: a run of 8 accepted tokens lifts a rate of 0 to 0.83
+PRIOR = 0.6  # the rate of a drafter not shadowed, before its first try
 
 
 class Acceptance:
     """One sequence's drafting record: its acceptance rate and, for a drafter that is not
     shadowed (``backs_off``), its back-off."""
 
-    def __init__(self, prior: float = 0.6, backs_off: bool = True):
+    def __init__(self, prior: float = PRIOR, backs_off: bool = True):
         self.rate = prior  # acceptance per drafted token, moving average over positions
         self.backs_off = backs_off
         self.fails = 0  # tries in a row with nothing accepted
@@ -77,8 +80,11 @@ class Acceptance:
             self._next_wait = FIRST_WAIT
         else:
             self.fails += 1
-            if self.backs_off and self.fails >= FAILS_BEFORE_WAIT:
-                self.back_off()
+            if self.fails >= FAILS_BEFORE_WAIT:
+                if self.backs_off:
+                    self.back_off()
+                else:  # stop at once: the shadow drafts earn the rate back
+                    self.rate = 0.0
 
     def back_off(self) -> None:
         """Stop trying for a while; each back-off in a row waits twice as long."""
@@ -105,17 +111,18 @@ class Shadow:
             acc.observe(0, 0)
 
     def score(self, token: int, acc: Acceptance, log: PlanLog | None) -> None:
-        """The next emitted token: a hit, or the end of the draft's run."""
+        """The next emitted token: a hit, or the end of the draft's run. Each moves the
+        rate at once, as a verified position would."""
         d = self.draft
         if not d:
             return
-        if d[self.hits] == token:
-            self.hits += 1
-            if self.hits < len(d):
-                return
-        acc.observe(len(d), self.hits)
+        hit = d[self.hits] == token
+        acc.observe(1, int(hit))
+        self.hits += hit
+        if hit and self.hits < len(d):
+            return
         if log is not None:
-            log.shadowed(len(d), self.hits)
+            log.shadowed(self.hits + (not hit), self.hits)
         self.draft, self.hits = [], 0
 
     def drop(self) -> None:
@@ -133,12 +140,14 @@ class DraftLength:
         self,
         max_k: int,
         *,
-        prior: float = 0.6,
+        prior: float | None = None,
         shadowed: bool = False,
         costs: StepCosts | None = None,
         log: PlanLog | None = None,
     ):
         self.max_k = max_k
+        if prior is None:  # a shadowed drafter earns its rate before its first try
+            prior = 0.0 if shadowed else PRIOR
         self.acceptance = Acceptance(prior, backs_off=not shadowed)
         self.costs = costs if costs is not None else StepCosts(max_k)
         self.log = log
@@ -157,7 +166,7 @@ class DraftLength:
         self._steps += 1
         acc = self.acceptance
         # Plain steps in a row measure t0: the first ones, and two now and then.
-        if 1 not in self.costs.t0 or self._steps % self.REFRESH_EVERY in (1, 2):
+        if not self.costs.measured(1) or self._steps % self.REFRESH_EVERY in (1, 2):
             acc.tick()
             return self._plain(why.MEASURING)
         if not acc.ready:
@@ -237,7 +246,7 @@ class BatchPlan:
         ready row drafted ``max_k``? (Reading them costs the step its pipelining.)"""
         self._forced = False
         b = len(rows)
-        if self.max_k <= 0 or b not in self.costs.t0:
+        if self.max_k <= 0 or not self.costs.measured(b):
             return self._say(False, why.MEASURING)
         rates = [r.rate if r is not None else 0.0 for r in rows]
         # Shadowed rows' rates are current: they draft as soon as it pays.

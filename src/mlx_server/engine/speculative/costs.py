@@ -9,7 +9,8 @@ memory bandwidth alone says about one, because the step is not pipelined (its to
 read before the next is queued) and a new shape pays for its first compilation. So
 ``StepCosts`` keeps seconds per (batch size, width), measured, its first sample of each
 dropped (that one compiles), and answers for a width not yet measured by interpolating
-between the plain step (width 0) and the widths measured, or from ``GUESS`` before any.
+between the plain step (width 0) and the widths measured, past them by the slope between
+the two widest (at most ``GUESS`` per position), or from ``GUESS`` before any measure.
 """
 
 from __future__ import annotations
@@ -51,8 +52,15 @@ class StepCosts:
         self.t0: dict[int, float] = {}
         self.verify: dict[tuple[int, int], float] = {}
         self.samples: dict[tuple[int, int], int] = {}  # verify passes seen, the dropped one too
+        self.plain_samples: dict[int, int] = {}
+
+    def measured(self, batch: int) -> bool:
+        """Whether the plain step at ``batch`` rows has been timed twice (one may be an
+        outlier: the first after a prefill, a new shape)."""
+        return self.plain_samples.get(batch, 0) >= 2
 
     def record_plain(self, batch: int, seconds: float) -> None:
+        self.plain_samples[batch] = self.plain_samples.get(batch, 0) + 1
         old = self.t0.get(batch)
         self.t0[batch] = seconds if old is None else (1 - EMA) * old + EMA * seconds
 
@@ -85,9 +93,13 @@ class StepCosts:
             if w > width:  # between two measured widths (or the plain step and one)
                 return lo_s + (s - lo_s) * (width - lo_w) / (w - lo_w)
             lo_w, lo_s = w, s
-        # Past the widest measured: on the slope of the last segment, never below it.
-        prev_w, prev_s = (0, t0) if len(points) == 1 else points[-2]
-        slope = max(0.0, (lo_s - prev_s) / (lo_w - prev_w))
+        # Past the widest measured: what one more position costs is known only between
+        # two measured widths (from the plain step, the pass's fixed cost would count as
+        # per position); at most the guess.
+        slope = GUESS * t0
+        if len(points) > 1:
+            (w1, s1), (w2, s2) = points[-2:]
+            slope = min(slope, max(0.0, (s2 - s1) / (w2 - w1)))
         return lo_s + slope * (width - lo_w)
 
     def best(
