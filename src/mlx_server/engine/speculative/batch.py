@@ -41,7 +41,8 @@ class RowSpec:
 
     def __post_init__(self) -> None:
         if self.acceptance is None:  # a shadowed drafter earns its rate before a try
-            self.acceptance = Acceptance(0.0 if self.cheap else PRIOR, backs_off=not self.cheap)
+            prior = getattr(self.drafter, "prior", 0.0 if self.cheap else PRIOR)
+            self.acceptance = Acceptance(prior, backs_off=not self.cheap)
         if self.cheap and self.shadow is None:
             self.shadow = Shadow()
             self.acceptance.backs_off = False

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 EMA = 0.2
 MARGIN = 1.02  # drafting must beat plain decoding by this much: noise should not make it draft
-GUESS = 0.25  # before any measure: each drafted position costs this much of a plain step
+GUESS = 0.15  # before any measure: each drafted position costs this much of a plain step
 
 
 def widths(max_k: int) -> list[int]:

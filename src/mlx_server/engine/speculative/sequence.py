@@ -69,7 +69,11 @@ class SpeculativeSequence(SoloSequence):
         # A cheap drafter is asked on plain steps too, its drafts scored, not verified.
         self._shadow = Shadow() if not isinstance(drafter, DraftModel) and adaptive else None
         self.length = length or DraftLength(
-            num_draft_tokens, shadowed=self._shadow is not None, costs=costs, log=log
+            num_draft_tokens,
+            prior=getattr(drafter, "prior", None),
+            shadowed=self._shadow is not None,
+            costs=costs,
+            log=log,
         )
         self._adaptive = adaptive
         self._num_draft = num_draft_tokens

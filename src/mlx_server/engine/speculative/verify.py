@@ -26,6 +26,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from mlx_server.engine.sampling.samplers import SharedSampler
 from mlx_server.engine.speculative.rejection import Rejection, speculative_sample
 from mlx_server.engine.speculative.rollback import Rollback
 
@@ -66,6 +67,8 @@ def verify(
     logits = _feed(rollback, last, draft, pad)
     if sampler is None and not processors:
         out = _greedy(logits, draft)
+    elif isinstance(sampler, SharedSampler) and not processors:
+        out = _all_at_once(logits, draft, sampler)
     else:
         context = [*(history or []), last]
         out = _sequential(logits, draft, sampler, processors, context)
@@ -91,6 +94,19 @@ def _logprobs(logits: mx.array) -> mx.array:
 def _greedy(logits: mx.array, draft: list[int]) -> Verified:
     logprobs = _logprobs(logits)
     choice: list[int] = mx.argmax(logprobs, axis=-1).tolist()  # type: ignore[assignment]
+    n = 0
+    while n < len(draft) and choice[n] == draft[n]:
+        n += 1
+    return Verified(choice[: n + 1], [logprobs[i] for i in range(n + 1)], n)
+
+
+def _all_at_once(logits: mx.array, draft: list[int], sampler: SharedSampler) -> Verified:
+    """A sampler without state of its own (``ignore_eos``'s ban, an unseeded temperature)
+    decides every position in one call and one read, as the batch's rows sharing it do:
+    each position's choice is independent, so the first mismatch is distributed as plain
+    decoding's token there (``_sequential`` would read the device once per position)."""
+    logprobs = _logprobs(logits)
+    choice: list[int] = sampler(logprobs).tolist()  # type: ignore[assignment]
     n = 0
     while n < len(draft) and choice[n] == draft[n]:
         n += 1
