@@ -151,12 +151,15 @@ class Bench:
                     r = sup.streams(self.model, self.tok, prompts, a.tokens, spec, preds)
                 after = sup.streams(self.model, self.tok, prompts, a.tokens, None)
                 ratio = r["tps"] / ((base["tps"] + after["tps"]) / 2)
+                by_cpu = r["cpu_tps"] / ((base["cpu_tps"] + after["cpu_tps"]) / 2)
                 ratios.setdefault(label, []).append(ratio)
+                ratios.setdefault(label + ", by CPU time", []).append(by_cpu)
                 acc = r["accepted"] / r["drafted"] if r["drafted"] else 0.0
                 same = sum(x == y for x, y in zip(r["texts"], base["texts"], strict=True))
                 print(
                     f"{name}, {n} stream(s), run {rep + 1}: plain {base['tps']:.1f} then "
-                    f"{after['tps']:.1f} tok/s, {label} {r['tps']:.1f} tok/s = {ratio:.2f}x, "
+                    f"{after['tps']:.1f} tok/s, {label} {r['tps']:.1f} tok/s = {ratio:.2f}x "
+                    f"(by CPU time {by_cpu:.2f}x), "
                     f"drafted {r['drafted']}, accepted {acc:.0%}, {same}/{n} streams the plain text"
                 )
                 print(spec.log.summary())

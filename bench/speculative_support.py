@@ -66,7 +66,8 @@ def streams(
 ) -> dict[str, Any]:
     """``len(prompts)`` greedy streams of ``n`` tokens (EOS ignored) through one engine,
     the server's: decode tokens/s over the window in which every stream decodes (one
-    stream: from its first token), and the texts. With ``predictions``, each request
+    stream: from its first token), also per second of this process's CPU time, and the
+    texts. With ``predictions``, each request
     carries one (OpenAI's Predicted Outputs). One engine at a time: it is shut down, its
     thread gone, before this returns (two threads never run MLX at once)."""
     from mlx_server.engine.core.engine import Engine
@@ -79,7 +80,7 @@ def streams(
     if not engine.wait_ready(120):
         raise RuntimeError("the engine did not start")
 
-    async def one(i: int, p: list[int]) -> tuple[str, list[tuple[float, int]], Any]:
+    async def one(i: int, p: list[int]) -> tuple[str, list[tuple[float, int, float]], Any]:
         pred = tuple(predictions[i]) if predictions else ()
         req = GenerationRequest(
             f"s{i}",
@@ -94,7 +95,7 @@ def streams(
         async for ev in engine.submit(req):
             if isinstance(ev, TokenPiece):
                 text += ev.text
-                times.append((time.perf_counter(), len(ev.logprobs)))
+                times.append((time.perf_counter(), len(ev.logprobs), time.process_time()))
             elif isinstance(ev, Finished):
                 return text, times, ev
         raise RuntimeError("no Finished")
@@ -109,11 +110,14 @@ def streams(
         thread = getattr(engine, "_thread", None)
         if thread is not None and thread.is_alive():
             raise RuntimeError("the engine thread outlived its shutdown")
-    start = max(times[0][0] for _, times, _ in results)  # the last stream's first token
-    end = min(times[-1][0] for _, times, _ in results)  # the first stream's last
-    count = sum(k for _, times, _ in results for t, k in times if start < t <= end)
+    first = max((times[0] for _, times, _ in results), key=lambda x: x[0])  # last to start
+    last = min((times[-1] for _, times, _ in results), key=lambda x: x[0])  # first to end
+    start, end = first[0], last[0]
+    count = sum(k for _, times, _ in results for t, k, _ in times if start < t <= end)
+    cpu = last[2] - first[2]  # this process's CPU seconds meanwhile: steadier when shared
     return {
         "tps": count / (end - start) if end > start else 0.0,
+        "cpu_tps": count / cpu if cpu > 0 else 0.0,
         "texts": [text for text, _, _ in results],
         "drafted": sum(f.timings.draft_n for *_, f in results if f.timings),
         "accepted": sum(f.timings.draft_n_accepted for *_, f in results if f.timings),

@@ -34,9 +34,8 @@ def test_passes_take_a_few_widths_and_each_is_measured_after_its_first() -> None
     c.record_plain(1, 0.010)
     assert not c.measured(1)  # one sample may be an outlier
     c.record_plain(1, 0.010)
-    assert c.measured(1) and c.cost(1, 4) == pytest.approx(
-        0.020
-    )  # the guess: a quarter step per position
+    assert c.measured(1)
+    assert c.cost(1, 4) == pytest.approx(0.016)  # the guess: 0.15 of a step per position
     c.record_verify(1, 8, 0.500)  # the first pass of a shape compiles: dropped
     assert c.table() == {}
     c.record_verify(1, 8, 0.018)
@@ -146,8 +145,7 @@ def test_a_lone_sequence_stops_drafting_within_two_steps_and_decodes_plainly(tin
             break
     assert got == want
     assert log.accepted > 0  # it drafted while the drafts were the model's
-    # After the turn, at most two failed tries (a draft may start just before it).
-    assert len([n for n in verified_at if n >= 24 - 8]) <= 3
+    assert len([n for n in verified_at if n >= 24]) <= 2  # after the turn: two failed tries
     assert log.steps[why.RATE] > 20 and log.shadow_drafted > 0
 
 
@@ -190,5 +188,5 @@ def test_eight_rows_stop_drafting_within_two_steps_and_decode_plainly(tiny: Any)
     got, log, verified_at = run(turncoats)
     assert got == want
     assert log.accepted > 0
-    assert len([m for m in verified_at if m >= turn - 8]) <= 3
+    assert len([m for m in verified_at if m >= turn]) <= 2  # after the turn: two failed tries
     assert log.steps[why.RATE] > 10 and log.shadow_drafted > 0
