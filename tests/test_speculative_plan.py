@@ -83,8 +83,15 @@ def test_a_shadow_scores_the_run_of_matching_tokens() -> None:
     for t in (5, 6, 9):  # two accepted, then the run ends
         s.score(t, acc, None)
     assert not s.open and acc.rate == pytest.approx(0.8 * 0.36)  # 0.2, 0.36, then a miss
+    assert s.due()  # a run with hits: the next shadow draft at once
     s.start([], acc)  # the drafter had nothing: a failed try
     assert acc.rate == pytest.approx(0.8 * 0.8 * 0.36)
+    rests = []
+    for _ in range(4):  # misses in a row: the drafter is asked less and less often
+        rests.append(sum(1 for _ in range(8) if not s.due()))
+        s.start([1], acc)
+        s.score(2, acc, None)
+    assert rests == [1, 3, 7, 7]
 
 
 # ---- on a tiny random-weight model ---------------------------------------------------------

@@ -169,7 +169,7 @@ class BatchSpeculator:
                 continue
             s.shadow.score(r.token, s.record, self.log)
             i = running.get(r.uid)
-            if not s.shadow.open and i is not None:
+            if not s.shadow.open and i is not None and s.shadow.due():
                 s.shadow.start(s.drafter.propose(batch.tokens[i], self.max_k), s.record)
 
     def _drafts(

@@ -113,6 +113,13 @@ class StepCosts:
         t0 = self.t0.get(batch)
         if top <= 0 or t0 is None or t0 <= 0:
             return 0
+        # Checked every step: rule out at once rates at which no draft could pay, as no
+        # row yields more than 1 / (1 - rate) tokens a step however long its draft.
+        ceiling = sum(
+            1 / (1 - min(r, 0.999)) if n > 0 else 1.0 for r, n in zip(rates, lengths, strict=True)
+        )
+        if ceiling <= len(rates) * MARGIN:
+            return 0
         best, best_speed = 0, len(rates) / t0
         for w in self.widths[: self.widths.index(bucket(top, self.max_k)) + 1]:
             seconds = t0 if free else self.cost(batch, w)

@@ -108,7 +108,7 @@ class SpeculativeSequence(SoloSequence):
         shadow, acc = self._shadow, self.length.acceptance
         assert shadow is not None
         shadow.score(token, acc, self.length.log)
-        if not shadow.open:
+        if not shadow.open and shadow.due():
             shadow.start(self.drafter.propose(self.fed, self._num_draft), acc)
 
     def _speculate(self, k: int) -> list[Response]:
