@@ -126,7 +126,8 @@ class Bench:
         trace = None
         if self.trace is not None:
             self.trace.write(f"== {label}\n")
-            trace = self.trace.write
+            out = self.trace
+            trace = lambda line: out.write(line + "\n")  # noqa: E731 (line-buffered: flushed)
         return Speculation(num_draft_tokens=k, prompt_lookup=lookup, log=PlanLog(trace))
 
     def workload(self, name: str, n: int) -> None:
