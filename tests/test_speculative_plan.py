@@ -17,10 +17,11 @@ from mlx_lm.generate import BatchGenerator, generate_step
 from mlx_server.engine.sampling.samplers import make_sampler
 from mlx_server.engine.speculative import plan_log as why
 from mlx_server.engine.speculative.batch import BatchSpeculator, RowSpec, install
-from mlx_server.engine.speculative.controller import DraftLength, Shadow
+from mlx_server.engine.speculative.controller import DraftLength
 from mlx_server.engine.speculative.costs import StepCosts, bucket, widths
 from mlx_server.engine.speculative.plan_log import PlanLog
 from mlx_server.engine.speculative.sequence import SpeculativeSequence
+from mlx_server.engine.speculative.shadow import Shadow
 from mlx_server.types import SamplingParams
 
 # ---- the cost model and the controller, no model -----------------------------------------

@@ -22,11 +22,12 @@ import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, GenerationBatch
 
 from mlx_server.engine.speculative.batch_verify import Sampled, can_roll_back, verify_batch
-from mlx_server.engine.speculative.controller import PRIOR, Acceptance, BatchPlan, Shadow
+from mlx_server.engine.speculative.controller import PRIOR, Acceptance, BatchPlan
 from mlx_server.engine.speculative.costs import StepCosts, bucket
 from mlx_server.engine.speculative.drafters import Drafter, DraftModel
 from mlx_server.engine.speculative.plan_log import PlanLog
 from mlx_server.engine.speculative.rejection import Rejection
+from mlx_server.engine.speculative.shadow import Shadow
 
 
 @dataclass

@@ -23,11 +23,12 @@ from mlx_lm.generate import generation_stream
 
 from mlx_server.engine.runners.base import Insert, Progress, Response
 from mlx_server.engine.runners.solo import SoloSequence
-from mlx_server.engine.speculative.controller import DraftLength, Shadow
+from mlx_server.engine.speculative.controller import DraftLength
 from mlx_server.engine.speculative.costs import StepCosts, bucket
 from mlx_server.engine.speculative.drafters import Drafter, DraftModel
 from mlx_server.engine.speculative.plan_log import PlanLog
 from mlx_server.engine.speculative.rejection import Rejection
+from mlx_server.engine.speculative.shadow import Shadow
 from mlx_server.engine.speculative.verify import Processor, Verified, verify, verify_sampled
 from mlx_server.types import GenerationRequest
 
