@@ -7,14 +7,18 @@
 # decoding, the top-2 margin there. Models: the demo model dequantized to float16 and random-weight models of real
 # sizes (their answers are noise, the predicted outputs still match exactly).
 #
-# How to run it next session (five GPU calls, each right after the last, so the machine stays warm; see
+# How to run it next session (six GPU calls, each right after the last, so the machine stays warm; see
 # docs/benchmarks.md, "Speculative decoding"):
 #   bash bench/gpu/prepare.sh && bash bench/gpu/prepare_demo.sh                         # here
 #   bash .gpu/a/lay.sh                                                                   # GPU 1, carry .gpu/a
 #   bash bench/gpu/install.sh && bash bench/gpu/park_demo.sh                             # GPU 2, carry .gpu/b .gpu/d1
 #   bash bench/gpu/park_demo.sh                                                          # GPU 3, carry .gpu/d2
-#   bash bench/gpu/park_demo.sh && MODELS="demo 1b:0" bash bench/gpu/speculative.sh     # GPU 4, carry .gpu/d3
-#   MODELS="8b:4" bash bench/gpu/speculative.sh                                          # GPU 5
+#   bash bench/gpu/park_demo.sh && MODELS=demo bash bench/gpu/speculative.sh            # GPU 4, carry .gpu/d3
+#   MODELS="1b:0" bash bench/gpu/speculative.sh                                          # GPU 5
+#   MODELS="8b:4" bash bench/gpu/speculative.sh                                          # GPU 6
+# One model per call: a call may run 10 minutes, and one model's rows take about 5 (estimated; PER_MODEL_S caps it
+# at 9). All six need about 25 of a session's 30 device minutes; if fewer are left, run WORKLOADS=predicted,code
+# first (the ceiling and the lookup; prose and random drafts stay in each workload's rows).
 # Each call's $OUT comes back: results.jsonl, speculative.txt (the log), trace-*.log (one line per verifying step,
 # written before its pass runs).
 #
