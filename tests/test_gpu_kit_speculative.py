@@ -1,7 +1,7 @@
 """The GPU kit's speculative-decoding run on the CPU, on the tiny test model standing in for
 the demo model: ``prepare_demo.sh`` splits it into the three carried folders,
 ``park_demo.sh`` gathers them as each GPU run would, and ``speculative.sh`` joins the parts,
-checks them and runs ``bench/speculative.py`` (one stream and two, with and without
+checks them and runs ``bench/speculative.py`` (two streams, with and without
 speculation, the Predicted Outputs ceiling), writing its JSON lines, log and verify trace
 under ``$OUT``."""
 
@@ -64,6 +64,7 @@ def test_the_run_joins_the_parts_and_writes_every_row(parked, tmp_path):
         "KS": "2",
         "STREAMS": "2",
         "WORKLOADS": "code,predicted",  # prose runs the code edit's path
+        "LEVELS": "2",  # the batch; one stream runs the same script's path
         "PYTHON": sys.executable,
         "S": str(tmp_path / "no-site"),
         "OUT": str(out),
@@ -75,10 +76,9 @@ def test_the_run_joins_the_parts_and_writes_every_row(parked, tmp_path):
     lines = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
     assert {line["model"] for line in lines} == {"demo float32"}
     rows = {(line.get("workload"), line.get("streams"), line["run"]) for line in lines}
-    for streams in (1, 2):
-        assert ("code", streams, "prompt lookup k=2") in rows
-        assert ("code", streams, "random drafts k=2") in rows
-        assert ("predicted", streams, "predicted outputs k=2") in rows
+    assert ("code", 2, "prompt lookup k=2") in rows
+    assert ("code", 2, "random drafts k=2") in rows
+    assert ("predicted", 2, "predicted outputs k=2") in rows
     assert {line["streams"] for line in lines if line["run"] == "step cost"} == {1, 2}
     assert all(line["ratio"] > 0 for line in lines if "ratio" in line)
     assert (out / "speculative.txt").read_text().strip()
