@@ -425,8 +425,22 @@ def _set_vocab(config: dict[str, Any], vocab_size: int, eos_id: int, pad_id: int
     return config
 
 
-def build(name: str, path: Path, *, seed: int = 0) -> Path:
-    """Write the family ``name``'s tiny model into ``path``; returns ``path``."""
+def _with_head_dim(config: dict[str, Any], head_dim: int) -> dict[str, Any]:
+    """The attention heads ``head_dim`` wide (a quantized KV cache needs a multiple of its
+    group size, 32 at least), where the family's config sets their width."""
+    text = config.get("text_config", config)
+    for key in ("head_dim", "query_pre_attn_scalar", "global_head_dim", "qk_rope_head_dim"):
+        if key in text:
+            text[key] = max(text[key], head_dim)
+    # Families that take the width as hidden size / heads (phi3, lfm2, granitemoehybrid).
+    text["num_attention_heads"] = max(1, HIDDEN // head_dim)
+    text["num_key_value_heads"] = min(text["num_key_value_heads"], text["num_attention_heads"])
+    return config
+
+
+def build(name: str, path: Path, *, seed: int = 0, head_dim: int | None = None) -> Path:
+    """Write the family ``name``'s tiny model into ``path``; returns ``path``. ``head_dim``:
+    wider attention heads than the default (for ``--kv-bits``)."""
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
@@ -437,6 +451,8 @@ def build(name: str, path: Path, *, seed: int = 0) -> Path:
     build_tokenizer(path, template, specials)
     vocab = json.loads((path / "tokenizer.json").read_text())["model"]["vocab"]
     config = _set_vocab(family.config, len(vocab), vocab[family.eos], vocab["<|endoftext|>"])
+    if head_dim is not None:
+        config = _with_head_dim(config, head_dim)
     mx.random.seed(seed)
     model = _model_class(config)
     weights = dict(tree_flatten(model.parameters()))

@@ -5,12 +5,14 @@ layers can is refused at start. Never a server that starts and then fails its re
 
 from __future__ import annotations
 
+import asyncio
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+from arch_models import FAMILIES
 from mlx_lm import load
 from spec_arch import build_arch_model
 from support import free_port, launch
@@ -131,3 +133,46 @@ def test_the_server_refuses_at_start_when_no_layer_can_take_it(models: dict[str,
         assert "attention sinks" in out
     finally:
         sp.stop()
+
+
+# ---- every family of the matrix, with heads wide enough for a group of 32 -----------------
+
+# What no layer of these can take: sliding windows beside KV-sharing or sink layers; MLA
+# (mlx-lm's attention over compressed latents fails on a quantized cache).
+REFUSED = {
+    "gemma4_text": "shared",
+    "gpt_oss": "attention sinks",
+    "deepseek_v3": "quantized attention fails",
+}
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_every_family_serves_with_kv_bits_or_is_refused(tmp_path: Path, family: str) -> None:
+    """The family's tiny model with 32-wide heads and ``--kv-bits 8 --kv-group-size 32``:
+    the layers that can take it are quantized, and greedy output alone is mlx-lm's own on the
+    same cache; a batch of two runs to its end. Or the plan refuses, saying why."""
+    import mlx.core as mx
+    from arch_models import build
+    from engine_runner import generate_all, request, running_engine, solo
+    from mlx_lm.generate import generate_step
+
+    from mlx_server.models.base import settle_arrays
+
+    model, tokenizer = load(str(build(family, tmp_path / family, head_dim=32)))[:2]
+    if family in REFUSED:
+        with pytest.raises(NoQuantizableLayer, match=REFUSED[family]):
+            plan_layers(model, 8, 32)
+        return
+    plan = plan_layers(model, 8, 32)
+    assert plan.quantized
+    quantized = QuantizedKVModel(model, 8, 32, plan.quantized)
+    settle_arrays(model)
+    prompt = [(7 * i) % 150 + 20 for i in range(40)]  # past the sliding windows (16)
+    want = [int(t) for t, _ in generate_step(mx.array(prompt), quantized, max_tokens=4)]
+    with running_engine(quantized, tokenizer, prompt_cache_size=0) as engine:
+        # Raw text continued: the first token keeps its leading space, as decode gives it.
+        (alone,) = solo(engine, [request(prompt, 4, ignore_eos=True, continues_text=True)])
+        pair = [request(prompt, 4, ignore_eos=True), request(prompt[::-1], 4, ignore_eos=True)]
+        batched = asyncio.run(asyncio.wait_for(generate_all(engine, pair), 120))
+    assert alone.text == tokenizer.decode(want)
+    assert [r.finished.reason for r in batched] == ["length", "length"]

@@ -315,6 +315,45 @@ def test_greedy_is_mlx_lm_token_for_token(
     assert got["token_logprobs"] == pytest.approx([lp for _, lp in expected], abs=1e-3)
 
 
+AGENT_SYSTEM = "You are a coding agent. Read the files, run the tests, report tersely. " * 4
+AGENT_ANSWER = "<think>The user wants this done.</think>Done."
+
+
+def agent_messages(turn: int) -> list[dict[str, str]]:
+    msgs = [{"role": "system", "content": AGENT_SYSTEM}]
+    for i in range(turn + 1):
+        msgs.append({"role": "user", "content": f"Step {i}: go on."})
+        if i < turn:
+            msgs.append({"role": "assistant", "content": AGENT_ANSWER})
+    return msgs
+
+
+def history_length(model_dir: Path, turn: int) -> int:
+    """How many leading tokens of ``turn``'s prompt render its history (the conversation
+    without the generation prompt): what the next turn can be served from the cache."""
+    tokenizer = tokenizer_of(model_dir)
+    full = tokenizer.apply_chat_template(agent_messages(turn), add_generation_prompt=True)
+    bare = tokenizer.apply_chat_template(agent_messages(turn), add_generation_prompt=False)
+    common = next((i for i, (a, b) in enumerate(zip(full, bare, strict=False)) if a != b), None)
+    return min(len(full) - 1, common if common is not None else len(bare))
+
+
+@pytest.mark.parametrize("name", FAMILY_NAMES)
+def test_an_agent_session_stays_cached(
+    matrix: ServerProcess, arch_model_dirs: dict[str, Path], name: str
+) -> None:
+    """Turns 2 and 3 are served at least the previous turn's history from the RAM tier,
+    whatever the cache kind (the template drops earlier turns' reasoning)."""
+    cached = []
+    for turn in range(3):
+        body = {"model": name, "messages": agent_messages(turn), "max_tokens": 2, **GREEDY}
+        r = httpx.post(matrix.base_url + "/v1/chat/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        cached.append(r.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
+    wanted = [history_length(arch_model_dirs[name], t) for t in range(2)]
+    assert cached[1] >= wanted[0] and cached[2] >= wanted[1], (cached, wanted)
+
+
 def test_no_server_errors_across_the_matrix(matrix: ServerProcess) -> None:
     """Last: nothing the matrix sent made the server log an error or a traceback."""
     assert httpx.get(matrix.base_url + "/health").json()["status"] == "ok"

@@ -1,20 +1,22 @@
-"""The VisionEngine from Python, on the tiny Qwen2-VL: pixels reach the model, FIFO order,
-cancellation, limits, errors and shutdown."""
+"""The VisionEngine from Python, on the tiny Qwen2-VL: pixels reach the model, requests with
+and without images share the batch, cancellation, limits, errors and shutdown."""
 
 from __future__ import annotations
 
 import asyncio
 import base64
 import io
+import threading
+from dataclasses import replace
 from typing import Any
 
 import pytest
-from engine_runner import GREEDY, collect, generate, request
+from engine_runner import collect, generate, request
 from PIL import Image
 from tiny_vlm import build_tiny_vlm
 
-from mlx_server.engine.core.engine import EngineConfig
-from mlx_server.engine.runners.vision import VisionEngine
+from mlx_server.engine.core.engine import Engine, EngineConfig
+from mlx_server.engine.runners.vision import VisionEngine, VisionRunner
 from mlx_server.errors import Overloaded
 from mlx_server.models.loader import load_model
 from mlx_server.models.media import MediaLimits
@@ -49,7 +51,10 @@ def prompt(vlm, color=(255, 0, 0), size: int = 56, image: bool = True) -> tuple[
         content.insert(0, {"type": "image", "image": url})
     messages = [{"role": "user", "content": content}]
     text = render_prompt(vlm.tokenizer, builder.template_messages(messages))
-    return builder.encode(text, messages)
+    tokens, inputs = builder.encode(text, messages)
+    if inputs is not None:
+        inputs.pop("cache_tokens")  # (without its key, a request's state is not cached)
+    return tokens, inputs
 
 
 def run(coro):
@@ -92,21 +97,94 @@ def test_seeded_sampling_repeats(vlm, engine):
     assert once().text == once().text
 
 
-def test_requests_run_first_in_first_out(vlm, engine):
-    tokens, inputs = prompt(vlm)
-    reqs = [request(tokens, 6, vision_inputs=inputs, sampling=GREEDY) for _ in range(3)]
+def batched(engine, reqs):
+    """Results of ``reqs`` admitted together: the engine thread is held while they queue."""
+    release = threading.Event()
+    held = engine.call(release.wait)
 
     async def main():
-        done: list[str] = []
+        handles = [engine.submit(r) for r in reqs]
+        release.set()
+        return await asyncio.gather(*(collect(h) for h in handles))
 
-        async def one(req):
-            await collect(engine.submit(req))
-            done.append(req.request_id)
+    try:
+        return run(main())
+    finally:
+        release.set()
+        held.result(timeout=10)
 
-        await asyncio.gather(*(one(r) for r in reqs))
-        return done
 
-    assert run(main()) == [r.request_id for r in reqs]
+def one_at_a_time(vlm, reqs):
+    """Results of ``reqs`` through mlx-vlm's ``generate_step`` (the one-at-a-time runner)."""
+    eos = sorted(vlm.tokenizer.eos_token_ids)
+    serial = Engine(
+        vlm.model,
+        vlm.tokenizer,
+        EngineConfig(kv_bytes_per_token=256, prompt_cache_size=0, max_batch_size=1, solo=False),
+        runner=VisionRunner(vlm.model, eos, prefill_step_size=512),
+    )
+    serial.start()
+    try:
+        return [run(generate(serial, r)) for r in reqs]
+    finally:
+        serial.shutdown(timeout=10)
+
+
+def test_the_next_turn_continues_from_the_cached_image(vlm, engine):
+    """Turn two's image is in the prefix cache: it runs on the text path (the lone runner)
+    from the cached state and its position delta, and gives what mlx-vlm gives."""
+    image = {"type": "image", "image": "data:image/png;base64," + base64.b64encode(_png()).decode()}
+    messages = [
+        {"role": "user", "content": [image, {"type": "text", "text": "Colour?"}]},
+        {"role": "assistant", "content": "Green, I think."},
+        {"role": "user", "content": "Sure?"},
+    ]
+    builder = VisionPromptBuilder(vlm.processor, vlm.config, MediaLimits())
+    encoded = []
+    for turn in (messages[:1], messages):
+        text = render_prompt(vlm.tokenizer, builder.template_messages(turn))
+        tokens, inputs = builder.encode(text, turn)
+        key = inputs.pop("cache_tokens")
+        encoded.append(
+            request(
+                tokens, 3, vision_inputs=inputs, cache_tokens=key, logprobs=True, top_logprobs=3
+            )
+        )
+    first = run(generate(engine, encoded[0]))
+    solo_runs = engine.stats()["solo_runs"]
+    second = run(generate(engine, encoded[1]))
+    assert second.cached >= len(encoded[0].prompt_tokens) - 1
+    assert engine.stats()["solo_runs"] == solo_runs + 1
+    # The same distributions (a wrong delta shifts them by ~0.1; the paths agree to ~1e-6).
+    for ours, theirs in zip([first, second], one_at_a_time(vlm, encoded), strict=True):
+        assert [[t.logprob for t in e.top] for e in ours.logprobs] == [
+            pytest.approx([t.logprob for t in e.top], abs=1e-3) for e in theirs.logprobs
+        ]
+
+
+def test_images_and_text_share_the_batch_with_their_own_positions(vlm, engine):
+    """Qwen2-VL's positions run behind the token count after an image (M-RoPE): each
+    sequence in the batch keeps its own, so each gives what mlx-vlm's own ``generate_step``
+    gives (the one-at-a-time runner)."""
+    tokens, inputs = prompt(vlm)
+    wide, wide_inputs = prompt(vlm, (0, 0, 255), size=112)
+    text, _ = prompt(vlm, image=False)
+    reqs = [
+        request(tokens, 6, vision_inputs=inputs, ignore_eos=True),
+        request(wide, 6, vision_inputs=wide_inputs, ignore_eos=True),
+        request(text, 6, ignore_eos=True),
+    ]
+    green, green_inputs = prompt(vlm, (0, 255, 0), size=112)
+    lone = request(green, 6, vision_inputs=green_inputs, ignore_eos=True)
+    *alone, serial_lone = one_at_a_time(vlm, [*reqs, lone])
+    together = batched(engine, [replace(r, request_id=r.request_id + "-b") for r in reqs])
+    assert engine.stats()["peak_batch"] == 3
+    assert [r.text for r in together] == [r.text for r in alone]
+    assert all(r.reason == "length" and r.cached == 0 for r in together)
+    # Alone, a prefilled image prompt decodes on the lone runner, as text prompts do.
+    runs = engine.stats()["solo_runs"]
+    assert run(generate(engine, lone)).text == serial_lone.text
+    assert engine.stats()["solo_runs"] == runs + 1
 
 
 def test_cancel_queued_and_running(vlm, engine):
@@ -126,7 +204,7 @@ def test_cancel_queued_and_running(vlm, engine):
     assert r_queued.reason == "cancelled" and r_queued.finished.usage.completion_tokens == 0
     assert r_long.reason == "cancelled" and r_long.finished.usage.completion_tokens < 2000
     assert engine.active_count == 0 and engine.queue_depth == 0
-    assert engine.stats()["mode"] == "sequential"
+    assert engine.stats()["mode"] == "batch"
 
 
 def test_a_failing_request_does_not_stop_the_engine(vlm, engine):

@@ -142,6 +142,22 @@ def test_image_in_an_earlier_turn(vlm_server):
     assert with_image == without + 2 + 4
 
 
+def test_the_same_image_next_turn_comes_from_the_prefix_cache(vlm_server):
+    c = oai(vlm_server)
+    kw = dict(model="tiny-vlm", max_tokens=3, temperature=0, extra_body={"ignore_eos": True})
+
+    def first(color) -> dict:
+        return user(image_part(data_url(png(112, 112, color))), text="Turn one, this picture.")
+
+    one = c.chat.completions.create(messages=[first((0, 200, 0))], **kw)
+    answer = {"role": "assistant", "content": one.choices[0].message.content}
+    two = c.chat.completions.create(messages=[first((0, 200, 0)), answer, user(text="And?")], **kw)
+    assert two.usage.prompt_tokens_details.cached_tokens >= one.usage.prompt_tokens - 1
+    # The same text with another picture: only what comes before the image is served.
+    other = c.chat.completions.create(messages=[first((120, 0, 120))], **kw)
+    assert other.usage.prompt_tokens_details.cached_tokens < 8
+
+
 def test_streaming_with_an_image(vlm_server):
     messages = [user(image_part(data_url(png(112, 112))))]
     stream = oai(vlm_server).chat.completions.create(
@@ -331,25 +347,30 @@ def _ant_image(data: bytes) -> dict:
     return {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": b64}}
 
 
+def _input(usage) -> int:
+    """A prompt's tokens: Anthropic's ``input_tokens`` leave out those read from the cache."""
+    return usage.input_tokens + (usage.cache_read_input_tokens or 0)
+
+
 def test_anthropic_images_are_counted(vlm_server, media_dir):
     c = ant(vlm_server)
     kw = dict(model="tiny-vlm", max_tokens=4, extra_body={"temperature": 0})
     text = c.messages.create(**kw, messages=[{"role": "user", "content": QUESTION}])
     content = [_ant_image(png(56, 56)), {"type": "text", "text": QUESTION}]
     msg = c.messages.create(**kw, messages=[{"role": "user", "content": content}])
-    assert msg.usage.input_tokens == text.usage.input_tokens + 2 + 4
+    assert _input(msg.usage) == _input(text.usage) + 2 + 4
     counted = c.messages.count_tokens(
         model="tiny-vlm", messages=[{"role": "user", "content": content}]
     )
-    assert counted.input_tokens == msg.usage.input_tokens
+    assert counted.input_tokens == _input(msg.usage)
     url = {"type": "image", "source": {"type": "url", "url": f"file://{media_dir / 'red 56.png'}"}}
     by_url = c.messages.create(
         **kw, messages=[{"role": "user", "content": [url, {"type": "text", "text": QUESTION}]}]
     )
-    assert by_url.usage.input_tokens == msg.usage.input_tokens
+    assert _input(by_url.usage) == _input(msg.usage)
     two = [_ant_image(png(56, 56)), _ant_image(png(112, 112)), {"type": "text", "text": QUESTION}]
     msg2 = c.messages.create(**kw, messages=[{"role": "user", "content": two}])
-    assert msg2.usage.input_tokens == msg.usage.input_tokens + 2 + 16
+    assert _input(msg2.usage) == _input(msg.usage) + 2 + 16
 
 
 def test_anthropic_image_in_a_tool_result(vlm_server):
@@ -376,7 +397,7 @@ def test_anthropic_image_in_a_tool_result(vlm_server):
     msg = c.messages.create(
         model="m", max_tokens=3, tools=tools, messages=turns([_ant_image(png(112, 112)), *text])
     )
-    assert msg.usage.input_tokens == shot
+    assert _input(msg.usage) == shot
 
 
 def test_anthropic_stream_with_an_image(vlm_server):

@@ -109,6 +109,9 @@ class GenerationRequest:
     # Leading prompt tokens that render the system prompt (and tools): the engine keeps the
     # KV state of that prefix in its prefix cache longest. 0 when unknown.
     system_prefix_tokens: int = 0
+    # Where the conversation's history ends, before the generation prompt (0: not known):
+    # an engine whose cache cannot be rewound keeps the state there for the next turn.
+    history_end: int = 0
     # OpenAI's Predicted Outputs: the tokens of the text the client expects, drafted for
     # speculative decoding (empty: none given).
     prediction_tokens: tuple[int, ...] = ()
@@ -116,3 +119,11 @@ class GenerationRequest:
     # text, so its first token keeps a leading space (a chat answer starts a text of its
     # own, and drops it).
     continues_text: bool = False
+    # A prompt with media: its tokens as the prefix cache keys them, each media placeholder
+    # carrying the media's digest (models/media_key.py); None: the tokens themselves.
+    cache_tokens: list[int] | None = None
+
+    @property
+    def cache_key(self) -> list[int]:
+        """The prompt as the prefix cache keys it."""
+        return self.cache_tokens if self.cache_tokens is not None else self.prompt_tokens

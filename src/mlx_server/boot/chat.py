@@ -11,6 +11,7 @@ from mlx_lm.models.cache import KVCache, make_prompt_cache
 from mlx_server.boot.disk_tier import disk_tier
 from mlx_server.boot.memory import prompt_cache_bytes
 from mlx_server.config import Settings
+from mlx_server.engine.cache.checkpoints import needs_checkpoints
 from mlx_server.engine.cache.kv_quant import QuantizedKVModel
 from mlx_server.engine.cache.kv_quant_layers import NoQuantizableLayer, plan_layers
 from mlx_server.engine.core.engine import Engine, EngineConfig
@@ -22,6 +23,7 @@ from mlx_server.engine.core.tuning import (
 )
 from mlx_server.engine.grammar.constraints import ConstraintCompiler, ConstraintError
 from mlx_server.engine.runners.vision import VisionEngine
+from mlx_server.engine.runners.vision_prefill import batch_refusal
 from mlx_server.engine.speculative.drafters import check_same_tokenizer
 from mlx_server.engine.speculative.rollback import layer_kinds, rollback_problem
 from mlx_server.engine.speculative.runner import Speculation
@@ -71,7 +73,7 @@ def load_chat_model(
         )
     vision = "vision" in loaded.capabilities
     engine_class: Any = Engine
-    if vision:  # mlx-vlm's generation step: pixels in, one request at a time
+    if vision:  # the vision tower at prefill, the language model in the batch
         engine_class = VisionEngine
     model, kv_per_token = loaded.model, loaded.kv_bytes_per_token
     disk, disk_off = None, ""
@@ -79,11 +81,12 @@ def load_chat_model(
         model, kv_per_token = _quantized_kv(loaded, settings, model, kv_per_token)
     plan = _memory_plan(settings, loaded, kv_per_token)
     kv_budget, kv = plan.budget, plan.kv
-    if not vision:
-        if sharded is None:
-            disk, disk_off = disk_tier(loaded, settings)
-        else:
-            disk_off = "the disk tier is off across ranks"
+    if vision and batch_refusal(model):
+        disk_off = "this vision model runs one request at a time, without the prefix cache"
+    elif sharded is None:
+        disk, disk_off = disk_tier(loaded, settings)
+    else:
+        disk_off = "the disk tier is off across ranks"
     batch = _batch_size(settings, kv_budget, kv.bytes_for(settings.ctx_size))
     engine = engine_class(
         model,
@@ -118,6 +121,7 @@ def load_chat_model(
         vision=_vision_prompt_builder(loaded, settings) if vision else None,
         capabilities=loaded.capabilities,
         trained_ctx=trained_context(loaded.config),
+        history_ends=not vision and settings.prompt_cache_size > 0 and needs_checkpoints(model),
     )
     log(
         f"KV budget: {kv_budget // (1 << 20)}MB, max batch size {batch}, prefix cache "

@@ -108,6 +108,18 @@ def encode_prompt(tokenizer: Any, text: str) -> list[int]:
     return list(ids)
 
 
+def history_tokens(tokenizer: Any, tokens: list[int], text: str, history: str) -> int:
+    """How many leading ``tokens`` (the prompt ``text``'s) render ``history``, the same
+    conversation rendered without the generation prompt: where the next turn's prompt can
+    go another way (0 when ``text`` is not ``history`` and a generation prompt whose own
+    tokens end ``tokens``)."""
+    if not history or len(history) >= len(text) or not text.startswith(history):
+        return 0
+    tail = tokenizer.encode(text[len(history) :], add_special_tokens=False)
+    n = len(tokens) - len(tail)
+    return n if tail and n > 0 and list(tokens[n:]) == list(tail) else 0
+
+
 def template_text(tokenizer: Any) -> str:
     tpl = getattr(getattr(tokenizer, "_tokenizer", tokenizer), "chat_template", None)
     if isinstance(tpl, dict):

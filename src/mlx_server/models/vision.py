@@ -27,6 +27,7 @@ from mlx_server.models.base import (
     settle_arrays,
 )
 from mlx_server.models.media import Media, MediaLimits, collect_media, part_where
+from mlx_server.models.media_key import CACHE_TOKENS, cache_key, media_digest, placeholder_ids
 from mlx_server.models.template_override import install_chat_template
 
 INSTALL_HINT = "pip install 'mlx-server[vision]'  (or: pip install mlx-vlm)"
@@ -123,6 +124,7 @@ class VisionPromptBuilder:
         self.model_type = get_model_type(config) or str(config.get("model_type", ""))
         self.limits = limits
         self.tokenizer = getattr(processor, "tokenizer", processor)
+        self.placeholders = placeholder_ids(config, processor)  # media tokens in the prompt
 
     # ---- rendering -----------------------------------------------------------------------
 
@@ -200,10 +202,15 @@ class VisionPromptBuilder:
             return list(ids), None
         try:
             self._check_tool_images(text, messages, len(media.images))
+            digests = [media_digest(m) for m in [*media.images, *media.videos]]
             run = on_mlx_thread or (lambda fn: fn())
-            return run(lambda: self._model_inputs(text, media))
+            tokens, inputs = run(lambda: self._model_inputs(text, media))
         finally:
             media.cleanup()
+        key = cache_key(tokens, digests, self.placeholders, videos=bool(media.videos))
+        if key is not None:
+            inputs[CACHE_TOKENS] = key
+        return tokens, inputs
 
     def _model_inputs(self, text: str, media: Media) -> Encoded:
         inputs = self._process(text, media)

@@ -17,12 +17,14 @@ from mlx_server.engine.core.protocol import ChatEngine
 from mlx_server.errors import ContextLengthExceeded, InvalidRequest
 from mlx_server.logs import log
 from mlx_server.models.chat_template import load_chat_template
+from mlx_server.models.media_key import CACHE_TOKENS
 from mlx_server.models.prompt import encode_prompt, inline_tools, render_prompt, template_text
 from mlx_server.models.system_turns import fold_late_system_messages, renders_system_in_place
 from mlx_server.parsing.detection import detect_output_format
 from mlx_server.parsing.pipeline import OutputPipeline
 from mlx_server.parsing.reasoning import prompt_opens_reasoning, reasoning_tags
 from mlx_server.service.generation import Generation, check_sampling, submit
+from mlx_server.service.history import history_end
 from mlx_server.service.structured import constraint_spec
 from mlx_server.types import ChatRequest, GenerationRequest
 
@@ -65,11 +67,14 @@ class ChatService:
         vision: VisionPromptBuilder | None = None,
         capabilities: list[str] | None = None,
         trained_ctx: int | None = None,
+        history_ends: bool = False,
     ):
         """``constraints``: a ConstraintCompiler when structured output is available;
         ``vision``: a VisionPromptBuilder for vision-language models (media parts in,
         image tokens out); ``capabilities``: what ``/v1/models`` lists (``["vision"]``);
-        ``trained_ctx``: the model's trained maximum context, from its config."""
+        ``trained_ctx``: the model's trained maximum context, from its config;
+        ``history_ends``: tell the engine where each prompt's history ends (an engine that
+        keeps checkpoints of a cache it cannot rewind keeps one there)."""
         self.model_id = model_id
         self.tokenizer = tokenizer
         self.engine = engine
@@ -88,6 +93,7 @@ class ChatService:
         self.constraints = constraints
         self.capabilities = list(capabilities or [])
         self.vision = vision
+        self.history_ends = history_ends
 
     def context_info(self) -> dict[str, Any]:
         """The context the server enforces and the model's trained maximum, under the names
@@ -188,18 +194,26 @@ class ChatService:
         n = 0
         while n < len(messages) and messages[n].get("role") in ("system", "developer"):
             n += 1
-        if n == len(messages) or self.vision is not None:
+        if n == len(messages):
             return 0
         end = _content_start(prepared.text, messages[:n], messages[n])
         if end <= 0:
             return 0
         head = self.tokenizer.encode(prepared.text[:end], add_special_tokens=False)
         common = 0
+        media = self.vision.placeholders if self.vision is not None else ()
         for a, b in zip(head, prepared.tokens, strict=False):
-            if a != b:
+            if a != b or b in media:  # (a first message's image is no part of the prefix)
                 break
             common += 1
         return common if common < len(prepared.tokens) else 0
+
+    def history_end(self, chat: ChatRequest, prepared: PreparedPrompt) -> int:
+        """Where the prompt's history ends, for an engine that keeps a checkpoint there
+        (``history_ends``); 0 otherwise (see ``history.history_end``)."""
+        if not self.history_ends or self.vision is not None:
+            return 0
+        return history_end(self.render, self.tokenizer, chat, prepared.text, prepared.tokens)
 
     # ---- generation --------------------------------------------------------------------
 
@@ -227,6 +241,8 @@ class ChatService:
         check_sampling(chat.sampling, self.vocab_size)
         prepared = self.prepare(chat)
         processors = self._constraint_processors(chat, prepared)
+        vision_inputs = dict(prepared.vision_inputs) if prepared.vision_inputs else None
+        cache_tokens = vision_inputs.pop(CACHE_TOKENS, None) if vision_inputs else None
         req = GenerationRequest(
             request_id=request_id,
             prompt_tokens=prepared.tokens,
@@ -236,8 +252,10 @@ class ChatService:
             logprobs=chat.logprobs,
             top_logprobs=chat.top_logprobs,
             logits_processors=tuple(processors),
-            vision_inputs=prepared.vision_inputs,
+            vision_inputs=vision_inputs,
+            cache_tokens=cache_tokens,
             system_prefix_tokens=self.system_prefix_tokens(chat, prepared),
+            history_end=self.history_end(chat, prepared),
             ignore_eos=chat.ignore_eos,
             prediction_tokens=self._prediction_tokens(chat),
             # Continuing the final message continues its text: the first token keeps its space.

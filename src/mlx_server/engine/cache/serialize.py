@@ -69,6 +69,10 @@ def _class(name: str) -> Any:
 
     if name in ("QuantizedKVCache", "BatchableQuantizedKVCache"):
         return BatchableQuantizedKVCache
+    if name == "DeltaKVCache":  # Qwen-VL's, with its position delta (cache/mrope.py)
+        from mlx_server.engine.cache.mrope import DeltaKVCache
+
+        return DeltaKVCache
     cls = getattr(mlx_cache, name, None)
     return cls if isinstance(cls, type) and hasattr(cls, "from_state") else None
 

@@ -27,7 +27,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from mlx_server.engine.cache.checkpoints import needs_checkpoints
+from mlx_server.engine.cache.checkpoints import CHUNK_EVERY, needs_checkpoints, pauses
 from mlx_server.engine.cache.prefix import CHECKPOINT, SYSTEM, PrefixCache
 from mlx_server.engine.core import faults, wired
 from mlx_server.engine.core.delivery import Seq, deliver_finish, deliver_token
@@ -71,6 +71,8 @@ class EngineConfig:
     # lockstep.leader.Lead: rank 0 of several ranks that compute each step together (the
     # model sharded across them); its runner is wrapped to journal for the other ranks.
     lockstep: Any = None
+    # Tokens between the chunk-boundary checkpoints of a long prefill (cache/checkpoints.py).
+    checkpoint_every: int = CHUNK_EVERY
 
 
 class Engine:
@@ -373,7 +375,7 @@ class Engine:
         prompt = list(req.prompt_tokens)
         cache, rest = None, prompt
         if self._prompt_cache is not None:
-            cache, rest = self._prompt_cache.fetch(prompt)
+            cache, rest = self._prompt_cache.fetch(req.cache_key)
         seq.cached = len(prompt) - len(rest)
         seq.prefill_left = len(rest)
         seq.handle.cached_tokens = seq.cached
@@ -389,6 +391,7 @@ class Engine:
             processors=processors,
             system_end=seq.system_end,
             alone=self.config.solo and self._sched.is_alone(),
+            checkpoints=self._checkpoints_of(req, seq.cached),
         )
         seq.uid = job.uid
         self._runner.insert(job)
@@ -402,6 +405,13 @@ class Engine:
         if self._prompt_cache is None or not seq.cached < end < len(prompt) - 1:
             return 0
         return end
+
+    def _checkpoints_of(self, req: Any, cached: int) -> tuple[int, ...]:
+        """Where the prefill pauses for checkpoints (none for a cache that can be rewound)."""
+        if not self._checkpoints:
+            return ()
+        every = self.config.checkpoint_every
+        return pauses(len(req.prompt_tokens), cached, history_end=req.history_end, every=every)
 
     # ---- engine thread: stepping -------------------------------------------------------
 
@@ -457,8 +467,9 @@ class Engine:
 
     def _save_prefixes(self, progress: list[Progress]) -> None:
         """At the end of a system-prompt segment, cache its KV state as a system entry; at
-        the end of a prompt's prefill (all but its last token), where the cache cannot be
-        rewound, as a checkpoint. A failure to copy a state drops it (logged once)."""
+        the end of any other segment (checkpoints, and the prompt less its last token), where
+        the cache cannot be rewound, as a checkpoint. A failure to copy a state drops it
+        (logged once)."""
         pc, active = self._prompt_cache, self._sched.active
         if pc is None:
             return
@@ -482,7 +493,7 @@ class Engine:
             if seq.system_end and len(tokens) == seq.system_end:
                 pc.insert(list(tokens), cache, SYSTEM)
                 seq.system_end = 0
-            elif self._checkpoints and len(tokens) == len(seq.req.prompt_tokens) - 1:
+            elif self._checkpoints:  # a pause planned by _checkpoints_of, or the prompt's end
                 pc.insert(list(tokens), cache, CHECKPOINT)
 
     # ---- engine thread: ending sequences -----------------------------------------------

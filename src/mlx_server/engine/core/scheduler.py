@@ -174,7 +174,7 @@ class Scheduler:
                     on_cancelled(seq)
                     continue
                 if self._prefix_cache is not None and not self._prefix_cache.prepare(
-                    seq.req.prompt_tokens
+                    seq.req.cache_key
                 ):
                     continue  # its cached prefix is being read from disk; others may pass
                 short = self.uncached(seq) <= self.step_size
@@ -192,7 +192,7 @@ class Scheduler:
     def uncached(self, seq: Seq) -> int:
         """Prompt tokens this queued request will prefill (prefix-cache hits excluded)."""
         if seq.uncached < 0:
-            prompt = seq.req.prompt_tokens
+            prompt = seq.req.cache_key
             cache = self._prefix_cache
             seq.uncached = len(prompt) - (cache.cached_length(prompt) if cache is not None else 0)
         return seq.uncached

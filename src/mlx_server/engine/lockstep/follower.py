@@ -108,6 +108,7 @@ class FollowerEngine(Engine):
         alone: bool,
         max_tokens: int,
         group: int,
+        checkpoints: list[int],
     ) -> None:
         cache, rest = None, prompt
         if cached and self._prompt_cache is not None:
@@ -128,6 +129,7 @@ class FollowerEngine(Engine):
             sampler=sampler,
             system_end=system_end,
             alone=alone,
+            checkpoints=tuple(checkpoints),
         )
         try:
             self._runner.insert(job)

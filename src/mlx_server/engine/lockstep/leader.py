@@ -10,8 +10,9 @@ empty journal every second: a heartbeat both sides watch (``watch``).
 
 The journal's entries (JSON lists):
 
-- ``["insert", uid, prompt, cached, system_end, alone, max_tokens, group]``: a sequence
-  starts (``cached`` prompt tokens from the prefix cache; ``group``: its sampler's group);
+- ``["insert", uid, prompt, cached, system_end, alone, max_tokens, group, checkpoints]``: a
+  sequence starts (``cached`` prompt tokens from the prefix cache; ``group``: its sampler's
+  group; ``checkpoints``: where its prefill pauses besides ``system_end``);
 - ``["remove", uids]``, ``["extract", uids]``: the runner's ``remove``/``extract_state``;
 - ``["store", key, kind]``: the prefix cache keeps the KV state whose tokens hash to ``key``
   (the runner just gave it: a removed, extracted or finished sequence's);
@@ -74,6 +75,7 @@ class LeaderRunner:
                 job.alone,
                 job.request.max_tokens,
                 group,
+                list(job.checkpoints),
             ]
         )
         try:

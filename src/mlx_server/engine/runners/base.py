@@ -20,7 +20,10 @@ A runner is used from the engine thread only. The runners today:
 - ``solo.SoloRunner``: one sequence on a plain KV cache (mlx-lm's ``generate_step`` path);
 - ``solo.LoneFirstRunner``: the text engine's default, a lone request on the solo runner,
   handed over to the batch runner when a second one starts;
-- ``vision_engine.VisionRunner``: one vision request at a time with mlx-vlm.
+- ``vision_batch.VisionBatchRunner``: a vision model's requests, images prefilled through
+  the vision tower (``vision_prefill``), decoded in the batch over its language model;
+- ``vision.VisionRunner``: one vision request at a time with mlx-vlm's ``generate_step``
+  (the families not batched).
 
 How a new runner plugs in: write a class with these methods and pass it to ``Engine`` as
 ``runner=``. A speculative decoder is one such runner (draft several tokens, verify them in
@@ -57,13 +60,20 @@ class Insert:
     processors: list[LogitsProcessor] = field(default_factory=list)
     system_end: int = 0  # pause the prefill here so the system prompt's state can be saved
     alone: bool = False  # nothing else runs or waits: a runner may take a faster lone path
+    # Further pauses, for checkpoints of a cache that cannot be rewound (cache/checkpoints.py).
+    checkpoints: tuple[int, ...] = ()
+
+    @property
+    def pauses(self) -> list[int]:
+        """Prompt offsets past the cached ones where the prefill pauses, in order."""
+        points = {self.system_end, *self.checkpoints}
+        return sorted(p for p in points if self.cached < p < len(self.prompt))
 
     @property
     def segments(self) -> list[list[int]]:
-        """The uncached prompt, split where the system prompt ends (when it is to be saved)."""
-        if self.system_end:
-            return [self.prompt[self.cached : self.system_end], self.prompt[self.system_end :]]
-        return [self.prompt[self.cached :]]
+        """The uncached prompt, split where it pauses (its states are to be saved there)."""
+        bounds = [self.cached, *self.pauses, len(self.prompt)]
+        return [self.prompt[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
 
 
 @dataclass

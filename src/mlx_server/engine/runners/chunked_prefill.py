@@ -3,6 +3,7 @@ runner's (``solo.SoloSequence``) and the speculative one's (``SpeculativeSequenc
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import mlx.core as mx
@@ -14,9 +15,10 @@ from mlx_server.engine.runners.base import Progress
 
 class ChunkedPrefill:
     """``fed``: the tokens in the cache; ``_todo``: the prompt tokens still to feed. Each
-    ``_prefill_chunk`` feeds up to ``prefill_step_size`` of them, pausing where the system
-    prompt ends (``system_end``, so the prefix cache can keep that prefix), and never the
-    last one: the first decode step feeds it and samples from its logits."""
+    ``_prefill_chunk`` feeds up to ``prefill_step_size`` of them, pausing at each of
+    ``pauses`` (where the system prompt ends, and checkpoints: so the prefix cache can keep
+    the state there), and never the last one: the first decode step feeds it and samples
+    from its logits."""
 
     def __init__(
         self,
@@ -27,7 +29,7 @@ class ChunkedPrefill:
         cache: Any,
         *,
         prefill_step_size: int,
-        system_end: int,
+        pauses: Sequence[int] = (),
         buckets: bool = False,
     ):
         self.model = model
@@ -37,15 +39,16 @@ class ChunkedPrefill:
         self._todo = list(prompt[cached:])
         self._total = len(self._todo)
         self._step_size = prefill_step_size
-        self._system_end = system_end
+        self._pauses = sorted(pauses)
         # Pad prefill chunks to bucket lengths (kernels built per shape meet a known one); a
         # plain KV cache can drop the padding again.
         self._buckets = buckets and all(type(c) is KVCache for c in self.cache)
 
     def _prefill_chunk(self) -> Progress:
         n = min(self._step_size, len(self._todo) - 1)
-        if self._system_end > len(self.fed):  # pause where the system prompt ends
-            n = min(n, self._system_end - len(self.fed))
+        pause = next((p for p in self._pauses if p > len(self.fed)), 0)
+        if pause:
+            n = min(n, pause - len(self.fed))
         chunk = self._todo[:n]
         padded = bucket(n, self._step_size) if self._buckets else n
         # The padding comes after the chunk: causal attention keeps it out of the chunk's
@@ -58,7 +61,7 @@ class ChunkedPrefill:
         self.fed += self._todo[:n]
         self._todo = self._todo[n:]
         mx.clear_cache()
-        # Segments end where the system prompt ends and where the prefill does (the last
-        # token is fed by the first decode step): as in mlx-lm's BatchGenerator.
-        at_end = len(self.fed) == self._system_end or len(self._todo) == 1
+        # Segments end at the pauses and where the prefill does (the last token is fed by
+        # the first decode step): as in mlx-lm's BatchGenerator.
+        at_end = len(self.fed) == pause or len(self._todo) == 1
         return Progress(self.uid, (self._total - len(self._todo), self._total), at_end)

@@ -52,7 +52,7 @@ class SoloSequence(ChunkedPrefill):
             job.cached,
             job.cache,
             prefill_step_size=prefill_step_size,
-            system_end=job.system_end,
+            pauses=job.pauses,
             buckets=buckets,
         )
         self.sampler = job.sampler
@@ -219,12 +219,21 @@ class LoneFirstRunner:
         if job.alone and not self.lone.busy and not len(self.batch):
             self.lone.insert(job)
             return
+        self._hand_over()
+        self.batch.insert(job)
+
+    def join(self, *handover: Any) -> None:
+        """Continue a sequence prefilled elsewhere (``BatchRunner.join``'s arguments: a
+        vision prompt) in the batch; the lone one joins the batch first."""
+        self._hand_over()
+        self.batch.join(*handover)
+
+    def _hand_over(self) -> None:
         pending, rest = self.lone.hand_over()
         if pending is not None:
             self._early.append(pending)
         if rest is not None:
             self.batch.join(*rest)
-        self.batch.insert(job)
 
     def step(self) -> tuple[list[Progress], list[Response]]:
         early, self._early = self._early, []

@@ -1,11 +1,13 @@
 """The engine for vision-language models: the text engine with a runner for mlx-vlm.
 
-mlx-lm's BatchGenerator takes token ids only; a vision model's first step also needs the
-pixels (and, for Qwen-VL, grid sizes and multimodal positions), which mlx-vlm's
-``generate_step`` feeds through the model's ``get_input_embeddings``. ``VisionRunner`` runs
-one request at a time on it, so ``VisionEngine`` admits one at a time, FIFO. Everything
-else — the public API, queue limits, KV-budget admission, cancellation, stop strings,
-logprobs, ``ignore_eos``, and the Usage/Timings in ``Finished`` — is the text engine's.
+Where the model allows it, vision requests share the continuous batch and the prefix cache
+with text-only ones (``vision_batch.VisionBatchRunner``: the prompt with media is prefilled
+through the vision tower, the language model decodes in the batch). A family not checked
+to decode from tokens and a KV cache alone (Qwen3-VL's deepstack features, Gemma 3n's
+per-layer inputs, Llama 3.2 Vision's cross-attention, ...) runs on ``VisionRunner``:
+mlx-vlm's ``generate_step``, one request at a time, FIFO, without the prefix cache. Everything else — the public API, queue limits, KV-budget
+admission, cancellation, stop strings, logprobs, ``ignore_eos``, and the Usage/Timings in
+``Finished`` — is the text engine's.
 """
 
 from __future__ import annotations
@@ -19,6 +21,9 @@ import mlx.core as mx
 from mlx_server.engine.core.engine import Engine, EngineConfig
 from mlx_server.engine.core.protocol import GenerationObserver
 from mlx_server.engine.runners.base import Insert, KVState, Progress, Response
+from mlx_server.engine.runners.vision_batch import VisionBatchRunner
+from mlx_server.engine.runners.vision_prefill import batch_refusal
+from mlx_server.logs import log
 
 
 class VisionRunner:
@@ -99,7 +104,9 @@ class VisionRunner:
 
 
 class VisionEngine(Engine):
-    """Serves an mlx-vlm model, one request at a time; the same interface as ``Engine``."""
+    """Serves an mlx-vlm model; the same interface as ``Engine``. Requests share the
+    continuous batch and the prefix cache (``vision_batch.VisionBatchRunner``) where the
+    model allows it (``vision_prefill.batch_refusal``), else run one at a time, FIFO."""
 
     def __init__(
         self,
@@ -108,13 +115,23 @@ class VisionEngine(Engine):
         config: EngineConfig | None = None,
         observer: GenerationObserver | None = None,
     ):
-        config = replace(
-            config or EngineConfig(),
-            prompt_cache_size=0,
-            max_batch_size=1,
-            solo=False,
-            warm_up=False,
-        )
+        config = replace(config or EngineConfig(), warm_up=False)
         eos = sorted(int(t) for t in tokenizer.eos_token_ids)
-        runner = VisionRunner(model, eos, prefill_step_size=config.prefill_step_size)
-        super().__init__(model, tokenizer, config, runner=runner, observer=observer)
+        self.serial_reason = batch_refusal(model)
+        runner: Any
+        if self.serial_reason:
+            log(f"Vision requests run one at a time: {self.serial_reason}")
+            config = replace(config, prompt_cache_size=0, max_batch_size=1, solo=False)
+            runner = VisionRunner(model, eos, prefill_step_size=config.prefill_step_size)
+        else:
+            runner = VisionBatchRunner(
+                model,
+                eos,
+                max_batch_size=config.max_batch_size,
+                prefill_step_size=config.prefill_step_size,
+                keep_caches=config.prompt_cache_size > 0,
+                solo=config.solo,
+            )
+        # Batched, the engine sees the language model (its cache kinds decide checkpoints).
+        net = runner.lm if isinstance(runner, VisionBatchRunner) else model
+        super().__init__(net, tokenizer, config, runner=runner, observer=observer)

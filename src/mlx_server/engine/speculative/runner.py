@@ -124,6 +124,7 @@ class SpeculativeRunner(SoloRunner):
             buckets=self._buckets,
             processors=job.processors,
             system_end=job.system_end,
+            checkpoints=job.checkpoints,
             costs=self.costs,
             log=self.spec.log,
         )

@@ -53,6 +53,7 @@ class SpeculativeSequence(SoloSequence):
         prefill_step_size: int,
         processors: Sequence[Processor] = (),
         system_end: int = 0,
+        checkpoints: tuple[int, ...] = (),
         adaptive: bool = True,
         length: DraftLength | None = None,
         rejection: Rejection | None = None,
@@ -61,7 +62,10 @@ class SpeculativeSequence(SoloSequence):
         log: PlanLog | None = None,
     ):
         request = GenerationRequest(f"speculative-{uid}", prompt, max_tokens)
-        job = Insert(uid, request, prompt, cached, cache, sampler, list(processors), system_end)
+        job = Insert(
+            uid, request, prompt, cached, cache, sampler, list(processors), system_end,
+            checkpoints=checkpoints,
+        )  # fmt: skip
         super().__init__(model, job, eos, prefill_step_size, buckets)
         self.drafter = drafter
         # Sampled drafts verified by rejection sampling (a draft model, temperature > 0).

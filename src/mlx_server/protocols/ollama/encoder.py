@@ -85,13 +85,17 @@ class Clock:
         t = fin.timings
         prompt_ns = int(t.prompt_ms * 1e6) if t else self.first - self.started
         eval_ns = int(t.predicted_ms * 1e6) if t else now - self.first
+        load_ns = self.loaded - self.arrived
+        prompt_ns, eval_ns = max(0, prompt_ns), max(0, eval_ns)
+        # The engine times its parts on its own thread; the total is never less than them.
+        total_ns = max(now - self.arrived, load_ns + prompt_ns + eval_ns)
         return {
-            "total_duration": now - self.arrived,
-            "load_duration": self.loaded - self.arrived,
+            "total_duration": total_ns,
+            "load_duration": load_ns,
             "prompt_eval_count": fin.usage.prompt_tokens,
-            "prompt_eval_duration": max(0, prompt_ns),
+            "prompt_eval_duration": prompt_ns,
             "eval_count": fin.usage.completion_tokens,
-            "eval_duration": max(0, eval_ns),
+            "eval_duration": eval_ns,
         }
 
 

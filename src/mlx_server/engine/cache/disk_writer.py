@@ -1,0 +1,121 @@
+"""The disk tier's writer thread: queued states written to files (a temporary name, then
+renamed: a crash never leaves a half-written entry under a real name), the size bound
+enforced (least recently used first), the manifest rewritten; and the folder given up once
+the last write after ``close`` is done. See ``disk.py``."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+from mlx_server.engine.cache.disk_index import (
+    SUFFIX,
+    TMP_PREFIX,
+    DiskState,
+    Entry,
+    WriteJob,
+    common_prefix,
+    entry_name,
+    file_crc,
+    write_manifest,
+)
+from mlx_server.logs import log
+
+
+class DiskWrites(DiskState):
+    """The writing half of ``DiskPromptCache``."""
+
+    @property
+    def busy(self) -> bool:
+        """Whether the writer queue is full (``save`` would drop a new entry)."""
+        return self._pending >= self.max_pending
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every queued write is on disk and the manifest is current."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._idle:
+            while self._pending or self._dirty:
+                if self._released:  # closed: the writer is gone
+                    return False
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                if not self._pending and self._dirty:
+                    self._queue.put(None)  # ask the writer for a manifest
+                self._idle.wait(left if left is None else min(left, 0.5))
+        return True
+
+    def _write_loop(self) -> None:
+        try:
+            while self._write_next():
+                pass
+        finally:
+            with self._idle:
+                self._released = True
+                self._folder.release()
+                self._idle.notify_all()
+
+    def _write_next(self) -> bool:
+        """Write the next queued entry (or, with None, the manifest); False once closed and
+        nothing is left to write."""
+        job = self._queue.get()
+        if job is not None:
+            try:
+                self._write(job)
+            except Exception as e:  # a full or read-only disk: skip the entry, go on
+                log(f"Prompt cache: could not write an entry: {type(e).__name__}: {e}")
+        with self._idle:
+            if job is not None:
+                self._pending -= 1
+                self._queued.pop(entry_name(job.tokens), None)
+                self.pending_bytes -= sum(a.nbytes for a in job.arrays.values())
+                job = None  # the arrays go now, not at the next job
+            done = self._stopping and not self._pending
+            if self._dirty and (done or self._queue.empty()):
+                self._write_manifest_locked()
+            self._idle.notify_all()
+        return not done
+
+    def _write(self, job: WriteJob) -> None:
+        import mlx.core as mx
+
+        name = entry_name(job.tokens)
+        tmp = self.directory / f"{TMP_PREFIX}{name}-{os.getpid()}-{threading.get_ident()}"
+        mx.save_safetensors(str(tmp), job.arrays, job.metadata)
+        tmp = tmp.with_name(tmp.name + SUFFIX)
+        size, crc = tmp.stat().st_size, file_crc(tmp)
+        entry = Entry(name, job.tokens, size, crc, job.kind, job.trimmable, time.time())
+        with self._lock:
+            os.replace(tmp, self.path_of(name))
+            self._entries[name] = entry
+            self.written_bytes += size
+            self._dirty = True
+            self._drop_covered_locked(entry)
+            self._enforce_bound_locked()
+
+    def _drop_covered_locked(self, new: Entry) -> None:
+        """A trimmable entry serves all its prefixes: shorter conversation entries go
+        (system-prompt entries stay, as in the RAM tier)."""
+        if not new.trimmable:
+            return
+        for e in list(self._entries.values()):
+            if (
+                e is not new
+                and e.kind != "system"
+                and len(e.tokens) < len(new.tokens)
+                and common_prefix(e.tokens, new.tokens) == len(e.tokens)
+            ):
+                self._delete_locked(e.name)
+
+    def _enforce_bound_locked(self) -> None:
+        total = sum(e.nbytes for e in self._entries.values())
+        for e in sorted(self._entries.values(), key=lambda e: e.used):
+            if total <= self.max_bytes:
+                break
+            total -= e.nbytes
+            self._delete_locked(e.name)
+
+    def _write_manifest_locked(self) -> None:
+        if write_manifest(self.directory, self._entries):
+            self._dirty = False
