@@ -217,6 +217,9 @@ class BatchPlan:
         shadowed = [self.max_k if r is not None and not r.backs_off else 0 for r in rows]
         if any(shadowed) and self.costs.best(b, rates, shadowed) > 0:
             return self._say(True, why.DRAFTS)
+        if all(r is None or not r.backs_off for r in rows):  # no row probes: rates decide
+            paid = self.costs.best(b, rates, shadowed, free=True)
+            return self._say(False, why.COST if paid else why.RATE)
         if not self.tries.ready:
             self.tries.tick()
             return self._say(False, why.BACKING_OFF)
