@@ -104,6 +104,17 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Any]:
     return model, tokenizer
 
 
+class GpuLikeCosts(StepCosts):
+    """Step costs as a GPU measures them (a pass of width w: 1 + w/20 plain steps), in
+    place of this machine's timings: the plan's decisions do not hang on its load."""
+
+    def record_plain(self, batch: int, seconds: float) -> None:
+        super().record_plain(batch, 0.010)
+
+    def record_verify(self, batch: int, width: int, seconds: float) -> None:
+        super().record_verify(batch, width, 0.010 + 0.0005 * width)
+
+
 class Turncoat:
     """Drafts what the model will say (``answer``) for its first ``turn`` tokens, then
     tokens that are never the model's: drafting must start, then stop."""
@@ -118,7 +129,11 @@ class Turncoat:
         at = len(context) - self.start
         if at < self.turn:
             return self.answer[at : at + k]
-        return [self.rng.randrange(self.vocab) for _ in range(k)]
+        # Never the model's token (a random one could be, in a tiny vocabulary).
+        return [
+            (t + 1 + self.rng.randrange(self.vocab - 1)) % self.vocab
+            for t in self.answer[at : at + k]
+        ]
 
 
 def _greedy(x: mx.array) -> mx.array:
@@ -140,6 +155,7 @@ def test_a_lone_sequence_stops_drafting_within_two_steps_and_decodes_plainly(tin
     seq = SpeculativeSequence(
         model, 1, prompt, 0, None, sampler=_greedy, greedy=True, drafter=drafter,
         num_draft_tokens=8, max_tokens=64, eos=[], prefill_step_size=512, log=log,
+        costs=GpuLikeCosts(8),
     )  # fmt: skip
     got: list[int] = []
     verified_at: list[int] = []  # tokens emitted before each verifying step
@@ -167,7 +183,7 @@ def test_eight_rows_stop_drafting_within_two_steps_and_decode_plainly(tiny: Any)
     def run(drafters: list[Any] | None) -> tuple[list[list[int]], PlanLog, list[int]]:
         gen = BatchGenerator(model, completion_batch_size=8, prefill_batch_size=8)
         log = PlanLog()
-        spec = BatchSpeculator(8, log=log)
+        spec = BatchSpeculator(8, log=log, costs=GpuLikeCosts(8))
         install(gen, spec)
         uids = gen.insert(prompts, max_tokens=[n] * 8, samplers=greedy)
         for u, d in zip(uids, drafters or [], strict=False):
