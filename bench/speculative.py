@@ -1,246 +1,79 @@
-"""Speculative decoding against plain decoding, side by side in one run.
+"""Speculative decoding against the server's own plain decoding, side by side in one run.
 
-Workloads (greedy): a code edit (a 60-line source file in the prompt, asked back with one
-change: prompt lookup's best case) and non-repetitive prose (its worst). Each runs on the
-lone-request runner without speculation (``SoloSequence``) and with it
-(``SpeculativeSequence``: prompt lookup, then the model drafting for itself), and the
-output of each run is checked to be the same tokens. Then the step-cost model: a forward
-pass over k + 1 tokens against a one-token decode step, which is what a draft of k costs.
-Then ``--streams`` concurrent streams through the engine (continuous batching), each
-workload with a different prompt per stream (renaming another class; another essay), with
-prompt lookup (adaptive draft length, the server's default) and without: aggregate decode
-tokens/s while every stream decodes, and whether each stream's text is the same.
+Every run goes through the engine as the server builds it (``speculative_support.streams``:
+the lone-request runner for one stream, continuous batching for several), greedy, EOS
+ignored; the baseline is the same engine without speculation, run before and after each
+speculating run (its ratio is to their mean). Workloads:
+
+- ``code``: a 60-line source file asked back with one rename (prompt lookup's best case);
+- ``prose``: an essay (its worst);
+- ``predicted``: Predicted Outputs with one edit, the ceiling: each request's prediction is
+  its own plain greedy answer with a 10-token span in the middle changed (what a
+  code-editing client sends: the old text, one change). Acceptance is then known, and the
+  ratio is the speed of the machinery itself, an edit included.
+
+Each runs at one stream and at ``--streams`` streams (each stream its own prompt), with
+prompt lookup (or the predictions), and with random drafts (nothing to accept: the cost of
+trying, which must stay near 1.0x). Each speculating run prints the plan's decisions (how
+many steps drafted, why the others did not, the measured verify cost per batch size and
+width over a plain step); each stream's text is compared with the plain run's, and where
+one parts from plain greedy decoding the top-2 log-probability margin there is printed (a
+near-tie is what another kernel's rounding flips). Then the step costs measured directly:
+a forward pass over k + 1 tokens against a decode step, alone and at ``--streams`` rows.
 
     source scripts/openblas.sh
     python bench/speculative.py [--model models/smollm2-135m-instruct-f32] [--tokens 200]
-        [--num-draft-tokens 4,8] [--repeat 2] [--streams 8] [--only lone|streams] [--random]
-        [--predict] [--code-lines N]
+        [--num-draft-tokens 8] [--repeat 1] [--streams 8] [--levels 1,8]
+        [--workloads code,prose,predicted] [--no-random] [--dtype float16] [--random]
+        [--json out.jsonl --label NAME] [--trace verify.log]
 
-``--random`` replaces the model's weights with random ones of the same shapes (seeded): its
-text is noise, so drafts are rarely accepted and the figures are the cost of trying.
-Each workload also runs with random drafts (next to nothing accepted): the cost of trying,
-which the adaptive draft length must keep small. ``--predict`` adds, for the streams, a run where each request predicts its own answer (as
-decoded alone): the most a verified draft can give on this machine.
-
-Prints decode tokens/s, acceptance and ratios; asserts nothing. The machine may be shared:
-run it more than once and read the ratios, not the absolute figures.
+``--random`` replaces the model's weights with random ones (seeded). ``--trace FILE``
+appends one line per verifying step before its pass runs (flushed): if a pass brings the
+process down, the last line says its shape. Asserts nothing; read the ratios.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
-import time
-from collections.abc import Iterator
+import json
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
+import speculative_support as sup
 
 print = functools.partial(print, flush=True)  # noqa: A001 (progress while it runs)
 REPO = Path(__file__).resolve().parents[1]
 SOURCE = (REPO / "bench" / "data" / "code_edit_source.py.txt").read_text()
-
-
-def code_edit(lines: int = 0) -> str:
-    """The code-edit prompt over the file's first ``lines`` lines (0: all of them)."""
-    source = "".join(SOURCE.splitlines(keepends=True)[:lines]) if lines else SOURCE
-    return (
-        "Here is a Python file:\n```python\n"
-        + source
-        + "```\nRename the class DraftLength to DraftCount and return the whole file, "
-        "unchanged otherwise. Output only the code."
-    )
-
-
-CODE_EDIT = code_edit()
+RENAMES = ["DraftCount", "Drafts", "DraftSize", "Lengths", "Planner", "Chooser", "KPick", "Dk"]
+TOPICS = ["lighthouses", "the printing press", "bridges", "clocks", "sailing ships"]
+TOPICS += ["windmills", "paper money", "telescopes"]
 PROSE = (
     "Write an essay about the history of lighthouses: the first ones in antiquity, how "
     "their lamps and lenses changed, the lives of their keepers, and why few are staffed "
     "today."
 )
-
-
-class RandomDrafts:
-    """Drafts random tokens (seeded): next to nothing is accepted, so a run with them
-    measures what trying costs."""
-
-    def __init__(self, vocab: int, seed: int = 0):
-        import random
-
-        self.vocab, self.rng = vocab, random.Random(seed)
-
-    def propose(self, context: list[int], k: int) -> list[int]:
-        return [self.rng.randrange(self.vocab) for _ in range(k)]
-
-
-def greedy(x: mx.array) -> mx.array:
-    return mx.argmax(x, axis=-1)
-
-
-def decode(model: Any, prompt: list[int], n: int, drafter: Any, k: int) -> dict[str, Any]:
-    """Decode ``n`` tokens (EOS ignored); tokens/s counted from the first token."""
-    from mlx_server.engine.runners.base import Insert
-    from mlx_server.engine.runners.solo import SoloSequence
-    from mlx_server.engine.speculative.sequence import SpeculativeSequence
-    from mlx_server.types import GenerationRequest
-
-    common: dict[str, Any] = dict(max_tokens=n, eos=[], prefill_step_size=512)
-    if drafter is None:
-        job = Insert(1, GenerationRequest("bench", prompt, n), prompt, 0, None, greedy)
-        seq: Any = SoloSequence(model, job, [], 512)
-    else:
-        seq = SpeculativeSequence(
-            model, 1, prompt, 0, None, sampler=greedy, greedy=True, drafter=drafter,
-            num_draft_tokens=k, **common,
-        )  # fmt: skip
-    tokens: list[int] = []
-    t_first = c_first = 0.0
-    while True:
-        _, responses = seq.next()
-        for r in responses:
-            if not tokens:
-                t_first, c_first = time.perf_counter(), time.process_time()
-            tokens.append(r.token)
-        if responses and responses[-1].finish_reason is not None:
-            break
-    secs = time.perf_counter() - t_first
-    cpu = time.process_time() - c_first
-    drafted = getattr(seq, "draft_n", 0)
-    accepted = getattr(seq, "draft_accepted", 0)
-    return {
-        "tokens": tokens,
-        "tps": (len(tokens) - 1) / secs,
-        # Per second of this process's CPU time: steadier than wall time on a shared CPU.
-        "cpu_tps": (len(tokens) - 1) / cpu if cpu > 0 else 0.0,
-        "drafted": drafted,
-        "accepted": accepted,
-    }
-
-
-def step_costs(model: Any, prompt: list[int], ks: list[int], reps: int = 8) -> dict[int, float]:
-    """Seconds of one forward pass over k + 1 tokens after the prompt, for each k (k = 0:
-    a decode step)."""
-    from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
-
-    cache = make_prompt_cache(model)
-    model(mx.array(prompt)[None], cache=cache)
-    mx.eval([c.state for c in cache])
-    out: dict[int, float] = {}
-    for k in [0, *ks]:
-        times = []
-        for _ in range(reps):
-            t = time.perf_counter()
-            mx.eval(model(mx.array(prompt[-(k + 1) :])[None], cache=cache))
-            times.append(time.perf_counter() - t)
-            trim_prompt_cache(cache, k + 1)
-        out[k] = sorted(times)[len(times) // 2]
-    return out
-
-
-RENAMES = ["DraftCount", "Drafts", "DraftSize", "Lengths", "Planner", "Chooser", "KPick", "Dk"]
-TOPICS = [
-    "lighthouses",
-    "the printing press",
-    "bridges",
-    "clocks",
-    "sailing ships",
-    "windmills",
-    "paper money",
-    "telescopes",
-]
-
-
-def workloads(n: int, lines: int = 0) -> dict[str, list[str]]:
-    """Per workload, ``n`` prompts of the same kind (the code edit over ``lines`` lines)."""
-    edit = code_edit(lines)
-    code = [edit.replace("DraftCount", RENAMES[i % len(RENAMES)]) for i in range(n)]
-    prose = [PROSE.replace("lighthouses", TOPICS[i % len(TOPICS)]) for i in range(n)]
-    return {"code edit": code, "prose": prose}
-
-
-def streams(
-    model: Any,
-    tokenizer: Any,
-    prompts: list[list[int]],
-    n: int,
-    spec: Any,
-    predictions: list[list[int]] | None = None,
-) -> dict:
-    """``len(prompts)`` streams of ``n`` tokens (EOS ignored) through one engine at once:
-    decode tokens/s over the window in which every stream decodes, and the texts. With
-    ``predictions``, each stream's request carries one (OpenAI's Predicted Outputs)."""
-    import asyncio
-
-    from mlx_server.engine.core.engine import Engine, EngineConfig
-    from mlx_server.engine.core.handle import TokenPiece
-    from mlx_server.events import Finished
-    from mlx_server.types import GenerationRequest, SamplingParams
-
-    cfg = EngineConfig(max_batch_size=len(prompts), prompt_cache_size=0, speculation=spec)
-    engine = Engine(model, tokenizer, cfg)
-    engine.start()
-
-    async def one(i: int, p: list[int]) -> tuple[str, list[tuple[float, int]], Any]:
-        pred = tuple(predictions[i]) if predictions else ()
-        req = GenerationRequest(
-            f"s{i}",
-            p,
-            n,
-            SamplingParams(temperature=0.0),
-            logprobs=True,
-            ignore_eos=True,
-            prediction_tokens=pred,
-        )
-        text, times = "", []
-        async for ev in engine.submit(req):
-            if isinstance(ev, TokenPiece):  # one log-probability entry per token
-                text += ev.text
-                times.append((time.perf_counter(), len(ev.logprobs)))
-            elif isinstance(ev, Finished):
-                return text, times, ev
-        raise RuntimeError("no Finished")
-
-    async def run() -> list[Any]:
-        return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts))))
-
-    try:
-        results = asyncio.run(run())
-    finally:
-        engine.shutdown(10)
-    start = max(times[0][0] for _, times, _ in results)  # the last stream's first token
-    end = min(times[-1][0] for _, times, _ in results)  # the first stream's last
-    count = sum(k for _, times, _ in results for t, k in times if start < t <= end)
-    drafted = sum(f.timings.draft_n for *_, f in results if f.timings)
-    accepted = sum(f.timings.draft_n_accepted for *_, f in results if f.timings)
-    return {
-        "tps": count / (end - start) if end > start else 0.0,
-        "texts": [text for text, _, _ in results],
-        "drafted": drafted,
-        "accepted": accepted,
-    }
-
-
-def as_dtype(model: Any, dtype: Any) -> None:
-    """Dequantize a quantized model (the demo model is 4-bit) and cast its floating weights to
-    ``dtype``: the demo model in float16, as a GPU serves it."""
-    from mlx.utils import tree_map
-    from mlx_lm.utils import dequantize_model
-
-    dequantize_model(model)
-    cast = lambda v: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v  # noqa: E731
-    model.update(tree_map(cast, model.parameters()))
-    mx.eval(model.parameters())
-
-
 RECORD: dict[str, Any] = {"path": None, "label": ""}
+
+
+def code_edit(lines: int = 0, name: str = "DraftCount") -> str:
+    """The code-edit prompt over the file's first ``lines`` lines (0: all of them)."""
+    source = "".join(SOURCE.splitlines(keepends=True)[:lines]) if lines else SOURCE
+    return (
+        "Here is a Python file:\n```python\n" + source + "```\nRename the class DraftLength to "
+        f"{name} and return the whole file, unchanged otherwise. Output only the code."
+    )
+
+
+def texts(workload: str, n: int, lines: int) -> list[str]:
+    if workload == "prose":
+        return [PROSE.replace("lighthouses", TOPICS[i % len(TOPICS)]) for i in range(n)]
+    return [code_edit(lines, RENAMES[i % len(RENAMES)]) for i in range(n)]
 
 
 def record(**fields: Any) -> None:
     """One JSON line (``--json``): the model, the row and its figures."""
-    import json
-
     if RECORD["path"]:
         line = {
             "bench": "speculative",
@@ -264,29 +97,115 @@ def randomize(model: Any) -> None:
     mx.eval(model.parameters())
 
 
+def as_dtype(model: Any, dtype: Any) -> None:
+    """Dequantize a quantized model and cast its floating weights to ``dtype``."""
+    from mlx.utils import tree_map
+    from mlx_lm.utils import dequantize_model
+
+    dequantize_model(model)
+    cast = lambda v: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v  # noqa: E731
+    model.update(tree_map(cast, model.parameters()))
+    mx.eval(model.parameters())
+
+
+class Bench:
+    def __init__(self, model: Any, tokenizer: Any, args: Any):
+        self.model, self.tok, self.args = model, tokenizer, args
+        self.vocab = int(model.args.vocab_size)
+        self.eos = sorted(int(t) for t in tokenizer.eos_token_ids)
+        self.trace = open(args.trace, "a", buffering=1) if args.trace else None  # noqa: SIM115
+
+    def chat(self, text: str) -> list[int]:
+        msgs = [{"role": "user", "content": text}]
+        return list(self.tok.apply_chat_template(msgs, add_generation_prompt=True))
+
+    def spec(self, k: int, lookup: bool, label: str) -> Any:
+        from mlx_server.engine.speculative.plan_log import PlanLog
+        from mlx_server.engine.speculative.runner import Speculation
+
+        trace = None
+        if self.trace is not None:
+            self.trace.write(f"== {label}\n")
+            out = self.trace
+            trace = lambda line: out.write(line + "\n")  # noqa: E731 (line-buffered: flushed)
+        return Speculation(num_draft_tokens=k, prompt_lookup=lookup, log=PlanLog(trace))
+
+    def workload(self, name: str, n: int) -> None:
+        a = self.args
+        prompts = [self.chat(t) for t in texts(name, n, a.code_lines)]
+        refs: list[list[int]] | None = None
+        preds = None
+        if name == "predicted":
+            refs = sup.reference(self.model, prompts, a.tokens, self.eos)
+            preds = [sup.edited(r, self.vocab) for r in refs]
+        runs = [(f"{'predicted outputs' if preds else 'prompt lookup'} k={k}", k) for k in a.ks]
+        if not a.no_random:
+            runs.append((f"random drafts k={a.ks[0]}", a.ks[0]))
+        sup.streams(self.model, self.tok, prompts, 4, None)  # warm-up: the shapes
+        base = sup.streams(self.model, self.tok, prompts, a.tokens, None)
+        ratios: dict[str, list[float]] = {}
+        for rep in range(a.repeat):
+            for label, k in runs:
+                rand = label.startswith("random")
+                spec = self.spec(k, lookup=preds is None, label=f"{name} x{n} {label}")
+                with sup.drafting(sup.RandomDrafts(self.vocab) if rand else None):
+                    r = sup.streams(self.model, self.tok, prompts, a.tokens, spec, preds)
+                after = sup.streams(self.model, self.tok, prompts, a.tokens, None)
+                ratio = r["tps"] / ((base["tps"] + after["tps"]) / 2)
+                by_cpu = r["cpu_tps"] / ((base["cpu_tps"] + after["cpu_tps"]) / 2)
+                ratios.setdefault(label, []).append(ratio)
+                ratios.setdefault(label + ", by CPU time", []).append(by_cpu)
+                acc = r["accepted"] / r["drafted"] if r["drafted"] else 0.0
+                same = sum(x == y for x, y in zip(r["texts"], base["texts"], strict=True))
+                print(
+                    f"{name}, {n} stream(s), run {rep + 1}: plain {base['tps']:.1f} then "
+                    f"{after['tps']:.1f} tok/s, {label} {r['tps']:.1f} tok/s = {ratio:.2f}x "
+                    f"(by CPU time {by_cpu:.2f}x), "
+                    f"drafted {r['drafted']}, accepted {acc:.0%}, {same}/{n} streams the plain text"
+                )
+                print(spec.log.summary())
+                if same < n:
+                    refs = refs or sup.reference(self.model, prompts, a.tokens, self.eos)
+                    self.partings(prompts, refs, base["texts"], r["texts"])
+                base = after
+        for label, rs in ratios.items():
+            median = sorted(rs)[len(rs) // 2]
+            print(f"  {name}, {n} stream(s), {label}: median {median:.2f}x of {len(rs)}")
+            record(workload=name, streams=n, run=label, ratio=median, runs=len(rs))
+
+    def partings(
+        self, prompts: list[list[int]], refs: list[list[int]], plain: list[str], spec: list[str]
+    ) -> None:
+        """For each stream whose speculating text is not the plain run's: where each parts
+        from plain greedy decoding (the reference tokens), with the margin there."""
+        for i, (p, ref, a, b) in enumerate(zip(prompts, refs, plain, spec, strict=True)):
+            if a == b:
+                continue
+            for who, text in (("plain", a), ("speculating", b)):
+                where = sup.parting(self.model, self.tok, p, ref, text)
+                print(f"    stream {i}, {who} run: {where or 'plain greedy throughout'}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=str(REPO / "models" / "smollm2-135m-instruct-f32"))
     ap.add_argument("--tokens", type=int, default=200)
-    ap.add_argument("--num-draft-tokens", default="4,8")
-    ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--num-draft-tokens", default="8")
+    ap.add_argument("--repeat", type=int, default=1)
     ap.add_argument("--streams", type=int, default=8)
-    ap.add_argument("--only", choices=["lone", "streams"], default=None)
+    ap.add_argument("--levels", default=None, help="stream counts (default 1 and --streams)")
+    ap.add_argument("--workloads", default="code,prose,predicted")
+    ap.add_argument("--no-random", action="store_true", help="skip the random-drafts runs")
     ap.add_argument("--random", action="store_true", help="random weights of the same shapes")
-    ap.add_argument(
-        "--dtype",
-        default=None,
-        help="float16, bfloat16 or float32: dequantize a quantized model and cast it",
-    )
+    ap.add_argument("--dtype", default=None, help="dequantize and cast: float16, bfloat16, ...")
     ap.add_argument("--json", default=None, help="append one JSON line per ratio to this file")
     ap.add_argument("--label", default="", help="the model's name in the JSON lines")
-    ap.add_argument(
-        "--code-lines", type=int, default=0, help="streams: the code edit's first N lines"
-    )
-    ap.add_argument(
-        "--predict", action="store_true", help="streams also with their answers as predictions"
-    )
+    ap.add_argument("--code-lines", type=int, default=0, help="the code edit's first N lines")
+    ap.add_argument("--trace", default=None, help="one line per verifying step, before it runs")
+    ap.add_argument("--no-step-costs", action="store_true")
     args = ap.parse_args()
+    args.ks = [int(k) for k in args.num_draft_tokens.split(",")]
+    levels = [int(n) for n in (args.levels or f"1,{args.streams}").split(",") if int(n) > 0]
 
     from mlx_lm import load
 
@@ -296,133 +215,25 @@ def main() -> None:
     if args.random:
         randomize(model)
     RECORD.update(path=args.json, label=args.label or Path(args.model).name)
-    ks = [int(k) for k in args.num_draft_tokens.split(",")]
-
-    def chat(text: str) -> list[int]:
-        msgs = [{"role": "user", "content": text}]
-        return list(tokenizer.apply_chat_template(msgs, add_generation_prompt=True))
-
-    if args.only != "streams":
-        lone(model, chat, args, ks)
-    if args.only != "lone" and args.streams > 0:
-        batched(model, tokenizer, chat, args, ks)
-
-
-def batched(model: Any, tokenizer: Any, chat: Any, args: Any, ks: list[int]) -> None:
-    """Each workload's streams: plain, then each speculating run followed by plain again;
-    a run's ratio is to the mean of the plain runs on both sides (the first streams of an
-    engine run slower while buffers are allocated, and the machine's load drifts)."""
-    from mlx_server.engine.speculative.runner import Speculation
-
-    vocab = int(model.args.vocab_size)
-    for name, texts in workloads(args.streams, args.code_lines).items():
-        prompts = [chat(t) for t in texts]
-        streams(model, tokenizer, prompts, 4, None)  # warm-up: the batch's shapes
-        preds = None
-        if args.predict:  # each stream's own answer (alone) as its prediction
-            preds = [decode(model, p, args.tokens, None, 0)["tokens"] for p in prompts]
-        runs = [("prompt lookup", Speculation(num_draft_tokens=ks[0], prompt_lookup=True))]
-        runs.append(("random drafts", Speculation(num_draft_tokens=ks[0], prompt_lookup=True)))
-        if preds is not None:
-            runs.append(("predicted outputs", Speculation(num_draft_tokens=ks[0])))
-        ratios: dict[str, list[float]] = {}
-        for rep in range(args.repeat):
-            base = streams(model, tokenizer, prompts, args.tokens, None)
-            for label, spec in runs:
-                with random_drafts(vocab, on=label == "random drafts"):
-                    r = streams(
-                        model,
-                        tokenizer,
-                        prompts,
-                        args.tokens,
-                        spec,
-                        preds if "pred" in label else None,
-                    )
-                after = streams(model, tokenizer, prompts, args.tokens, None)
-                ratio = r["tps"] / ((base["tps"] + after["tps"]) / 2)
-                ratios.setdefault(label, []).append(ratio)
-                same = sum(a == b for a, b in zip(r["texts"], base["texts"], strict=True))
-                acc = r["accepted"] / r["drafted"] if r["drafted"] else 0.0
-                print(
-                    f"{name}, {args.streams} streams, run {rep + 1}: plain {base['tps']:.1f} "
-                    f"then {after['tps']:.1f} tok/s, {label} k<={ks[0]} {r['tps']:.1f} tok/s = "
-                    f"{ratio:.2f}x, drafted {r['drafted']}, accepted {acc:.0%}, "
-                    f"{same}/{args.streams} streams the same text"
-                )
-                base = after
-        for label, rs in ratios.items():
-            median = sorted(rs)[len(rs) // 2]
-            print(f"  {name}, {args.streams} streams, {label}: median {median:.2f}x of {len(rs)}")
-            record(
-                workload=name, streams=args.streams, run=label, k=ks[0], ratio=median, runs=len(rs)
-            )
-
-
-@contextlib.contextmanager
-def random_drafts(vocab: int, on: bool) -> Iterator[None]:
-    """While on, every request the engine speculates for drafts ``RandomDrafts``."""
-    from mlx_server.engine.speculative import batch_runner, runner
-
-    saved = runner.make_drafter
-    if on:
-        fake = lambda *a, **kw: RandomDrafts(vocab)  # noqa: E731
-        runner.make_drafter = batch_runner.make_drafter = fake  # type: ignore[assignment]
-    try:
-        yield
-    finally:
-        runner.make_drafter = batch_runner.make_drafter = saved
-
-
-def lone(model: Any, chat: Any, args: Any, ks: list[int]) -> None:
-    from mlx_server.engine.speculative.drafters import DraftModel, PromptLookup
-
-    decode(model, chat("Hi"), 8, None, 0)  # warm-up
-    vocab = int(model.args.vocab_size)
-    for name, text in (("code edit", CODE_EDIT), ("prose", PROSE)):
-        prompt = chat(text)
-        ratios: dict[str, list[float]] = {}
-        for rep in range(args.repeat):
-            base = decode(model, prompt, args.tokens, None, 0)
+    print(f"mlx {mx.__version__} on {mx.default_device()}; {args.model}")
+    bench = Bench(model, tokenizer, args)
+    for n in dict.fromkeys(levels):
+        for name in args.workloads.split(","):
+            bench.workload(name, n)
+    if not args.no_step_costs:
+        prompt = bench.chat(PROSE)
+        for b in dict.fromkeys([1, *levels]):
+            costs = sup.step_costs(model, prompt, args.ks, batch=b)
+            cells = ", ".join(f"k={k}: {costs[k] / costs[0]:.2f}" for k in args.ks)
             print(
-                f"{name} [{len(prompt)} prompt tokens] run {rep + 1}: plain {base['tps']:.1f} tok/s"
+                f"step cost at batch {b} (a pass over k + 1 tokens / one decode step, {costs[0] * 1e3:.2f} ms): {cells}"
             )
-            drafters: list[tuple[str, Any, int]] = [
-                (f"prompt lookup k={k}", PromptLookup(), k) for k in ks
-            ]
-            drafters.append((f"random drafts k={ks[0]}", RandomDrafts(vocab), ks[0]))
-            for label, drafter, k in drafters:
-                r = decode(model, prompt, args.tokens, drafter, k)
-                # Plain again after each: the ratio is to the mean of the plain runs beside it.
-                after = decode(model, prompt, args.tokens, None, 0)
-                ratio = r["tps"] / ((base["tps"] + after["tps"]) / 2)
-                cpu_ratio = r["cpu_tps"] / ((base["cpu_tps"] + after["cpu_tps"]) / 2)
-                ratios.setdefault(label, []).append(ratio)
-                ratios.setdefault(label + ", by CPU time", []).append(cpu_ratio)
-                same = "same tokens" if r["tokens"] == base["tokens"] else "DIFFERENT TOKENS"
-                acc = r["accepted"] / r["drafted"] if r["drafted"] else 0.0
-                print(
-                    f"  {label}: {r['tps']:.1f} tok/s = {ratio:.2f}x (by CPU time "
-                    f"{cpu_ratio:.2f}x; plain after: {after['tps']:.1f}), "
-                    f"drafted {r['drafted']}, accepted {acc:.0%}, {same}"
-                )
-                base = after
-        for label, rs in ratios.items():
-            median = sorted(rs)[len(rs) // 2]
-            print(f"  {name}, {label}: median {median:.2f}x over {len(rs)} runs")
-            record(workload=name, streams=1, run=label, ratio=median, runs=len(rs))
-        r = decode(model, prompt, args.tokens // 2, DraftModel(model), ks[0])
-        same = r["tokens"] == decode(model, prompt, args.tokens // 2, None, 0)["tokens"]
-        acc = r["accepted"] / r["drafted"] if r["drafted"] else 0.0
-        print(
-            f"  draft model (itself) k={ks[0]}: accepted {acc:.0%}, "
-            f"{'same tokens' if same else 'DIFFERENT TOKENS'}"
-        )
-    costs = step_costs(model, chat(PROSE), ks)
-    base = costs[0]
-    print("step cost (forward over k + 1 tokens / one decode step): " + ", ".join(
-        f"k={k}: {costs[k] / base:.2f}" for k in ks
-    ))  # fmt: skip
-    record(run="step cost", step_s=base, costs={str(k): costs[k] / base for k in ks})
+            record(
+                run="step cost",
+                streams=b,
+                step_s=costs[0],
+                costs={str(k): costs[k] / costs[0] for k in args.ks},
+            )
 
 
 if __name__ == "__main__":

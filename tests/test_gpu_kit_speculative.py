@@ -1,8 +1,9 @@
 """The GPU kit's speculative-decoding run on the CPU, on the tiny test model standing in for
 the demo model: ``prepare_demo.sh`` splits it into the three carried folders,
 ``park_demo.sh`` gathers them as each GPU run would, and ``speculative.sh`` joins the parts,
-checks them and runs ``bench/speculative.py`` (alone and in streams, with and without
-speculation), writing its JSON lines and log under ``$OUT``."""
+checks them and runs ``bench/speculative.py`` (two streams, with and without
+speculation, the Predicted Outputs ceiling), writing its JSON lines, log and verify trace
+under ``$OUT``."""
 
 from __future__ import annotations
 
@@ -59,24 +60,26 @@ def test_the_run_joins_the_parts_and_writes_every_row(parked, tmp_path):
         "MODELS_DIR": str(tmp_path / "models"),
         "MODELS": "demo",
         "DTYPE": "float32",
-        "TOKENS": "6",
+        "TOKENS": "12",
         "KS": "2",
-        "REPEAT": "1",
         "STREAMS": "2",
+        "WORKLOADS": "code,predicted",  # prose runs the code edit's path
+        "LEVELS": "2",  # the batch; one stream runs the same script's path
         "PYTHON": sys.executable,
         "S": str(tmp_path / "no-site"),
         "OUT": str(out),
     }
     log = run(KIT / "speculative.sh", REPO, env)
     assert "model.safetensors: OK" in log  # the joined parts match the model's checksum
-    assert "DIFFERENT" not in log  # every speculating run gave the plain run's tokens
+    assert "plan: " in log and "verify cost / plain step" in log  # the plan's decisions
+    assert "!!" not in log  # the run did not die
     lines = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
     assert {line["model"] for line in lines} == {"demo float32"}
     rows = {(line.get("workload"), line.get("streams"), line["run"]) for line in lines}
-    for workload in ("code edit", "prose"):
-        assert (workload, 1, "prompt lookup k=2") in rows
-        assert (workload, 1, "random drafts k=2") in rows
-        assert (workload, 2, "prompt lookup") in rows
-    assert any(line["run"] == "step cost" for line in lines)
+    assert ("code", 2, "prompt lookup k=2") in rows
+    assert ("code", 2, "random drafts k=2") in rows
+    assert ("predicted", 2, "predicted outputs k=2") in rows
+    assert {line["streams"] for line in lines if line["run"] == "step cost"} == {1, 2}
     assert all(line["ratio"] > 0 for line in lines if "ratio" in line)
     assert (out / "speculative.txt").read_text().strip()
+    assert "verify batch=" in (out / "trace-demo-float32.log").read_text()

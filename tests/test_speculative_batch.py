@@ -199,6 +199,7 @@ def test_the_batch_plan_stops_drafting_when_verifying_costs_more_than_it_yields(
     plan = BatchPlan(4)
     rows: list[Acceptance | None] = [Acceptance(0.5), None, None, None]
     plan.record_plain(4, 0.010)
+    plan.record_plain(4, 0.010)
     plan.record_draft(4, 4, 0.050)  # a CPU-like cost: each drafted position a whole step
     assert not plan.worth_trying(rows)
     plan.record_draft(4, 4, 0.011)  # GPU-like: nearly free

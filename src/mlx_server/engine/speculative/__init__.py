@@ -4,8 +4,10 @@
 - ``verify``: one forward pass of the target over a draft, acceptance, and rollback of the
   rejected positions in the KV cache.
 - ``rejection``: rejection sampling against a draft model's own probabilities.
-- ``controller``: how many tokens to draft next, from measured acceptance and step cost,
-  with a back-off after failed tries; for a lone sequence and for a batch.
+- ``controller``: how many tokens to draft next, from measured acceptance and step cost;
+  for a lone sequence and for a batch. ``costs``: the verify passes' widths and their
+  measured costs; ``shadow``: cheap drafts scored on plain steps, never verified;
+  ``plan_log``: the plan's decisions, counted.
 - ``sequence`` and ``runner``: a lone sequence that speculates (the lone-request runner's
   counterpart).
 - ``batch``, ``batch_verify`` and ``batch_runner``: speculation inside continuous batching

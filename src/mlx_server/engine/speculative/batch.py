@@ -22,23 +22,41 @@ import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, GenerationBatch
 
 from mlx_server.engine.speculative.batch_verify import Sampled, can_roll_back, verify_batch
-from mlx_server.engine.speculative.controller import Acceptance, BatchPlan
+from mlx_server.engine.speculative.controller import PRIOR, Acceptance, BatchPlan
+from mlx_server.engine.speculative.costs import StepCosts, bucket
 from mlx_server.engine.speculative.drafters import Drafter, DraftModel
+from mlx_server.engine.speculative.plan_log import PlanLog
 from mlx_server.engine.speculative.rejection import Rejection
+from mlx_server.engine.speculative.shadow import Shadow
 
 
 @dataclass
 class RowSpec:
-    """A speculating row: its drafter and its drafting record."""
+    """A speculating row: its drafter and its drafting record. A cheap drafter (not a
+    model) is shadowed on plain steps (``controller.Shadow``) and never backs off."""
 
     drafter: Drafter
-    acceptance: Acceptance = field(default_factory=Acceptance)
+    acceptance: Acceptance | None = None
     rejection: Rejection | None = None  # a draft model sampling at the request's temperature
+    shadow: Shadow | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.acceptance is None:  # a shadowed drafter earns its rate before a try
+            prior = getattr(self.drafter, "prior", 0.0 if self.cheap else PRIOR)
+            self.acceptance = Acceptance(prior, backs_off=not self.cheap)
+        if self.cheap and self.shadow is None:
+            self.shadow = Shadow()
+            self.acceptance.backs_off = False
 
     @property
     def cheap(self) -> bool:
         """Drafting costs next to nothing (a lookup, not a model)."""
         return not isinstance(self.drafter, DraftModel)
+
+    @property
+    def record(self) -> Acceptance:
+        assert self.acceptance is not None
+        return self.acceptance
 
 
 class BatchSpeculator:
@@ -51,16 +69,21 @@ class BatchSpeculator:
         adaptive: bool = True,
         model: Any = None,
         extra_processors: Callable[[int], tuple[Any, ...]] | None = None,
+        costs: StepCosts | None = None,
+        log: PlanLog | None = None,
     ):
         """``model``: what verifies (default the batch's own, which may be a wrapper that
         expects one position per row); ``extra_processors``: a row's logits processors
-        kept outside mlx-lm's per-row list (the batch runner's grammars), by uid."""
+        kept outside mlx-lm's per-row list (the batch runner's grammars), by uid;
+        ``costs``: the step costs measured so far (kept across generators)."""
         self.max_k = max_k
         self.model = model
         self.extra_processors = extra_processors
         self.rows: dict[int, RowSpec] = {}
         self.adaptive = adaptive
-        self.plan: BatchPlan = BatchPlan(max_k) if adaptive else AlwaysDraft(max_k)
+        self.log = log
+        plan = BatchPlan if adaptive else AlwaysDraft
+        self.plan: BatchPlan = plan(max_k, costs, log)
         self.counts: dict[int, tuple[int, int]] = {}  # uid -> drafted, accepted: last step
         self._plain_run = 0  # plain steps in a row (from the second on, they are timed)
         self._plain_size = 0  # at this batch size
@@ -69,10 +92,13 @@ class BatchSpeculator:
     def next(self, batch: GenerationBatch) -> list[Any]:
         self.counts = {}
         specs = [self.rows.get(u) for u in batch.uids]
-        accs = [s.acceptance if s is not None else None for s in specs]
+        accs = [s.record if s is not None else None for s in specs]
         if not can_roll_back(batch.prompt_cache) or not self.plan.worth_trying(accs):
             return self._plain(batch, specs)
         self._plain_run = 0
+        for s in specs:
+            if s is not None and s.shadow is not None:
+                s.shadow.drop()
         mx.eval(batch._next_tokens)  # the last plain step's work, not this one's
         t = time.perf_counter()
         pending: list[int] = batch._next_tokens.tolist()  # type: ignore[assignment]
@@ -80,15 +106,17 @@ class BatchSpeculator:
         drafts = self._drafts(batch, specs, pending)
         k = self.plan.choose(accs, [len(d) for d in drafts])
         tried = [s is not None and self._ready(s) for s in specs]
-        k = self._free_rides(batch, specs, pending, drafts, k)
         if k == 0:
             for s, was in zip(specs, tried, strict=True):
                 if s is not None and was:
-                    s.acceptance.record(0, 0)  # nothing worth verifying: a failed try
+                    s.record.record(0, 0)  # nothing worth verifying: a failed try
             self.plan.record_try(0, 0)
             return GenerationBatch.next(batch)
         drafts = [d[:k] for d in drafts]
         uids = list(batch.uids)
+        width = bucket(max(len(d) for d in drafts), self.max_k)
+        if self.log is not None:
+            self.log.verifying(len(uids), width, [len(d) for d in drafts])
         responses = verify_batch(
             batch,
             pending,
@@ -96,9 +124,11 @@ class BatchSpeculator:
             self._sampled,
             model=self.model,
             processors=self._processors(batch),
+            width=width,
         )
-        self.plan.record_draft(len(uids), k, time.perf_counter() - t)
-        self._record(uids, specs, tried, drafts, responses)
+        seconds = time.perf_counter() - t
+        self.plan.record_draft(len(uids), width, seconds)
+        self._record(uids, specs, tried, drafts, responses, seconds)
         return responses
 
     def _processors(self, batch: GenerationBatch) -> list[Sequence[Any]]:
@@ -112,12 +142,12 @@ class BatchSpeculator:
         ]
 
     def _ready(self, s: RowSpec) -> bool:
-        return s.acceptance.ready or not self.adaptive
+        return s.record.ready or not self.adaptive
 
     def _plain(self, batch: GenerationBatch, specs: list[RowSpec | None]) -> list[Any]:
         for s in specs:
             if s is not None:
-                s.acceptance.tick()
+                s.record.tick()
         size = len(batch.uids)
         timed = self._plain_run > 0 and self._plain_size == size
         t = time.perf_counter()
@@ -126,7 +156,22 @@ class BatchSpeculator:
             self.plan.record_plain(size, time.perf_counter() - t)
         self._plain_run += 1
         self._plain_size = size
+        if self.adaptive:
+            self._shadow(batch, responses)
         return responses
+
+    def _shadow(self, batch: GenerationBatch, responses: list[Any]) -> None:
+        """Score the cheap rows' open shadow drafts against this step's tokens; rows with
+        none open (and still running) ask their drafters for the next."""
+        running = {uid: i for i, uid in enumerate(batch.uids)}
+        for r in responses:
+            s = self.rows.get(r.uid)
+            if s is None or s.shadow is None:
+                continue
+            s.shadow.score(r.token, s.record, self.log)
+            i = running.get(r.uid)
+            if not s.shadow.open and i is not None and s.shadow.due():
+                s.shadow.start(s.drafter.propose(batch.tokens[i], self.max_k), s.record)
 
     def _drafts(
         self, batch: GenerationBatch, specs: list[RowSpec | None], pending: list[int]
@@ -148,25 +193,7 @@ class BatchSpeculator:
             if draft and q is not None:
                 self._sampled[i] = (q, s.rejection)
             return draft
-        return s.drafter.propose(context, k)
-
-    def _free_rides(
-        self,
-        batch: GenerationBatch,
-        specs: list[RowSpec | None],
-        pending: list[int],
-        drafts: list[list[int]],
-        k: int,
-    ) -> int:
-        """When the step verifies anyway, rows backing off draft too if drafting is cheap:
-        their positions are paid for by the padding."""
-        if k == 0:
-            return 0
-        for i, s in enumerate(specs):
-            cap = min(k, batch.max_tokens[i] - batch._num_tokens[i] - 1)
-            if s is not None and not self._ready(s) and s.cheap and cap > 0:
-                drafts[i] = self._propose(i, s, [*batch.tokens[i], pending[i]], cap)
-        return k
+        return s.drafter.propose(context, k)[:k]
 
     def _record(
         self,
@@ -175,6 +202,7 @@ class BatchSpeculator:
         tried: list[bool],
         drafts: list[list[int]],
         responses: list[Any],
+        seconds: float,
     ) -> None:
         emitted: dict[int, int] = {}
         for r in responses:
@@ -184,16 +212,16 @@ class BatchSpeculator:
             if s is None:
                 continue
             accepted = min(len(d), emitted.get(uid, 1) - 1)
-            if was or d:  # a free ride is a try too: the step's cost was shared
-                s.acceptance.record(len(d), accepted)
-                if accepted:
-                    s.acceptance.paid()
+            if was:
+                s.record.record(len(d), accepted)
             else:
-                s.acceptance.tick()
+                s.record.tick()
             self.counts[uid] = (len(d), accepted)
             total[0] += len(d)
             total[1] += accepted
         self.plan.record_try(*total)
+        if self.log is not None:
+            self.log.verified(total[0], total[1], seconds)
 
 
 class AlwaysDraft(BatchPlan):

@@ -18,6 +18,7 @@ from mlx_server.engine.runners.base import Insert, Progress, Response
 from mlx_server.engine.runners.batch import BatchRunner
 from mlx_server.engine.sampling.samplers import LogitsProcessor, Sampler
 from mlx_server.engine.speculative.batch import BatchSpeculator, RowSpec, install
+from mlx_server.engine.speculative.costs import StepCosts
 from mlx_server.engine.speculative.drafters import DraftModel
 from mlx_server.engine.speculative.rejection import wants_rejection
 from mlx_server.engine.speculative.runner import Speculation, make_drafter
@@ -38,6 +39,8 @@ class SpeculativeBatchRunner(BatchRunner):
         keep_caches: bool = True,
     ):
         self.spec = spec
+        # Step costs are the model's and the machine's: kept across generators.
+        self.costs = StepCosts(spec.num_draft_tokens)
         self.speculator = BatchSpeculator(spec.num_draft_tokens, adaptive=spec.adaptive)
         self.adopt: Adopt | None = None  # set when a lone runner hands sequences over
         self.draft_n = 0
@@ -57,6 +60,8 @@ class SpeculativeBatchRunner(BatchRunner):
             adaptive=self.spec.adaptive,
             model=self.model,  # not the decode step's grammar-masking wrapper
             extra_processors=self._grammar_of,
+            costs=self.costs,
+            log=self.spec.log,
         )
         install(gen, self.speculator)
         return gen

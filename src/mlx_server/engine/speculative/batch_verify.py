@@ -77,15 +77,17 @@ def verify_batch(
     *,
     model: Any = None,
     processors: list[Sequence[Any]] | None = None,
+    width: int = 0,
 ) -> list[Any]:
     """One verifying step of ``batch`` (a ``GenerationBatch``): feed each row its pending
     token and draft, answer what was accepted, roll the rest back, and let finished rows
     go. Rows in ``sampled`` (by index) drafted from a draft model's distribution and are
     verified by rejection sampling. ``model``: the model to run (default the batch's: a
     wrapper there may expect one position per row); ``processors``: each row's logits
-    processors (default its mlx-lm list). Returns the step's ``GenerationBatch.Response``
-    list, several per row in order."""
-    width = max(len(d) for d in drafts)
+    processors (default its mlx-lm list); ``width``: the drafts' padded length, at least
+    the longest (``costs.bucket``: the pass's shapes repeat). Returns the step's
+    ``GenerationBatch.Response`` list, several per row in order."""
+    width = max(width, *(len(d) for d in drafts))
     rows = [[p, *d, *[0] * (width - len(d))] for p, d in zip(pending, drafts, strict=True)]
     cache = batch.prompt_cache
     per_row = _trims_per_row(cache)

@@ -1,45 +1,51 @@
-"""How many tokens to draft next: the count that maximises expected tokens per second.
+"""How many tokens to draft next: the width that maximises expected tokens per second.
 
 With a per-token acceptance rate ``a`` (the chance a drafted token is accepted given the
 ones before it were), a draft of ``k`` yields ``(1 - a**(k+1)) / (1 - a)`` tokens per step.
-A step without a draft costs ``t0`` (measured on plain, pipelined steps); one with a draft
-of ``k`` costs ``t0 + c*k`` (``c`` measured from the extra time of drafting steps, which
-includes the lost pipelining). The count drops to zero when drafting does not pay.
+A step without a draft costs ``t0`` (measured on plain, pipelined steps); one that
+verifies a pass of width ``w`` costs what such steps were measured to cost at this batch
+size (``costs.StepCosts``), which includes the lost pipelining. Drafting stops when it
+does not pay, and plain decoding is then exactly the runner's own.
 
-Trying costs: a step that drafts cannot be queued before the previous token is read, so a
-sequence whose drafts are not accepted backs off (``Acceptance``): after two failed tries
-it stops drafting for a few steps, and each failed try after that doubles the wait
-(exponential back-off, up to ``MAX_WAIT`` steps); one accepted token resets it. Random
-text thus costs a try every few hundred tokens, and a sequence whose text turns
-repetitive starts speculating again.
+The rate must stay current while nothing is drafted, or drafting could never start again.
+A cheap drafter (prompt lookup, a predicted output: a few dict reads) is asked anyway on
+plain steps, and its proposal is scored against the tokens plain decoding then emits
+(``shadow.Shadow``): the rate it would have had, for free. Its rate starts at 0, so it drafts
+only once its drafts have matched, and two verified tries in a row with nothing accepted
+set it back to 0. So with nothing to accept drafting stops within two steps and stays
+stopped, and it starts again as soon as the drafts match (after a predicted output's
+edit, when an answer turns to quoting).
+A draft model costs a forward pass per token: it is not shadowed, and instead backs off
+(``Acceptance``): after two failed tries it stops for 4 steps, then 8, ... up to
+``MAX_WAIT``, and probes with one token when the wait ends; one accepted token resets it.
 
-``DraftLength`` is the lone sequence's controller; ``BatchPlan`` picks one draft length
-for a batch (each row drafts at most that many, padded to it), from every row's
-acceptance and the batch's step costs by batch size.
+``DraftLength`` is the lone sequence's controller; ``BatchPlan`` picks one width for a
+batch (each row drafts at most that many, padded to it). Both report each decision to a
+``plan_log.PlanLog`` when given one.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-FIRST_WAIT = 4  # steps without drafting after the first failures
+from mlx_server.engine.speculative import plan_log as why
+from mlx_server.engine.speculative.costs import StepCosts
+from mlx_server.engine.speculative.plan_log import PlanLog
+
+FIRST_WAIT = 4  # steps without drafting after the first failures (a draft model)
 MAX_WAIT = 256
 FAILS_BEFORE_WAIT = 2
-MARGIN = 1.02  # drafting must beat plain decoding by this much: noise should not make it draft
-EMA = 0.2
-
-
-def expected_tokens(rate: float, k: int) -> float:
-    """Tokens a step yields with a draft of ``k`` at per-token acceptance ``rate``."""
-    a = min(max(rate, 0.0), 0.999)
-    return (1 - a ** (k + 1)) / (1 - a)
+EMA = 0.2  # per scored position: a run of 8 accepted tokens lifts a rate of 0 to 0.83
+PRIOR = 0.6  # the rate of a drafter not shadowed, before its first try
 
 
 class Acceptance:
-    """One sequence's drafting record: its acceptance rate and its back-off."""
+    """One sequence's drafting record: its acceptance rate and, for a drafter that is not
+    shadowed (``backs_off``), its back-off."""
 
-    def __init__(self, prior: float = 0.6):
-        self.rate = prior  # acceptance per drafted token, moving average
+    def __init__(self, prior: float = PRIOR, backs_off: bool = True):
+        self.rate = prior  # acceptance per drafted token, moving average over positions
+        self.backs_off = backs_off
         self.fails = 0  # tries in a row with nothing accepted
         self.wait = 0  # steps left before the next try
         self.due = False  # a wait just ended: the next step tries, whatever the costs say
@@ -56,19 +62,29 @@ class Acceptance:
             self.wait -= 1
             self.due = self.wait == 0
 
+    def observe(self, drafted: int, accepted: int) -> None:
+        """Move the rate: of a draft of ``drafted`` (0: the drafter had nothing, which
+        costs a try as a rejected token does), ``accepted`` were accepted. Accepted tokens
+        form a prefix, so the positions scored are those and the first rejected one."""
+        tries = min(max(drafted, 1), accepted + 1)
+        keep = (1 - EMA) ** tries
+        hits = accepted / tries if tries else 0.0
+        self.rate = keep * self.rate + (1 - keep) * hits
+
     def record(self, drafted: int, accepted: int) -> None:
-        """A draft of ``drafted`` (0: the drafter had nothing) got ``accepted`` tokens."""
+        """A real try: the rate moves, and a failure counts towards backing off."""
         self.due = False
-        if drafted > 0:
-            # Accepted tokens form a prefix: accepted of the first accepted + 1 tries held.
-            tries = min(drafted, accepted + 1)
-            self.rate = (1 - EMA) * self.rate + EMA * (accepted / tries)
+        self.observe(drafted, accepted)
         if accepted > 0:
             self.fails = 0
+            self._next_wait = FIRST_WAIT
         else:
             self.fails += 1
             if self.fails >= FAILS_BEFORE_WAIT:
-                self.back_off()
+                if self.backs_off:
+                    self.back_off()
+                else:  # stop at once: the shadow drafts earn the rate back
+                    self.rate = 0.0
 
     def back_off(self) -> None:
         """Stop trying for a while; each back-off in a row waits twice as long."""
@@ -76,65 +92,33 @@ class Acceptance:
         self._next_wait = min(2 * self._next_wait, MAX_WAIT)
         self.due = False
 
-    def paid(self) -> None:
-        """Drafting paid off: the next back-off is a short one again."""
-        self._next_wait = FIRST_WAIT
-
-
-class StepCosts:
-    """Measured step seconds by batch size: ``t0`` without a draft, ``per_token`` more for
-    each drafted position."""
-
-    def __init__(self) -> None:
-        self.t0: dict[int, float] = {}
-        self.per_token: dict[int, float] = {}
-
-    def record_plain(self, batch: int, seconds: float) -> None:
-        old = self.t0.get(batch)
-        self.t0[batch] = seconds if old is None else (1 - EMA) * old + EMA * seconds
-
-    def record_draft(self, batch: int, k: int, seconds: float) -> None:
-        t0 = self.t0.get(batch)
-        if t0 is None or k <= 0:
-            return
-        extra = max(0.0, (seconds - t0) / k)
-        old = self.per_token.get(batch)
-        self.per_token[batch] = extra if old is None else (1 - EMA) * old + EMA * extra
-
-    def best(self, batch: int, rates: Sequence[float], lengths: Sequence[int]) -> int:
-        """The draft length (0 to ``max(lengths)``) that maximises expected tokens per
-        second for rows with these acceptance rates and draft lengths available (0: the row
-        drafts nothing). Unmeasured costs: 0 until a plain step is measured, then the
-        longest draft (one try measures the cost)."""
-        top = max(lengths, default=0)
-        t0 = self.t0.get(batch)
-        if top == 0 or t0 is None or t0 <= 0:
-            return 0
-        c = self.per_token.get(batch)
-        if c is None:
-            return top
-        best, best_speed = 0, len(rates) / t0
-        for k in range(1, top + 1):
-            tokens = sum(expected_tokens(r, min(k, n)) for r, n in zip(rates, lengths, strict=True))
-            speed = tokens / (t0 + c * k)
-            if speed > best_speed * MARGIN:
-                best, best_speed = k, speed
-        return best
-
 
 class DraftLength:
-    """The lone sequence's draft length: its ``Acceptance`` and the step costs of a batch
-    of one. ``next_k`` before each step; ``record`` after a step that tried to draft,
+    """The lone sequence's draft width: its ``Acceptance`` and the step costs of a batch of
+    one. ``next_k`` before each step; ``record`` after a step that tried to draft,
     ``record_plain`` after a pipelined one that did not."""
 
     REFRESH_EVERY = 128  # steps: two plain steps measure t0 afresh
 
-    def __init__(self, max_k: int, *, prior: float = 0.6):
+    def __init__(
+        self,
+        max_k: int,
+        *,
+        prior: float | None = None,
+        shadowed: bool = False,
+        costs: StepCosts | None = None,
+        log: PlanLog | None = None,
+    ):
         self.max_k = max_k
-        self.acceptance = Acceptance(prior)
-        self.costs = StepCosts()
+        if prior is None:  # a shadowed drafter earns its rate before its first try
+            prior = 0.0 if shadowed else PRIOR
+        self.acceptance = Acceptance(prior, backs_off=not shadowed)
+        self.costs = costs if costs is not None else StepCosts(max_k)
+        self.log = log
         self._steps = 0
-        self._counted = False  # the last try was one the cost model chose
+        self._drafting = False  # the last decision drafted (a stop is logged once)
+        if log is not None:
+            log.watch(self.costs)
 
     @property
     def rate(self) -> float:
@@ -146,29 +130,51 @@ class DraftLength:
         self._steps += 1
         acc = self.acceptance
         # Plain steps in a row measure t0: the first ones, and two now and then.
-        if 1 not in self.costs.t0 or self._steps % self.REFRESH_EVERY in (1, 2):
+        if not self.costs.measured(1) or self._steps % self.REFRESH_EVERY in (1, 2):
             acc.tick()
-            return 0
+            return self._plain(why.MEASURING)
         if not acc.ready:
             acc.tick()
-            return 0
+            return self._plain(why.BACKING_OFF)
         k = self.costs.best(1, [acc.rate], [self.max_k])
-        self._counted = k > 0
         if k > 0:
-            return k
+            return self._draft(k, why.DRAFTS)
         if acc.due:  # a probe: the text may have turned repetitive
-            return 1
-        acc.back_off()  # it does not pay at this rate: wait, then probe
+            return self._draft(1, why.PROBE)
+        if acc.backs_off:
+            acc.back_off()  # it does not pay at this rate: wait, then probe
+        free = self.costs.best(1, [acc.rate], [self.max_k], free=True)
+        return self._plain(why.COST if free else why.RATE)
+
+    def _draft(self, k: int, reason: str) -> int:
+        self._drafting = True
+        if self.log is not None:
+            self.log.decided(reason)
+        return k
+
+    def _plain(self, reason: str) -> int:
+        if self.log is not None:
+            self.log.decided(reason)
+            if self._drafting and reason != why.MEASURING:
+                cost = self.costs.cost(1, self.max_k)
+                t0 = self.costs.t0.get(1) or 0.0
+                ratio = cost / t0 if cost and t0 else 0.0
+                self.log.stopped(
+                    f"{reason} (rate {self.rate:.2f}, width {self.max_k} costs {ratio:.2f} steps)"
+                )
+        self._drafting = False
         return 0
 
-    def record(self, drafted: int, accepted: int, seconds: float) -> None:
+    def record(self, drafted: int, accepted: int, seconds: float, width: int = 0) -> None:
         """A step that tried to draft: ``drafted`` proposed (0: none), ``accepted`` kept,
-        how long it took (``seconds``, counted only when there was a draft)."""
+        and (``seconds``, counted only when there was a draft) its pass of ``width``."""
         self.acceptance.record(drafted, accepted)
-        if accepted > 0 and self._counted:
-            self.acceptance.paid()
         if drafted:
-            self.costs.record_draft(1, drafted, seconds)
+            self.costs.record_verify(1, width or drafted, seconds)
+            if self.log is not None:
+                self.log.verified(drafted, accepted, seconds)
+        elif self.log is not None:
+            self.log.decided(why.NO_DRAFT)
 
     def record_plain(self, seconds: float) -> None:
         """A pipelined step without a draft took ``seconds``."""
@@ -176,48 +182,69 @@ class DraftLength:
 
 
 class BatchPlan:
-    """One draft length for the whole batch: each row is padded to it, so a row whose
-    draft is shorter (or empty) costs the batch as much as a full one; the length that
-    maximises the batch's expected tokens per second wins, zero when the batch is busy
-    enough that verifying no longer pays. Every row that drafts costs the batch a step
-    that is not pipelined, so the batch backs off as a row does (``tries``: after two
-    verifying steps with nothing accepted in any row, wait 4, 8, ... steps), whatever the
-    rows' own schedules. Now and then (``EXPLORE_EVERY`` steps at a batch size that does
-    not draft) one step drafts anyway, to measure its cost afresh."""
+    """One width for the whole batch: each row is padded to it, so a row whose draft is
+    shorter (or empty) costs the batch as much as a full one; the width that maximises the
+    batch's expected tokens per second wins, zero when verifying does not pay at this
+    batch size. Shadowed rows draft as soon as their rates say it pays; otherwise the
+    batch backs off as a row does (``tries``: after two verifying steps with nothing
+    accepted, wait 4, 8, ... steps), so the unaligned probes of rows that back off (a
+    draft model's) do not each cost it a step. Now and
+    then (``EXPLORE_EVERY`` steps at a batch size that does not draft, while some row's
+    drafts are accepted at all) one step drafts anyway, to measure its cost afresh."""
 
     EXPLORE_EVERY = 256
+    EXPLORE_RATE = 0.1
 
-    def __init__(self, max_k: int):
+    def __init__(self, max_k: int, costs: StepCosts | None = None, log: PlanLog | None = None):
         self.max_k = max_k
-        self.costs = StepCosts()
-        self.tries = Acceptance()  # the batch's own back-off (its rate is unused)
+        self.costs = costs if costs is not None else StepCosts(max_k)
+        self.log = log
+        self.tries = Acceptance()  # the batch's own back-off for probes (its rate is unused)
         self._undrafted: dict[int, int] = {}  # steps since the last drafting one, by size
-        self._exploring = False
+        self._forced = False  # this step drafts whatever the costs say (probe, explore)
+        if log is not None:
+            log.watch(self.costs)
 
     def worth_trying(self, rows: Sequence[Acceptance | None]) -> bool:
         """Before reading the batch's tokens: could drafting pay at this step, if every
         ready row drafted ``max_k``? (Reading them costs the step its pipelining.)"""
-        self._exploring = False
+        self._forced = False
         b = len(rows)
-        if self.max_k <= 0 or b not in self.costs.t0:
-            return False
+        if self.max_k <= 0 or not self.costs.measured(b):
+            return self._say(False, why.MEASURING)
+        rates = [r.rate if r is not None else 0.0 for r in rows]
+        # Shadowed rows' rates are current: they draft as soon as it pays.
+        shadowed = [self.max_k if r is not None and not r.backs_off else 0 for r in rows]
+        if any(shadowed) and self.costs.best(b, rates, shadowed) > 0:
+            return self._say(True, why.DRAFTS)
+        if all(r is None or not r.backs_off for r in rows):  # no row probes: rates decide
+            paid = self.costs.best(b, rates, shadowed, free=True)
+            return self._say(False, why.COST if paid else why.RATE)
         if not self.tries.ready:
             self.tries.tick()
-            return False
-        if not any(r is not None and r.ready for r in rows):
-            return False
-        rates = [r.rate if r is not None else 0.0 for r in rows]
+            return self._say(False, why.BACKING_OFF)
         lengths = [self.max_k if r is not None and r.ready else 0 for r in rows]
+        if not any(lengths):
+            return self._say(False, why.BACKING_OFF)
         if self.costs.best(b, rates, lengths) > 0:
-            return True
+            return self._say(True, why.DRAFTS)
         n = self._undrafted[b] = self._undrafted.get(b, 0) + 1
-        self._exploring = n % self.EXPLORE_EVERY == 0
-        return self._exploring
+        if n % self.EXPLORE_EVERY == 0 and max(rates) >= self.EXPLORE_RATE:
+            self._forced = True
+            return self._say(True, why.EXPLORE)
+        paid = self.costs.best(b, rates, lengths, free=True)
+        return self._say(False, why.COST if paid else why.RATE)
+
+    def _say(self, drafts: bool, reason: str) -> bool:
+        if self.log is not None:
+            self.log.decided(reason)
+        return drafts
 
     def choose(self, rows: Sequence[Acceptance | None], lengths: Sequence[int]) -> int:
-        """The draft length for the step, given each row's available draft length."""
-        if self._exploring:
-            return max(lengths, default=0)
+        """The width for the step, given each row's available draft length."""
+        top = max(lengths, default=0)
+        if self._forced:
+            return top
         rates = [r.rate if r is not None else 0.0 for r in rows]
         return self.costs.best(len(rows), rates, lengths)
 
@@ -225,12 +252,12 @@ class BatchPlan:
         """A step that read the batch's tokens to draft: ``drafted`` tokens verified in
         all rows (0: none worth it), ``accepted`` of them."""
         self.tries.record(drafted, accepted)
-        if accepted:
-            self.tries.paid()
+        if not drafted and self.log is not None:
+            self.log.decided(why.NO_DRAFT)
 
     def record_plain(self, batch: int, seconds: float) -> None:
         self.costs.record_plain(batch, seconds)
 
-    def record_draft(self, batch: int, k: int, seconds: float) -> None:
+    def record_draft(self, batch: int, width: int, seconds: float) -> None:
         self._undrafted[batch] = 0
-        self.costs.record_draft(batch, k, seconds)
+        self.costs.record_verify(batch, width, seconds)

@@ -57,14 +57,17 @@ class PromptLookup:
     def __init__(self, min_n: int = 1, max_n: int = 3):
         self._min_n, self._max_n = min_n, max_n
         self._index = NgramIndex(min_n, max_n)
-        self._context: list[int] = []
+        self._seen: tuple[int, int, int] = (0, -1, -1)  # length, first and last token
 
     def propose(self, context: list[int], k: int) -> list[int]:
         if k <= 0 or len(context) < 2:
             return []
-        if context[: len(self._context)] != self._context[: len(context)]:
+        # Called on every step (``controller.Shadow``): a context that goes on from the
+        # last one is told by its ends, not by comparing it whole.
+        n, first, last = self._seen
+        if n > len(context) or (n and (context[0] != first or context[n - 1] != last)):
             self._index = NgramIndex(self._min_n, self._max_n)  # another sequence's context
-        self._context = context
+        self._seen = (len(context), context[0], context[-1])
         # An n-gram ending at the last position is the query itself: index only those with
         # at least one token after them.
         self._index.extend(context, len(context))
@@ -81,6 +84,10 @@ class PredictedOutput:
     part (the edit), the cursor is found again by looking the last generated tokens up in
     the prediction, preferring the first match past where it was lost.
     """
+
+    # The client expects the answer to follow it: drafting starts at once (a shadowed
+    # drafter's rate otherwise starts at 0), and stops within two steps if it does not.
+    prior = 0.9
 
     def __init__(self, prediction: list[int], prompt_len: int, max_n: int = 4):
         self.prediction = prediction

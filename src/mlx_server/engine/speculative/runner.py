@@ -16,6 +16,7 @@ from typing import Any
 from mlx_server.engine.runners.base import Insert, Progress, Response
 from mlx_server.engine.runners.solo import Handover, SoloRunner
 from mlx_server.engine.speculative.batch import RowSpec
+from mlx_server.engine.speculative.costs import StepCosts
 from mlx_server.engine.speculative.drafters import (
     Drafter,
     DraftModel,
@@ -36,6 +37,7 @@ class Speculation:
     draft_model: Any = None  # a loaded model with the target's tokenizer, or None
     # False: draft the full length at every step, whatever it costs (tests, benchmarks).
     adaptive: bool = True
+    log: Any = None  # plan_log.PlanLog: the plan's decisions, counted (benchmarks)
 
 
 def make_drafter(
@@ -77,6 +79,8 @@ class SpeculativeRunner(SoloRunner):
         self.draft_n = 0
         self.draft_accepted = 0
         self._handed: dict[int, RowSpec] = {}
+        # Step costs are the model's and the machine's: measured once for every request.
+        self.costs = StepCosts(spec.num_draft_tokens)
 
     def drafter(self, job: Insert) -> Drafter | None:
         return make_drafter(self.spec, job, self._draft, self._step_size)
@@ -121,6 +125,8 @@ class SpeculativeRunner(SoloRunner):
             processors=job.processors,
             system_end=job.system_end,
             checkpoints=job.checkpoints,
+            costs=self.costs,
+            log=self.spec.log,
         )
         self.seq = seq
         self.runs += 1

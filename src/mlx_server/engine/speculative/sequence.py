@@ -24,8 +24,11 @@ from mlx_lm.generate import generation_stream
 from mlx_server.engine.runners.base import Insert, Progress, Response
 from mlx_server.engine.runners.solo import SoloSequence
 from mlx_server.engine.speculative.controller import DraftLength
+from mlx_server.engine.speculative.costs import StepCosts, bucket
 from mlx_server.engine.speculative.drafters import Drafter, DraftModel
+from mlx_server.engine.speculative.plan_log import PlanLog
 from mlx_server.engine.speculative.rejection import Rejection
+from mlx_server.engine.speculative.shadow import Shadow
 from mlx_server.engine.speculative.verify import Processor, Verified, verify, verify_sampled
 from mlx_server.types import GenerationRequest
 
@@ -55,6 +58,8 @@ class SpeculativeSequence(SoloSequence):
         length: DraftLength | None = None,
         rejection: Rejection | None = None,
         buckets: bool = False,
+        costs: StepCosts | None = None,
+        log: PlanLog | None = None,
     ):
         request = GenerationRequest(f"speculative-{uid}", prompt, max_tokens)
         job = Insert(
@@ -66,7 +71,15 @@ class SpeculativeSequence(SoloSequence):
         # Sampled drafts verified by rejection sampling (a draft model, temperature > 0).
         self.rejection = rejection if isinstance(drafter, DraftModel) else None
         self._greedy = greedy
-        self.length = length or DraftLength(num_draft_tokens)
+        # A cheap drafter is asked on plain steps too, its drafts scored, not verified.
+        self._shadow = Shadow() if not isinstance(drafter, DraftModel) and adaptive else None
+        self.length = length or DraftLength(
+            num_draft_tokens,
+            prior=getattr(drafter, "prior", None),
+            shadowed=self._shadow is not None,
+            costs=costs,
+            log=log,
+        )
         self._adaptive = adaptive
         self._num_draft = num_draft_tokens
         self._plain_run = 0  # plain steps in a row: from the second on, they are timed
@@ -90,10 +103,23 @@ class SpeculativeSequence(SoloSequence):
         if timed:
             self.length.record_plain(time.perf_counter() - t)
         self._plain_run += 1
+        if self._shadow is not None and r.finish_reason is None:
+            self._shadow_step(r.token)
         return r
+
+    def _shadow_step(self, token: int) -> None:
+        """Score the open shadow draft against ``token``; with none open, ask the drafter
+        for the next one (after ``fed``, which ends with ``token``)."""
+        shadow, acc = self._shadow, self.length.acceptance
+        assert shadow is not None
+        shadow.score(token, acc, self.length.log)
+        if not shadow.open and shadow.due():
+            shadow.start(self.drafter.propose(self.fed, self._num_draft), acc)
 
     def _speculate(self, k: int) -> list[Response]:
         self._plain_run = 0
+        if self._shadow is not None:
+            self._shadow.drop()
         first = self.take_pending()  # the token the last plain step sampled, if any
         if first is not None and first.finish_reason is not None:
             return [first]
@@ -105,7 +131,8 @@ class SpeculativeSequence(SoloSequence):
             self.length.record(0, 0, 0.0)
             return [*head, self._decode()]
         self._context = None  # the processors' token buffer is rebuilt from ``fed``
-        self.length.record(len(draft), out.accepted, time.perf_counter() - t)
+        width = bucket(len(draft), max(self._num_draft, len(draft)))
+        self.length.record(len(draft), out.accepted, time.perf_counter() - t, width)
         self.draft_n += len(draft)
         self.draft_accepted += out.accepted
         responses = self._answer(last, out)
@@ -119,8 +146,10 @@ class SpeculativeSequence(SoloSequence):
             draft, q = self.drafter.propose_sampled(context, k, self.rejection)
             if not draft or q is None:
                 return [], None
-            return draft, verify_sampled(self.model, self.cache, last, draft, q, self.rejection)
-        draft = self.drafter.propose(context, k)
+            pad = self._padding(len(draft))
+            out = verify_sampled(self.model, self.cache, last, draft, q, self.rejection, pad)
+            return draft, out
+        draft = self.drafter.propose(context, k)[:k]
         if not draft:
             return [], None
         out = verify(
@@ -131,8 +160,19 @@ class SpeculativeSequence(SoloSequence):
             sampler=None if self._greedy else self.sampler,
             processors=self.processors,
             history=self.fed,
+            pad=self._padding(len(draft)),
         )
         return draft, out
+
+    def _padding(self, n: int) -> int:
+        """Positions the pass adds after a draft of ``n`` (``costs.bucket``: passes of a
+        few shapes, which repeat); logged first, so a pass that brings the process down
+        is on record."""
+        width = bucket(n, max(self._num_draft, n))
+        log = self.length.log
+        if log is not None:
+            log.verifying(1, width, [n])
+        return width - n
 
     def _answer(self, last: int, out: Verified) -> list[Response]:
         """One response per emitted token, up to the first that ends the sequence; the cache

@@ -26,10 +26,12 @@ from typing import Any
 
 import mlx.core as mx
 
+from mlx_server.engine.sampling.samplers import SharedSampler
 from mlx_server.engine.speculative.rejection import Rejection, speculative_sample
 from mlx_server.engine.speculative.rollback import Rollback
 
 Processor = Callable[[mx.array, mx.array], mx.array]
+PAD_TOKEN = 0  # fed after a short draft to fill its pass; its logits are never read
 
 
 @dataclass
@@ -51,21 +53,32 @@ def verify(
     sampler: Callable[[mx.array], mx.array] | None,
     processors: Sequence[Processor] = (),
     history: list[int] | None = None,
+    pad: int = 0,
 ) -> Verified:
     """Feed ``last`` and ``draft`` after ``cache``, decide the emitted tokens, and trim the
     cache so it holds ``last`` and the accepted draft tokens (not the final emitted one).
 
     ``sampler`` None means greedy. ``history`` (the context before ``last``) is what the
     processors see, as in mlx-lm: the tokens so far, ending with the one just fed.
+    ``pad``: positions fed after the draft and never used (the pass's shape; see
+    ``costs``): attention is causal, so they change no position before them.
     """
     rollback = Rollback(model, cache)
-    logits = rollback.feed([last, *draft])
+    logits = _feed(rollback, last, draft, pad)
     if sampler is None and not processors:
         out = _greedy(logits, draft)
+    elif isinstance(sampler, SharedSampler) and not processors:
+        out = _all_at_once(logits, draft, sampler)
     else:
         context = [*(history or []), last]
         out = _sequential(logits, draft, sampler, processors, context)
     return _kept(out, rollback)
+
+
+def _feed(rollback: Rollback, last: int, draft: list[int], pad: int) -> mx.array:
+    """The logits at ``last`` and each draft token, from one pass padded by ``pad``."""
+    logits = rollback.feed([last, *draft, *[PAD_TOKEN] * pad])
+    return logits[: len(draft) + 1] if pad else logits
 
 
 def _kept(out: Verified, rollback: Rollback) -> Verified:
@@ -81,6 +94,19 @@ def _logprobs(logits: mx.array) -> mx.array:
 def _greedy(logits: mx.array, draft: list[int]) -> Verified:
     logprobs = _logprobs(logits)
     choice: list[int] = mx.argmax(logprobs, axis=-1).tolist()  # type: ignore[assignment]
+    n = 0
+    while n < len(draft) and choice[n] == draft[n]:
+        n += 1
+    return Verified(choice[: n + 1], [logprobs[i] for i in range(n + 1)], n)
+
+
+def _all_at_once(logits: mx.array, draft: list[int], sampler: SharedSampler) -> Verified:
+    """A sampler without state of its own (``ignore_eos``'s ban, an unseeded temperature)
+    decides every position in one call and one read, as the batch's rows sharing it do:
+    each position's choice is independent, so the first mismatch is distributed as plain
+    decoding's token there (``_sequential`` would read the device once per position)."""
+    logprobs = _logprobs(logits)
+    choice: list[int] = sampler(logprobs).tolist()  # type: ignore[assignment]
     n = 0
     while n < len(draft) and choice[n] == draft[n]:
         n += 1
@@ -113,12 +139,18 @@ def _sequential(
 
 
 def verify_sampled(
-    model: Any, cache: Any, last: int, draft: list[int], q: mx.array, rejection: Rejection
+    model: Any,
+    cache: Any,
+    last: int,
+    draft: list[int],
+    q: mx.array,
+    rejection: Rejection,
+    pad: int = 0,
 ) -> Verified:
     """``verify`` for a draft sampled from the draft model's distribution ``q`` (k, vocab):
     rejection sampling against the target's (``rejection.speculative_sample``)."""
     rollback = Rollback(model, cache)
-    logits = rollback.feed([last, *draft])
+    logits = _feed(rollback, last, draft, pad)
     logprobs = _logprobs(logits)
     tokens = speculative_sample(rejection.distribution(logprobs), draft, q, rejection.draws)
     out = Verified(tokens, [logprobs[i] for i in range(len(tokens))], len(tokens) - 1)

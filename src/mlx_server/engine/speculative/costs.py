@@ -1,0 +1,141 @@
+"""What a verifying step costs, measured, and the draft length that pays most for it.
+
+A verify pass runs over ``w + 1`` positions per row, where ``w`` is a *width*: a power of
+two up to the longest draft (``widths``), a shorter draft padded to the next one
+(``bucket``). So the passes take a handful of shapes that repeat: each shape is compiled
+(and, on CUDA, captured as a graph) once, and each has its own measured cost. That cost
+is not linear in ``w``: on a GPU a pass over 9 tokens costs 1.6-2.7 plain steps where
+memory bandwidth alone says about one, because the step is not pipelined (its tokens are
+read before the next is queued) and a new shape pays for its first compilation. So
+``StepCosts`` keeps seconds per (batch size, width), measured, its first sample of each
+dropped (that one compiles), and answers for a width not yet measured by interpolating
+between the plain step (width 0) and the widths measured, past them by the slope between
+the two widest (at most ``GUESS`` per position), or from ``GUESS`` before any measure.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+EMA = 0.2
+MARGIN = 1.02  # drafting must beat plain decoding by this much: noise should not make it draft
+GUESS = 0.15  # before any measure: each drafted position costs this much of a plain step
+
+
+def widths(max_k: int) -> list[int]:
+    """The pass widths for drafts of up to ``max_k`` tokens: 1, 2, 4, ... and ``max_k``."""
+    out, w = [], 1
+    while w < max_k:
+        out.append(w)
+        w *= 2
+    return [*out, max_k] if max_k > 0 else []
+
+
+def bucket(n: int, max_k: int) -> int:
+    """The width a draft of ``n`` tokens (1 to ``max_k``) is padded to."""
+    return next(w for w in widths(max_k) if w >= n)
+
+
+def expected_tokens(rate: float, k: int) -> float:
+    """Tokens a step yields with a draft of ``k`` at per-token acceptance ``rate``."""
+    a = min(max(rate, 0.0), 0.999)
+    return (1 - a ** (k + 1)) / (1 - a)
+
+
+class StepCosts:
+    """Measured step seconds by batch size: ``t0`` without a draft, ``verify`` for a pass
+    of each width of drafts up to ``max_k`` (see the module docstring)."""
+
+    def __init__(self, max_k: int) -> None:
+        self.max_k = max_k
+        self.widths = widths(max_k)
+        self.t0: dict[int, float] = {}
+        self.verify: dict[tuple[int, int], float] = {}
+        self.samples: dict[tuple[int, int], int] = {}  # verify passes seen, the dropped one too
+        self.plain_samples: dict[int, int] = {}
+
+    def measured(self, batch: int) -> bool:
+        """Whether the plain step at ``batch`` rows has been timed twice (one may be an
+        outlier: the first after a prefill, a new shape)."""
+        return self.plain_samples.get(batch, 0) >= 2
+
+    def record_plain(self, batch: int, seconds: float) -> None:
+        self.plain_samples[batch] = self.plain_samples.get(batch, 0) + 1
+        old = self.t0.get(batch)
+        self.t0[batch] = seconds if old is None else (1 - EMA) * old + EMA * seconds
+
+    def record_verify(self, batch: int, width: int, seconds: float) -> None:
+        key = (batch, width)
+        n = self.samples[key] = self.samples.get(key, 0) + 1
+        if n == 1:
+            return  # the shape's first pass compiles: not what the next ones cost
+        old = self.verify.get(key)
+        self.verify[key] = seconds if old is None else (1 - EMA) * old + EMA * seconds
+
+    def cost(self, batch: int, width: int) -> float | None:
+        """Seconds of a verifying step of ``width`` at ``batch`` rows (None: no plain step
+        measured at that size yet)."""
+        t0 = self.t0.get(batch)
+        if t0 is None:
+            return None
+        # A verifying step does a plain step's work and more: noise never makes it cheaper.
+        return max(t0, self._estimate(batch, width, t0))
+
+    def _estimate(self, batch: int, width: int, t0: float) -> float:
+        got = self.verify.get((batch, width))
+        if got is not None:
+            return got
+        points = sorted((w, s) for (b, w), s in self.verify.items() if b == batch)
+        if not points:
+            return t0 * (1 + GUESS * width)
+        lo_w, lo_s = 0, t0
+        for w, s in points:
+            if w > width:  # between two measured widths (or the plain step and one)
+                return lo_s + (s - lo_s) * (width - lo_w) / (w - lo_w)
+            lo_w, lo_s = w, s
+        # Past the widest measured: what one more position costs is known only between
+        # two measured widths (from the plain step, the pass's fixed cost would count as
+        # per position); at most the guess.
+        slope = GUESS * t0
+        if len(points) > 1:
+            (w1, s1), (w2, s2) = points[-2:]
+            slope = min(slope, max(0.0, (s2 - s1) / (w2 - w1)))
+        return lo_s + slope * (width - lo_w)
+
+    def best(
+        self, batch: int, rates: Sequence[float], lengths: Sequence[int], free: bool = False
+    ) -> int:
+        """The width (0: no draft) that maximises expected tokens per second for rows with
+        these acceptance rates and these drafts available (0: the row drafts nothing); each
+        row drafts up to the width. ``free``: as if verifying cost no more than a plain step
+        (whether acceptance alone rules drafting out)."""
+        top = min(max(lengths, default=0), self.max_k)
+        t0 = self.t0.get(batch)
+        if top <= 0 or t0 is None or t0 <= 0:
+            return 0
+        # Checked every step: rule out at once rates at which no draft could pay, as no
+        # row yields more than 1 / (1 - rate) tokens a step however long its draft.
+        ceiling = sum(
+            1 / (1 - min(r, 0.999)) if n > 0 else 1.0 for r, n in zip(rates, lengths, strict=True)
+        )
+        if ceiling <= len(rates) * MARGIN:
+            return 0
+        best, best_speed = 0, len(rates) / t0
+        for w in self.widths[: self.widths.index(bucket(top, self.max_k)) + 1]:
+            seconds = t0 if free else self.cost(batch, w)
+            if seconds is None or seconds <= 0:
+                continue
+            tokens = sum(expected_tokens(r, min(w, n)) for r, n in zip(rates, lengths, strict=True))
+            speed = tokens / seconds
+            if speed > best_speed * MARGIN:
+                best, best_speed = w, speed
+        return best
+
+    def table(self) -> dict[int, dict[int, float]]:
+        """Measured verify cost over the plain step's, by batch size and width."""
+        out: dict[int, dict[int, float]] = {}
+        for (b, w), s in sorted(self.verify.items()):
+            t0 = self.t0.get(b)
+            if t0:
+                out.setdefault(b, {})[w] = s / t0
+        return out

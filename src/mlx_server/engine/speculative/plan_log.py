@@ -1,0 +1,88 @@
+"""The speculation plan's decisions, counted, for benchmarks and the log.
+
+Each step a controller decides (``DraftLength`` for a lone sequence, ``BatchPlan`` for a
+batch) is counted under its reason; each verifying step adds what it drafted, accepted and
+cost; each time drafting stops, the reason and the figures behind it are kept (the last
+``KEEP``). ``StepCosts`` objects the controllers use are registered so the measured
+verify costs can be printed beside the decisions. ``trace``, when set, is called with one
+line per verifying step as it starts: a log that survives a crash in the pass itself.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, deque
+from collections.abc import Callable
+from typing import Any
+
+KEEP = 64
+
+# Why a step drafts, or does not.
+DRAFTS = "drafts: expected to pay"
+PROBE = "drafts: a probe after backing off"
+EXPLORE = "drafts: measuring an unmeasured cost"
+MEASURING = "plain: measuring the plain step"
+RATE = "plain: drafts are not accepted enough to pay even for free"
+COST = "plain: verifying costs more than the accepted drafts yield"
+BACKING_OFF = "plain: backing off after failed tries"
+NO_DRAFT = "plain: the drafter had nothing"
+LAST = "plain: at the token limit"
+
+
+class PlanLog:
+    """Counters of the plan's decisions and results; see the module docstring."""
+
+    def __init__(self, trace: Callable[[str], None] | None = None) -> None:
+        self.steps: Counter[str] = Counter()  # decisions by reason (a batch step counts once)
+        self.drafted = 0
+        self.accepted = 0
+        self.verify_steps = 0
+        self.verify_seconds = 0.0
+        self.shadow_drafted = 0  # drafts scored against plain decoding, not verified
+        self.shadow_accepted = 0
+        self.stops: deque[str] = deque(maxlen=KEEP)
+        self.costs: list[Any] = []  # StepCosts
+        self.trace = trace
+
+    def decided(self, reason: str) -> None:
+        self.steps[reason] += 1
+
+    def verifying(self, batch: int, width: int, lengths: list[int]) -> None:
+        if self.trace is not None:
+            self.trace(f"verify batch={batch} width={width} drafts={lengths}")
+
+    def verified(self, drafted: int, accepted: int, seconds: float) -> None:
+        self.verify_steps += 1
+        self.drafted += drafted
+        self.accepted += accepted
+        self.verify_seconds += seconds
+
+    def shadowed(self, drafted: int, accepted: int) -> None:
+        self.shadow_drafted += drafted
+        self.shadow_accepted += accepted
+
+    def stopped(self, why: str) -> None:
+        self.stops.append(why)
+
+    def watch(self, costs: Any) -> None:
+        if all(c is not costs for c in self.costs):
+            self.costs.append(costs)
+
+    def summary(self) -> str:
+        """A few lines: decisions by reason, drafts, the measured cost table, stops."""
+        lines = [
+            "plan: "
+            + ", ".join(f"{n} x {why}" for why, n in self.steps.most_common())
+            + f"; {self.verify_steps} verifying steps drafted {self.drafted}, "
+            f"accepted {self.accepted}; shadow drafts (scored, not verified) "
+            f"{self.shadow_drafted}, accepted {self.shadow_accepted}"
+        ]
+        for c in self.costs:
+            for b, row in c.table().items():
+                t0 = c.t0.get(b, 0.0)
+                cells = ", ".join(f"w={w}: {r:.2f}" for w, r in row.items())
+                lines.append(
+                    f"  verify cost / plain step ({t0 * 1e3:.2f} ms) at batch {b}: {cells}"
+                )
+        if self.stops:
+            lines.append(f"  last stop: {self.stops[-1]} ({len(self.stops)} kept)")
+        return "\n".join(lines)

@@ -1,0 +1,216 @@
+"""Speculation is never slower than without: with nothing to accept, the draft width falls
+to zero within a few steps and stays there, alone and in a batch of eight, and the output
+is plain greedy decoding's; drafting comes back when drafts start matching. The step-cost
+model: verify passes in a few widths, each measured (its first, compiling, pass dropped).
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import mlx.core as mx
+import pytest
+from engine_runner import load_varied_model
+from mlx_lm.generate import BatchGenerator, generate_step
+
+from mlx_server.engine.sampling.samplers import make_sampler
+from mlx_server.engine.speculative import plan_log as why
+from mlx_server.engine.speculative.batch import BatchSpeculator, RowSpec, install
+from mlx_server.engine.speculative.controller import DraftLength
+from mlx_server.engine.speculative.costs import StepCosts, bucket, widths
+from mlx_server.engine.speculative.plan_log import PlanLog
+from mlx_server.engine.speculative.sequence import SpeculativeSequence
+from mlx_server.engine.speculative.shadow import Shadow
+from mlx_server.types import SamplingParams
+
+# ---- the cost model and the controller, no model -----------------------------------------
+
+
+def test_passes_take_a_few_widths_and_each_is_measured_after_its_first() -> None:
+    assert widths(8) == [1, 2, 4, 8] and widths(6) == [1, 2, 4, 6] and widths(0) == []
+    assert [bucket(n, 8) for n in (1, 2, 3, 5, 8)] == [1, 2, 4, 8, 8]
+    c = StepCosts(8)
+    assert c.cost(1, 4) is None  # no plain step measured yet
+    c.record_plain(1, 0.010)
+    assert not c.measured(1)  # one sample may be an outlier
+    c.record_plain(1, 0.010)
+    assert c.measured(1)
+    assert c.cost(1, 4) == pytest.approx(0.016)  # the guess: 0.15 of a step per position
+    c.record_verify(1, 8, 0.500)  # the first pass of a shape compiles: dropped
+    assert c.table() == {}
+    c.record_verify(1, 8, 0.018)
+    assert c.table() == {1: {8: pytest.approx(1.8)}}
+    assert c.cost(1, 4) == pytest.approx(0.014)  # between the plain step and width 8
+    c.record_verify(1, 2, 0.5)
+    c.record_verify(1, 2, 0.009)  # noise: a verifying step is never cheaper than a plain one
+    assert c.cost(1, 2) == pytest.approx(0.010)
+    assert c.cost(2, 2) is None  # another batch size is measured on its own
+
+
+def _drive(c: DraftLength, accepted: Any, steps: int, verify: float = 0.016) -> list[int]:
+    """Widths chosen over ``steps``; a plain step costs 10 ms and a pass ``verify``; on
+    plain steps a shadow draft is scored (``accepted(k)`` of it matching)."""
+    ks = []
+    for _ in range(steps):
+        k = c.next_k()
+        ks.append(k)
+        if k:
+            c.record(k, accepted(k), verify, k)
+        else:
+            c.record_plain(0.010)
+            c.acceptance.observe(c.max_k, accepted(c.max_k))  # what a Shadow records
+    return ks
+
+
+def test_with_nothing_accepted_the_width_falls_to_zero_and_comes_back_when_drafts_match() -> None:
+    log = PlanLog()
+    c = DraftLength(8, shadowed=True, log=log)
+    ks = _drive(c, lambda k: 0, 500)
+    assert sum(1 for k in ks if k) <= 2 and not any(ks[10:])  # a GPU-like cheap pass
+    assert log.steps[why.RATE] >= 470
+    ks = _drive(c, lambda k: k, 30)  # the text turns to what the drafter proposes
+    assert ks[-10:] == [8] * 10
+    ks = _drive(c, lambda k: 0, 30)  # and away again
+    assert not any(ks[6:])
+    assert "rate" in log.stops[-1]  # why it stopped, with the figures behind it
+
+
+def test_a_shadow_scores_the_run_of_matching_tokens() -> None:
+    from mlx_server.engine.speculative.controller import Acceptance
+
+    acc, s = Acceptance(0.0, backs_off=False), Shadow()
+    s.start([5, 6, 7], acc)
+    for t in (5, 6, 9):  # two accepted, then the run ends
+        s.score(t, acc, None)
+    assert not s.open and acc.rate == pytest.approx(0.8 * 0.36)  # 0.2, 0.36, then a miss
+    assert s.due()  # a run with hits: the next shadow draft at once
+    s.start([], acc)  # the drafter had nothing: a failed try
+    assert acc.rate == pytest.approx(0.8 * 0.8 * 0.36)
+    rests = []
+    for _ in range(4):  # misses in a row: the drafter is asked less and less often
+        rests.append(sum(1 for _ in range(8) if not s.due()))
+        s.start([1], acc)
+        s.score(2, acc, None)
+    assert rests == [1, 3, 7, 7]
+
+
+# ---- on a tiny random-weight model ---------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Any]:
+    model, tokenizer, _ = load_varied_model(tmp_path_factory)
+    return model, tokenizer
+
+
+class GpuLikeCosts(StepCosts):
+    """Step costs as a GPU measures them (a pass of width w: 1 + w/20 plain steps), in
+    place of this machine's timings: the plan's decisions do not hang on its load."""
+
+    def record_plain(self, batch: int, seconds: float) -> None:
+        super().record_plain(batch, 0.010)
+
+    def record_verify(self, batch: int, width: int, seconds: float) -> None:
+        super().record_verify(batch, width, 0.010 + 0.0005 * width)
+
+
+class Turncoat:
+    """Drafts what the model will say (``answer``) for its first ``turn`` tokens, then
+    tokens that are never the model's: drafting must start, then stop."""
+
+    def __init__(self, prompt_len: int, answer: list[int], turn: int, vocab: int, seed: int = 0):
+        self.start, self.answer, self.turn = prompt_len, answer, turn
+        self.vocab, self.rng = vocab, random.Random(seed)
+        self.calls = 0
+
+    def propose(self, context: list[int], k: int) -> list[int]:
+        self.calls += 1
+        at = len(context) - self.start
+        if at < self.turn:
+            return self.answer[at : at + k]
+        # Never the model's token (a random one could be, in a tiny vocabulary).
+        return [
+            (t + 1 + self.rng.randrange(self.vocab - 1)) % self.vocab
+            for t in self.answer[at : at + k]
+        ]
+
+
+def _greedy(x: mx.array) -> mx.array:
+    return mx.argmax(x, axis=-1)
+
+
+def _prompt(tokenizer: Any, text: str) -> list[int]:
+    msgs = [{"role": "user", "content": text}]
+    return list(tokenizer.apply_chat_template(msgs, add_generation_prompt=True))
+
+
+def test_a_lone_sequence_stops_drafting_within_two_steps_and_decodes_plainly(tiny: Any) -> None:
+    model, tok = tiny
+    prompt = _prompt(tok, "def add(a, b): return a + b")
+    steps = generate_step(mx.array(prompt), model, max_tokens=64, sampler=_greedy)
+    want = [int(t) for t, _ in steps]
+    log = PlanLog()
+    drafter = Turncoat(len(prompt), want, 24, int(model.args.vocab_size))
+    seq = SpeculativeSequence(
+        model, 1, prompt, 0, None, sampler=_greedy, greedy=True, drafter=drafter,
+        num_draft_tokens=8, max_tokens=64, eos=[], prefill_step_size=512, log=log,
+        costs=GpuLikeCosts(8),
+    )  # fmt: skip
+    got: list[int] = []
+    verified_at: list[int] = []  # tokens emitted before each verifying step
+    for _ in range(300):  # bounded: every step emits a token
+        before = log.verify_steps
+        _, responses = seq.next()
+        if log.verify_steps > before:
+            verified_at.append(len(got))
+        got += [r.token for r in responses]
+        if responses and responses[-1].finish_reason is not None:
+            break
+    assert got == want
+    assert log.accepted > 0  # it drafted while the drafts were the model's
+    assert len([n for n in verified_at if n >= 24]) <= 2  # after the turn: two failed tries
+    assert log.steps[why.RATE] > 20 and log.shadow_drafted > 0
+
+
+def test_eight_rows_stop_drafting_within_two_steps_and_decode_plainly(tiny: Any) -> None:
+    model, tok = tiny
+    texts = ["def add(a, b):", "The quick brown fox.", "Hello world!", "Paris is", "1 2 3"]
+    prompts = [_prompt(tok, texts[i % len(texts)] + " " * i) for i in range(8)]
+    n, turn = 48, 16
+    greedy = [make_sampler(SamplingParams(temperature=0.0))] * 8
+
+    def run(drafters: list[Any] | None) -> tuple[list[list[int]], PlanLog, list[int]]:
+        gen = BatchGenerator(model, completion_batch_size=8, prefill_batch_size=8)
+        log = PlanLog()
+        spec = BatchSpeculator(8, log=log, costs=GpuLikeCosts(8))
+        install(gen, spec)
+        uids = gen.insert(prompts, max_tokens=[n] * 8, samplers=greedy)
+        for u, d in zip(uids, drafters or [], strict=False):
+            spec.rows[u] = RowSpec(d)
+        out: dict[int, list[int]] = {u: [] for u in uids}
+        verified_at: list[int] = []  # the fewest tokens any row had before a verifying step
+        for _ in range(10 * n):  # bounded: each step answers every row
+            before = log.verify_steps
+            least = min(len(v) for v in out.values())
+            responses = gen.next_generated()
+            if log.verify_steps > before:
+                verified_at.append(least)
+            for r in responses:
+                out[r.uid].append(r.token)
+            if all(len(v) == n for v in out.values()):
+                break
+        gen.close()
+        return [out[u] for u in uids], log, verified_at
+
+    want, _, _ = run(None)
+    vocab = int(model.args.vocab_size)
+    turncoats = [
+        Turncoat(len(p), w, turn, vocab, seed=i)
+        for i, (p, w) in enumerate(zip(prompts, want, strict=True))
+    ]
+    got, log, verified_at = run(turncoats)
+    assert got == want
+    assert log.accepted > 0
+    assert len([m for m in verified_at if m >= turn]) <= 2  # after the turn: two failed tries
+    assert log.steps[why.RATE] > 10 and log.shadow_drafted > 0
