@@ -80,9 +80,7 @@ def server_factory():
         sp = launch(args, env)
         procs.append(sp)
         if wait:
-            assert sp.wait_ready(), (
-                f"server did not become ready: {sp.lines} {sp.stderr_text()}"
-            )
+            assert sp.wait_ready(), f"server did not become ready: {sp.lines} {sp.stderr_text()}"
         return sp
 
     yield make
