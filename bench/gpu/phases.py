@@ -2,9 +2,9 @@
 
 ``install()`` wraps, without changing their behaviour, the calls one engine step is made of:
 mlx-lm's ``BatchGenerator.next`` (split into the decode step, the prefill chunks and the time
-spent waiting in ``mx.eval`` for the GPU), the engine's per-token work (``Engine._on_token``:
+spent waiting in ``mx.eval`` for the GPU), the engine's per-token work (``delivery.deliver_token``:
 detokenizing, stop strings, logprobs, the hand-off to asyncio) and the hand-off itself
-(``GenerationHandle.push`` and, once batched, ``Engine._flush``). ``snapshot()`` returns the
+(``GenerationHandle.push`` and, once per step, ``Outbox.flush``). ``snapshot()`` returns the
 totals (wall seconds, and the engine thread's CPU seconds: wall well above CPU where no
 ``mx.eval`` waits is time the thread spent blocked, e.g. waiting for the interpreter lock
 while the asyncio thread holds it); ``reset()`` zeroes them. Only calls made on the

@@ -1,0 +1,39 @@
+"""The engine's settings (``EngineConfig``), one place for what start-up decides."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from mlx_server.engine.cache.checkpoints import CHUNK_EVERY
+
+
+@dataclass
+class EngineConfig:
+    max_batch_size: int = 8
+    max_queue: int = 64
+    prefill_step_size: int = 512
+    prompt_cache_size: int = 16
+    prompt_cache_bytes: int = 2 << 30
+    kv_budget_bytes: int = 4 << 30
+    kv_bytes_per_token: int = 1
+    kv_bytes_per_sequence: int = 0  # sliding windows and recurrent states (memory_plan)
+    prompt_cache_disk: Any = None  # disk_cache.DiskPromptCache: the prefix cache's disk tier
+    prompt_cache_disk_off: str = ""  # without one: why (reported by /health)
+    # Run every batch size once: a lone request's shapes before serving, the rest while idle
+    # (tuning.WarmUp; all before serving when ranks run in lockstep).
+    warm_up: bool = False
+    # Compute one token before serving (tuning.first_token); a failure is ``start_error``.
+    first_token: bool = False
+    # Bytes this engine's model keeps resident (weights and KV budget): its share of the
+    # process's wired limit while it runs (wired.py; Metal only).
+    wired_bytes: int = 0
+    solo: bool = True  # a lone request runs on a plain KV cache (see solo.py)
+    speculation: Any = None  # speculative.runner.Speculation: requests speculate, alone or batched
+    gather_s: float = 0.05  # how long queued requests wait for announced ones (Scheduler)
+    prefill_buckets: bool = False  # the lone path pads prefill chunks (tuning.PREFILL_BUCKETS)
+    # lockstep.leader.Lead: rank 0 of several ranks that compute each step together (the
+    # model sharded across them); its runner is wrapped to journal for the other ranks.
+    lockstep: Any = None
+    # Tokens between the chunk-boundary checkpoints of a long prefill (cache/checkpoints.py).
+    checkpoint_every: int = CHUNK_EVERY

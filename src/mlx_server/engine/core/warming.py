@@ -1,0 +1,70 @@
+"""The engine's warm-up: one token before serving, every batch size's shapes (a lone
+request's before serving, the rest in idle time; see ``tuning.WarmUp``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mlx_server.engine.core import faults
+from mlx_server.engine.core.config import EngineConfig
+from mlx_server.engine.core.tuning import WarmUp, first_token
+from mlx_server.engine.sampling.samplers import reset_random_state
+from mlx_server.logs import log
+
+
+class Warming:
+    """What is left of the warm-up; ``pending`` while pieces wait for idle time."""
+
+    def __init__(self, model: Any, config: EngineConfig):
+        self._model = model
+        self._config = config
+        self._plan: WarmUp | None = None
+
+    @property
+    def pending(self) -> bool:
+        return self._plan is not None
+
+    def before_serving(self, budget: float) -> str:
+        """Warm up as far as ``budget`` seconds allow (unbounded: all of it); returns why
+        the model cannot serve ("" when it can)."""
+        cfg = self._config
+        if cfg.first_token:
+            try:
+                first_token(self._model)
+            except Exception as e:
+                error = f"the model could not compute a token: {faults.describe(e)}"
+                log(f"Warm-up failed: {error}")
+                return error
+        if cfg.warm_up:
+            try:
+                n, step, buckets = cfg.max_batch_size, cfg.prefill_step_size, cfg.prefill_buckets
+                plan = WarmUp(self._model, n, step, budget, buckets=buckets)
+                secs = plan.before_ready()
+                if budget == float("inf"):  # ranks in lockstep: every rank, every piece, now
+                    while plan.pending:
+                        secs += plan.step()
+                what = ", the prefill buckets" if buckets else ""
+                sizes, later = (
+                    ("1", f"; batch sizes 2-{n} while idle") if plan.pending else (f"1-{n}", "")
+                )
+                log(f"Warm-up: batch sizes {sizes}{what} in {secs:.1f}s{later}")
+                self._plan = plan if plan.pending else None
+            except Exception as e:  # serving without it is slower at first, not wrong
+                log(f"Warm-up failed: {faults.describe(e)}")
+        return ""
+
+    def later(self) -> None:
+        """One piece of the warm-up left for idle time."""
+        plan = self._plan
+        if plan is None:
+            return
+        try:
+            plan.step()
+        except Exception as e:  # serving goes on; shapes not warmed are built on first use
+            log(f"Warm-up failed: {faults.describe(e)}")
+            reset_random_state()
+            self._plan = None
+            return
+        if not plan.pending:
+            self._plan = None
+            log(f"Warm-up: done while idle ({plan.spent:.1f}s in all)")
