@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -61,6 +62,9 @@ class EngineConfig:
     # Run every batch size once: a lone request's shapes before serving, the rest while idle
     # (tuning.WarmUp; all before serving when ranks run in lockstep).
     warm_up: bool = False
+    # Seconds the engine must have been idle before the next warm-up piece: a conversation's
+    # next message, typed soon after a reply, does not land on one.
+    warm_idle_s: float = 1.5
     # Compute one token before serving (tuning.first_token); a failure is ``start_error``.
     first_token: bool = False
     # Bytes this engine's model keeps resident (weights and KV budget): its share of the
@@ -131,6 +135,7 @@ class Engine:
         self._thread: threading.Thread | None = None
         self.start_error = ""
         self._warming: WarmUp | None = None  # warm-up pieces left for idle time
+        self._busy_at = float("-inf")  # when the engine thread last saw work (monotonic)
         self._wired = 0  # bytes claimed of the process's wired limit (wired.py)  # why the model cannot serve (set before wait_ready returns)
 
     def _default_runner(self) -> Runner:
@@ -282,6 +287,9 @@ class Engine:
             self._outbox.flush()
         self._fail("cancelled", queued=True)
         self._fail_calls()
+        if self._warming is not None:
+            self._warming.close()  # a drain under way gives its generator back
+            self._warming = None
         self._runner.close()
         if self._prompt_cache is not None:
             try:
@@ -295,11 +303,17 @@ class Engine:
         while True:
             with sched.wake:
                 if sched.stopping or sched.active or self._calls:
+                    self._busy_at = time.monotonic()
                     return not (sched.stopping and not sched.active and not sched.pending)
                 hold = sched.gather_left() if sched.pending else 0.5
+                if sched.pending:
+                    self._busy_at = time.monotonic()
                 if not hold:  # queued requests that need not wait for others
                     return True
                 warm = self._warming is not None and not sched.pending
+                if warm:  # a piece only once idle for a while, never with work queued
+                    rest = self._busy_at + self.config.warm_idle_s - time.monotonic()
+                    warm, hold = rest <= 0, min(hold, max(rest, 0.0))
                 if not warm:
                     sched.wake.wait(hold)
             if warm:  # idle: the next piece of the warm-up, outside the lock
