@@ -90,7 +90,9 @@ def test_a_request_during_the_idle_warm_up_is_admitted_before_the_next_piece(lm,
         assert engine.wait_ready(60) and started.wait(60)
         done: list[Finished] = []
         prompt = tokenizer.encode("Hello there")
-        client = threading.Thread(target=lambda: done.append(asyncio.run(_generate(engine, prompt))))
+        client = threading.Thread(
+            target=lambda: done.append(asyncio.run(_generate(engine, prompt)))
+        )
         client.start()
         deadline = time.monotonic() + 30
         while not engine._sched.pending and time.monotonic() < deadline:
