@@ -10,7 +10,7 @@ size stalls unless it was run once before the server says it is ready.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Generator
 from typing import Any
 
 import mlx.core as mx
@@ -108,7 +108,8 @@ class WarmUp:
         self._later: list[tuple[list[list[int]], int]] = [
             (_prompts(n), 3) for n in range(2, max_batch_size + 1)
         ] + [(full, 2)]
-        self._run: Iterator[None] | None = None  # the drain under way, one piece a step
+        # the drain under way, one piece (generator step) at a time
+        self._run: Generator[None, None, None] | None = None
 
     @property
     def pending(self) -> bool:
@@ -157,7 +158,7 @@ class WarmUp:
         self.spent += secs
         return secs
 
-    def _drain(self, prompts: list[list[int]], max_tokens: int) -> Iterator[None]:
+    def _drain(self, prompts: list[list[int]], max_tokens: int) -> Generator[None, None, None]:
         """Generate ``max_tokens`` for every prompt, yielding after each generator step."""
         from mlx_lm.generate import BatchGenerator
 
