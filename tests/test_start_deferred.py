@@ -5,6 +5,7 @@ wrapping of the tokenizer (done by the first compile)."""
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -12,6 +13,7 @@ from typing import Any
 import pytest
 
 from mlx_server.engine.core.engine import Engine, EngineConfig
+from mlx_server.engine.core.tuning import WarmUp
 from mlx_server.engine.grammar.constraints import (
     ConstraintCompiler,
     ConstraintError,
@@ -59,6 +61,58 @@ def test_batch_sizes_above_one_warm_up_while_idle_and_a_request_runs_meanwhile(l
         again = asyncio.run(_generate(engine, tokenizer.encode("Hello again")))
         assert again.usage.completion_tokens == 5
     finally:
+        engine.shutdown()
+
+
+def test_a_request_during_the_idle_warm_up_is_admitted_before_the_next_piece(lm, monkeypatch):
+    model, tokenizer = lm
+    events: list[str] = []
+    plans: list[WarmUp] = []
+    started, release = threading.Event(), threading.Event()
+    real_step = WarmUp.step
+
+    def step(plan: WarmUp) -> float:
+        first = not plans
+        plans.append(plan)
+        events.append("piece")
+        if first:  # the first idle piece is under way when the request comes
+            started.set()
+            assert release.wait(30)
+        return real_step(plan)
+
+    monkeypatch.setattr(WarmUp, "step", step)
+    config = EngineConfig(max_batch_size=3, warm_up=True, warm_idle_s=0.0)
+    engine = Engine(model, tokenizer, config)
+    real_start = engine._start
+    monkeypatch.setattr(engine, "_start", lambda seq: (events.append("admit"), real_start(seq)))
+    engine.start()
+    try:
+        assert engine.wait_ready(60) and started.wait(60)
+        done: list[Finished] = []
+        prompt = tokenizer.encode("Hello there")
+        client = threading.Thread(
+            target=lambda: done.append(asyncio.run(_generate(engine, prompt)))
+        )
+        client.start()
+        deadline = time.monotonic() + 30
+        while not engine._sched.pending and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert engine._sched.pending  # queued behind the piece under way
+        release.set()
+        client.join(60)
+        assert done and done[0].usage.completion_tokens == 5
+        assert events[:2] == ["piece", "admit"]  # served before the warm-up's next piece
+        deadline = time.monotonic() + 60
+        while engine.warming_up and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert not engine.warming_up
+        plan = plans[0]
+        assert all(p is plan for p in plans)
+        assert not plan._later and plan._run is None and plan.spent < plan.budget_s
+        # batch sizes 2 and 3 and the full chunk, each split into its generator steps
+        assert events.count("piece") > 3
+    finally:
+        release.set()
         engine.shutdown()
 
 

@@ -23,6 +23,9 @@ class EngineConfig:
     # Run every batch size once: a lone request's shapes before serving, the rest while idle
     # (tuning.WarmUp; all before serving when ranks run in lockstep).
     warm_up: bool = False
+    # Seconds the engine must have been idle before the next warm-up piece: a conversation's
+    # next message, typed soon after a reply, does not land on one.
+    warm_idle_s: float = 1.5
     # Compute one token before serving (tuning.first_token); a failure is ``start_error``.
     first_token: bool = False
     # Bytes this engine's model keeps resident (weights and KV budget): its share of the

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, TypeVar
@@ -85,6 +86,7 @@ class Engine:
         self._thread: threading.Thread | None = None
         self.start_error = ""  # why the model cannot serve (set before wait_ready returns)
         self._warming = Warming(model, cfg)  # warm-up pieces left for idle time
+        self._busy_at = float("-inf")  # when the engine thread last saw work (monotonic)
         self._wired = 0  # bytes claimed of the process's wired limit (wired.py)
 
     # ---- public API (any thread) -------------------------------------------------------
@@ -185,6 +187,7 @@ class Engine:
             self._outbox.flush()
         self._fail("cancelled", queued=True)
         self._calls.fail()
+        self._warming.close()  # a drain under way gives its generator back
         self._runner.close()
         self._prefixes.close()
 
@@ -194,11 +197,17 @@ class Engine:
         while True:
             with sched.wake:
                 if sched.stopping or sched.active or self._calls:
+                    self._busy_at = time.monotonic()
                     return not (sched.stopping and not sched.active and not sched.pending)
                 hold = sched.gather_left() if sched.pending else 0.5
+                if sched.pending:
+                    self._busy_at = time.monotonic()
                 if not hold:  # queued requests that need not wait for others
                     return True
                 warm = self._warming.pending and not sched.pending
+                if warm:  # a piece only once idle for a while, never with work queued
+                    rest = self._busy_at + self.config.warm_idle_s - time.monotonic()
+                    warm, hold = rest <= 0, min(hold, max(rest, 0.0))
                 if not warm:
                     sched.wake.wait(hold)
             if warm:  # idle: the next piece of the warm-up, outside the lock

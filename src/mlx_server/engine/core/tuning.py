@@ -10,6 +10,7 @@ size stalls unless it was run once before the server says it is ready.
 from __future__ import annotations
 
 import time
+from collections.abc import Generator
 from typing import Any
 
 import mlx.core as mx
@@ -82,9 +83,10 @@ class WarmUp:
     the lone path's prefill buckets and batch size 1. Afterwards, one piece at a time while
     the engine has nothing else to do (``step``): batch sizes 2 to ``max_batch_size``, the
     small ones first (what a few concurrent requests meet), then a full prefill chunk in
-    the batch. A request that arrives meanwhile waits for the piece under way only; a shape
-    it meets before its piece has run is built on first use, as it would have been
-    without a warm-up."""
+    the batch. A piece is one step of a generator of the warm-up's own (one prefill chunk
+    or one decode step at one batch size), so a request that arrives meanwhile waits for
+    that step only; a shape it meets before its piece has run is built on first use, as it
+    would have been without a warm-up."""
 
     def __init__(
         self,
@@ -101,14 +103,18 @@ class WarmUp:
         self.budget_s = budget_s
         self.buckets = buckets
         self.spent = 0.0  # seconds, over every piece run so far
-        self._later: list[Any] = [
-            (lambda n=n: self._batch(n)) for n in range(2, max_batch_size + 1)
-        ] + [self._full_chunk]
+        self.pieces = 0  # pieces run after the readiness line
+        full = [[1 + i % 7 for i in range(prefill_step_size + 1)]]
+        self._later: list[tuple[list[list[int]], int]] = [
+            (_prompts(n), 3) for n in range(2, max_batch_size + 1)
+        ] + [(full, 2)]
+        # the drain under way, one piece (generator step) at a time
+        self._run: Generator[None, None, None] | None = None
 
     @property
     def pending(self) -> bool:
         """Whether pieces are left (none once the budget is spent)."""
-        return bool(self._later) and self.spent < self.budget_s
+        return (bool(self._later) or self._run is not None) and self.spent < self.budget_s
 
     def before_ready(self) -> float:
         """The pieces a first request needs; returns their seconds."""
@@ -116,34 +122,44 @@ class WarmUp:
         try:
             if self.buckets:
                 _prefill_buckets(self.model, self.step_size)
-            self._batch(1)
+            for _ in self._drain(_prompts(1), 3):
+                pass
         finally:
             mx.clear_cache()
         return self._spend(t0)
 
     def step(self) -> float:
-        """Run the next piece; returns its seconds."""
+        """Run the next piece (one generator step); returns its seconds."""
         t0 = time.perf_counter()
-        piece = self._later.pop(0)
         try:
-            piece()
+            if self._run is None:
+                self._run = self._drain(*self._later.pop(0))
+            if next(self._run, StopIteration) is StopIteration:
+                self._run = None
+        except BaseException:
+            self.close()
+            raise
         finally:
+            self.pieces += 1
             if not self.pending:
-                mx.clear_cache()
+                self.close()
         return self._spend(t0)
+
+    def close(self) -> None:
+        """Drop what is left (the drain under way closes its generator)."""
+        if self._run is not None:
+            self._run.close()
+            self._run = None
+        self._later = []
+        mx.clear_cache()
 
     def _spend(self, t0: float) -> float:
         secs = time.perf_counter() - t0
         self.spent += secs
         return secs
 
-    def _full_chunk(self) -> None:
-        self._drain([[1 + i % 7 for i in range(self.step_size + 1)]], 2)
-
-    def _batch(self, n: int) -> None:
-        self._drain([[1 + (i + j) % 7 for j in range(16)] for i in range(n)], 3)
-
-    def _drain(self, prompts: list[list[int]], max_tokens: int) -> None:
+    def _drain(self, prompts: list[list[int]], max_tokens: int) -> Generator[None, None, None]:
+        """Generate ``max_tokens`` for every prompt, yielding after each generator step."""
         from mlx_lm.generate import BatchGenerator
 
         gen = BatchGenerator(
@@ -155,9 +171,18 @@ class WarmUp:
         )
         hands_off(gen)
         try:
-            _drain(gen, prompts, max_tokens)
+            left = set(gen.insert(prompts, max_tokens=[max_tokens] * len(prompts)))
+            while left:
+                for r in gen.next()[1]:
+                    if r.finish_reason is not None:
+                        left.discard(r.uid)
+                yield
         finally:
             gen.close()
+
+
+def _prompts(n: int) -> list[list[int]]:
+    return [[1 + (i + j) % 7 for j in range(16)] for i in range(n)]
 
 
 def first_token(model: Any) -> None:
@@ -180,11 +205,3 @@ def _prefill_buckets(model: Any, step: int) -> None:
         model(mx.array([[1 + i % 7 for i in range(64)]]), cache=cache)  # a "cached" prefix
         logits = model(mx.array([[1 + i % 7 for i in range(n)]]), cache=cache)
         mx.eval(logits[:, -1, :], [c.state for c in cache])
-
-
-def _drain(gen: Any, prompts: list[list[int]], max_tokens: int) -> None:
-    left = set(gen.insert(prompts, max_tokens=[max_tokens] * len(prompts)))
-    while left:
-        for r in gen.next()[1]:
-            if r.finish_reason is not None:
-                left.discard(r.uid)

@@ -53,6 +53,12 @@ class Warming:
                 log(f"Warm-up failed: {faults.describe(e)}")
         return ""
 
+    def close(self) -> None:
+        """Drop what is left (a drain under way gives its generator back)."""
+        if self._plan is not None:
+            self._plan.close()
+            self._plan = None
+
     def later(self) -> None:
         """One piece of the warm-up left for idle time."""
         plan = self._plan
