@@ -24,27 +24,12 @@ COUNT: dict[str, int] = defaultdict(int)
 _ENGINE_THREAD = "mlx-engine"
 
 
-def _timed(name: str, fn: Any) -> Any:
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        if threading.current_thread().name != _ENGINE_THREAD:
-            return fn(*args, **kwargs)
-        t, c = time.perf_counter(), time.thread_time()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            TOTAL[name] += time.perf_counter() - t
-            CPU[name] += time.thread_time() - c
-            COUNT[name] += 1
-
-    wrapper.__wrapped__ = fn
-    return wrapper
-
-
-def _timed_elsewhere(name: str, fn: Any) -> Any:
-    """Like ``_timed``, for calls made on any thread but the engine's (the asyncio side)."""
+def _timed(name: str, fn: Any, on_engine: bool = True) -> Any:
+    """``fn`` with its wall and CPU time added to ``name``'s totals when called on the
+    engine's thread (``on_engine=False``: on any thread but the engine's, the asyncio side)."""
 
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        if threading.current_thread().name == _ENGINE_THREAD:
+        if (threading.current_thread().name == _ENGINE_THREAD) != on_engine:
             return fn(*args, **kwargs)
         t, c = time.perf_counter(), time.thread_time()
         try:
@@ -83,7 +68,7 @@ def install() -> None:
     h.Outbox.flush = _timed("engine.flush", h.Outbox.flush)
     h.GenerationHandle.push = _timed("handle.push", h.GenerationHandle.push)
     if hasattr(h, "_deliver"):  # the asyncio side taking one step's events
-        h._deliver = _timed_elsewhere("loop.deliver", h._deliver)
+        h._deliver = _timed("loop.deliver", h._deliver, on_engine=False)
 
 
 def reset() -> None:
