@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import mlx.core as mx
+import numpy as np
 import pytest
 from arch_models import build
 from mlx_lm.models import gated_delta as gd
@@ -192,3 +193,13 @@ def test_kernel_source_is_complete(vector_gate, masked):
     assert bool(re.search(r"g\[g0 \+ \(size_t\)tn \* g_step \+ 32 \* i\]", src)) == vector_gate
     # The step count comes from v's shape: no per-length kernel build.
     assert "v_shape[1]" in src
+
+
+@pytest.mark.parametrize("vector_gate", [False, True])
+@pytest.mark.parametrize("masked", [False, True])
+def test_the_self_check_s_reference_is_mlx_lm_s_ops_path(masked, vector_gate):
+    args = gdc._inputs(mx.random.key(11), mx.float32, 6, masked, vector_gate)
+    y_ref, st_ref = gdc.reference(*args)
+    y, st = gd.gated_delta_ops(*args)
+    assert abs(np.array(y) - y_ref).max() < 1e-5
+    assert abs(np.array(st) - st_ref).max() < 1e-5
