@@ -52,34 +52,18 @@ class TinyVLM:
     text_prompt: list[int]
 
 
-def _llava(mod: Any, vocab: int, image: int) -> Any:
-    text = mod.TextConfig.from_dict(dict(TEXT, model_type="llama", vocab_size=vocab))
-    config = mod.ModelConfig(
-        text_config=text,
-        vision_config=mod.VisionConfig(**CLIP),
-        model_type=mod.__name__.rsplit(".", 1)[-1],
-        image_token_index=image,
-        vocab_size=vocab,
-    )
-    return mod.Model(config)
-
-
-def _pixtral(mod: Any, vocab: int, image: int) -> Any:
-    text = mod.TextConfig.from_dict(dict(TEXT, model_type="mistral", vocab_size=vocab, head_dim=16))
-    vision = mod.VisionConfig(
-        model_type="pixtral",
-        num_hidden_layers=1,
-        hidden_size=32,
-        head_dim=16,
-        intermediate_size=64,
-        num_attention_heads=2,
-        image_size=2 * SIDE,
-        patch_size=14,
-    )
+def _llava_like(mod: Any, vocab: int, image: int) -> Any:
+    """LLaVA and LLaVA-NeXT (CLIP and Llama), Pixtral and Mistral 3 (Pixtral's tower, Mistral)."""
     family = mod.__name__.rsplit(".", 1)[-1]
+    if family.startswith("llava"):
+        text, vision = dict(TEXT, model_type="llama"), CLIP
+    else:
+        text = dict(TEXT, model_type="mistral", head_dim=16)
+        vision = dict(CLIP, model_type="pixtral", num_hidden_layers=1, head_dim=16)
+        vision["image_size"] = 2 * SIDE
     config = mod.ModelConfig(
-        text_config=text,
-        vision_config=vision,
+        text_config=mod.TextConfig.from_dict(dict(text, vocab_size=vocab)),
+        vision_config=mod.VisionConfig.from_dict(vision),
         model_type=family,
         image_token_index=image,
         vocab_size=vocab,
@@ -138,12 +122,10 @@ def build(family: str, path: Path, seed: int = 0) -> TinyVLM:
     mx.random.seed(seed)
     image = vocab[IMAGE]
     qwen = family.startswith("qwen")
-    if family in ("llava", "llava_next"):
-        model = _llava(mod, size, image)
-    elif family in ("pixtral", "mistral3"):
-        model = _pixtral(mod, size, image)
-    else:
+    if qwen:
         model = _qwen(mod, size, image, vocab)
+    else:
+        model = _llava_like(mod, size, image)
     head = model.language_model.lm_head
     head.weight = head.weight * 4  # sharper than random: the outputs depend on the input
     settle_arrays(model)  # as the loader does: the engine thread runs it

@@ -22,22 +22,19 @@ import shutil
 import sys
 from pathlib import Path
 
+from make_random_model import copy_tokenizer
+
 VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 
+# Qwen-VL's ChatML, with each image (OpenAI's image_url parts, or mlx-vlm's image parts) as its
+# vision tokens.
 TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' }}"
-    "{% if message['content'] is string %}{{ message['content'] }}"
-    "{% else %}{% for part in message['content'] %}"
-    "{% if part['type'] == 'image' or part['type'] == 'image_url' or 'image' in part %}"
-    "{{ '<|vision_start|><|image_pad|><|vision_end|>' }}"
-    "{% elif part['type'] == 'video' or 'video' in part %}"
-    "{{ '<|vision_start|><|video_pad|><|vision_end|>' }}"
-    "{% elif 'text' in part %}{{ part['text'] }}{% endif %}"
-    "{% endfor %}{% endif %}"
-    "{{ '<|im_end|>\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n"
+    "{% if m.content is string %}{{ m.content }}{% else %}{% for p in m.content %}"
+    "{% if p.type in ('image', 'image_url') %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif p.type == 'video' %}<|vision_start|><|video_pad|><|vision_end|>"
+    "{% else %}{{ p.text }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
 # Qwen/Qwen2.5-VL-7B-Instruct config.json, less the vocabulary (the kit's tokenizer's).
@@ -206,12 +203,7 @@ def text_twin(lm_weights: dict, config: dict, tok_dir: Path, out: Path) -> None:
     text = {k: config[k] for k in keep if k in config}
     text.update(model_type="qwen2", architectures=["Qwen2ForCausalLM"])
     (out / "config.json").write_text(json.dumps(text, indent=1))
-    for f in tok_dir.iterdir():
-        if f.name.startswith("tokenizer") or f.name in (
-            "special_tokens_map.json",
-            "chat_template.jinja",
-        ):
-            shutil.copy(f, out / f.name)
+    copy_tokenizer(tok_dir, out)
 
 
 def main(argv: list[str]) -> None:
