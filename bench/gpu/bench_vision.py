@@ -163,7 +163,8 @@ class VisionBench:
 def summary(path: Path, out: Path | None = None) -> dict:
     """The ratios the issue's targets name, from the lines of one run."""
     lines = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
-    got = {(x["server"], x["kind"], x["scenario"]): x for x in lines if x.get("bench") == "vision"}
+    runs = [x for x in lines if x.get("bench") == "vision" and "server" in x]  # not summaries
+    got = {(x["server"], x["kind"], x["scenario"]): x for x in runs}
 
     def val(server: str, kind: str, scenario: str, key: str) -> Any:
         return (got.get((server, kind, scenario)) or {}).get(key)

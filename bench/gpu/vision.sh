@@ -11,6 +11,9 @@
 #   bash .gpu/a/lay.sh                                          # GPU 1, carry .gpu/a
 #   bash bench/gpu/install.sh                                   # GPU 2, carry .gpu/b
 #   bash /tmp/kit/a/vision.sh                                   # GPU 3, carry .gpu/v
+# Should one call not hold it all (10 minutes), split the servers over two calls, the models kept:
+#   SERVERS=ours bash /tmp/kit/a/vision.sh; then SERVERS=mlxvlm bash /tmp/kit/a/vision.sh (the summary
+#   reads both calls' lines from $ALL).
 # A dry run on a CPU (no install, the tiny preset):
 #   NO_INSTALL=1 PRESET=tiny-qwen25vl TOK=models/smollm2-135m-instruct PYTHON=.venv/bin/python \
 #     SRC=$PWD/src MAX_TOKENS=16 SIZE=112 REPEATS=1 N=4 OUT=/tmp/vision-out bash bench/gpu/vision.sh
@@ -19,7 +22,8 @@
 #      MAX_TOKENS=128, SIZE=448 (image side), REPEATS=3, SCEN=single,concurrent,session,text,
 #      TWIN=1 (0: skip the text twin), OURS_ARGS (extra flags for this server), NO_INSTALL=1 (use what
 #      PYTHON has), V (the mlx-vlm wheels; default .gpu/v), PYTHON=python3, S=/tmp/site, K=/tmp/kit/a,
-#      TOK=$K/tok, SRC (default the kit's copy, else ./src), MODELS_DIR=/tmp/models, OUT=/tmp/out.
+#      TOK=$K/tok, SRC (default the kit's copy, else ./src), MODELS_DIR=/tmp/models, OUT=/tmp/out,
+#      ALL=/tmp/vision-results.jsonl (every call's lines, for the summary).
 set -u
 HERE=$(cd "$(dirname "$0")" && pwd)
 PYTHON=${PYTHON:-python3}; S=${S:-/tmp/site}; K=${K:-/tmp/kit/a}; OUT=${OUT:-/tmp/out}; TOK=${TOK:-$K/tok}
@@ -27,7 +31,7 @@ SRC=${SRC:-$([ -d $K/src/mlx_server ] && echo $K/src || echo $PWD/src)}; MODELS_
 PRESET=${PRESET:-qwen25vl-7b}; BITS=${BITS:-4}; SERVERS=${SERVERS-"ours mlxvlm"}; N=${N:-8}
 MAX_TOKENS=${MAX_TOKENS:-128}; SIZE=${SIZE:-448}; REPEATS=${REPEATS:-3}; SCEN=${SCEN:-single,concurrent,session,text}
 TWIN=${TWIN:-1}; OURS_ARGS=${OURS_ARGS:-}; V=${V:-.gpu/v}
-mkdir -p "$OUT"; R=$OUT/results.jsonl; T=$OUT/logs; mkdir -p "$T"
+mkdir -p "$OUT"; R=$OUT/results.jsonl; T=$OUT/logs; mkdir -p "$T"; ALL=${ALL:-/tmp/vision-results.jsonl}
 exec > >(tee -a "$OUT/vision.txt") 2>&1
 if [ "${NO_INSTALL:-0}" != 1 ]; then
   K=$K S=$S bash "$HERE/install.sh" || exit 1
@@ -92,4 +96,7 @@ for srv in $SERVERS; do
   serve $srv $M vlm "$SCEN"
   [ $srv = ours ] && [ "$TWIN" = 1 ] && [[ ",$SCEN," == *",text,"* ]] && serve ours $MT twin text
 done
-"$PYTHON" "$HERE/bench_vision.py" --summary "$R" --out "$R"
+# The summary reads every run's lines kept on this machine ($ALL: a later call with other SERVERS adds
+# to it; the last line of each server, kind and scenario counts).
+cat "$R" >> "$ALL" 2> /dev/null; cp "$ALL" "$OUT/all-results.jsonl"
+"$PYTHON" "$HERE/bench_vision.py" --summary "$ALL" --out "$R"
