@@ -70,3 +70,28 @@ def test_settle_arrays_finds_arrays_outside_the_parameters() -> None:
     assert settle_arrays(holder) >= 2
     errors = _run_elsewhere(lambda: mx.eval(holder._hidden + 1, holder.lists[0] * 2))
     assert errors == []
+
+
+def test_settle_arrays_finds_arrays_in_plain_objects() -> None:
+    """Pixtral's vision tower keeps its rotary frequencies on a plain object (not a module):
+    those are settled too, and objects that refer to each other are walked once."""
+    import mlx.core as mx
+    import mlx.nn as nn
+
+    from mlx_server.models.base import settle_arrays
+
+    class Rope:  # not an nn.Module
+        def __init__(self) -> None:
+            self.inv_freq = mx.arange(4) * 0.5
+            self.me = self  # a cycle
+
+    class Tower(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = nn.Linear(2, 2)
+            self.rope = Rope()
+
+    tower = Tower()
+    assert settle_arrays(tower) == 3  # the linear layer's weight and bias, and inv_freq
+    errors = _run_elsewhere(lambda: mx.eval(tower.rope.inv_freq + 1))
+    assert errors == []

@@ -1,8 +1,9 @@
 #!/bin/bash
 # Run on the development machine, in the project's root (`bash bench/gpu/prepare.sh`), after
 # `.venv/bin/mlx-server-demo` has imported the demo model (its tokenizer is reused).
-# Builds .gpu/a (< 64 MiB: wheels, tokenizer, these scripts, first half of the mlx-cuda wheel) and
-# .gpu/b (second half), both git-ignored, for two runs on the GPU machine (docs/benchmarks.md, "GPU").
+# Builds .gpu/a (< 64 MiB: wheels, tokenizer, these scripts, first half of the mlx-cuda wheel),
+# .gpu/b (second half) and .gpu/v (mlx-vlm's wheels, for vision.sh), all git-ignored, for the runs on the
+# GPU machine (docs/benchmarks.md, "GPU").
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 TOK=${TOK:-models/smollm2-135m-instruct}
@@ -33,5 +34,14 @@ cp "$HERE"/*.py "$HERE"/*.sh .gpu/a/
 SRC_TREE=$(cd "$HERE/../.." && pwd)/src
 mkdir -p .gpu/a/src && cp -r "$SRC_TREE"/mlx_server .gpu/a/src/ && find .gpu/a/src -name __pycache__ -prune -exec rm -rf {} +
 rmdir .gpu/dl
-du -sh .gpu/a .gpu/b
+# .gpu/v: mlx-vlm and what it imports that the device image lacks (it has transformers >= 5.14,
+# Pillow, scipy, sentencepiece, opencv, torch), for vision.sh: mlx_vlm.server, and this server's
+# vision path. Pure-Python wheels but cryptography (abi3), orjson (cp312).
+MLXVLM=${MLXVLM_VERSION:-$(.venv/bin/python -c 'import importlib.metadata as m; print(m.version("mlx-vlm"))')}
+MLXAUDIO=${MLXAUDIO_VERSION:-$(.venv/bin/python -c 'import importlib.metadata as m; print(m.version("mlx-audio"))')}
+VWHEELS=${VWHEELS:-"cryptography cffi pycparser truststore python-multipart dill orjson websockets"}
+mkdir -p .gpu/v
+python3 -m pip download -q --no-deps $PLAT -d .gpu/v "mlx-vlm==$MLXVLM" "mlx-audio==$MLXAUDIO" $VWHEELS 2>&1 | grep -v "is ignored" || true
+du -sh .gpu/a .gpu/b .gpu/v
 echo "next, on the GPU machine: 'bash .gpu/a/lay.sh' with .gpu/a along; right after: 'bash /tmp/kit/a/device_bench.sh' with .gpu/b along"
+echo "vision (bench/gpu/vision.sh): 'bash .gpu/a/lay.sh' (.gpu/a); 'bash bench/gpu/install.sh' (.gpu/b); 'bash /tmp/kit/a/vision.sh' (.gpu/v)"

@@ -4,6 +4,7 @@ record, the load error, the KV-size estimate and the chat-template lookup."""
 from __future__ import annotations
 
 import json
+import types
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,10 @@ class LoadedModel:
         return kv_bytes_per_token(self.config, activation_bytes(self.model))
 
 
+# What a module may hold that is no state of its own: classes, modules, functions.
+_NOT_WALKED = (type, types.ModuleType, types.FunctionType, types.MethodType)
+
+
 def settle_arrays(model: Any) -> int:
     """Evaluate every array the model's modules hold, parameters or not, on this thread.
 
@@ -42,15 +47,28 @@ def settle_arrays(model: Any) -> int:
     import mlx.nn as nn
 
     found: list[Any] = []
+    seen: set[int] = set()  # plain objects already walked (they may refer to each other)
 
     def collect(value: Any, depth: int = 0) -> None:
         if isinstance(value, mx.array):
             found.append(value)
-        elif depth < 3 and isinstance(value, list | tuple):
+        elif depth >= 3 or isinstance(value, nn.Module):
+            return  # modules are walked by ``modules()``
+        elif isinstance(value, list | tuple):
             for v in value:
                 collect(v, depth + 1)
-        elif depth < 3 and isinstance(value, dict) and not isinstance(value, nn.Module):
+        elif isinstance(value, dict):
             for v in value.values():
+                collect(v, depth + 1)
+        elif (
+            hasattr(value, "__dict__")
+            and not isinstance(value, _NOT_WALKED)
+            and id(value) not in seen
+        ):
+            # A plain object a module holds (Pixtral's ``PixtralRotaryEmbedding`` keeps its
+            # ``inv_freq`` so): its attributes, once.
+            seen.add(id(value))
+            for v in vars(value).values():
                 collect(v, depth + 1)
 
     modules = model.modules() if isinstance(model, nn.Module) else []

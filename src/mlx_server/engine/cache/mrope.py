@@ -1,8 +1,8 @@
 """A KV cache kind for Qwen-VL: its multimodal rotary positions (M-RoPE) in the batch.
 
-Qwen2-VL and Qwen2.5-VL give an image's tokens positions on a grid (time, height, width),
-so the positions after an image run behind the token count: each sequence's text goes on
-at ``offset + delta``, its own ``delta`` (mlx-vlm's ``rope_deltas``; 0 without media).
+Qwen2-VL, Qwen2.5-VL and Qwen3-VL give an image's tokens positions on a grid (time,
+height, width), so the positions after an image run behind the token count: each
+sequence's text goes on at ``offset + delta``, its own ``delta`` (mlx-vlm's ``rope_deltas``; 0 without media).
 mlx-vlm keeps that on the model, for one sequence; here each sequence's cache carries it
 (``DeltaKVCache``), through the batch's merges, splits and filters and into the prefix
 cache, and ``positions`` builds the batch's position ids from the cache: with the same
@@ -17,7 +17,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
 # Families whose language model takes explicit (3, batch, length) position ids this way.
-MROPE_FAMILIES = {"qwen2_vl", "qwen2_5_vl"}
+MROPE_FAMILIES = {"qwen2_vl", "qwen2_5_vl", "qwen3_vl"}
 
 
 class DeltaKVCache(KVCache):

@@ -15,8 +15,8 @@ prefix cache, its disk tier and the batch's merging know.
 
 Qwen-VL's multimodal rotary positions ride on each sequence's cache (``cache/mrope.py``).
 Families not checked to decode from tokens and a cache alone (cross-attention to the image
-in Llama 3.2 Vision, Gemma 3n's per-layer inputs, Qwen3-VL's deepstack features) run one
-request at a time (``batch_refusal`` says why).
+in Llama 3.2 Vision, Gemma 3n's per-layer inputs, LLaVA-NeXT's image features longer than
+its image tokens) run one request at a time (``batch_refusal`` says why).
 """
 
 from __future__ import annotations
@@ -41,13 +41,18 @@ from mlx_server.engine.runners.base import Insert, Progress
 # image's tokens see each other; Qwen-VL's positions, see cache/mrope.py). Any other would
 # mean decode steps need it too.
 _PREFILL_ONLY = {"inputs_embeds", "attention_mask_4d", "position_ids", "rope_deltas"}
+# Qwen3-VL's deepstack: the tower's features of earlier layers, added to the first layers'
+# hidden states at the image tokens; mlx-vlm's language model finds a chunk's share of them
+# from the cache's offset.
+_PREFILL_ONLY |= {"visual_pos_masks", "deepstack_visual_embeds"}
 # The families whose language model decodes from tokens and a KV cache alone (checked with
 # tiny models, or the same language model as one that is): others run one at a time.
+# LLaVA-NeXT is not among them: its image features (tiles and newline rows) replace a
+# single placeholder, so its embeddings are longer than its tokens.
 BATCHED_FAMILIES = {
     "idefics3",
     "smolvlm",
     "llava",
-    "llava_next",
     "mistral3",
     "pixtral",
     "gemma3",
@@ -192,6 +197,13 @@ class VisionPrefill:
             mx.array([self._prompt]), pixel_values, mask=mask, **inputs
         )
         extra = {k: v for k, v in out.to_dict().items() if v is not None}
+        length = out.inputs_embeds.shape[1]
+        if length != len(self._prompt):
+            # The batch feeds tokens: one embedding each (LLaVA-NeXT's anyres is not so).
+            raise ValueError(
+                f"this model's image features give {length} embeddings for a prompt of "
+                f"{len(self._prompt)} tokens; its requests cannot share the batch"
+            )
         needs = sorted(set(extra) - _PREFILL_ONLY)
         if needs:
             raise ValueError(f"this model's images need {', '.join(needs)} at every step")
