@@ -31,11 +31,13 @@ class Frame:
 
 
 def encode(frame: Frame) -> bytes:
+    data = frame.data
+    if type(data) is RawJSON and frame.event is None:  # the hot path: a content chunk
+        return b"data: " + data.text + b"\n\n"
     if frame.comment is not None:
         return f": {frame.comment}\n\n".encode()
     if frame.error is not None:
         return b"error: " + _json({"message": frame.error}) + b"\n\n"
-    data = frame.data
     if isinstance(data, RawJSON):
         data = data.text
     else:
@@ -44,5 +46,9 @@ def encode(frame: Frame) -> bytes:
     return head + b"data: " + data + b"\n\n"
 
 
+# One encoder for every frame: ``json.dumps`` with options builds a new one per call.
+json_text = json.JSONEncoder(ensure_ascii=False).encode
+
+
 def _json(value: Any) -> bytes:
-    return json.dumps(value, ensure_ascii=False).encode()
+    return json_text(value).encode()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import time
+from json.encoder import encode_basestring
 from typing import Any
 
 from mlx_server.engine.core.handle import Started
@@ -136,7 +137,8 @@ class ChunkEncoder:
             before, _, after = marker.rpartition(b'"\\u0000"')
             self._content = before, after
         before, after = self._content
-        return RawJSON(before + json.dumps(text, ensure_ascii=False).encode() + after)
+        # The string as ``json.dumps(text, ensure_ascii=False)`` writes it, without the call.
+        return RawJSON(before + encode_basestring(text).encode() + after)
 
     def role(self) -> dict[str, Any]:
         return self._chunk({"role": "assistant", "content": ""})
