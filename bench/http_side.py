@@ -64,9 +64,9 @@ def start_server(
 
 async def httpx_one(
     client: httpx.AsyncClient, port: int, payload: dict[str, Any]
-) -> tuple[float, float, int]:
+) -> tuple[float, float, int, int]:
     t_first = t_last = 0.0
-    tokens = 0
+    tokens = chunks = 0
     url = f"http://127.0.0.1:{port}/v1/chat/completions"
     async with client.stream("POST", url, json=payload) as r:
         r.raise_for_status()
@@ -78,14 +78,15 @@ async def httpx_one(
                 if usage:
                     tokens = int(usage["completion_tokens"])
             if CONTENT.search(line):
+                chunks += 1
                 t_last = time.perf_counter()
                 t_first = t_first or t_last
-    return t_first, t_last, tokens
+    return t_first, t_last, tokens, chunks
 
 
-async def openai_one(client: Any, payload: dict[str, Any]) -> tuple[float, float, int]:
+async def openai_one(client: Any, payload: dict[str, Any]) -> tuple[float, float, int, int]:
     t_first = t_last = 0.0
-    tokens = 0
+    tokens = chunks = 0
     stream = await client.chat.completions.create(
         model=payload["model"],
         messages=payload["messages"],
@@ -99,9 +100,10 @@ async def openai_one(client: Any, payload: dict[str, Any]) -> tuple[float, float
         if chunk.usage is not None:
             tokens = chunk.usage.completion_tokens
         if chunk.choices and chunk.choices[0].delta.content:
+            chunks += 1
             t_last = time.perf_counter()
             t_first = t_first or t_last
-    return t_first, t_last, tokens
+    return t_first, t_last, tokens, chunks
 
 
 async def burst(port: int, rep: int, n: int, tokens: int, client_kind: str) -> dict[str, Any]:
@@ -118,7 +120,9 @@ async def burst(port: int, rep: int, n: int, tokens: int, client_kind: str) -> d
             runs = await asyncio.gather(*[openai_one(client, p) for p in payloads])
         else:
             runs = await asyncio.gather(*[httpx_one(http, port, p) for p in payloads])
-    return summarize(t0, list(runs))
+    out = summarize(t0, [r[:3] for r in runs])
+    out["chunks"] = sum(r[3] for r in runs)  # content chunks: fewer than tokens once merged
+    return out
 
 
 def server_cpu(port: int) -> dict[str, float]:
@@ -135,6 +139,7 @@ def measure(port: int, rep: int, n: int, a: argparse.Namespace) -> dict[str, Any
         "cpu_us": (c1["process_s"] - c0["process_s"]) * per,
         "loop_us": (c1["loop_s"] - c0["loop_s"]) * per,
         "tokens": r["tokens"],
+        "tokens_per_chunk": r["tokens"] / max(r["chunks"], 1),
         "ttft_p50_s": r["ttft_p50_s"],
     }
 
@@ -143,7 +148,7 @@ def report(rows: list[dict[str, Any]], trees: list[str]) -> None:
     cases = sorted({(r["step_ms"], r["n"]) for r in rows})
     head = f"{'step ms':>7} {'N':>3}"
     for t in trees:
-        head += f" | {t + ' tok/s':>11} {'cpu µs/tok':>10} {'loop µs/tok':>11}"
+        head += f" | {t + ' tok/s':>11} {'cpu µs/tok':>10} {'loop µs/tok':>11} {'tok/chunk':>9}"
     if len(trees) == 2:
         head += f" | {'tok/s ratio':>11} {'cpu ratio':>9} {'loop ratio':>10}"
     print("\n" + head)
@@ -152,11 +157,13 @@ def report(rows: list[dict[str, Any]], trees: list[str]) -> None:
         med: dict[str, dict[str, float]] = {}
         for t in trees:
             rs = [r for r in rows if (r["step_ms"], r["n"], r["tree"]) == (step, n, t)]
-            med[t] = {
-                k: statistics.median(r[k] for r in rs) for k in ("tok_s", "cpu_us", "loop_us")
-            }
+            keys = ("tok_s", "cpu_us", "loop_us", "tokens_per_chunk")
+            med[t] = {k: statistics.median(r[k] for r in rs) for k in keys}
             m = med[t]
-            line += f" | {m['tok_s']:>11.0f} {m['cpu_us']:>10.1f} {m['loop_us']:>11.1f}"
+            line += (
+                f" | {m['tok_s']:>11.0f} {m['cpu_us']:>10.1f} {m['loop_us']:>11.1f}"
+                f" {m['tokens_per_chunk']:>9.2f}"
+            )
         if len(trees) == 2:
             b, o = med[trees[0]], med[trees[1]]
             line += (
