@@ -12,7 +12,9 @@ from typing import Any
 
 import pytest
 
-from mlx_server.events import TextDelta
+from mlx_server.engine.core.handle import Started
+from mlx_server.events import ReasoningDelta, TextDelta
+from mlx_server.protocols.anthropic.encoder import MessagesEncoder, StreamEncoder, frames
 from mlx_server.protocols.openai.chat.encoder import ChatEncoder, ChoicesEncoder, ChunkEncoder
 from mlx_server.server.event_stream import EventStream
 from mlx_server.server.sse import encode
@@ -34,7 +36,20 @@ def test_a_content_chunk_is_the_dictionary_serialised(text):
     }
 
 
-def test_every_choice_streams_its_own_index():
+def test_an_anthropic_text_delta_is_the_dictionary_serialised():
+    """``MessagesEncoder``'s text deltas (from a template per block) are the bytes of the
+    events ``StreamEncoder.event`` makes, in the first text block and in one after a
+    thinking block; the first piece of a block still opens it."""
+    plain = StreamEncoder("msg_1", "m", 5)  # the reference: dictionaries
+    fast = MessagesEncoder(StreamEncoder("msg_1", "m", 5))
+    fast.open(collect=False)
+    fast.start(0, Started(0))
+    plain.start()
+    pieces = [TextDelta(t) for t in TEXTS] + [ReasoningDelta("hm")]
+    for ev in pieces + [TextDelta(t) for t in reversed(TEXTS)]:
+        want = [encode(f) for f in frames(plain.event(ev))]
+        assert [encode(f) for f in fast.event(0, ev)] == want, ev
+
     enc = ChoicesEncoder("id", "m", include_usage=False, want_logprobs=False, n=3)
     role = [json.loads(encode(f)[len(b"data: ") :]) for f in enc.open(collect=False)]
     assert [r["choices"][0]["index"] for r in role] == [0, 1, 2]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from json.encoder import encode_basestring  # the string as json.dumps writes it
 from typing import Any
 
 HEADERS = {"Cache-Control": "no-cache", "Connection": "keep-alive", "X-Accel-Buffering": "no"}
@@ -15,6 +16,23 @@ class RawJSON:
     template instead of a dictionary serialised per token."""
 
     text: bytes
+
+
+class TextTemplate:
+    """A JSON value with one string slot (``SLOT``, the last one it serialises): ``fill(text)``
+    gives the bytes ``json.dumps(value, ensure_ascii=False)`` writes with ``text`` in the slot,
+    without serialising the rest again (a stream's per-token chunks differ only in it)."""
+
+    SLOT = "\x00"
+
+    def __init__(self, value: Any):
+        before, sep, after = _json(value).rpartition(b'"\\u0000"')
+        if not sep:
+            raise ValueError("the value has no slot")
+        self.before, self.after = before, after
+
+    def fill(self, text: str) -> RawJSON:
+        return RawJSON(self.before + encode_basestring(text).encode() + self.after)
 
 
 @dataclass(frozen=True)
