@@ -157,6 +157,10 @@ def serve_main(a: argparse.Namespace) -> None:
         out, runner.waves = runner.waves, []
         return out
 
+    @waves.get("/bench/cpu")
+    async def take_cpu() -> dict[str, float]:  # async: runs on the event loop's thread
+        return {"process_s": time.process_time(), "loop_s": time.thread_time()}
+
     sock = bind_socket("127.0.0.1", a.port)
     app = create_app(service, **app_options(settings), extra=waves)
     serve(app, service.engine, sock, "127.0.0.1", a.port)

@@ -58,7 +58,8 @@ def results(tiny_model_dir: Path, tmp_path_factory) -> Path:
             "--concurrency", "1,2", "--burst-n", "2", "--max-tokens", "4", "--repeats", "1",
             "--conc-max-tokens", "4", "--turns", "2", "--prefix-max-tokens", "2",
             "--system-tokens", "50", "--long-system-tokens", "50", "--long-max-tokens", "2",
-            "--nonstream-repeats", "1", "--out", str(out))  # fmt: skip
+            "--nonstream-repeats", "1", "--server-pid", str(srv.proc.pid),
+            "--out", str(out))  # fmt: skip
         kit("variants.py", "--model", m, "--base-url", url, "--label", "variants tiny",
             "--max-tokens", "4", "--repeats", "2", "--out", str(out))  # fmt: skip
     finally:
@@ -111,6 +112,31 @@ def test_the_new_scenarios_report_what_they_promise(results):
     assert {r["ignore_eos"] for r in stream} == {False, True}
 
 
+def test_the_server_cpu_per_token_is_reported(results):
+    """``--server-pid``: the server's CPU per 1,000 tokens, for one stream and each level."""
+    got = rows(results)
+    (single,) = [r for r in got if r["scenario"] == "single"]
+    (conc,) = [r for r in got if r["scenario"] == "concurrency"]
+    for value in [
+        single["server_cpu_s_per_1k_tok"],
+        *(x["server_cpu_s_per_1k_tok"] for x in conc["levels"]),
+    ]:
+        assert value is not None and value > 0
+
+
+def test_a_process_cpu_time_is_read_with_or_without_proc():
+    sys.path.insert(0, str(KIT))
+    try:
+        from bench_openai import parse_ps_time, process_cpu_s
+    finally:
+        sys.path.remove(str(KIT))
+    assert parse_ps_time("00:01:02\n") == 62  # Linux ps
+    assert parse_ps_time("1:02.50") == 62.5  # macOS ps
+    assert parse_ps_time("2-01:00:00") == 2 * 86400 + 3600
+    own = process_cpu_s(os.getpid())
+    assert own is not None and own > 0
+
+
 def test_the_summary_reads_every_line(results):
     out = results
     text = kit("summary.py", str(out))
@@ -121,6 +147,7 @@ def test_the_summary_reads_every_line(results):
         "variant greedy",
         "ratios",
         "new chunk lengths",
+        "server CPU",
     ):
         assert word in text
 

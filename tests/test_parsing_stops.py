@@ -3,9 +3,12 @@ same output and the same match; a stop string (or its start) never leaks."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from mlx_server.parsing.stops import StopMatcher
+from mlx_server.parsing.tags import held_tail_len
 
 CASES = [
     ("Hello END world", ("END",), "Hello ", "END"),
@@ -54,3 +57,17 @@ def test_the_matcher_holds_back_less_than_a_stop_string_whatever_the_text_length
         emitted += len(m.feed(piece))
         assert fed - emitted < len(stop)
     assert m.matched is None
+
+
+def _held_by_definition(text: str, tags: list[str]) -> int:
+    """The longest suffix of ``text`` that is a proper prefix of a tag, length by length."""
+    return max((n for tag in tags for n in range(1, len(tag)) if text.endswith(tag[:n])), default=0)
+
+
+def test_the_held_tail_is_the_longest_suffix_that_starts_a_tag():
+    rng = random.Random(7)
+    alphabet = "<>/ab"  # few characters: tags overlap and repeat their first character
+    for _ in range(20000):
+        tags = ["".join(rng.choices(alphabet, k=rng.randint(0, 6))) for _ in range(3)]
+        text = "".join(rng.choices(alphabet, k=rng.randint(0, 10)))
+        assert held_tail_len(text, tags) == _held_by_definition(text, tags), (text, tags)

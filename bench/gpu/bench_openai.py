@@ -50,6 +50,9 @@ Definitions (all client-side, wall clock, time.perf_counter):
   e2e_tok_s    completion_tokens / (t_end - t_request)
   aggregate_tok_s (concurrency) sum(completion_tokens) /
                (last stream end - first stream start)
+  server_cpu_s_per_1k_tok (single, each concurrency level; with --server-pid)
+               the server process's CPU seconds (user + system, /proc or ps)
+               over the scenario or level, per 1,000 completion tokens
 
 Every request loop is bounded (fixed counts) and every request has a timeout.
 
@@ -66,6 +69,7 @@ import json
 import os
 import random
 import statistics
+import subprocess
 import sys
 import time
 import urllib.parse
@@ -193,6 +197,52 @@ async def _sse_data(r: httpx.Response):
                 yield line[5:].strip(), now
 
 
+def parse_ps_time(text: str) -> float:
+    """Seconds from ``ps -o time=``: ``[[dd-]hh:]mm:ss[.ss]`` (Linux ``00:01:02``, macOS
+    ``1:02.50``)."""
+    days, _, clock = text.strip().rpartition("-")
+    seconds = 0.0
+    for part in clock.split(":"):
+        seconds = seconds * 60 + float(part)
+    return seconds + (int(days) * 86400 if days else 0)
+
+
+def process_cpu_s(pid: int) -> float | None:
+    """CPU seconds (user + system) a process has used so far: from /proc where there is
+    one (Linux), else from ``ps`` (macOS, the BSDs); None if neither can tell."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        out = subprocess.run(
+            ["ps", "-o", "time=", "-p", str(pid)], capture_output=True, text=True, timeout=10
+        )
+        return parse_ps_time(out.stdout) if out.returncode == 0 and out.stdout.strip() else None
+    except (OSError, ValueError, subprocess.SubprocessError):
+        return None
+
+
+class ServerCPU:
+    """The server's CPU seconds per 1,000 generated tokens over a span of the bench
+    (``--server-pid``); nothing without a PID."""
+
+    def __init__(self, pid: int | None):
+        self.pid = pid
+        self.start: float | None = None
+
+    def begin(self) -> None:
+        self.start = process_cpu_s(self.pid) if self.pid else None
+
+    def per_1k(self, tokens: int) -> float | None:
+        if not self.pid or self.start is None or tokens <= 0:
+            return None
+        now = process_cpu_s(self.pid)
+        return None if now is None else (now - self.start) * 1000 / tokens
+
+
 class Bench:
     def __init__(self, args: argparse.Namespace):
         if httpx is None:
@@ -214,6 +264,7 @@ class Bench:
         self.send_ignore_eos = not args.no_ignore_eos
         self.send_stream_usage = True
         self.notes: list[str] = []
+        self.cpu = ServerCPU(args.server_pid)
 
     async def close(self) -> None:
         await self.client.aclose()
@@ -477,6 +528,7 @@ class Bench:
     async def sc_single(self) -> dict:
         a = self.args
         runs = []
+        self.cpu.begin()
         for i in range(a.repeats):  # bounded
             r = await self.stream_chat([{"role": "user", "content": LONG_PROMPT}], a.max_tokens)
             if not r["ok"]:
@@ -506,6 +558,9 @@ class Bench:
                 "sse_chunks": [r["chunks"] for r in runs],
                 "ttft_s_all": [r["ttft_s"] for r in runs],
                 "decode_tok_s_all": [r["decode_tok_s"] for r in runs],
+                "server_cpu_s_per_1k_tok": self.cpu.per_1k(
+                    sum(r["completion_tokens"] for r in runs)
+                ),
             }
         )
         return out
@@ -527,6 +582,7 @@ class Bench:
                     f"[{tag} {n}-{i}] Write a long, detailed essay about {topic}. "
                     "Use many paragraphs and do not stop early."
                 )
+            self.cpu.begin()
             t0 = time.perf_counter()
             results = await asyncio.gather(
                 *[
@@ -543,6 +599,7 @@ class Bench:
                 levels.append({"n": n, "failed": len(bad), "error": bad[0].get("error")})
                 continue
             tot = sum(r["completion_tokens"] for r in results)
+            cpu_per_1k = self.cpu.per_1k(tot)
             span = max(r["t_end"] for r in results) - min(r["t_start"] for r in results)
             ttfts = [r["ttft_s"] for r in results]
             # Steady state: window in which every stream has started and none
@@ -565,6 +622,7 @@ class Bench:
                 "per_stream_decode_tok_s_median": med([r["decode_tok_s"] for r in results]),
                 "hit_max_tokens": all(r["completion_tokens"] >= a.conc_max_tokens for r in results),
                 "token_count_source": results[0]["token_count_source"],
+                "server_cpu_s_per_1k_tok": cpu_per_1k,
             }
             levels.append(lvl)
             log(
@@ -861,6 +919,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--timeout", type=float, default=300.0, help="per-request read timeout, s")
     p.add_argument("--no-ignore-eos", action="store_true")
+    p.add_argument(
+        "--server-pid",
+        type=int,
+        default=None,
+        help="the server's process: report its CPU seconds per 1,000 generated tokens "
+        "(server_cpu_s_per_1k_tok) for the single and concurrency scenarios",
+    )
     p.add_argument(
         "--client",
         choices=["raw", "httpx"],

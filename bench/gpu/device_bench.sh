@@ -41,7 +41,7 @@ PY
 port() { python3 -c 'import socket;s=socket.socket();s.bind(("127.0.0.1",0));print(s.getsockname()[1])'; }
 wait_ready() { for _ in $(seq 1 480); do curl -s -m 2 -o /dev/null "http://127.0.0.1:$1/health" && return 0; sleep 0.25; done; return 1; }
 B() { timeout 300 python3 $BENCH/bench_openai.py --base-url "http://127.0.0.1:$1/v1" --model "$2" --label "$3" \
-        --scenario "$SCEN" --concurrency "$LEVELS" --conc-max-tokens 128 --max-tokens 256 --out "$R" >/dev/null; }
+        --scenario "$SCEN" --concurrency "$LEVELS" --conc-max-tokens 128 --max-tokens 256 --server-pid "$4" --out "$R" >/dev/null; }
 start_server() {  # $1 server, $2 port, $3 log, $4... extra flags for ours
   local srv=$1 P=$2 log=$3; shift 3
   if [ $srv = mlxlm ]; then setsid python3 -m mlx_lm server --model $M --port $P > $log 2>&1 &
@@ -83,7 +83,7 @@ for spec in $MODELS; do
     SP=$!
     if wait_ready $P; then
       echo "$srv ready after $(python3 -c "print(round($(date +%s.%N)-$t0,1))") s"
-      B $P $name "$srv $preset-$bits"
+      B $P $name "$srv $preset-$bits" $SP  # the server's CPU per 1,000 tokens too
       if [ $srv = ours ] && [ "$VARIANTS" = 1 ]; then
         timeout 200 python3 $BENCH/variants.py --model $M --base-url "http://127.0.0.1:$P/v1" \
           --label "variants $preset-$bits" --max-tokens 256 --repeats 3 --out "$R" > $T/variants-$preset-$bits.log 2>&1

@@ -9,6 +9,12 @@ from collections import defaultdict
 from typing import Any
 
 
+def cpu_note(r: dict[str, Any]) -> str:
+    """The server's CPU per 1,000 tokens, where the line has it (``--server-pid``)."""
+    cpu = r.get("server_cpu_s_per_1k_tok")
+    return f", server CPU {cpu:.3f} s per 1,000 tokens" if cpu is not None else ""
+
+
 def main(path: str) -> None:
     rows: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for line in open(path):
@@ -84,7 +90,7 @@ def main(path: str) -> None:
             elif sc == "single":
                 f[f"{who}_single"] = r["decode_tok_s_median"]
                 print(
-                    f"  {who:6} single decode {r['decode_tok_s_median'] or 0:.0f} tok/s, ttft {r['ttft_s_median'] or 0:.3f} s"
+                    f"  {who:6} single decode {r['decode_tok_s_median'] or 0:.0f} tok/s, ttft {r['ttft_s_median'] or 0:.3f} s{cpu_note(r)}"
                 )
             elif sc == "concurrency":
                 for x in r["levels"]:
@@ -100,6 +106,12 @@ def main(path: str) -> None:
                         for x in r["levels"]
                     ],
                 )
+                cpu = [(x["n"], x.get("server_cpu_s_per_1k_tok")) for x in r["levels"]]
+                if any(c is not None for _, c in cpu):
+                    print(
+                        f"  {who:6} server CPU s per 1,000 tokens (N, s):",
+                        [(n, round(c, 3) if c is not None else None) for n, c in cpu],
+                    )
             elif sc == "variants":
                 o, w = r["ours_decode_tok_s"], r["raw_decode_tok_s"]
                 q = r.get("ratio_per_round") or {}  # kits before the rounds lack it

@@ -95,6 +95,8 @@ class OutputPipeline:
             split: list[TextDelta | ReasoningDelta] = [TextDelta(text)] if text else []
         else:
             split = self._splitter.feed(text)
+        if len(split) == 1 and self._tools is None and self._stripper is None:
+            return [split[0]] if split[0].text else []  # a token's usual piece: nothing to merge
         return merge_events(self._strip(self._route(split)))
 
     def flush(self) -> list[OutputEvent]:

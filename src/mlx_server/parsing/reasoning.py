@@ -55,6 +55,7 @@ class ReasoningSplitter(SteppedDecoder[SplitEvent]):
         self._start = start_tag
         self._end = end_tag
         self._verbatim = {open_: close for open_, close in verbatim if open_}
+        self._opens = [start_tag, *self._verbatim]  # what content text may open
         self._mode = _REASONING if start_in_reasoning else _CONTENT
         self._verbatim_close = ""
         super().__init__()
@@ -90,7 +91,7 @@ class ReasoningSplitter(SteppedDecoder[SplitEvent]):
         return self._step_verbatim(out)
 
     def _step_content(self, out: list[SplitEvent]) -> bool:
-        opens = [self._start, *self._verbatim]
+        opens = self._opens
         hit = find_first(self._buf, opens)
         if hit is None:
             self._emit_safe(out, TextDelta, opens)

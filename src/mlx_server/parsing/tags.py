@@ -32,12 +32,21 @@ def held_tail_len(text: str, tags: Iterable[str]) -> int:
     That suffix could still become a tag once more text arrives, so it must not be emitted
     yet; everything before it is safe.
     """
+    # Such a suffix starts with the tag's first character within the tag's length of the
+    # end: a search for that character (usually absent) instead of a comparison per length.
     best = 0
+    end = len(text)
     for tag in tags:
-        for n in range(min(len(tag) - 1, len(text)), best, -1):
-            if text.endswith(tag[:n]):
-                best = n
+        size = len(tag)
+        if size < 2:
+            continue
+        first = tag[0]
+        pos = text.find(first, max(end - size + 1, 0), end - best)
+        while pos >= 0:
+            if tag.startswith(text[pos:]):
+                best = end - pos
                 break
+            pos = text.find(first, pos + 1, end - best)
     return best
 
 

@@ -3,12 +3,11 @@ or newline-delimited JSON (Ollama). The stream driver writes through one of thes
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from mlx_server.server import sse
-from mlx_server.server.sse import Frame, RawJSON
+from mlx_server.server.sse import Frame, RawJSON, json_text
 
 
 @dataclass(frozen=True)
@@ -22,12 +21,12 @@ def ndjson_line(frame: Frame) -> bytes:
     """One JSON value per line. A failure is Ollama's ``{"error": "..."}`` line; comments
     have no NDJSON form (an Ollama encoder's keep-alive is a chunk of its own)."""
     if frame.error is not None:
-        return json.dumps({"error": frame.error}, ensure_ascii=False).encode() + b"\n"
+        return json_text({"error": frame.error}).encode() + b"\n"
     if frame.comment is not None or frame.data is None:
         return b""
     if isinstance(frame.data, RawJSON):
         return frame.data.text + b"\n"
-    return json.dumps(frame.data, ensure_ascii=False).encode() + b"\n"
+    return json_text(frame.data).encode() + b"\n"
 
 
 SSE = Framing("text/event-stream", sse.encode, sse.HEADERS)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from json.encoder import encode_basestring  # the string as json.dumps writes it
 from typing import Any
 
 HEADERS = {"Cache-Control": "no-cache", "Connection": "keep-alive", "X-Accel-Buffering": "no"}
@@ -15,6 +16,23 @@ class RawJSON:
     template instead of a dictionary serialised per token."""
 
     text: bytes
+
+
+class TextTemplate:
+    """A JSON value with one string slot (``SLOT``, the last one it serialises): ``fill(text)``
+    gives the bytes ``json.dumps(value, ensure_ascii=False)`` writes with ``text`` in the slot,
+    without serialising the rest again (a stream's per-token chunks differ only in it)."""
+
+    SLOT = "\x00"
+
+    def __init__(self, value: Any):
+        before, sep, after = _json(value).rpartition(b'"\\u0000"')
+        if not sep:
+            raise ValueError("the value has no slot")
+        self.before, self.after = before, after
+
+    def fill(self, text: str) -> RawJSON:
+        return RawJSON(self.before + encode_basestring(text).encode() + self.after)
 
 
 @dataclass(frozen=True)
@@ -31,11 +49,13 @@ class Frame:
 
 
 def encode(frame: Frame) -> bytes:
+    data = frame.data
+    if type(data) is RawJSON and frame.event is None:  # the hot path: a content chunk
+        return b"data: " + data.text + b"\n\n"
     if frame.comment is not None:
         return f": {frame.comment}\n\n".encode()
     if frame.error is not None:
         return b"error: " + _json({"message": frame.error}) + b"\n\n"
-    data = frame.data
     if isinstance(data, RawJSON):
         data = data.text
     else:
@@ -44,5 +64,9 @@ def encode(frame: Frame) -> bytes:
     return head + b"data: " + data + b"\n\n"
 
 
+# One encoder for every frame: ``json.dumps`` with options builds a new one per call.
+json_text = json.JSONEncoder(ensure_ascii=False).encode
+
+
 def _json(value: Any) -> bytes:
-    return json.dumps(value, ensure_ascii=False).encode()
+    return json_text(value).encode()

@@ -14,14 +14,14 @@ import traceback
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, Protocol, TypeVar
 
-import anyio
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from mlx_server.engine.core.handle import Started
 from mlx_server.errors import ServerError
 from mlx_server.events import Finished
 from mlx_server.logs import log
+from mlx_server.server.event_stream import EventStream
 from mlx_server.server.framing import SSE, Framing
 from mlx_server.server.sse import Frame
 
@@ -105,8 +105,14 @@ async def respond(
     keep-alive frame after ``keepalive_s`` seconds of silence, else its collected answer.
     ``on_end`` runs once the response is over, however it ended."""
     if stream:
-        body = _stream(encoder, sources, keepalive_s, on_end, framing.encode)
-        return EventStreamResponse(body, media_type=framing.media_type, headers=framing.headers)
+        encode = framing.encode
+        return EventStream(
+            _stream(encoder, sources, on_end, encode),
+            keepalive=lambda: encode(encoder.keepalive),
+            keepalive_s=keepalive_s,
+            media_type=framing.media_type,
+            headers=framing.headers,
+        )
     result = await until_disconnect(
         request, _collect(encoder, sources, on_end), lambda: cancel_all(sources)
     )
@@ -123,20 +129,32 @@ def cancel_all(sources: Sequence[Source]) -> None:
 
 async def _steps(
     encoder: Encoder, sources: Sequence[Source], collect: bool
-) -> AsyncIterator[list[Frame]]:
+) -> AsyncGenerator[list[Frame], None]:
     yield encoder.open(collect)
-    async for i, ev in merged(sources):
-        if isinstance(ev, Started):
-            yield encoder.start(i, ev)
-        elif isinstance(ev, Finished):
-            if ev.reason == "error":
-                raise GenerationFailed(ev)
-            if ev.reason == "cancelled":
-                log("Stream generation cancelled")
-            yield encoder.finish(i, ev)
-        else:
-            yield encoder.event(i, ev)
+    if len(sources) == 1:  # one generation: its events as they are, no merge
+        events = sources[0].events()
+        try:
+            async for ev in events:
+                yield _step(encoder, 0, ev)
+        finally:
+            await events.aclose()  # type: ignore[attr-defined]
+    else:
+        async for i, ev in merged(sources):
+            yield _step(encoder, i, ev)
     yield encoder.end()
+
+
+def _step(encoder: Encoder, i: int, ev: Any) -> list[Frame]:
+    """The encoder's frames for event ``ev`` of generation ``i``."""
+    if isinstance(ev, Started):
+        return encoder.start(i, ev)
+    if isinstance(ev, Finished):
+        if ev.reason == "error":
+            raise GenerationFailed(ev)
+        if ev.reason == "cancelled":
+            log("Stream generation cancelled")
+        return encoder.finish(i, ev)
+    return encoder.event(i, ev)
 
 
 async def _collect(
@@ -158,17 +176,16 @@ async def _collect(
 async def _stream(
     encoder: Encoder,
     sources: Sequence[Source],
-    interval: float,
     on_end: Callable[[], None] | None,
     encode: Callable[[Frame], bytes],
 ) -> AsyncIterator[bytes]:
-    steps = with_keepalive(_steps(encoder, sources, collect=False), interval)
+    steps = _steps(encoder, sources, collect=False)
     try:
         async for frames in steps:  # one write per step of the generation
-            if frames is None:
-                yield encode(encoder.keepalive)
+            if len(frames) == 1:  # the usual step: one chunk
+                yield encode(frames[0])
             elif frames:
-                yield b"".join(encode(frame) for frame in frames)
+                yield b"".join([encode(frame) for frame in frames])
     except GenerationFailed as e:
         for frame in _failure(encoder, str(e), e.fin):
             yield encode(frame)
@@ -191,14 +208,6 @@ def _failure(encoder: Encoder, message: str, fin: Finished | None) -> list[Frame
 async def merged(sources: Sequence[Source]) -> AsyncIterator[tuple[int, Any]]:
     """Events of the generations as they come, tagged with the generation's index.
     Closing the iterator early cancels every generation still running."""
-    if len(sources) == 1:
-        events = sources[0].events()
-        try:
-            async for ev in events:
-                yield 0, ev
-        finally:
-            await events.aclose()  # type: ignore[attr-defined]
-        return
     queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
     done = object()
 
@@ -222,85 +231,6 @@ async def merged(sources: Sequence[Source]) -> AsyncIterator[tuple[int, Any]]:
         cancel_all(sources)
         for t in tasks:
             t.cancel()
-
-
-async def with_keepalive(
-    items: AsyncIterator[T], interval: float
-) -> AsyncGenerator[T | None, None]:
-    """``items``, with a None each time ``interval`` seconds pass without one. Closing
-    this closes ``items`` (a generation's cleanup frees its slot).
-
-    ``items`` is read by one task of its own into a slot of one item, so it runs at most
-    one item ahead of the consumer (a consumer that falls behind still gets the engine's
-    pieces merged), and one timer per stream looks for silence: no task, wait or timer per
-    item, which at tens of streams of a fast model is much of the event loop's work."""
-    loop = asyncio.get_running_loop()
-    slot: asyncio.Queue[tuple[int, Any]] = asyncio.Queue(maxsize=1)
-    last = loop.time()  # when the consumer last got something
-
-    async def pump() -> None:
-        try:
-            async for item in items:
-                await slot.put((_ITEM, item))
-        except Exception as e:  # the consumer raises it
-            await slot.put((_RAISED, e))
-        else:
-            await slot.put((_END, None))
-        finally:
-            close = getattr(items, "aclose", None)
-            if close is not None:
-                await close()  # cancelled at a put: ``items`` waits at a yield
-
-    def look() -> None:
-        nonlocal last
-        now = loop.time()
-        if now - last >= interval and slot.empty():
-            slot.put_nowait((_SILENT, None))
-            last = now
-        timer[0] = loop.call_at(last + interval, look)
-
-    reader = asyncio.ensure_future(pump())
-    timer = [loop.call_at(last + interval, look)]
-    try:
-        while True:
-            kind, item = await slot.get()
-            last = loop.time()
-            if kind == _END:
-                return
-            if kind == _RAISED:
-                raise item
-            yield None if kind == _SILENT else item
-    finally:
-        timer[0].cancel()
-        if not reader.done():
-            reader.cancel()  # raised inside ``items``, whose cleanup then runs
-            await asyncio.gather(reader, return_exceptions=True)
-
-
-_ITEM, _SILENT, _RAISED, _END = range(4)  # what with_keepalive's slot holds
-
-
-class EventStreamResponse(StreamingResponse):
-    """A streaming response that notices a client leaving even while nothing is written.
-
-    Starlette's own listens for the disconnect only under servers older than ASGI 2.4
-    (newer ones make it wait for a write to fail), and a stream may write nothing for a
-    long time (a long prompt's prefill). Here a disconnect always cancels the body
-    iterator at once, and the generation's own cleanup frees its slot."""
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        async with anyio.create_task_group() as group:
-
-            async def stream() -> None:
-                try:
-                    await self.stream_response(send)
-                except OSError:
-                    pass  # the client went away while a frame was written
-                group.cancel_scope.cancel()
-
-            group.start_soon(stream)
-            await self.listen_for_disconnect(receive)
-            group.cancel_scope.cancel()
 
 
 async def until_disconnect(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
@@ -58,7 +59,7 @@ class Outbox:
 
 def _deliver(batch: list[tuple[GenerationHandle, EngineEvent]]) -> None:
     for handle, event in batch:
-        handle._queue.put_nowait(event)
+        handle._put(event)
 
 
 class GenerationHandle:
@@ -85,7 +86,11 @@ class GenerationHandle:
         self._loop = loop
         self._outbox = outbox
         self._coalesce = coalesce
-        self._queue: asyncio.Queue[EngineEvent] = asyncio.Queue()
+        # Events delivered and not yet taken, and the consumer's future while it waits for
+        # one: a deque and one future, not an ``asyncio.Queue`` (whose put and get cost
+        # several calls each, per token of every stream).
+        self._events: deque[EngineEvent] = deque()
+        self._waiter: asyncio.Future[None] | None = None
         # The event that stopped a merge, read from the queue and not yet yielded. The
         # handle's, not one iteration's: a consumer may leave its ``async for`` after the
         # merged piece and iterate again (or call ``next_event``), and must still get it.
@@ -105,9 +110,18 @@ class GenerationHandle:
             self._outbox.put(self, event)
             return
         try:
-            self._loop.call_soon_threadsafe(self._queue.put_nowait, event)
+            self._loop.call_soon_threadsafe(self._put, event)
         except RuntimeError:
             pass  # the event loop is closed: nobody is listening any more
+
+    def _put(self, event: EngineEvent) -> None:
+        """On the event loop: queue ``event`` and wake the consumer if it waits."""
+        self._events.append(event)
+        waiter = self._waiter
+        if waiter is not None:
+            self._waiter = None
+            if not waiter.done():
+                waiter.set_result(None)
 
     async def next_event(self) -> EngineEvent:
         """The next event (for a consumer that reads the first one on its own)."""
@@ -130,16 +144,25 @@ class GenerationHandle:
         if self._held is not None:
             event, self._held = self._held, None
             return event
-        return await self._queue.get()
+        events = self._events
+        while not events:
+            waiter = self._waiter = self._loop.create_future()
+            try:
+                await waiter
+            finally:
+                if self._waiter is waiter:
+                    self._waiter = None
+        return events.popleft()
 
     def _merge_waiting(self, first: TokenPiece) -> tuple[TokenPiece, EngineEvent | None]:
         """``first`` and the text pieces queued behind it as one piece; also the event
         that stopped the merge (a Finished), to be yielded next."""
-        if self._queue.empty():
+        events = self._events
+        if not events:
             return first, None
         texts, logprobs = [first.text], list(first.logprobs)
-        while not self._queue.empty():
-            event = self._queue.get_nowait()
+        while events:
+            event = events.popleft()
             if not isinstance(event, TokenPiece):
                 return TokenPiece("".join(texts), tuple(logprobs)), event
             texts.append(event.text)

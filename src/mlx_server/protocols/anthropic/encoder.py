@@ -28,7 +28,7 @@ from mlx_server.events import (
 )
 from mlx_server.logs import log
 from mlx_server.protocols.anthropic.errors import error_json
-from mlx_server.server.sse import Frame
+from mlx_server.server.sse import Frame, RawJSON, TextTemplate
 
 StopReason = Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"]
 STOP_REASONS: dict[FinishReason, StopReason] = {
@@ -113,6 +113,7 @@ class StreamEncoder:
         self._thinking: list[str] = []
         self._calls: dict[int, int] = {}  # call index → block index
         self._args: dict[int, str] = {}  # call index → arguments sent so far
+        self._text: tuple[int, TextTemplate] | None = None  # the open text block's deltas
 
     def start(self, cached_tokens: int = 0) -> list[dict[str, Any]]:
         """``message_start`` (empty content, the prompt's token count, of which
@@ -149,6 +150,16 @@ class StreamEncoder:
         if isinstance(ev, ToolCallEnd) and ev.index in self._calls:
             return self._end_call(ev)
         return []
+
+    def more_text(self, text: str) -> RawJSON | None:
+        """The ``text_delta`` event of ``text`` as ``event`` serialises it, from a template per
+        block, when a text block is open (most of a stream's events); else None."""
+        if self._open != "text" or not text:
+            return None
+        if self._text is None or self._text[0] != self._index:
+            delta = self._delta({"type": "text_delta", "text": TextTemplate.SLOT})
+            self._text = self._index, TextTemplate(delta)
+        return self._text[1].fill(text)
 
     def finish(self, fin: Finished) -> list[dict[str, Any]]:
         """Close the open block; ``message_delta`` (stop reason, usage) and ``message_stop``."""
@@ -306,6 +317,10 @@ class MessagesEncoder:
         return self._frames(self.enc.start(started.cached_tokens))
 
     def event(self, index: int, ev: Any) -> list[Frame]:
+        if self.acc is None and type(ev) is TextDelta:  # the hot path: more of a text block
+            data = self.enc.more_text(ev.text)
+            if data is not None:
+                return [Frame(data, event="content_block_delta")]
         return self._frames(self.enc.event(ev))
 
     def finish(self, index: int, fin: Finished) -> list[Frame]:

@@ -3,7 +3,6 @@ several choices (``n``), one single-choice ``ChatEncoder`` per choice, the usage
 
 from __future__ import annotations
 
-import json
 import time
 from typing import Any
 
@@ -28,7 +27,7 @@ from mlx_server.protocols.openai.finish import (
     total_usage,
     usage_json,
 )
-from mlx_server.server.sse import Frame, RawJSON
+from mlx_server.server.sse import Frame, RawJSON, TextTemplate
 from mlx_server.service.choices import counted_once
 
 
@@ -113,7 +112,7 @@ class ChunkEncoder:
         self.model = model
         self.created = int(time.time())
         self.index = index  # the choice's
-        self._content: tuple[bytes, bytes] | None = None  # content chunk: before, after
+        self._content: TextTemplate | None = None  # the content chunk's
 
     def _chunk(
         self, delta: dict[str, Any], finish: str | None = None, **extra: Any
@@ -132,11 +131,8 @@ class ChunkEncoder:
         """The chunk of a piece of content, as ``_chunk({"content": text})`` serialises,
         from a template made on first use (most of a stream's chunks are these)."""
         if self._content is None:
-            marker = json.dumps(self._chunk({"content": "\x00"}), ensure_ascii=False).encode()
-            before, _, after = marker.rpartition(b'"\\u0000"')
-            self._content = before, after
-        before, after = self._content
-        return RawJSON(before + json.dumps(text, ensure_ascii=False).encode() + after)
+            self._content = TextTemplate(self._chunk({"content": TextTemplate.SLOT}))
+        return self._content.fill(text)
 
     def role(self) -> dict[str, Any]:
         return self._chunk({"role": "assistant", "content": ""})
