@@ -2,7 +2,8 @@
 Linear, Olmo hybrid, Bailing): mlx-lm's ``gated_delta_update`` has a Metal kernel, and on CUDA
 falls back to ``gated_delta_ops``, a Python loop of one op chain per token, which makes a long
 prompt's prefill take minutes on a GPU. ``install(model)`` puts this kernel in its place in the
-mlx-lm model modules that the model uses, after a self-check against ``gated_delta_ops``.
+mlx-lm model modules that the model uses, after a self-check against a NumPy copy of
+``gated_delta_ops`` (``reference``).
 
 The kernel follows mlx-lm's Metal one: one warp per value row (batch, value head, value
 index), that row's ``Dk`` state values spread over the 32 lanes (lane ``l`` holds elements
