@@ -191,8 +191,9 @@ def test_kernel_source_is_complete(vector_gate, masked):
     assert ("mask[" in src) == masked
     # Per-element gates are read per lane (32 apart), a scalar gate once per step.
     assert bool(re.search(r"g\[g0 \+ \(size_t\)tn \* g_step \+ 32 \* i\]", src)) == vector_gate
-    # The step count comes from v's shape: no per-length kernel build.
-    assert "v_shape[1]" in src
+    # Lengths, head counts and value widths come from the shapes: one build per Dk.
+    for read in ("T = v_shape[1]", "Hv = v_shape[2]", "Dv = v_shape[3]", "Hk = k_shape[2]"):
+        assert read in src
 
 
 @pytest.mark.parametrize("vector_gate", [False, True])

@@ -55,6 +55,7 @@ def test_the_run_reports_no_gpu_and_times_every_pass(tmp_path: Path) -> None:
         offsets = [r["offset"] for r in passes if r["batch"] == batch and r["round"] == 1]
         assert len(set(offsets)) == len(offsets) == 4
     assert {r["tokens"] for r in passes if r["kind"] == "verify"} == {9}
+    assert {r["gdn_kernel"] for r in passes} == {False}  # the CPU: mlx-lm's own path
     summaries = {(r["batch"], r["kind"]) for r in rows if r.get("what") == "summary"}
     assert summaries == {(1, "decode"), (1, "verify"), (2, "decode"), (2, "verify")}
     assert [r["tokens"] for r in rows if r.get("kind") == "long_prefill"] == [40]

@@ -243,3 +243,17 @@ def test_batch_generator_keeps_the_wired_limit_it_replaced_in_old_wired_limit():
     )
     close = inspect.getsource(BatchGenerator.close)
     assert "if self._old_wired_limit is not None:" in close
+
+
+def test_gated_delta_update_the_cuda_kernel_stands_in_for():
+    """models/gated_delta_cuda.py replaces ``gated_delta_update`` by name in the modules that
+    call it, with the same parameters and mlx-lm's own gate helpers."""
+    from mlx_lm.models import gated_delta, qwen3_5, qwen3_next
+
+    names = list(inspect.signature(gated_delta.gated_delta_update).parameters)
+    assert names == ["q", "k", "v", "a", "b", "A_log", "dt_bias", "state", "mask",
+                     "use_kernel", "lower_bound", "allow_neg_eigval"]  # fmt: skip
+    for name in ("compute_g", "compute_lower_bound_g", "gated_delta_ops"):
+        assert callable(getattr(gated_delta, name, None)), f"gated_delta lost {name}()"
+    for module in (qwen3_5, qwen3_next):
+        assert module.gated_delta_update is gated_delta.gated_delta_update, module.__name__

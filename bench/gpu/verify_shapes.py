@@ -33,10 +33,11 @@ from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 
 OUT: str | None = None
 LABEL = ""
+KERNEL = False  # whether the CUDA gated-delta kernel is in place (every row says)
 
 
 def emit(**row: Any) -> None:
-    row = {"scenario": "verify_shapes", "label": LABEL, **row}
+    row = {"scenario": "verify_shapes", "label": LABEL, "gdn_kernel": KERNEL, **row}
     row = {k: (round(v, 6) if isinstance(v, float) else v) for k, v in row.items()}
     if OUT:
         with open(OUT, "a") as f:
@@ -127,7 +128,7 @@ def summarize(batch: int, rounds: list[dict[str, list[float]]]) -> None:
 
 
 def main() -> int:
-    global OUT, LABEL
+    global OUT, LABEL, KERNEL
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", required=True, help="a model directory (mlx-lm's load)")
     ap.add_argument("--batches", default="1,8")

@@ -2,7 +2,8 @@
 Linear, Olmo hybrid, Bailing): mlx-lm's ``gated_delta_update`` has a Metal kernel, and on CUDA
 falls back to ``gated_delta_ops``, a Python loop of one op chain per token, which makes a long
 prompt's prefill take minutes on a GPU. ``install(model)`` puts this kernel in its place in the
-mlx-lm model modules that the model uses, after a self-check against ``gated_delta_ops``.
+mlx-lm model modules that the model uses, after a self-check against a NumPy copy of
+``gated_delta_ops`` (``reference``).
 
 The kernel follows mlx-lm's Metal one: one warp per value row (batch, value head, value
 index), that row's ``Dk`` state values spread over the 32 lanes (lane ``l`` holds elements
@@ -42,7 +43,11 @@ __device__ __forceinline__ float gdn_warp_sum(float x) {
 # while this step's sums run.
 _SOURCE = """
   constexpr int NPL = Dk / 32;  // state elements per lane
+  // Only Dk is built in: one build serves every head count, value width and length.
   const int T = v_shape[1];
+  const int Hv = v_shape[2];
+  const int Dv = v_shape[3];
+  const int Hk = k_shape[2];
   const int lane = threadIdx.x;
   const int dv = blockIdx.y * blockDim.y + threadIdx.y;
   const int n = blockIdx.z;  // b * Hv + hv
@@ -205,13 +210,16 @@ def gated_delta_kernel(q, k, v, g, beta, state, mask=None):  # type: ignore[no-u
     kernel = _kernel(g.ndim == 4, mask is not None)
     y, new_state = kernel(
         inputs=inputs,
+        # Every input's dtype names the build (MLX keys built kernels by name), though the
+        # source only spells the two outputs'.
         template=[
             ("InT", q.dtype),
             ("StT", state.dtype),
+            ("KT", k.dtype),
+            ("VT", v.dtype),
+            ("GT", g.dtype),
+            ("BT", beta.dtype),
             ("Dk", Dk),
-            ("Dv", Dv),
-            ("Hk", Hk),
-            ("Hv", Hv),
         ],
         grid=(32, Dv, B * Hv),
         threadgroup=(32, 4, 1),
@@ -341,18 +349,18 @@ def patch(modules: Iterable[ModuleType], update: Callable[..., Any]) -> list[str
 def self_check(kernel: Kernel) -> str | None:
     """Compare ``kernel`` with ``reference`` (mlx-lm's ``gated_delta_ops`` in NumPy: no GPU
     builds but the kernel's own) on random inputs: one step and several, with and without a
-    mask, a scalar and a per-element gate, bfloat16 and float32. Returns what differs (None:
-    all agree)."""
+    mask, a scalar and a per-element gate. Returns what differs (None: all agree)."""
     import mlx.core as mx
     import numpy as np
 
-    cases = [  # (dtype, T, masked, vector gate): three kernel builds
+    # bfloat16 as the models run; three kernel builds, of which Qwen3.5 uses the first two.
+    cases = [  # (dtype, T, masked, vector gate)
         (mx.bfloat16, 1, False, False),
         (mx.bfloat16, 7, False, False),
         (mx.bfloat16, 1, True, False),
         (mx.bfloat16, 7, True, False),
-        (mx.float32, 1, True, True),
-        (mx.float32, 6, True, True),
+        (mx.bfloat16, 1, True, True),
+        (mx.bfloat16, 6, True, True),
     ]
     keys = mx.random.split(mx.random.key(7), len(cases))
     for i, (dtype, T, masked, vector_gate) in enumerate(cases):
@@ -418,7 +426,8 @@ def _inputs(key: Any, dtype: Any, T: int, masked: bool, vector_gate: bool) -> tu
     per key head, gates in (0.5, 1), a left-padding mask that covers row 0's first step."""
     import mlx.core as mx
 
-    B, Hk, Hv, Dk, Dv = 2, 2, 4, 64, 32
+    # Dk as in the models (128), so that the model's first call reuses these builds.
+    B, Hk, Hv, Dk, Dv = 2, 2, 4, 128, 32
     ks = mx.random.split(key, 7)
     q = mx.random.normal((B, T, Hk, Dk), key=ks[0])
     k = mx.random.normal((B, T, Hk, Dk), key=ks[1])
