@@ -6,10 +6,10 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-from engine_runner import load_varied_model
+from engine_runner import load_varied_model, text_engine, vision_engine
 from scripted_engine import ScriptedEngine
 
-from mlx_server.engine.core.engine import Engine, EngineConfig
+from mlx_server.engine.core.engine import EngineConfig
 from mlx_server.engine.core.protocol import ChatEngine, EngineCounters, EngineLike, engine_stats
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "mlx_server"
@@ -17,7 +17,6 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "mlx_server"
 
 def test_every_engine_is_engine_like(tmp_path_factory):
     from mlx_server.engine.embedding.engine import EmbeddingEngine
-    from mlx_server.engine.runners.vision import VisionEngine
     from mlx_server.registry.catalog import Offer
     from mlx_server.registry.lease import LoadedEngines, RegistryModels
     from mlx_server.registry.registry import Limits, ModelRegistry
@@ -25,8 +24,8 @@ def test_every_engine_is_engine_like(tmp_path_factory):
     model, tokenizer, _ = load_varied_model(tmp_path_factory)
     scripted = ScriptedEngine()
     for engine in (
-        Engine(model, tokenizer, EngineConfig()),
-        VisionEngine(model, tokenizer, EngineConfig()),
+        text_engine(model, tokenizer, EngineConfig()),
+        vision_engine(model, tokenizer, EngineConfig()),
         EmbeddingEngine(runner=None),
         scripted,
     ):
@@ -42,7 +41,7 @@ def test_every_engine_is_engine_like(tmp_path_factory):
     assert isinstance(loaded, EngineCounters) and not isinstance(loaded, EngineLike)
     assert engine_stats(loaded) == {"active": 0, "queued": 0}
     # The engines the chat service generates on announce requests (no getattr probing).
-    for engine in (Engine(model, tokenizer, EngineConfig()), scripted):
+    for engine in (text_engine(model, tokenizer, EngineConfig()), scripted):
         assert isinstance(engine, ChatEngine), type(engine)
 
 

@@ -4,8 +4,10 @@ The pieces (each its own module):
 
 - ``scheduler.Scheduler``: the queue, admission against the batch size and the KV budget,
   fairness between long and short prompts;
-- a runner (``runner.Runner``: insert, step, remove, extract state): by default the
-  lone-request runner in front of mlx-lm's ``BatchGenerator`` (``assembly.default_runner``);
+- a runner (``runners.base.Runner``: insert, step, remove, extract state), built by
+  start-up and handed in: the lone-request runner in front of mlx-lm's ``BatchGenerator``
+  (``runners.assembly.text_runner``), each speculative (``speculative.assembly``), or the
+  vision runner (``runners.vision.vision_runner``);
 - ``delivery``: tokens to text, stop strings, logprobs and the ``Finished`` event;
 - ``faults``: who a failure belongs to;
 - ``prefixes``: the engine's side of the prefix cache (``prefix_cache.PrefixCache``):
@@ -15,9 +17,8 @@ The pieces (each its own module):
 - ``warming``: the warm-up before serving and in idle time; ``calls``: work other threads
   hand the engine thread.
 
-The engine itself is the thread's loop and the hand-offs between these. Another runner (a
-speculative decoder, the vision runner) is passed as ``runner=``; several models in one
-process are several engines.
+The engine itself is the thread's loop and the hand-offs between these; several models in
+one process are several engines.
 """
 
 from __future__ import annotations
@@ -55,10 +56,13 @@ class Engine:
         model: Any,
         tokenizer: Any,
         config: EngineConfig | None = None,
-        runner: Runner | None = None,
+        *,
+        runner: Runner,
         observer: GenerationObserver | None = None,
     ):
-        """``observer``: watches every generation (the metrics)."""
+        """``runner``: what computes the steps, built by start-up (``runners.assembly``,
+        ``speculative.assembly``, ``runners.vision``); ``observer``: watches every
+        generation (the metrics)."""
         self.observer = observer
         self.model = model
         self.tokenizer = tokenizer
@@ -66,11 +70,6 @@ class Engine:
         self.eos_ids = sorted(int(t) for t in tokenizer.eos_token_ids)
         self._prompt_cache = assembly.prefix_cache(cfg)
         self._sched = assembly.scheduler(cfg, self._prompt_cache)
-        # A runner with no sequences is falsy (it has a length): test for None.
-        if runner is None:
-            runner = assembly.default_runner(
-                model, self.eos_ids, cfg, self._prompt_cache is not None
-            )
         self._runner: Runner = runner
         if cfg.lockstep is not None:
             self._runner = cfg.lockstep.lead(self._runner, self._prompt_cache, cfg)

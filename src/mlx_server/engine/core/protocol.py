@@ -1,5 +1,5 @@
 """What the chat service and the server need of an engine. The continuous-batching
-``Engine``, the ``VisionEngine``, the ``EmbeddingEngine`` and the tests'
+``Engine`` (whatever its runner), the ``EmbeddingEngine`` and the tests'
 scripted engine all provide ``EngineLike``; the generating ones are ``ChatEngine``s too;
 monitoring (``/health``, ``/metrics``) needs only the counters, ``EngineCounters`` (a
 registry's loaded engines are counted as one). An engine takes a ``GenerationObserver`` at construction:
