@@ -1,4 +1,4 @@
-"""The seams between layers: every engine is an EngineLike, and the layers import only
+"""The seams between layers: every engine is an OwnedEngine (the generating ones EngineLike), and the layers import only
 what the design lets them import."""
 
 from __future__ import annotations
@@ -10,7 +10,13 @@ from engine_runner import load_varied_model, text_engine, vision_engine
 from scripted_engine import ScriptedEngine
 
 from mlx_server.engine.core.engine import EngineConfig
-from mlx_server.engine.core.protocol import ChatEngine, EngineCounters, EngineLike, engine_stats
+from mlx_server.engine.core.protocol import (
+    ChatEngine,
+    EngineCounters,
+    EngineLike,
+    OwnedEngine,
+    engine_stats,
+)
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "mlx_server"
 
@@ -23,18 +29,20 @@ def test_every_engine_is_engine_like(tmp_path_factory):
 
     model, tokenizer, _ = load_varied_model(tmp_path_factory)
     scripted = ScriptedEngine()
-    for engine in (
+    generating = (
         text_engine(model, tokenizer, EngineConfig()),
         vision_engine(model, tokenizer, EngineConfig()),
-        EmbeddingEngine(runner=None),
         scripted,
-    ):
-        assert isinstance(engine, EngineLike), type(engine)
+    )
+    for engine in (*generating, EmbeddingEngine(runner=None)):
+        assert isinstance(engine, OwnedEngine), type(engine)
+        assert isinstance(engine, EngineLike) == (engine in generating), type(engine)
         stats = engine_stats(engine)
         assert stats["active"] == 0 and stats["queued"] == 0
         # Each kind declares the protocol's methods itself (not through __getattr__).
         declared = {n for c in type(engine).__mro__ for n in vars(c)}
-        assert {"call", "stats", "submit", "cancel", "start", "shutdown"} <= declared
+        assert {"call", "stats", "cancel", "start", "shutdown"} <= declared
+        assert ("submit" in declared) == (engine in generating)
     # A registry's models are counted as one for monitoring; no engine stands for them.
     registry = ModelRegistry([Offer("m", "/m", "chat", 0)], Limits(0, 0, 0.0, 0, 0), print)
     loaded = LoadedEngines(RegistryModels(registry, 256))
