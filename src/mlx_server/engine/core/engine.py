@@ -238,22 +238,22 @@ class Engine(OwnerThread):
         sampler, processors = sequence_sampling(seq, req, self._samplers, self._vocab, self.eos_ids)
         prompt = list(req.prompt_tokens)
         cache, rest = prefixes.fetch(req)
-        seq.cached = len(prompt) - len(rest)
+        seq.started = Started(len(prompt) - len(rest))
         seq.prefill_left = len(rest)
-        seq.handle.cached_tokens = seq.cached
-        seq.handle.push(Started(seq.cached))
+        seq.handle.push(seq.started)
+        cached = seq.started.cached_tokens
         seq.system_end = prefixes.system_end(seq, prompt)
         job = Insert(
             uid=self._sched.next_uid(),
             request=req,
             prompt=prompt,
-            cached=seq.cached,
+            cached=cached,
             cache=cache,
             sampler=sampler,
             processors=processors,
             system_end=seq.system_end,
             alone=self.config.solo and self._sched.is_alone(),
-            checkpoints=prefixes.checkpoints_of(req, seq.cached),
+            checkpoints=prefixes.checkpoints_of(req, cached),
         )
         seq.uid = job.uid
         self._runner.insert(job)
