@@ -7,7 +7,7 @@ from typing import Any
 
 from mlx_server.errors import InvalidRequest
 from mlx_server.models.reasoning_effort import effort_kwargs
-from mlx_server.parsing.tools import validate_tools
+from mlx_server.parsing.tool_schema import validate_tools
 from mlx_server.protocols.openai.chat.schemas import ChatCompletionRequest, Message
 from mlx_server.protocols.openai.sampling import sampling_params
 from mlx_server.types import AUTO, ChatRequest, ToolChoice
