@@ -4,6 +4,7 @@ faulted ones end with their own error, and everything ends when the engine stops
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from mlx_server.engine.core import faults
@@ -15,26 +16,19 @@ from mlx_server.engine.runners.base import Response, Runner
 from mlx_server.engine.sampling.samplers import reset_random_state
 
 
+@dataclass
 class Endings:
     """The engine's ending side, over its scheduler, runner and prefix-cache side."""
 
-    def __init__(
-        self,
-        tokenizer: Any,
-        sched: Scheduler,
-        runner: Runner,
-        prefixes: Prefixes,
-        outbox: Outbox,
-    ):
-        self.tokenizer = tokenizer
-        self._sched = sched
-        self._runner = runner
-        self._prefixes = prefixes
-        self._outbox = outbox
+    tokenizer: Any
+    sched: Scheduler
+    runner: Runner
+    prefixes: Prefixes
+    outbox: Outbox
 
     def responses(self, responses: list[Response]) -> None:
         """Each generated token to its sequence; sequences that finished leave."""
-        active, keep = self._sched.active, self._prefixes.keep
+        active, keep = self.sched.active, self.prefixes.keep
         stopped: list[Seq] = []
         for r in responses:
             seq = active.get(r.uid)
@@ -55,43 +49,43 @@ class Endings:
             self.finish(seq, reason)
         self.faulted()
         if stopped:
-            saved = self._runner.remove([s.uid for s in stopped])
+            saved = self.runner.remove([s.uid for s in stopped])
             for seq in stopped:
                 keep(seq, *saved.get(seq.uid, (None, [])))
 
     def faulted(self) -> None:
         """Take sequences whose own sampler, processors or output failed out of the runner
         and end each with its error; the others go on."""
-        bad = faults.faulted(self._sched.active.values())
+        bad = faults.faulted(self.sched.active.values())
         if not bad:
             return
-        self._runner.remove([s.uid for s in bad])
+        self.runner.remove([s.uid for s in bad])
         for seq in bad:
-            self._sched.active.pop(seq.uid, None)
+            self.sched.active.pop(seq.uid, None)
             self.finish(seq, "error", error=faults.sequence_failed(seq))
         reset_random_state()
 
     def cancelled(self) -> None:
         """End the cancelled requests, queued and running (their KV state is kept)."""
-        for seq in self._sched.take_cancelled_queued():
+        for seq in self.sched.take_cancelled_queued():
             self.finish(seq, "cancelled")
-        active = self._sched.active
+        active = self.sched.active
         gone = [uid for uid, s in active.items() if s.handle.cancelled]
         if gone:
-            saved = self._runner.remove(gone)
+            saved = self.runner.remove(gone)
             for uid in gone:
                 seq = active.pop(uid)
-                self._prefixes.keep(seq, *saved.get(uid, (None, [])))
+                self.prefixes.keep(seq, *saved.get(uid, (None, [])))
                 self.finish(seq, "cancelled")
 
     def finish(self, seq: Seq, reason: str, error: str | None = None) -> None:
-        self._sched.release(seq)
-        deliver_finish(seq, reason, error, quiet=self._sched.stopping)
+        self.sched.release(seq)
+        deliver_finish(seq, reason, error, quiet=self.sched.stopping)
 
     def fail(self, message: str, *, queued: bool) -> None:
         """End every running (and with ``queued``, every queued) sequence: "cancelled" when
         ``message`` is that, else an error with ``message``."""
         reason = "cancelled" if message == "cancelled" else "error"
-        for seq in self._sched.take_all(queued):
+        for seq in self.sched.take_all(queued):
             deliver_finish(seq, reason, error=message if reason == "error" else None, quiet=True)
-        self._outbox.flush()
+        self.outbox.flush()

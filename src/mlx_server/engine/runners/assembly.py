@@ -16,20 +16,25 @@ def eos_ids(tokenizer: Any) -> list[int]:
     return sorted(int(t) for t in tokenizer.eos_token_ids)
 
 
+def batch_settings(cfg: EngineConfig) -> dict[str, Any]:
+    """What every batch runner takes of ``cfg``; finished sequences hand back their KV
+    state when the engine has a prefix cache to take it (``prompt_cache_size`` > 0)."""
+    return {
+        "max_batch_size": cfg.max_batch_size,
+        "prefill_step_size": cfg.prefill_step_size,
+        "keep_caches": cfg.prompt_cache_size > 0,
+    }
+
+
+def lone_settings(cfg: EngineConfig) -> dict[str, Any]:
+    """What every lone-request runner takes of ``cfg``."""
+    return {"prefill_step_size": cfg.prefill_step_size, "prefill_buckets": cfg.prefill_buckets}
+
+
 def text_runner(model: Any, tokenizer: Any, cfg: EngineConfig) -> Runner:
-    """The runner for ``model`` under ``cfg``; finished sequences hand back their KV state
-    when the engine has a prefix cache to take it (``prompt_cache_size`` > 0)."""
+    """The runner for ``model`` under ``cfg``."""
     eos = eos_ids(tokenizer)
-    batch = BatchRunner(
-        model,
-        eos,
-        max_batch_size=cfg.max_batch_size,
-        prefill_step_size=cfg.prefill_step_size,
-        keep_caches=cfg.prompt_cache_size > 0,
-    )
+    batch = BatchRunner(model, eos, **batch_settings(cfg))
     if not cfg.solo:
         return batch
-    lone = SoloRunner(
-        model, eos, prefill_step_size=cfg.prefill_step_size, prefill_buckets=cfg.prefill_buckets
-    )
-    return LoneFirstRunner(lone, batch)
+    return LoneFirstRunner(SoloRunner(model, eos, **lone_settings(cfg)), batch)

@@ -19,7 +19,7 @@ from typing import Any
 import mlx.core as mx
 
 from mlx_server.engine.core.config import EngineConfig
-from mlx_server.engine.runners.assembly import eos_ids
+from mlx_server.engine.runners.assembly import batch_settings, eos_ids
 from mlx_server.engine.runners.base import Insert, KVState, Progress, Response, Runner
 from mlx_server.engine.runners.vision_batch import VisionBatchRunner
 from mlx_server.engine.runners.vision_prefill import batch_refusal
@@ -127,12 +127,5 @@ def vision_runner(model: Any, tokenizer: Any, config: EngineConfig | None = None
         config = replace(config, prompt_cache_size=0, max_batch_size=1, solo=False)
         runner = VisionRunner(model, eos, prefill_step_size=config.prefill_step_size)
         return VisionSetup(runner, model, config, serial_reason)
-    batch = VisionBatchRunner(
-        model,
-        eos,
-        max_batch_size=config.max_batch_size,
-        prefill_step_size=config.prefill_step_size,
-        keep_caches=config.prompt_cache_size > 0,
-        solo=config.solo,
-    )
+    batch = VisionBatchRunner(model, eos, solo=config.solo, **batch_settings(config))
     return VisionSetup(batch, batch.lm, config, "")
