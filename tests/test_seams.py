@@ -241,3 +241,20 @@ ROOT_MODULES = {
 
 def test_root_modules_stay_few():
     assert {p.stem for p in SRC.glob("*.py")} <= ROOT_MODULES
+
+
+def test_the_engine_core_builds_no_runner():
+    """Runners are start-up's to build (runners/assembly, speculative/assembly,
+    runners/vision) and the engine's to run: engine/core knows only their interface."""
+    graph = import_graph()
+    for name, imports in graph.items():
+        if name.startswith("mlx_server.engine.core"):
+            bad = {
+                m
+                for m in imports
+                if m.startswith(("mlx_server.engine.runners", "mlx_server.engine.speculative"))
+                and m != "mlx_server.engine.runners.base"
+            }
+            assert not bad, (name, bad)
+    builders = {"mlx_server.engine.runners.assembly", "mlx_server.engine.speculative.assembly"}
+    assert builders <= graph["mlx_server.boot.chat"]
