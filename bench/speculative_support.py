@@ -52,7 +52,6 @@ def engine_config(n: int, spec: Any) -> Any:
         prompt_cache_size=0,
         warm_up=jit,
         prefill_buckets=jit,
-        speculation=spec,
     )
 
 
@@ -72,10 +71,17 @@ def streams(
     thread gone, before this returns (two threads never run MLX at once)."""
     from mlx_server.engine.core.engine import Engine
     from mlx_server.engine.core.handle import TokenPiece
+    from mlx_server.engine.runners.assembly import text_runner
+    from mlx_server.engine.speculative.assembly import speculative_runner
     from mlx_server.events import Finished
     from mlx_server.types import GenerationRequest, SamplingParams
 
-    engine = Engine(model, tokenizer, engine_config(len(prompts), spec))
+    config = engine_config(len(prompts), spec)
+    if spec is None:
+        runner = text_runner(model, tokenizer, config)
+    else:
+        runner = speculative_runner(model, tokenizer, config, spec)
+    engine = Engine(model, tokenizer, config, runner=runner)
     engine.start()
     if not engine.wait_ready(120):
         raise RuntimeError("the engine did not start")

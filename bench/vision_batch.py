@@ -22,13 +22,13 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-from engine_runner import request  # noqa: E402
+from engine_runner import request, vision_engine  # noqa: E402
 from PIL import Image  # noqa: E402
 from tiny_vlm import build_tiny_idefics3, build_tiny_vlm  # noqa: E402
 
 from mlx_server.engine.core.engine import Engine, EngineConfig  # noqa: E402
 from mlx_server.engine.core.handle import TokenPiece  # noqa: E402
-from mlx_server.engine.runners.vision import VisionEngine, VisionRunner  # noqa: E402
+from mlx_server.engine.runners.vision import VisionRunner  # noqa: E402
 from mlx_server.models.loader import load_model  # noqa: E402
 from mlx_server.models.media import MediaLimits  # noqa: E402
 from mlx_server.models.prompt import render_prompt  # noqa: E402
@@ -109,7 +109,7 @@ def main() -> None:
         replace(cfg, max_batch_size=1, solo=False),
         runner=VisionRunner(loaded.model, eos, prefill_step_size=cfg.prefill_step_size),
     )
-    batched = VisionEngine(loaded.model, loaded.tokenizer, cfg)
+    batched = vision_engine(loaded.model, loaded.tokenizer, cfg)
     for e in (serial, batched):
         e.start()
         aggregate(e, fresh(batch_reqs[:2], "warm"))  # kernels, lazy imports
@@ -126,7 +126,7 @@ def main() -> None:
 
 
 def session(loaded: Any, prompts: Prompts, tokens: int) -> None:
-    engine = VisionEngine(loaded.model, loaded.tokenizer, EngineConfig(kv_bytes_per_token=256))
+    engine = vision_engine(loaded.model, loaded.tokenizer, EngineConfig(kv_bytes_per_token=256))
     engine.start()
     first = [ask(N + 1, "What is in this picture? " * 8)]
     ttft1, _, f1 = asyncio.run(timed(engine, prompts.request(first, tokens)))

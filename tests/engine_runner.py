@@ -11,11 +11,35 @@ from typing import Any, TypeVar
 
 from mlx_server.engine.core.engine import Engine, EngineConfig
 from mlx_server.engine.core.handle import GenerationHandle, Started, TokenPiece
+from mlx_server.engine.runners.assembly import text_runner
 from mlx_server.events import Finished, LogprobEntry
 from mlx_server.types import GenerationRequest, SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0)
 T = TypeVar("T")
+
+
+def text_engine(
+    model: Any, tokenizer: Any, config: EngineConfig | None = None, speculation: Any = None
+) -> Engine:
+    """An Engine with the runner start-up would hand it (speculative when ``speculation``,
+    a ``speculative.runner.Speculation``, is given)."""
+    config = config or EngineConfig()
+    if speculation is None:
+        runner = text_runner(model, tokenizer, config)
+    else:
+        from mlx_server.engine.speculative.assembly import speculative_runner
+
+        runner = speculative_runner(model, tokenizer, config, speculation)
+    return Engine(model, tokenizer, config, runner=runner)
+
+
+def vision_engine(model: Any, tokenizer: Any, config: EngineConfig | None = None) -> Engine:
+    """An Engine with the vision runner start-up would hand it."""
+    from mlx_server.engine.runners.vision import vision_runner
+
+    setup = vision_runner(model, tokenizer, config)
+    return Engine(setup.model, tokenizer, setup.config, runner=setup.runner)
 
 
 async def until(condition: Callable[[], object], what: str, timeout: float = 60) -> None:
@@ -106,7 +130,8 @@ def drive(engine: Engine, work: Coroutine[Any, Any, T], timeout: float = DEADLIN
 @contextmanager
 def running_engine(model: Any, tokenizer: Any, **config: Any) -> Iterator[Engine]:
     config.setdefault("kv_bytes_per_token", 256)
-    engine = Engine(model, tokenizer, EngineConfig(**config))
+    speculation = config.pop("speculation", None)
+    engine = text_engine(model, tokenizer, EngineConfig(**config), speculation)
     engine.start()
     try:
         yield engine

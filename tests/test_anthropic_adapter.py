@@ -15,16 +15,13 @@ from mlx_server.events import (
     ToolCallStart,
     Usage,
 )
-from mlx_server.protocols.anthropic.adapter import (
-    strip_billing_header,
-    system_text,
-    to_chat_request,
-)
+from mlx_server.protocols.anthropic.adapter import to_chat_request
 from mlx_server.protocols.anthropic.encoder import (
     MessageAccumulator,
     MessagesEncoder,
     StreamEncoder,
 )
+from mlx_server.protocols.anthropic.messages import strip_billing_header, system_text
 from mlx_server.protocols.anthropic.schemas import (
     CountTokensRequest,
     MessagesRequest,

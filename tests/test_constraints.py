@@ -471,12 +471,12 @@ def test_spec_equality_follows_the_canonical_key():
 
 def test_a_valid_spec_is_checked_once(monkeypatch):
     """A burst of requests with one schema validates it once; an invalid one every time."""
-    from mlx_server.engine.grammar import constraints
+    from mlx_server.engine.grammar import spec as grammar_spec
 
     spec = ConstraintSpec.json_schema({"type": "object", "properties": {"once": {}}})
     validate_spec(spec)
     calls = []
-    monkeypatch.setattr(constraints, "_validate", lambda s: calls.append(s.key()))
+    monkeypatch.setattr(grammar_spec, "_validate", lambda s: calls.append(s.key()))
     validate_spec(ConstraintSpec.json_schema({"type": "object", "properties": {"once": {}}}))
     assert calls == []
     other = ConstraintSpec.json_schema({"type": "object", "properties": {"twice": {}}})

@@ -12,7 +12,7 @@ from transformers import PreTrainedTokenizerFast
 
 from mlx_server.parsing.pipeline import OutputPipeline, collect
 from mlx_server.parsing.reasoning import prompt_opens_reasoning, reasoning_tags
-from mlx_server.parsing.tools import detect_tool_parser, resolve_tool_parser
+from mlx_server.parsing.tool_formats import detect_tool_parser, resolve_tool_parser
 
 QWEN3_TEMPLATE = (
     "{%- if tools %}<|im_start|>system\n# Tools\n<tools>{% for tool in tools %}"

@@ -16,7 +16,7 @@ from mlx_server.events import (
     ToolCallStart,
 )
 from mlx_server.parsing.pipeline import OutputPipeline, collect, merge_events
-from mlx_server.parsing.tools import tool_format
+from mlx_server.parsing.tool_formats import tool_format
 
 THINK = ("<think>", "</think>")
 TOOLS = [

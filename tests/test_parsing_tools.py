@@ -11,15 +11,11 @@ from hypothesis import strategies as st
 from mlx_lm.tool_parsers import json_tools
 
 from mlx_server.events import TextDelta, ToolCallArgsDelta, ToolCallEnd, ToolCallStart
+from mlx_server.parsing.call_decoder import normalize_call
 from mlx_server.parsing.pipeline import collect, merge_events
-from mlx_server.parsing.tools import (
-    ToolCallParser,
-    available_tool_parsers,
-    normalize_call,
-    resolve_tool_parser,
-    tool_format,
-    validate_tools,
-)
+from mlx_server.parsing.tool_formats import available_tool_parsers, resolve_tool_parser, tool_format
+from mlx_server.parsing.tool_schema import validate_tools
+from mlx_server.parsing.tools import ToolCallParser
 
 TOOLS = [
     {

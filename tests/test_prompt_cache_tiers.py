@@ -206,7 +206,7 @@ def test_an_engine_reads_a_disk_hit_off_its_thread_with_the_same_output(lm, tmp_
 
 
 def test_reads_ahead_are_bounded_and_stale_ones_are_forgotten(tmp_path, monkeypatch):
-    import mlx_server.engine.cache.prefix as prefix_cache
+    import mlx_server.engine.cache.prefix_disk as prefix_cache
 
     disk = reopen(tmp_path)
     a, b = list(range(40)), list(range(500, 540))

@@ -1,4 +1,4 @@
-"""The seams between layers: every engine is an EngineLike, and the layers import only
+"""The seams between layers: every engine is an OwnedEngine (the generating ones EngineLike), and the layers import only
 what the design lets them import."""
 
 from __future__ import annotations
@@ -6,43 +6,50 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-from engine_runner import load_varied_model
+from engine_runner import load_varied_model, text_engine, vision_engine
 from scripted_engine import ScriptedEngine
 
-from mlx_server.engine.core.engine import Engine, EngineConfig
-from mlx_server.engine.core.protocol import ChatEngine, EngineCounters, EngineLike, engine_stats
+from mlx_server.engine.core.engine import EngineConfig
+from mlx_server.engine.core.protocol import (
+    ChatEngine,
+    EngineCounters,
+    EngineLike,
+    OwnedEngine,
+    engine_stats,
+)
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "mlx_server"
 
 
 def test_every_engine_is_engine_like(tmp_path_factory):
     from mlx_server.engine.embedding.engine import EmbeddingEngine
-    from mlx_server.engine.runners.vision import VisionEngine
     from mlx_server.registry.catalog import Offer
     from mlx_server.registry.lease import LoadedEngines, RegistryModels
     from mlx_server.registry.registry import Limits, ModelRegistry
 
     model, tokenizer, _ = load_varied_model(tmp_path_factory)
     scripted = ScriptedEngine()
-    for engine in (
-        Engine(model, tokenizer, EngineConfig()),
-        VisionEngine(model, tokenizer, EngineConfig()),
-        EmbeddingEngine(runner=None),
+    generating = (
+        text_engine(model, tokenizer, EngineConfig()),
+        vision_engine(model, tokenizer, EngineConfig()),
         scripted,
-    ):
-        assert isinstance(engine, EngineLike), type(engine)
+    )
+    for engine in (*generating, EmbeddingEngine(runner=None)):
+        assert isinstance(engine, OwnedEngine), type(engine)
+        assert isinstance(engine, EngineLike) == (engine in generating), type(engine)
         stats = engine_stats(engine)
         assert stats["active"] == 0 and stats["queued"] == 0
         # Each kind declares the protocol's methods itself (not through __getattr__).
         declared = {n for c in type(engine).__mro__ for n in vars(c)}
-        assert {"call", "stats", "submit", "cancel", "start", "shutdown"} <= declared
+        assert {"call", "stats", "cancel", "start", "shutdown"} <= declared
+        assert ("submit" in declared) == (engine in generating)
     # A registry's models are counted as one for monitoring; no engine stands for them.
     registry = ModelRegistry([Offer("m", "/m", "chat", 0)], Limits(0, 0, 0.0, 0, 0), print)
     loaded = LoadedEngines(RegistryModels(registry, 256))
     assert isinstance(loaded, EngineCounters) and not isinstance(loaded, EngineLike)
     assert engine_stats(loaded) == {"active": 0, "queued": 0}
     # The engines the chat service generates on announce requests (no getattr probing).
-    for engine in (Engine(model, tokenizer, EngineConfig()), scripted):
+    for engine in (text_engine(model, tokenizer, EngineConfig()), scripted):
         assert isinstance(engine, ChatEngine), type(engine)
 
 
@@ -234,3 +241,20 @@ ROOT_MODULES = {
 
 def test_root_modules_stay_few():
     assert {p.stem for p in SRC.glob("*.py")} <= ROOT_MODULES
+
+
+def test_the_engine_core_builds_no_runner():
+    """Runners are start-up's to build (runners/assembly, speculative/assembly,
+    runners/vision) and the engine's to run: engine/core knows only their interface."""
+    graph = import_graph()
+    for name, imports in graph.items():
+        if name.startswith("mlx_server.engine.core"):
+            bad = {
+                m
+                for m in imports
+                if m.startswith(("mlx_server.engine.runners", "mlx_server.engine.speculative"))
+                and m != "mlx_server.engine.runners.base"
+            }
+            assert not bad, (name, bad)
+    builders = {"mlx_server.engine.runners.assembly", "mlx_server.engine.speculative.assembly"}
+    assert builders <= graph["mlx_server.boot.chat"]

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from engine_runner import text_engine
 
 from mlx_server.engine.core.engine import Engine, EngineConfig
 from mlx_server.engine.core.tuning import WarmUp
@@ -47,7 +48,7 @@ async def _generate(engine: Engine, prompt: list[int]) -> Finished:
 
 def test_batch_sizes_above_one_warm_up_while_idle_and_a_request_runs_meanwhile(lm):
     model, tokenizer = lm
-    engine = Engine(model, tokenizer, EngineConfig(max_batch_size=4, warm_up=True))
+    engine = text_engine(model, tokenizer, EngineConfig(max_batch_size=4, warm_up=True))
     engine.start()
     try:
         assert engine.wait_ready(60)
@@ -82,7 +83,7 @@ def test_a_request_during_the_idle_warm_up_is_admitted_before_the_next_piece(lm,
 
     monkeypatch.setattr(WarmUp, "step", step)
     config = EngineConfig(max_batch_size=3, warm_up=True, warm_idle_s=0.0)
-    engine = Engine(model, tokenizer, config)
+    engine = text_engine(model, tokenizer, config)
     real_start = engine._start
     monkeypatch.setattr(engine, "_start", lambda seq: (events.append("admit"), real_start(seq)))
     engine.start()

@@ -10,13 +10,14 @@ import asyncio
 from typing import Any
 
 import pytest
-from engine_runner import generate, request, until
+from engine_runner import generate, request, until, vision_engine
 from test_vision_engine import batched
 from test_vision_service import ask, chat, image
 from tiny_vlm import build_tiny_idefics3
 
 from mlx_server.engine.core.engine import Engine, EngineConfig
-from mlx_server.engine.runners.vision import VisionEngine, VisionRunner
+from mlx_server.engine.runners.vision import VisionRunner
+from mlx_server.engine.runners.vision_prefill import batch_refusal
 from mlx_server.events import Finished, TextDelta
 from mlx_server.models.loader import load_model
 from mlx_server.models.media import MediaLimits
@@ -31,8 +32,8 @@ def service(tmp_path_factory) -> Any:
     loaded = load_model(str(build_tiny_idefics3(tmp_path_factory.mktemp("vlm") / "idefics3")))
     # gather_s: requests started together are admitted together (no wave depends on timing).
     config = EngineConfig(kv_bytes_per_token=256, gather_s=10.0)
-    engine = VisionEngine(loaded.model, loaded.tokenizer, config)
-    assert engine.serial_reason == ""
+    assert batch_refusal(loaded.model) == ""
+    engine = vision_engine(loaded.model, loaded.tokenizer, config)
     vision = VisionPromptBuilder(loaded.processor, loaded.config, MediaLimits())
     svc = ChatService(loaded.model_id, loaded.tokenizer, engine, ctx_size=4096, vision=vision)
     engine.start()
@@ -218,8 +219,8 @@ def test_gemma3_batched_as_mlx_vlm_gives_and_checkpointed(gemma):
         EngineConfig(kv_bytes_per_token=256, prompt_cache_size=0, max_batch_size=1, solo=False),
         runner=VisionRunner(model, eos, prefill_step_size=8),
     )
-    engine = VisionEngine(model, tok, EngineConfig(kv_bytes_per_token=256, prefill_step_size=8))
-    assert engine.serial_reason == ""
+    assert batch_refusal(model) == ""
+    engine = vision_engine(model, tok, EngineConfig(kv_bytes_per_token=256, prefill_step_size=8))
     serial.start()
     engine.start()
     try:

@@ -1,4 +1,4 @@
-"""The VisionEngine from Python, on the tiny Qwen2-VL: pixels reach the model, requests with
+"""The vision runner under the Engine, from Python, on the tiny Qwen2-VL: pixels reach the model, requests with
 and without images share the batch, cancellation, limits, errors and shutdown."""
 
 from __future__ import annotations
@@ -11,12 +11,12 @@ from dataclasses import replace
 from typing import Any
 
 import pytest
-from engine_runner import collect, drive, generate, request
+from engine_runner import collect, drive, generate, request, vision_engine
 from PIL import Image
 from tiny_vlm import build_tiny_vlm
 
 from mlx_server.engine.core.engine import Engine, EngineConfig
-from mlx_server.engine.runners.vision import VisionEngine, VisionRunner
+from mlx_server.engine.runners.vision import VisionRunner
 from mlx_server.errors import Overloaded
 from mlx_server.models.loader import load_model
 from mlx_server.models.media import MediaLimits
@@ -34,7 +34,7 @@ def vlm(tmp_path_factory) -> Any:
 
 @pytest.fixture
 def engine(vlm):
-    eng = VisionEngine(vlm.model, vlm.tokenizer, EngineConfig(kv_bytes_per_token=256))
+    eng = vision_engine(vlm.model, vlm.tokenizer, EngineConfig(kv_bytes_per_token=256))
     eng.start()
     yield eng
     eng.shutdown(timeout=10)
@@ -217,7 +217,7 @@ def test_a_failing_request_does_not_stop_the_engine(vlm, engine):
 
 
 def test_shutdown_refuses_new_requests(vlm):
-    eng = VisionEngine(vlm.model, vlm.tokenizer, EngineConfig(kv_bytes_per_token=256))
+    eng = vision_engine(vlm.model, vlm.tokenizer, EngineConfig(kv_bytes_per_token=256))
     eng.start()
     eng.shutdown(timeout=10)
     tokens, inputs = prompt(vlm)

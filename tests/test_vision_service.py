@@ -1,6 +1,6 @@
 """The chat service with a second architecture, Idefics3 (SmolVLM's): its processor tiles
 each image and writes row/column markers, so an image costs many tokens; the service must
-count them, check them against the context, and run the request on the VisionEngine."""
+count them, check them against the context, and run the request on the vision runner."""
 
 from __future__ import annotations
 
@@ -9,13 +9,12 @@ import io
 from typing import Any
 
 import pytest
-from engine_runner import drive
+from engine_runner import drive, vision_engine
 from PIL import Image
 from tiny_vlm import build_tiny_idefics3
 
 from mlx_server.engine.core.engine import EngineConfig
 from mlx_server.engine.core.handle import Started
-from mlx_server.engine.runners.vision import VisionEngine
 from mlx_server.errors import ContextLengthExceeded, InvalidRequest
 from mlx_server.events import Finished, Logprobs, TextDelta
 from mlx_server.models.loader import load_model
@@ -31,7 +30,7 @@ GREEDY = SamplingParams(temperature=0.0)
 def service(tmp_path_factory) -> Any:
     loaded = load_model(str(build_tiny_idefics3(tmp_path_factory.mktemp("vlm") / "idefics3")))
     assert loaded.capabilities == ["vision"]
-    engine = VisionEngine(loaded.model, loaded.tokenizer, EngineConfig(kv_bytes_per_token=256))
+    engine = vision_engine(loaded.model, loaded.tokenizer, EngineConfig(kv_bytes_per_token=256))
     vision = VisionPromptBuilder(loaded.processor, loaded.config, MediaLimits())
     svc = ChatService(loaded.model_id, loaded.tokenizer, engine, ctx_size=400, vision=vision)
     engine.start()

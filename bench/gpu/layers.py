@@ -313,7 +313,13 @@ async def engine_layer(model: Any, tok: Any, a: argparse.Namespace) -> None:
             kw["prefill_buckets"] = builds_kernels_on_first_use()
     except ImportError:
         pass
-    engine = Engine(model, tok, EngineConfig(**kw))
+    cfg = EngineConfig(**kw)
+    try:  # the runner start-up builds, where this version of the engine takes one
+        from mlx_server.engine.runners.assembly import text_runner
+
+        engine = Engine(model, tok, cfg, runner=text_runner(model, tok, cfg))
+    except ImportError:
+        engine = Engine(model, tok, cfg)
     engine.start()
     t_ready = time.perf_counter()
     if hasattr(engine, "wait_ready"):  # an engine that warms up before it serves

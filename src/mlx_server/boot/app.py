@@ -36,7 +36,8 @@ from mlx_server.server.browser_guard import BrowserGuard, BrowserPolicy
 from mlx_server.server.errors import Envelopes, install_error_handlers
 from mlx_server.server.http import parse_body
 from mlx_server.server.ignored_fields import IgnoredFieldsHeader
-from mlx_server.server.metrics import Metrics, MetricsMiddleware, install_metrics, route_paths
+from mlx_server.server.metrics import Metrics
+from mlx_server.server.metrics_http import MetricsMiddleware, install_metrics, route_paths
 from mlx_server.server.middleware import MAX_BODY_BYTES, GuardMiddleware
 from mlx_server.server.streaming import KEEPALIVE_S
 from mlx_server.service import ChatService

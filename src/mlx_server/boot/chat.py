@@ -22,8 +22,10 @@ from mlx_server.engine.core.tuning import (
     default_prefill_step,
 )
 from mlx_server.engine.grammar.constraints import ConstraintCompiler, ConstraintError
-from mlx_server.engine.runners.vision import VisionEngine
+from mlx_server.engine.runners.assembly import text_runner
+from mlx_server.engine.runners.vision import vision_runner
 from mlx_server.engine.runners.vision_prefill import batch_refusal
+from mlx_server.engine.speculative.assembly import speculative_runner
 from mlx_server.engine.speculative.drafters import check_same_tokenizer
 from mlx_server.engine.speculative.rollback import layer_kinds, rollback_problem
 from mlx_server.engine.speculative.runner import Speculation
@@ -73,9 +75,6 @@ def load_chat_model(
             "model (chat, completions, messages, responses)"
         )
     vision = "vision" in loaded.capabilities
-    engine_class: Any = Engine
-    if vision:  # the vision tower at prefill, the language model in the batch
-        engine_class = VisionEngine
     model, kv_per_token = loaded.model, loaded.kv_bytes_per_token
     disk, disk_off = None, ""
     if not vision:
@@ -89,29 +88,24 @@ def load_chat_model(
     else:
         disk_off = "the disk tier is off across ranks"
     batch = _batch_size(settings, kv_budget, kv.bytes_for(settings.ctx_size))
-    engine = engine_class(
-        model,
-        loaded.tokenizer,
-        EngineConfig(
-            max_batch_size=batch,
-            max_queue=settings.max_queue,
-            prefill_step_size=settings.prefill_step_size or default_prefill_step(),
-            prompt_cache_size=settings.prompt_cache_size,
-            prompt_cache_bytes=prompt_cache_bytes(settings, kv_budget),
-            kv_budget_bytes=kv_budget,
-            kv_bytes_per_token=kv.per_token,
-            kv_bytes_per_sequence=kv.per_sequence,
-            prompt_cache_disk=disk,
-            prompt_cache_disk_off=disk_off,
-            warm_up=not vision and builds_kernels_on_first_use(),
-            first_token=not vision and sharded is None,
-            wired_bytes=plan.weights + plan.budget,
-            prefill_buckets=not vision and builds_kernels_on_first_use(),
-            speculation=None if vision or sharded else _speculation(loaded, settings, model),
-            lockstep=sharded.lead() if sharded is not None else None,
-        ),
-        observer=observer,
+    config = EngineConfig(
+        max_batch_size=batch,
+        max_queue=settings.max_queue,
+        prefill_step_size=settings.prefill_step_size or default_prefill_step(),
+        prompt_cache_size=settings.prompt_cache_size,
+        prompt_cache_bytes=prompt_cache_bytes(settings, kv_budget),
+        kv_budget_bytes=kv_budget,
+        kv_bytes_per_token=kv.per_token,
+        kv_bytes_per_sequence=kv.per_sequence,
+        prompt_cache_disk=disk,
+        prompt_cache_disk_off=disk_off,
+        warm_up=not vision and builds_kernels_on_first_use(),
+        first_token=not vision and sharded is None,
+        wired_bytes=plan.weights + plan.budget,
+        prefill_buckets=not vision and builds_kernels_on_first_use(),
+        lockstep=sharded.lead() if sharded is not None else None,
     )
+    engine = _engine(loaded, settings, model, config, vision, observer)
     service = ChatService(
         loaded.model_id,
         loaded.tokenizer,
@@ -136,6 +130,28 @@ def load_chat_model(
         engine.shutdown()
         raise ModelLoadError(engine.start_error)
     return ModelParts(service, engine, loaded, vision, kv_budget)
+
+
+def _engine(
+    loaded: Any,
+    settings: Settings,
+    model: Any,
+    config: EngineConfig,
+    vision: bool,
+    observer: GenerationObserver | None,
+) -> Engine:
+    """The engine with the runner that fits: the vision runner (the vision tower at
+    prefill, the language model in the batch), the speculative one, or the plain text one."""
+    tokenizer = loaded.tokenizer
+    if vision:
+        setup = vision_runner(model, tokenizer, config)
+        return Engine(setup.model, tokenizer, setup.config, runner=setup.runner, observer=observer)
+    spec = _speculation(loaded, settings, model) if config.lockstep is None else None
+    if spec is not None:
+        runner = speculative_runner(model, tokenizer, config, spec)
+    else:
+        runner = text_runner(model, tokenizer, config)
+    return Engine(model, tokenizer, config, runner=runner, observer=observer)
 
 
 def _memory_plan(settings: Settings, loaded: Any, kv_per_token: int) -> Any:
@@ -209,7 +225,7 @@ def _constraint_compiler(tokenizer: Any) -> Any:
         return None
 
 
-def _speculation(loaded: Any, settings: Settings, model: Any) -> Any:
+def _speculation(loaded: Any, settings: Settings, model: Any) -> Speculation | None:
     """Speculative decoding's settings, with the draft model loaded and checked (its
     tokenizer must be the model's), or None when it is off. Predicted outputs need no
     flag: a request that brings one speculates whenever it runs alone."""

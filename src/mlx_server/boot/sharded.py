@@ -34,6 +34,7 @@ from mlx_server.engine.lockstep.channel import Channel
 from mlx_server.engine.lockstep.follower import FollowerEngine
 from mlx_server.engine.lockstep.leader import Lead
 from mlx_server.engine.lockstep.watch import RankWatch, exchange_pids
+from mlx_server.engine.runners.assembly import text_runner
 from mlx_server.logs import load_failed, log, set_prefix
 from mlx_server.models.base import ModelLoadError
 from mlx_server.models.loader import load_model
@@ -140,6 +141,7 @@ def follow(settings: Settings, group: Any) -> int:
         config = EngineConfig(**json.loads(channel.receive()))
     except Exception as e:  # rank 0 failed to start (it says why)
         return load_failed(f"rank 0 did not start: {type(e).__name__}: {e}")
-    FollowerEngine(loaded.model, loaded.tokenizer, config, channel, watch).run()
+    runner = text_runner(loaded.model, loaded.tokenizer, config)
+    FollowerEngine(loaded.model, loaded.tokenizer, config, channel, watch, runner=runner).run()
     log("Ranks: rank 0 said stop")
     return 0

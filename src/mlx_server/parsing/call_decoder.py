@@ -1,15 +1,50 @@
 """What the tool-call parsers (``tools.ToolCallParser``, Harmony's, functionary's) share:
-their calls are numbered in order, each gets a fresh id, and those beyond ``max_calls``
-are dropped."""
+their calls are numbered in order, each gets a fresh id (``new_call_id``), those beyond
+``max_calls`` are dropped, and a parsed call is read the same way (``normalize_call``)."""
 
 from __future__ import annotations
 
+import json
+import uuid
 from collections.abc import Callable
 from typing import Any
 
 from mlx_server.events import OutputEvent, ToolCallStart
 from mlx_server.parsing.tags import SteppedDecoder
 from mlx_server.parsing.tool_schema import tool_names
+
+
+def new_call_id() -> str:
+    """A fresh OpenAI-style call id: ``call_`` and 24 hex characters."""
+    return "call_" + uuid.uuid4().hex[:24]
+
+
+def normalize_call(item: object) -> tuple[str, str] | None:
+    """``(name, arguments JSON object text)`` from one parsed call, or None if it is not one.
+
+    Accepts ``{"name", "arguments"}`` (arguments as an object, a JSON string of one, or
+    absent), ``"parameters"`` for ``"arguments"``, and the OpenAI ``{"function": {...}}``
+    wrapper.
+    """
+    if not isinstance(item, dict):
+        return None
+    call: dict[str, Any] = item
+    if "name" not in call and isinstance(call.get("function"), dict):
+        call = call["function"]
+    name = call.get("name")
+    if not isinstance(name, str) or not name:
+        return None
+    args = call.get("arguments", call.get("parameters"))
+    if args is None:
+        args = {}
+    if isinstance(args, str):
+        try:
+            args = json.loads(args) if args.strip() else {}
+        except json.JSONDecodeError:
+            return None
+    if not isinstance(args, dict):
+        return None
+    return name, json.dumps(args, ensure_ascii=False)
 
 
 class CallDecoder(SteppedDecoder[OutputEvent]):

@@ -2,12 +2,15 @@
 
 Tool-call arguments are streamed as the raw JSON text the model writes; the scanner tracks
 nesting depth and string/escape state so that it knows the exact character that closes the
-object, even when strings hold braces, quotes or tags.
+object, even when strings hold braces, quotes or tags. Also the two JSON checks the
+tool-call parser makes of a call: its header's name and whether its arguments are whole.
 """
 
 from __future__ import annotations
 
+import json
 from enum import Enum
+from typing import Any
 
 
 class ScanStatus(Enum):
@@ -53,3 +56,24 @@ class JsonObjectScanner:
             elif stop and ch in stop:
                 return i, ScanStatus.STOPPED
         return len(text), ScanStatus.MORE
+
+
+def header_name(m: Any) -> str | None:
+    """The function name a call header matched (group ``name``, a JSON string's
+    contents, escapes decoded), or None when empty or not valid JSON."""
+    raw = m.group("name")
+    if "\\" not in raw:
+        return raw or None
+    try:
+        name = json.loads(f'"{raw}"')
+    except json.JSONDecodeError:
+        return None
+    return name if isinstance(name, str) and name else None
+
+
+def is_json_object(text: str) -> bool:
+    """Whether ``text`` is one whole JSON object."""
+    try:
+        return isinstance(json.loads(text), dict)
+    except json.JSONDecodeError:
+        return False

@@ -17,12 +17,12 @@ from mlx_server.events import (
     ToolCallEnd,
     ToolCallStart,
 )
-from mlx_server.parsing.call_decoder import MessageParser
+from mlx_server.parsing.call_decoder import MessageParser, new_call_id
 from mlx_server.parsing.detection import message_parser
 from mlx_server.parsing.reasoning import ReasoningSplitter
 from mlx_server.parsing.tags import MarkerStripper
 from mlx_server.parsing.tool_formats import ToolFormat
-from mlx_server.parsing.tools import ToolCallParser, new_call_id
+from mlx_server.parsing.tools import ToolCallParser
 
 
 class OutputPipeline:

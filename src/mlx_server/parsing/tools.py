@@ -21,76 +21,22 @@ as ``TextDelta`` and turns each call into ``ToolCallStart`` / ``ToolCallArgsDelt
 
 from __future__ import annotations
 
-import json
-import uuid
 from collections.abc import Callable
 from typing import Any
 
 from mlx_server.events import OutputEvent, TextDelta, ToolCallArgsDelta, ToolCallEnd
 from mlx_server.logs import log
-from mlx_server.parsing.call_decoder import CallDecoder
-from mlx_server.parsing.json_scan import JsonObjectScanner, ScanStatus
+from mlx_server.parsing.call_decoder import CallDecoder, new_call_id, normalize_call
+from mlx_server.parsing.json_scan import JsonObjectScanner, ScanStatus, header_name, is_json_object
 from mlx_server.parsing.tags import find_first, held_tail_len, hold_trailing_space
-from mlx_server.parsing.tool_formats import (
-    ToolFormat,
-    available_tool_parsers,
-    detect_tool_parser,
-    resolve_tool_parser,
-    tool_format,
-)
-from mlx_server.parsing.tool_schema import tool_names, validate_tools
-
-__all__ = [
-    "ToolCallParser",
-    "ToolFormat",
-    "available_tool_parsers",
-    "detect_tool_parser",
-    "new_call_id",
-    "normalize_call",
-    "resolve_tool_parser",
-    "tool_format",
-    "validate_tools",
-]
-
+from mlx_server.parsing.tool_formats import ToolFormat
+from mlx_server.parsing.tool_schema import tool_names
 
 _TEXT = "text"  # answer text; looking for a call's start marker
 _BODY = "body"  # inside a call block, collecting it until its end marker
 _ARGS = "args"  # streaming a JSON arguments object
 _CLOSER = "closer"  # arguments closed; skipping what closes the header's brackets
 _TAIL = "tail"  # skipping the rest of a block up to its end marker
-
-
-def new_call_id() -> str:
-    """A fresh OpenAI-style call id: ``call_`` and 24 hex characters."""
-    return "call_" + uuid.uuid4().hex[:24]
-
-
-def normalize_call(item: object) -> tuple[str, str] | None:
-    """``(name, arguments JSON object text)`` from one parsed call, or None if it is not one.
-
-    Accepts ``{"name", "arguments"}`` (arguments as an object, a JSON string of one, or
-    absent), ``"parameters"`` for ``"arguments"``, and the OpenAI ``{"function": {...}}``
-    wrapper.
-    """
-    if not isinstance(item, dict):
-        return None
-    call: dict[str, Any] = item
-    if "name" not in call and isinstance(call.get("function"), dict):
-        call = call["function"]
-    name = call.get("name")
-    if not isinstance(name, str) or not name:
-        return None
-    args = call.get("arguments", call.get("parameters"))
-    if args is None:
-        args = {}
-    if isinstance(args, str):
-        try:
-            args = json.loads(args) if args.strip() else {}
-        except json.JSONDecodeError:
-            return None
-    if not isinstance(args, dict):
-        return None
-    return name, json.dumps(args, ensure_ascii=False)
 
 
 class ToolCallParser(CallDecoder):
@@ -273,7 +219,7 @@ class ToolCallParser(CallDecoder):
         m = self._fmt.stream_header.match(self._buf, partial=True)
         if m is not None and m.partial and not (self._fmt.end and self._fmt.end in self._buf):
             return False
-        name = _header_name(m) if m is not None and not m.partial else None
+        name = header_name(m) if m is not None and not m.partial else None
         if name is None or not self._accepts(name):
             self._header_failed = True  # parse the whole block at its end instead
             return False
@@ -325,7 +271,7 @@ class ToolCallParser(CallDecoder):
 
     def _end_streamed(self, out: list[OutputEvent]) -> None:
         arguments = "".join(self._args)
-        if self._index is not None and not _is_json_object(arguments):
+        if self._index is not None and not is_json_object(arguments):
             log(f"Warning: tool call {self._index} has incomplete or invalid JSON arguments")
         self._end_call(out, arguments)
 
@@ -347,21 +293,3 @@ class ToolCallParser(CallDecoder):
         if body:
             self._fresh = False
             out.append(TextDelta(body))
-
-
-def _header_name(m: Any) -> str | None:
-    raw = m.group("name")
-    if "\\" not in raw:
-        return raw or None
-    try:
-        name = json.loads(f'"{raw}"')
-    except json.JSONDecodeError:
-        return None
-    return name if isinstance(name, str) and name else None
-
-
-def _is_json_object(text: str) -> bool:
-    try:
-        return isinstance(json.loads(text), dict)
-    except json.JSONDecodeError:
-        return False

@@ -13,7 +13,7 @@ from typing import Any, Protocol
 from fastapi import Request
 
 from mlx_server.embedding_service import EmbeddingService
-from mlx_server.engine.core.protocol import EngineCounters, EngineLike
+from mlx_server.engine.core.protocol import EngineCounters, OwnedEngine
 from mlx_server.errors import InvalidRequest
 from mlx_server.registry.keep_alive import parse_keep_alive
 from mlx_server.registry.registry import LOADED, ModelRegistry, Slot
@@ -40,7 +40,7 @@ class Models(Protocol):
         """The embedding or reranker model ``name``, leased for ``request``."""
         ...
 
-    def engines(self) -> list[EngineLike]:
+    def engines(self) -> list[OwnedEngine]:
         """The loaded models' engines (``/v1/cancel`` reaches every one)."""
         ...
 
@@ -88,7 +88,7 @@ class OneModel:
             )
         return self.service
 
-    def engines(self) -> list[EngineLike]:
+    def engines(self) -> list[OwnedEngine]:
         return [self.service.engine]
 
     def counters(self) -> EngineCounters:
@@ -142,7 +142,7 @@ class RegistryModels:
         service: EmbeddingService = await self._lease(request, name, keep_alive, "embedding")
         return service
 
-    def engines(self) -> list[EngineLike]:
+    def engines(self) -> list[OwnedEngine]:
         return [s.parts.engine for s in self.registry.loaded() if s.parts is not None]
 
     def counters(self) -> EngineCounters:
@@ -182,7 +182,7 @@ class RegistryModels:
 def _slot_health(slot: Slot) -> dict[str, Any]:
     out: dict[str, Any] = {"status": slot.state}
     if slot.state == LOADED and slot.parts is not None:
-        engine: EngineLike = slot.parts.engine
+        engine: EngineCounters = slot.parts.engine
         out.update(
             active=engine.active_count, queued=engine.queue_depth, memory_bytes=slot.memory_bytes
         )

@@ -14,6 +14,7 @@ from typing import Any
 
 from mlx_server.errors import InvalidRequest, NotFound, Overloaded
 from mlx_server.logs import log
+from mlx_server.models.memory_plan import weights_bytes
 from mlx_server.registry.catalog import Offer
 
 UNLOADED, LOADING, LOADED = "unloaded", "loading", "loaded"
@@ -294,11 +295,3 @@ def _release_parts(parts: Any) -> None:
         mx.clear_cache()
     except Exception:  # an MLX without clear_cache: its buffers are freed as they go
         pass
-
-
-def weights_bytes(model: Any) -> int:
-    """Bytes of a model's parameters as loaded."""
-    from mlx.utils import tree_flatten
-
-    params: Any = tree_flatten(model.parameters())
-    return int(sum(v.nbytes for _, v in params))

@@ -3,7 +3,8 @@
 Three sources:
 
 - an ASGI middleware counts HTTP requests by route, method and status, and client
-  disconnects (the client went away before its response was complete);
+  disconnects (the client went away before its response was complete): ``metrics_http``,
+  with the ``/metrics`` page;
 - the engines' generations are observed as the engine pushes their events (``Metrics``
   is the ``GenerationObserver`` an engine is built with): time to first token (from
   submission, queueing included), the gaps between streamed pieces, the whole generation's
@@ -17,17 +18,14 @@ from __future__ import annotations
 import bisect
 import threading
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
-from fastapi.responses import Response
 from prometheus_client import (
-    CONTENT_TYPE_LATEST,
     CollectorRegistry,
     Counter,
     Gauge,
     Histogram,
-    generate_latest,
 )
 from prometheus_client.core import (
     CounterMetricFamily,
@@ -41,10 +39,6 @@ from prometheus_client.utils import floatToGoString
 from mlx_server.engine.core.handle import TokenPiece
 from mlx_server.engine.core.protocol import EngineCounters, engine_stats
 from mlx_server.events import Finished
-
-Scope = dict[str, Any]
-Receive = Callable[[], Awaitable[Any]]
-Send = Callable[[Any], Awaitable[None]]
 
 PREFIX = "mlx_server"
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -251,72 +245,3 @@ def _cache_misses_and_failures(stats: dict[str, Any]) -> Iterable[Metric]:
 
 def _gauge(name: str, help: str, value: float) -> GaugeMetricFamily:
     return GaugeMetricFamily(f"{PREFIX}_{name}", help, value=value)
-
-
-class MetricsMiddleware:
-    """Counts requests by route (a known path, else ``other``), method and status, and
-    clients that disconnect before their response ends."""
-
-    def __init__(self, app: Any, metrics: Metrics, routes: Callable[[], set[str]]):
-        self.app = app
-        self.metrics = metrics
-        self.routes = routes
-        self._known: set[str] | None = None
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        if self._known is None:
-            self._known = self.routes()
-        path = scope.get("path", "")
-        route = path if path in self._known else "other"
-        method = scope.get("method", "")
-        state = {"started": False, "complete": False, "gone": False}
-
-        async def watched_send(message: Any) -> None:
-            if message["type"] == "http.response.start":
-                # Counted as the answer starts, so a client that reads it sees it counted.
-                state["started"] = True
-                matched = getattr(scope.get("route"), "path", None) or route
-                self.metrics.requests.labels(matched, method, str(message["status"])).inc()
-            elif message["type"] == "http.response.body" and not message.get("more_body"):
-                state["complete"] = True
-            await send(message)
-
-        async def watched_receive() -> Any:
-            message = await receive()
-            if message["type"] == "http.disconnect" and not state["complete"]:
-                if not state["gone"]:
-                    state["gone"] = True
-                    self.metrics.disconnects.inc()
-            return message
-
-        try:
-            await self.app(scope, watched_receive, watched_send)
-        finally:
-            if not state["started"]:  # the app failed before answering
-                self.metrics.requests.labels(route, method, "500").inc()
-
-
-def route_paths(routes: Iterable[Any]) -> set[str]:
-    """The paths of an app's routes, through included routers (which FastAPI may keep as
-    wrappers around the original router)."""
-    out: set[str] = set()
-    for r in routes:
-        path = getattr(r, "path", None)
-        if isinstance(path, str) and path:
-            out.add(path)
-        inner = getattr(r, "original_router", None)
-        if inner is not None:
-            out |= route_paths(inner.routes)
-    return out
-
-
-def install_metrics(app: Any, metrics: Metrics) -> None:
-    """Serve ``GET /metrics``; add ``MetricsMiddleware`` last (outermost) so refused
-    requests are counted too."""
-
-    @app.get("/metrics")
-    async def metrics_page() -> Response:
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)

@@ -10,11 +10,10 @@ import asyncio
 import functools
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from mlx_server.engine.core.protocol import ChatEngine
-from mlx_server.errors import ContextLengthExceeded, InvalidRequest
+from mlx_server.errors import InvalidRequest
 from mlx_server.logs import log
 from mlx_server.models.chat_template import load_chat_template
 from mlx_server.models.media_key import CACHE_TOKENS
@@ -26,6 +25,7 @@ from mlx_server.parsing.reasoning import prompt_opens_reasoning, reasoning_tags
 from mlx_server.request_checks import check_text_only
 from mlx_server.service.generation import Generation, check_sampling, submit
 from mlx_server.service.history import history_end
+from mlx_server.service.prompt import PreparedPrompt, answer_budget, system_prefix_tokens
 from mlx_server.service.structured import constraint_spec
 from mlx_server.types import ChatRequest, GenerationRequest
 
@@ -42,15 +42,6 @@ class Tokenizer(Protocol):
     def encode(self, text: str, add_special_tokens: bool = ...) -> list[int]: ...
 
     def decode(self, ids: list[int], **kwargs: Any) -> str: ...
-
-
-@dataclass(frozen=True)
-class PreparedPrompt:
-    text: str
-    tokens: list[int]
-    max_tokens: int
-    start_in_reasoning: bool
-    vision_inputs: dict[str, Any] | None = None  # pixels etc. for a prompt with media
 
 
 class ChatService:
@@ -174,42 +165,15 @@ class ChatService:
             check_text_only(chat, self.model_id)
         text = self.render(chat)
         tokens, vision_inputs = self._encode(chat, text)
-        n = len(tokens)
-        if chat.max_tokens is not None:
-            if n + chat.max_tokens > self.ctx_size:
-                raise ContextLengthExceeded.overflow(
-                    n, chat.max_tokens, self.ctx_size, param="messages"
-                )
-            max_tokens = chat.max_tokens
-        else:
-            max_tokens = self.ctx_size - n
-            if max_tokens <= 0:
-                raise ContextLengthExceeded.overflow(n, None, self.ctx_size, param="messages")
+        max_tokens = answer_budget(len(tokens), chat.max_tokens, self.ctx_size)
         start, end = self.reasoning_tags
         opens = chat.reasoning_format != "none" and prompt_opens_reasoning(text, start, end)
         return PreparedPrompt(text, tokens, max_tokens, opens, vision_inputs)
 
     def system_prefix_tokens(self, chat: ChatRequest, prepared: PreparedPrompt) -> int:
-        """How many leading prompt tokens render the system prompt, up to where the first
-        other message's content begins (its turn's header is the same in every
-        conversation); 0 if none. Found in the rendered prompt: the template runs once."""
-        messages = self.template_messages(chat)
-        n = 0
-        while n < len(messages) and messages[n].get("role") in ("system", "developer"):
-            n += 1
-        if n == len(messages):
-            return 0
-        end = _content_start(prepared.text, messages[:n], messages[n])
-        if end <= 0:
-            return 0
-        head = self.tokenizer.encode(prepared.text[:end], add_special_tokens=False)
-        common = 0
+        """Where the system prompt ends in the prompt's tokens (``prompt.system_prefix_tokens``)."""
         media = self.vision.placeholders if self.vision is not None else ()
-        for a, b in zip(head, prepared.tokens, strict=False):
-            if a != b or b in media:  # (a first message's image is no part of the prefix)
-                break
-            common += 1
-        return common if common < len(prepared.tokens) else 0
+        return system_prefix_tokens(self.tokenizer, self.template_messages(chat), prepared, media)
 
     def history_end(self, chat: ChatRequest, prepared: PreparedPrompt) -> int:
         """Where the prompt's history ends, for an engine that keeps a checkpoint there
@@ -313,32 +277,6 @@ class ChatService:
             raise InvalidRequest(
                 f"cannot enforce this request's constraint: {e}", param="response_format"
             ) from e
-
-
-def _content_start(text: str, system: list[dict[str, Any]], first: dict[str, Any]) -> int:
-    """Where ``first``'s text content starts in the rendered ``text``, searched after the
-    system messages' own text; -1 if any of them is not found as plain text (a template
-    that rewrites them: no boundary)."""
-    at = 0
-    for message in [*system, first]:
-        content = _first_text(message.get("content")).strip()
-        found = text.find(content, at) if content else -1
-        if found < 0:
-            return -1
-        if message is first:
-            return found
-        at = found + len(content)
-    return -1
-
-
-def _first_text(content: Any) -> str:
-    """A message's text, or its first text part's."""
-    if isinstance(content, str):
-        return content
-    for part in content if isinstance(content, list) else []:
-        if isinstance(part, dict) and part.get("type") == "text":
-            return str(part.get("text") or "")
-    return ""
 
 
 def _vocab(tokenizer: Any) -> Any:

@@ -18,8 +18,9 @@ from dataclasses import replace
 
 from mlx_server.errors import InvalidRequest
 from mlx_server.events import Finished, Usage
-from mlx_server.service.chat import ChatService, PreparedPrompt
+from mlx_server.service.chat import ChatService
 from mlx_server.service.generation import Generation
+from mlx_server.service.prompt import PreparedPrompt
 from mlx_server.service.text_completion import CompletionOptions, CompletionService, TextPrompt
 from mlx_server.types import ChatRequest, GenerationRequest, SamplingParams
 

@@ -10,7 +10,7 @@ from mlx_server.parsing.tool_formats import ToolFormat
 from mlx_server.types import ChatRequest
 
 if TYPE_CHECKING:
-    from mlx_server.engine.grammar.constraints import ConstraintSpec
+    from mlx_server.engine.grammar.spec import ConstraintSpec
 
 
 def forced_tool(chat: ChatRequest) -> tuple[bool, str | None]:
@@ -21,7 +21,7 @@ def forced_tool(chat: ChatRequest) -> tuple[bool, str | None]:
 
 def constraint_spec(chat: ChatRequest, tool_format: ToolFormat | None) -> ConstraintSpec | None:
     """The ConstraintSpec for a request, or None; InvalidRequest for what cannot be enforced."""
-    from mlx_server.engine.grammar.constraints import ConstraintError, ConstraintSpec, validate_spec
+    from mlx_server.engine.grammar.spec import ConstraintError, ConstraintSpec, validate_spec
 
     required, name = forced_tool(chat)
     spec = None

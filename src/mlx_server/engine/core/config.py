@@ -1,11 +1,36 @@
-"""The engine's settings (``EngineConfig``), one place for what start-up decides."""
+"""The engine's settings (``EngineConfig``), one place for what start-up decides; the runner
+is not one of them: start-up builds it and hands it to the engine."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Protocol
 
 from mlx_server.engine.cache.checkpoints import CHUNK_EVERY
+from mlx_server.engine.cache.prefix import PrefixCache
+from mlx_server.engine.runners.base import Runner
+
+if TYPE_CHECKING:  # the disk tier's module is imported only where one is built
+    from mlx_server.engine.cache.disk import DiskPromptCache
+
+
+class Lockstep(Protocol):
+    """Rank 0's side of several ranks that compute each step together (the model sharded
+    across them; ``lockstep.leader.Lead``)."""
+
+    def lead(
+        self, runner: Runner, prefix_cache: PrefixCache | None, config: EngineConfig
+    ) -> Runner:
+        """The engine's runner, wrapped to journal what it does for the other ranks."""
+        ...
+
+    def idle(self) -> None:
+        """The engine is idle: the other ranks hear from rank 0 all the same."""
+        ...
+
+    def broken(self, error: BaseException) -> None:
+        """A step failed: the ranks may no longer agree, serving stops."""
+        ...
 
 
 @dataclass
@@ -18,7 +43,7 @@ class EngineConfig:
     kv_budget_bytes: int = 4 << 30
     kv_bytes_per_token: int = 1
     kv_bytes_per_sequence: int = 0  # sliding windows and recurrent states (memory_plan)
-    prompt_cache_disk: Any = None  # disk_cache.DiskPromptCache: the prefix cache's disk tier
+    prompt_cache_disk: DiskPromptCache | None = None  # the prefix cache's disk tier
     prompt_cache_disk_off: str = ""  # without one: why (reported by /health)
     # Run every batch size once: a lone request's shapes before serving, the rest while idle
     # (tuning.WarmUp; all before serving when ranks run in lockstep).
@@ -32,11 +57,9 @@ class EngineConfig:
     # process's wired limit while it runs (wired.py; Metal only).
     wired_bytes: int = 0
     solo: bool = True  # a lone request runs on a plain KV cache (see solo.py)
-    speculation: Any = None  # speculative.runner.Speculation: requests speculate, alone or batched
     gather_s: float = 0.05  # how long queued requests wait for announced ones (Scheduler)
     prefill_buckets: bool = False  # the lone path pads prefill chunks (tuning.PREFILL_BUCKETS)
-    # lockstep.leader.Lead: rank 0 of several ranks that compute each step together (the
-    # model sharded across them); its runner is wrapped to journal for the other ranks.
-    lockstep: Any = None
+    # Rank 0 of several ranks in lockstep: its runner is wrapped to journal for the others.
+    lockstep: Lockstep | None = None
     # Tokens between the chunk-boundary checkpoints of a long prefill (cache/checkpoints.py).
     checkpoint_every: int = CHUNK_EVERY

@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from mlx_server.engine.core.handle import GenerationHandle, TokenPiece
+from mlx_server.engine.core.handle import GenerationHandle, Started, TokenPiece
 from mlx_server.engine.runners.base import Response
 from mlx_server.engine.sampling.logprobs import logprob_entry
 from mlx_server.engine.sampling.samplers import SharedSampler
@@ -31,7 +31,8 @@ class Seq:
     detok: Any = None
     stops: StopMatcher | None = None
     n_generated: int = 0
-    cached: int = 0
+    # Its first event (how much of the prompt the prefix cache covered), from admission on.
+    started: Started = field(default_factory=Started)
     t_submit: float = 0.0
     t_start: float = 0.0
     t_first: float = 0.0
@@ -101,18 +102,18 @@ def deliver_token(tokenizer: Any, seq: Seq, r: Response) -> str | None:
 def deliver_finish(seq: Seq, reason: str, error: str | None = None, quiet: bool = False) -> None:
     """Push the ``Finished`` event and log the generation (``quiet``: not a cancellation)."""
     now = time.perf_counter()
-    prompt_n = len(seq.req.prompt_tokens) - seq.cached
+    prompt_n = len(seq.req.prompt_tokens) - seq.started.cached_tokens
     t_first = seq.t_first or now
     timings = Timings(
         prompt_n=prompt_n,
         prompt_ms=((t_first - seq.t_start) * 1000) if seq.t_start else 0.0,
         predicted_n=seq.n_generated,
         predicted_ms=(now - t_first) * 1000,
-        cache_n=seq.cached,
+        cache_n=seq.started.cached_tokens,
         draft_n=seq.draft_n,
         draft_n_accepted=seq.draft_accepted,
     )
-    usage = Usage(len(seq.req.prompt_tokens), seq.n_generated, seq.cached)
+    usage = Usage(len(seq.req.prompt_tokens), seq.n_generated, seq.started.cached_tokens)
     predicted = len(seq.req.prediction_tokens)
     if predicted:  # the drafts were the prediction's tokens
         accepted = min(seq.draft_accepted, predicted)
@@ -129,7 +130,7 @@ def deliver_finish(seq: Seq, reason: str, error: str | None = None, quiet: bool 
         log(
             f"Generation: {timings.prompt_n} prompt tokens at {timings.prompt_per_second:.1f} tokens/sec, "
             f"{timings.predicted_n} generated at {timings.predicted_per_second:.1f} tokens/sec "
-            f"(cached {seq.cached}, finish={reason}){_drafts(seq)}"
+            f"(cached {seq.started.cached_tokens}, finish={reason}){_drafts(seq)}"
         )
     elif reason == "cancelled" and not quiet:
         log(f"Generation {seq.req.request_id} cancelled {_progress(seq)}")
@@ -147,6 +148,6 @@ def _progress(seq: Seq) -> str:
     """Where a generation stood, for the log."""
     if seq.uid < 0:
         return "while queued"
-    todo = len(seq.req.prompt_tokens) - seq.cached
+    todo = len(seq.req.prompt_tokens) - seq.started.cached_tokens
     done = todo - seq.prefill_left if not seq.t_first else todo
     return f"after {done} of {todo} prompt tokens prefilled, {seq.n_generated} generated"

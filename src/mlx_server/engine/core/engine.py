@@ -4,50 +4,49 @@ The pieces (each its own module):
 
 - ``scheduler.Scheduler``: the queue, admission against the batch size and the KV budget,
   fairness between long and short prompts;
-- a runner (``runner.Runner``: insert, step, remove, extract state): by default the
-  lone-request runner in front of mlx-lm's ``BatchGenerator`` (``assembly.default_runner``);
+- a runner (``runners.base.Runner``: insert, step, remove, extract state), built by
+  start-up and handed in: the lone-request runner in front of mlx-lm's ``BatchGenerator``
+  (``runners.assembly.text_runner``), each speculative (``speculative.assembly``), or the
+  vision runner (``runners.vision.vision_runner``);
 - ``delivery``: tokens to text, stop strings, logprobs and the ``Finished`` event;
+- ``endings``: sequences leaving (finished, stopped, cancelled, faulted, all at shutdown);
 - ``faults``: who a failure belongs to;
 - ``prefixes``: the engine's side of the prefix cache (``prefix_cache.PrefixCache``):
   finished, stopped and cancelled sequences leave their KV state there, and a prompt's
   system-prompt prefix is saved as it is prefilled, so a later prompt sharing a prefix
   prefills only the rest;
-- ``warming``: the warm-up before serving and in idle time; ``calls``: work other threads
-  hand the engine thread.
+- ``warming``: the warm-up before serving and in idle time;
+- ``owner``: the thread that owns MLX, its loop, and the calls other threads hand it.
 
-The engine itself is the thread's loop and the hand-offs between these. Another runner (a
-speculative decoder, the vision runner) is passed as ``runner=``; several models in one
-process are several engines.
+The engine itself is the thread's loop and the hand-offs between these; several models in
+one process are several engines.
 """
 
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
-from typing import Any, TypeVar
+from typing import Any
 
 from mlx_server.engine.cache.prefix import PrefixCache
 from mlx_server.engine.core import assembly, faults, wired
-from mlx_server.engine.core.calls import Calls
 from mlx_server.engine.core.config import EngineConfig
-from mlx_server.engine.core.delivery import Seq, deliver_finish, deliver_token
+from mlx_server.engine.core.delivery import Seq
+from mlx_server.engine.core.endings import Endings
 from mlx_server.engine.core.handle import GenerationHandle, Outbox, Started
+from mlx_server.engine.core.owner import OwnerThread
 from mlx_server.engine.core.prefixes import Prefixes
 from mlx_server.engine.core.protocol import GenerationObserver
 from mlx_server.engine.core.warming import Warming
-from mlx_server.engine.runners.base import Insert, Response, Runner
-from mlx_server.engine.sampling.samplers import SamplerPool, reset_random_state, sequence_sampling
+from mlx_server.engine.runners.base import Insert, Runner
+from mlx_server.engine.sampling.samplers import SamplerPool, sequence_sampling
 from mlx_server.types import GenerationRequest
 
 __all__ = ["Engine", "EngineConfig"]
 
-T = TypeVar("T")
 
-
-class Engine:
+class Engine(OwnerThread):
     """Generation over one model, usable without HTTP; see the module docstring."""
 
     def __init__(
@@ -55,10 +54,13 @@ class Engine:
         model: Any,
         tokenizer: Any,
         config: EngineConfig | None = None,
-        runner: Runner | None = None,
+        *,
+        runner: Runner,
         observer: GenerationObserver | None = None,
     ):
-        """``observer``: watches every generation (the metrics)."""
+        """``runner``: what computes the steps, built by start-up (``runners.assembly``,
+        ``speculative.assembly``, ``runners.vision``); ``observer``: watches every
+        generation (the metrics)."""
         self.observer = observer
         self.model = model
         self.tokenizer = tokenizer
@@ -66,11 +68,6 @@ class Engine:
         self.eos_ids = sorted(int(t) for t in tokenizer.eos_token_ids)
         self._prompt_cache = assembly.prefix_cache(cfg)
         self._sched = assembly.scheduler(cfg, self._prompt_cache)
-        # A runner with no sequences is falsy (it has a length): test for None.
-        if runner is None:
-            runner = assembly.default_runner(
-                model, self.eos_ids, cfg, self._prompt_cache is not None
-            )
         self._runner: Runner = runner
         if cfg.lockstep is not None:
             self._runner = cfg.lockstep.lead(self._runner, self._prompt_cache, cfg)
@@ -81,10 +78,9 @@ class Engine:
         self._vocab = int(getattr(args, "vocab_size", 0) or len(tokenizer.vocab))
         self._samplers = SamplerPool()
         self._outbox = Outbox()  # events of one step, one wake-up per step
-        self._calls = Calls(self._sched.wake, lambda: self._sched.stopping)
-        self._ready = threading.Event()
-        self._thread: threading.Thread | None = None
+        OwnerThread.__init__(self, "mlx-engine", self._sched.wake, lambda: self._sched.stopping)
         self.start_error = ""  # why the model cannot serve (set before wait_ready returns)
+        self._end = Endings(tokenizer, self._sched, self._runner, self._prefixes, self._outbox)
         self._warming = Warming(model, cfg)  # warm-up pieces left for idle time
         self._busy_at = float("-inf")  # when the engine thread last saw work (monotonic)
         self._wired = 0  # bytes claimed of the process's wired limit (wired.py)
@@ -94,8 +90,7 @@ class Engine:
     def start(self) -> None:
         wired.claim(self.config.wired_bytes)
         self._wired = self.config.wired_bytes
-        self._thread = threading.Thread(target=self._run, name="mlx-engine", daemon=True)
-        self._thread.start()
+        super().start()
 
     def submit(
         self, req: GenerationRequest, loop: asyncio.AbstractEventLoop | None = None
@@ -117,18 +112,9 @@ class Engine:
         self._sched.expect(request_id)
         return lambda: self._sched.withdraw(request_id)
 
-    def call(self, fn: Callable[[], T]) -> Future[T]:
-        """Run ``fn`` on the engine thread (the one thread that may make MLX arrays) between
-        two steps; its result or exception arrives through the future. From any thread."""
-        return self._calls.add(fn)
-
     def cancel(self, request_id: str | None = None) -> int:
         """Cancel one request by id, or every queued and running one. Returns how many."""
         return self._sched.cancel(request_id)
-
-    def wait_ready(self, timeout: float | None = None) -> bool:
-        """Block until the engine thread has warmed up and serves (True), or ``timeout``."""
-        return self._ready.wait(timeout)
 
     @property
     def warming_up(self) -> bool:
@@ -159,34 +145,38 @@ class Engine:
 
     def shutdown(self, timeout: float = 3.0) -> None:
         """Cancel everything, stop the thread and wait for it (bounded)."""
-        self._sched.stop()
-        if self._thread is not None:
-            self._thread.join(timeout)
+        super().shutdown(timeout)
         wired.release(self._wired)
         self._wired = 0
 
     # ---- engine thread: the loop -------------------------------------------------------
 
-    def _run(self) -> None:
+    # The loop itself is ``OwnerThread._run``: ``_prepare``, then ``_work`` while
+    # ``_wait_for_work``, then ``_stopped``.
+
+    def _prepare(self) -> None:
         self._warm_up()
-        sched = self._sched
-        while self._wait_for_work():
-            self._calls.run()
-            try:
-                self._drop_cancelled()
-                self._admit()
-                if sched.active:
-                    self._step()
-            except Exception as e:
-                if self.config.lockstep is not None:
-                    self.config.lockstep.broken(e)  # the ranks no longer agree: stop
-                # A fault no single sequence could be blamed for: end the running ones,
-                # start the runner over; queued requests keep their place.
-                self._fail(faults.step_failed(e), queued=False)
-                self._runner.reset()
-            self._outbox.flush()
-        self._fail("cancelled", queued=True)
-        self._calls.fail()
+
+    def _work(self) -> None:
+        try:
+            self._end.cancelled()
+            self._admit()
+            if self._sched.active:
+                self._step()
+        except Exception as e:
+            if self.config.lockstep is not None:
+                self.config.lockstep.broken(e)  # the ranks no longer agree: stop
+            # A fault no single sequence could be blamed for: end the running ones,
+            # start the runner over; queued requests keep their place.
+            self._end.fail(faults.step_failed(e), queued=False)
+            self._runner.reset()
+        self._outbox.flush()
+
+    def _stop(self) -> None:
+        self._sched.stop()
+
+    def _stopped(self) -> None:
+        self._end.fail("cancelled", queued=True)
         self._warming.close()  # a drain under way gives its generator back
         self._runner.close()
         self._prefixes.close()
@@ -230,12 +220,13 @@ class Engine:
 
     def _admit(self) -> None:
         """Start queued requests, in the scheduler's order, while it lets them."""
-        while (seq := self._sched.next_admissible(self._cancelled)) is not None:
+        finish = self._end.finish
+        while (seq := self._sched.next_admissible(lambda s: finish(s, "cancelled"))) is not None:
             try:
                 self._start(seq)
             except Exception as e:  # this request's own fault (e.g. its sampler): its error
                 seq.uid = -1
-                self._finish(seq, "error", error=faults.start_failed(seq, e))
+                finish(seq, "error", error=faults.start_failed(seq, e))
         # With nothing to run but a disk read in flight, wait for it instead of spinning.
         sched = self._sched
         with sched.wake:
@@ -247,22 +238,22 @@ class Engine:
         sampler, processors = sequence_sampling(seq, req, self._samplers, self._vocab, self.eos_ids)
         prompt = list(req.prompt_tokens)
         cache, rest = prefixes.fetch(req)
-        seq.cached = len(prompt) - len(rest)
+        seq.started = Started(len(prompt) - len(rest))
         seq.prefill_left = len(rest)
-        seq.handle.cached_tokens = seq.cached
-        seq.handle.push(Started(seq.cached))
+        seq.handle.push(seq.started)
+        cached = seq.started.cached_tokens
         seq.system_end = prefixes.system_end(seq, prompt)
         job = Insert(
             uid=self._sched.next_uid(),
             request=req,
             prompt=prompt,
-            cached=seq.cached,
+            cached=cached,
             cache=cache,
             sampler=sampler,
             processors=processors,
             system_end=seq.system_end,
             alone=self.config.solo and self._sched.is_alone(),
-            checkpoints=prefixes.checkpoints_of(req, seq.cached),
+            checkpoints=prefixes.checkpoints_of(req, cached),
         )
         seq.uid = job.uid
         self._runner.insert(job)
@@ -280,72 +271,4 @@ class Engine:
                 done_n, total = p.progress
                 active[p.uid].prefill_left = total - done_n
         self._prefixes.save(progress, active)
-        self._handle_responses(responses)
-
-    def _handle_responses(self, responses: list[Response]) -> None:
-        """Each generated token to its sequence; sequences that finished leave."""
-        active, keep = self._sched.active, self._prefixes.keep
-        stopped: list[Seq] = []
-        for r in responses:
-            seq = active.get(r.uid)
-            if seq is None or seq.fault is not None:
-                continue  # gone, or ends below without the token its broken step produced
-            try:
-                reason = deliver_token(self.tokenizer, seq, r)
-            except Exception as e:  # this sequence's output handling: its own error
-                faults.note_output_fault(seq, e)
-                continue
-            if reason is None:
-                continue
-            active.pop(r.uid)
-            if r.finish_reason is None:
-                stopped.append(seq)  # a stop string matched: it leaves the runner now
-            else:
-                keep(seq, r.prompt_cache, r.all_tokens)
-            self._finish(seq, reason)
-        self._end_faulted()
-        if stopped:
-            saved = self._runner.remove([s.uid for s in stopped])
-            for seq in stopped:
-                keep(seq, *saved.get(seq.uid, (None, [])))
-
-    def _end_faulted(self) -> None:
-        """Take sequences whose own sampler, processors or output failed out of the runner
-        and end each with its error; the others go on."""
-        bad = faults.faulted(self._sched.active.values())
-        if not bad:
-            return
-        self._runner.remove([s.uid for s in bad])
-        for seq in bad:
-            self._sched.active.pop(seq.uid, None)
-            self._finish(seq, "error", error=faults.sequence_failed(seq))
-        reset_random_state()
-
-    # ---- engine thread: ending sequences -----------------------------------------------
-
-    def _drop_cancelled(self) -> None:
-        for seq in self._sched.take_cancelled_queued():
-            self._cancelled(seq)
-        active = self._sched.active
-        gone = [uid for uid, s in active.items() if s.handle.cancelled]
-        if gone:
-            saved = self._runner.remove(gone)
-            for uid in gone:
-                seq = active.pop(uid)
-                self._prefixes.keep(seq, *saved.get(uid, (None, [])))
-                self._finish(seq, "cancelled")
-
-    def _cancelled(self, seq: Seq) -> None:
-        self._finish(seq, "cancelled")
-
-    def _finish(self, seq: Seq, reason: str, error: str | None = None) -> None:
-        self._sched.release(seq)
-        deliver_finish(seq, reason, error, quiet=self._sched.stopping)
-
-    def _fail(self, message: str, *, queued: bool) -> None:
-        """End every running (and with ``queued``, every queued) sequence: "cancelled" when
-        ``message`` is that, else an error with ``message``."""
-        reason = "cancelled" if message == "cancelled" else "error"
-        for seq in self._sched.take_all(queued):
-            deliver_finish(seq, reason, error=message if reason == "error" else None, quiet=True)
-        self._outbox.flush()
+        self._end.responses(responses)

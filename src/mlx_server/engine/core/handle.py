@@ -97,7 +97,6 @@ class GenerationHandle:
         self._held: EngineEvent | None = None
         self.cancelled = False
         self.done = False
-        self.cached_tokens = 0
 
     def cancel(self) -> None:
         self.cancelled = True

@@ -53,7 +53,7 @@ class Prefixes:
         """Where the prefill pauses to save the system prompt's KV state: where that prefix
         ends, when it is not cached yet (0: no pause)."""
         end = seq.req.system_prefix_tokens
-        if self.cache is None or not seq.cached < end < len(prompt) - 1:
+        if self.cache is None or not seq.started.cached_tokens < end < len(prompt) - 1:
             return 0
         return end
 
@@ -97,7 +97,7 @@ class Prefixes:
 
     def keep(self, seq: Seq, cache: Any, tokens: Any) -> None:
         """Store a leaving sequence's KV state (prompt and generated tokens) for reuse."""
-        if self.cache is not None and cache is not None and len(tokens) > seq.cached:
+        if self.cache is not None and cache is not None and len(tokens) > seq.started.cached_tokens:
             self.cache.insert(list(tokens), cache)
 
     def close(self) -> None:

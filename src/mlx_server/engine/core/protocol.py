@@ -1,6 +1,7 @@
-"""What the chat service and the server need of an engine. The continuous-batching
-``Engine``, the ``VisionEngine``, the ``EmbeddingEngine`` and the tests'
-scripted engine all provide ``EngineLike``; the generating ones are ``ChatEngine``s too;
+"""What the chat service and the server need of an engine. Every engine is an
+``OwnedEngine`` (its own thread, started, cancelled and stopped by the server); the
+generating ones (the continuous-batching ``Engine`` whatever its runner, the tests' scripted
+engine) are ``EngineLike`` and ``ChatEngine``s too, the ``EmbeddingEngine`` is not;
 monitoring (``/health``, ``/metrics``) needs only the counters, ``EngineCounters`` (a
 registry's loaded engines are counted as one). An engine takes a ``GenerationObserver`` at construction:
 the metrics watch its generations through it."""
@@ -34,16 +35,12 @@ class EngineCounters(Protocol):
 
 
 @runtime_checkable
-class EngineLike(EngineCounters, Protocol):
+class OwnedEngine(EngineCounters, Protocol):
+    """An engine with its own thread (``owner.OwnerThread``): started, handed calls,
+    cancelled and stopped by the server."""
+
     def start(self) -> None:
         """Start the engine's own thread (if it has one)."""
-
-    def submit(
-        self, req: GenerationRequest, loop: asyncio.AbstractEventLoop | None = None
-    ) -> GenerationHandle:
-        """Queue a request; raises ``Overloaded`` when full or shutting down, and
-        ``InvalidRequest`` for one that can never run."""
-        ...
 
     def cancel(self, request_id: str | None = None) -> int:
         """Cancel one request by id, or all of them; returns how many."""
@@ -56,6 +53,18 @@ class EngineLike(EngineCounters, Protocol):
 
     def shutdown(self, timeout: float = 3.0) -> None:
         """Cancel everything and stop (bounded by ``timeout``)."""
+
+
+@runtime_checkable
+class EngineLike(OwnedEngine, Protocol):
+    """An engine that generates: requests go in, a handle of events comes out."""
+
+    def submit(
+        self, req: GenerationRequest, loop: asyncio.AbstractEventLoop | None = None
+    ) -> GenerationHandle:
+        """Queue a request; raises ``Overloaded`` when full or shutting down, and
+        ``InvalidRequest`` for one that can never run."""
+        ...
 
 
 @runtime_checkable

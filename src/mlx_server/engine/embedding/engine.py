@@ -13,17 +13,14 @@ from __future__ import annotations
 import asyncio
 import threading
 import traceback
-from collections.abc import Callable
-from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
 
+from mlx_server.engine.core.owner import OwnerThread
 from mlx_server.errors import Overloaded, ServerError
 from mlx_server.logs import log
-
-T = TypeVar("T")
 
 
 @dataclass
@@ -57,11 +54,12 @@ class _Item:
     index: int = field(compare=False)
 
 
-class EmbeddingEngine:
+class EmbeddingEngine(OwnerThread):
     """Batched encoder runs for the embeddings and rerank routes, usable without HTTP.
 
     ``runner.run(seqs, type_ids)`` (see ``encoder_runner.EncoderRunner``) is called on the
-    engine thread only and returns one row per sequence."""
+    engine thread only and returns one row per sequence. It generates nothing: it is an
+    ``OwnedEngine``, not an ``EngineLike`` (no ``submit``)."""
 
     def __init__(self, runner: Any, config: EmbeddingEngineConfig | None = None):
         self.runner = runner
@@ -71,17 +69,11 @@ class EmbeddingEngine:
         self._order = 0
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
-        self._calls: list[tuple[Callable[[], Any], Future[Any]]] = []
         self._stopping = False
-        self._thread: threading.Thread | None = None
-        self._ready = threading.Event()
+        OwnerThread.__init__(self, "mlx-embedding", self._wake, lambda: self._stopping)
         self._counts = {"embedding_inputs": 0, "embedding_tokens": 0, "embedding_batches": 0}
 
     # ---- public API (any thread) -------------------------------------------------------
-
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="mlx-embedding", daemon=True)
-        self._thread.start()
 
     def encode(
         self,
@@ -109,25 +101,9 @@ class EmbeddingEngine:
             self._wake.notify()
         return job.future
 
-    def call(self, fn: Callable[[], T]) -> Future[T]:
-        """Run ``fn`` on the engine thread between two steps (as ``Engine.call``)."""
-        future: Future[T] = Future()
-        with self._wake:
-            if self._stopping:
-                raise Overloaded("the server is shutting down")
-            self._calls.append((fn, future))
-            self._wake.notify()
-        return future
-
-    def submit(self, req: Any, loop: Any = None) -> Any:
-        raise ServerError("an embedding engine does not generate text")
-
     def cancel(self, request_id: str | None = None) -> int:
         """Embedding requests are cancelled through their futures; nothing generates."""
         return 0
-
-    def wait_ready(self, timeout: float | None = None) -> bool:
-        return self._ready.wait(timeout)
 
     @property
     def active_count(self) -> int:
@@ -145,12 +121,10 @@ class EmbeddingEngine:
             **self._counts,
         }
 
-    def shutdown(self, timeout: float = 3.0) -> None:
+    def _stop(self) -> None:
         with self._wake:
             self._stopping = True
             self._wake.notify()
-        if self._thread is not None:
-            self._thread.join(timeout)
 
     def _on_done(self, job: _Job, future: asyncio.Future[Any]) -> None:
         if future.cancelled():
@@ -159,20 +133,21 @@ class EmbeddingEngine:
 
     # ---- engine thread -----------------------------------------------------------------
 
-    def _run(self) -> None:
-        self._ready.set()
-        while True:
-            with self._wake:
-                while not self._stopping and not self._pool and not self._calls:
-                    self._wake.wait(0.5)
-                if self._stopping:
-                    break
-                calls, self._calls = self._calls, []
-                batch = self._next_batch()
-            for fn, future in calls:
-                _run_call(fn, future)
-            if batch:
-                self._step(batch)
+    # The loop is ``OwnerThread._run``: the calls handed in, then ``_work``, until stopping.
+
+    def _wait_for_work(self) -> bool:
+        with self._wake:
+            while not self._stopping and not self._pool and not self._calls:
+                self._wake.wait(0.5)
+            return not self._stopping
+
+    def _work(self) -> None:
+        with self._wake:
+            batch = self._next_batch()
+        if batch:
+            self._step(batch)
+
+    def _stopped(self) -> None:
         self._fail_all(Overloaded("the server is shutting down"))
 
     def _next_batch(self) -> list[_Item]:
@@ -253,25 +228,13 @@ class EmbeddingEngine:
     def _fail_all(self, error: ServerError) -> None:
         with self._wake:
             jobs, self._jobs, self._pool = self._jobs, [], []
-            calls, self._calls = self._calls, []
         for j in jobs:
             j.loop.call_soon_threadsafe(_resolve, j.future, None, error)
-        for _, future in calls:
-            if future.set_running_or_notify_cancel():
-                future.set_exception(error)
 
 
 def _types(item: _Item) -> list[int]:
     types = item.job.type_ids
     return types[item.index] if types is not None else [0] * item.length
-
-
-def _run_call(fn: Callable[[], Any], future: Future[Any]) -> None:
-    if future.set_running_or_notify_cancel():
-        try:
-            future.set_result(fn())
-        except BaseException as e:  # the caller gets it, the engine goes on
-            future.set_exception(e)
 
 
 def _resolve(future: asyncio.Future[Any], result: Any, error: Exception | None) -> None:

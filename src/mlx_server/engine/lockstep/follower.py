@@ -17,7 +17,7 @@ from mlx_server.engine.lockstep.channel import Channel
 from mlx_server.engine.lockstep.leader import tokens_key
 from mlx_server.engine.lockstep.samplers import SamplerGroups, following
 from mlx_server.engine.lockstep.watch import RankWatch
-from mlx_server.engine.runners.base import Insert, KVState
+from mlx_server.engine.runners.base import Insert, KVState, Runner
 from mlx_server.logs import log
 from mlx_server.types import GenerationRequest
 
@@ -29,8 +29,17 @@ class FollowerEngine(Engine):
     """An engine on a rank other than 0; ``run`` replays rank 0's journal until it stops."""
 
     def __init__(
-        self, model: Any, tokenizer: Any, config: EngineConfig, channel: Channel, watch: RankWatch
+        self,
+        model: Any,
+        tokenizer: Any,
+        config: EngineConfig,
+        channel: Channel,
+        watch: RankWatch,
+        *,
+        runner: Runner,
     ):
+        """``config``: rank 0's settings (``leader.follower_settings``); ``runner``: built
+        from them as rank 0's was (``runners.assembly.text_runner``)."""
         size = _UNBOUNDED if config.prompt_cache_size > 0 else 0
         config = EngineConfig(
             max_batch_size=config.max_batch_size,
@@ -43,7 +52,7 @@ class FollowerEngine(Engine):
             solo=config.solo,
             prefill_buckets=config.prefill_buckets,
         )
-        super().__init__(model, tokenizer, config)
+        super().__init__(model, tokenizer, config, runner=runner)
         if self._prompt_cache is not None:
             self._prompt_cache.on_insert = None  # no memory budget of its own either
         self._channel = channel

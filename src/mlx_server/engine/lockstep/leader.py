@@ -27,6 +27,8 @@ import time
 from dataclasses import replace
 from typing import Any
 
+from mlx_server.engine.cache.prefix import PrefixCache
+from mlx_server.engine.core.config import EngineConfig
 from mlx_server.engine.lockstep.channel import Channel
 from mlx_server.engine.lockstep.samplers import SamplerGroups, leading
 from mlx_server.engine.lockstep.watch import RankWatch
@@ -133,7 +135,7 @@ class LeaderRunner:
         self._last_sent = time.monotonic()
 
 
-def follower_settings(config: Any) -> dict[str, Any]:
+def follower_settings(config: EngineConfig) -> dict[str, Any]:
     """The engine settings every rank's runner must share (from rank 0's EngineConfig)."""
     return {
         "max_batch_size": config.max_batch_size,
@@ -153,7 +155,9 @@ class Lead:
         self.watch = watch
         self.runner: LeaderRunner | None = None
 
-    def lead(self, runner: Runner, prefix_cache: Any, config: Any) -> LeaderRunner:
+    def lead(
+        self, runner: Runner, prefix_cache: PrefixCache | None, config: EngineConfig
+    ) -> LeaderRunner:
         """Wrap the engine's runner; the other ranks get the engine's settings (``config``,
         an EngineConfig) first, so that their runners batch and prefill as this one does."""
         self.channel.send(json.dumps(follower_settings(config)).encode())

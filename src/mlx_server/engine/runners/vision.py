@@ -1,4 +1,4 @@
-"""The engine for vision-language models: the text engine with a runner for mlx-vlm.
+"""The runner for vision-language models: the text engine runs it as any other runner.
 
 Where the model allows it, vision requests share the continuous batch and the prefix cache
 with text-only ones (``vision_batch.VisionBatchRunner``: the prompt with media is prefilled
@@ -14,14 +14,14 @@ engine's.
 from __future__ import annotations
 
 from collections.abc import Generator
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import mlx.core as mx
 
-from mlx_server.engine.core.engine import Engine, EngineConfig
-from mlx_server.engine.core.protocol import GenerationObserver
-from mlx_server.engine.runners.base import Insert, KVState, Progress, Response
+from mlx_server.engine.core.config import EngineConfig
+from mlx_server.engine.runners.assembly import batch_settings, eos_ids
+from mlx_server.engine.runners.base import Insert, KVState, Progress, Response, Runner
 from mlx_server.engine.runners.vision_batch import VisionBatchRunner
 from mlx_server.engine.runners.vision_prefill import batch_refusal
 from mlx_server.logs import log
@@ -104,35 +104,29 @@ class VisionRunner:
         return {"mode": "sequential"}
 
 
-class VisionEngine(Engine):
-    """Serves an mlx-vlm model; the same interface as ``Engine``. Requests share the
-    continuous batch and the prefix cache (``vision_batch.VisionBatchRunner``) where the
-    model allows it (``vision_prefill.batch_refusal``), else run one at a time, FIFO."""
+@dataclass(frozen=True)
+class VisionSetup:
+    """What start-up hands the engine for a vision model: the runner, the model the engine
+    sees (batched: the language model, whose cache kinds decide checkpoints), the settings
+    it runs under, and why requests run one at a time ("" when they batch)."""
 
-    def __init__(
-        self,
-        model: Any,
-        tokenizer: Any,
-        config: EngineConfig | None = None,
-        observer: GenerationObserver | None = None,
-    ):
-        config = replace(config or EngineConfig(), warm_up=False)
-        eos = sorted(int(t) for t in tokenizer.eos_token_ids)
-        self.serial_reason = batch_refusal(model)
-        runner: Any
-        if self.serial_reason:
-            log(f"Vision requests run one at a time: {self.serial_reason}")
-            config = replace(config, prompt_cache_size=0, max_batch_size=1, solo=False)
-            runner = VisionRunner(model, eos, prefill_step_size=config.prefill_step_size)
-        else:
-            runner = VisionBatchRunner(
-                model,
-                eos,
-                max_batch_size=config.max_batch_size,
-                prefill_step_size=config.prefill_step_size,
-                keep_caches=config.prompt_cache_size > 0,
-                solo=config.solo,
-            )
-        # Batched, the engine sees the language model (its cache kinds decide checkpoints).
-        net = runner.lm if isinstance(runner, VisionBatchRunner) else model
-        super().__init__(net, tokenizer, config, runner=runner, observer=observer)
+    runner: Runner
+    model: Any
+    config: EngineConfig
+    serial_reason: str
+
+
+def vision_runner(model: Any, tokenizer: Any, config: EngineConfig | None = None) -> VisionSetup:
+    """Requests share the continuous batch and the prefix cache
+    (``vision_batch.VisionBatchRunner``) where the model allows it
+    (``vision_prefill.batch_refusal``), else run one at a time, FIFO (``VisionRunner``)."""
+    config = replace(config or EngineConfig(), warm_up=False)
+    eos = eos_ids(tokenizer)
+    serial_reason = batch_refusal(model)
+    if serial_reason:
+        log(f"Vision requests run one at a time: {serial_reason}")
+        config = replace(config, prompt_cache_size=0, max_batch_size=1, solo=False)
+        runner = VisionRunner(model, eos, prefill_step_size=config.prefill_step_size)
+        return VisionSetup(runner, model, config, serial_reason)
+    batch = VisionBatchRunner(model, eos, solo=config.solo, **batch_settings(config))
+    return VisionSetup(batch, batch.lm, config, "")

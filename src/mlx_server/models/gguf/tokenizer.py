@@ -4,7 +4,8 @@ A GGUF stores the vocabulary, merges, token types and special token ids under ll
 `tokenizer.ggml.*` keys, plus the name of the pre-tokenizer (`tokenizer.ggml.pre`) the merges
 were learned with. Two vocabulary kinds are rebuilt with the `tokenizers` library:
 
-- `gpt2`: byte-level BPE, split by the regular expressions the named pre-tokenizer uses;
+- `gpt2`: byte-level BPE, split by the regular expressions the named pre-tokenizer uses
+  (`pretokenizers`);
 - `llama`: SentencePiece BPE with byte fallback, merges ordered by the token scores.
 """
 
@@ -18,71 +19,11 @@ from typing import Any
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, processors
 from tokenizers import pre_tokenizers as pre
 
+from .pretokenizers import PreTokenizerSpec, pre_tokenizer_spec
 from .reader import GGUFImportError
 
 # llama.cpp token types.
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
-
-_CONTRACTIONS = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)"
-_LLAMA3 = (
-    _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_QWEN2 = (
-    _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_QWEN35 = (
-    _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*"
-    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_UPPER = r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]"
-_LOWER = r"[\p{Ll}\p{Lm}\p{Lo}\p{M}]"
-_TEKKEN = (
-    rf"[^\r\n\p{{L}}\p{{N}}]?{_UPPER}*{_LOWER}+|[^\r\n\p{{L}}\p{{N}}]?{_UPPER}+{_LOWER}*"
-    r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_GPT4O = (
-    rf"[^\r\n\p{{L}}\p{{N}}]?{_UPPER}*{_LOWER}+{_CONTRACTIONS}?"
-    rf"|[^\r\n\p{{L}}\p{{N}}]?{_UPPER}+{_LOWER}*{_CONTRACTIONS}?"
-    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-
-
-@dataclass(frozen=True)
-class PreTokenizerSpec:
-    """How a named llama.cpp pre-tokenizer splits text before the byte-level merges."""
-
-    split: str | None = None  # one regex, isolated; None means GPT-2's built-in one
-    digits: bool = False  # every digit its own piece first (StarCoder family)
-    ignore_merges: bool = False  # whole-word vocabulary hits skip the merges (Llama 3)
-    add_bos: bool = False  # llama.cpp's default when the file does not say
-    nfc: bool = False  # the reference tokenizer normalizes to NFC
-
-
-_GPT2 = PreTokenizerSpec()
-_STARCODER = PreTokenizerSpec(digits=True)
-_LLAMA3_SPEC = PreTokenizerSpec(split=_LLAMA3, ignore_merges=True, add_bos=True)
-_QWEN2_SPEC = PreTokenizerSpec(split=_QWEN2, nfc=True)
-
-PRE_TOKENIZERS: dict[str, PreTokenizerSpec] = {
-    **dict.fromkeys(["default", "gpt-2", "phi-2", "mpt", "olmo", "mellum"], _GPT2),
-    **dict.fromkeys(
-        ["smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b"],
-        _STARCODER,
-    ),
-    **dict.fromkeys(
-        ["llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2"],
-        _LLAMA3_SPEC,
-    ),
-    **dict.fromkeys(["dbrx", "smaug-bpe"], PreTokenizerSpec(split=_LLAMA3)),
-    **dict.fromkeys(
-        ["qwen2", "deepseek-r1-qwen", "kormo", "megrez", "stablelm2", "hunyuan"], _QWEN2_SPEC
-    ),
-    "qwen35": PreTokenizerSpec(split=_QWEN35, nfc=True),
-    "tekken": PreTokenizerSpec(split=_TEKKEN, ignore_merges=True, add_bos=True),
-    **dict.fromkeys(["gpt-4o", "llama4"], PreTokenizerSpec(split=_GPT4O)),
-}
 
 # Tokens llama.cpp also treats as end of generation, found by their text.
 _END_OF_TURN = frozenset(
@@ -160,7 +101,7 @@ def _base_tokenizer(
     """The model, normalizer, pre-tokenizer and decoder; and whether BOS is added by default."""
     kind = metadata.get("tokenizer.ggml.model")
     if kind == "gpt2":
-        spec = _pre_tokenizer_spec(pre_tokenizer or metadata.get("tokenizer.ggml.pre") or "default")
+        spec = pre_tokenizer_spec(pre_tokenizer or metadata.get("tokenizer.ggml.pre") or "default")
         return _byte_level(tokens, metadata, spec), spec.add_bos
     if kind == "llama":
         return _sentencepiece(tokens, types, metadata, specials.get("unk")), True
@@ -168,15 +109,6 @@ def _base_tokenizer(
         f"GGUF tokenizer model {kind!r} is not supported; supported: gpt2 (byte-level BPE), "
         "llama (SentencePiece)"
     )
-
-
-def _pre_tokenizer_spec(name: str) -> PreTokenizerSpec:
-    if name not in PRE_TOKENIZERS:
-        raise GGUFImportError(
-            f"GGUF pre-tokenizer {name!r} is not supported; supported: "
-            f"{', '.join(sorted(PRE_TOKENIZERS))}"
-        )
-    return PRE_TOKENIZERS[name]
 
 
 def _byte_level(tokens: list[str], metadata: dict[str, Any], spec: PreTokenizerSpec) -> Tokenizer:

@@ -9,12 +9,12 @@ it is (``text_options`` then feeds the text-completion service).
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from mlx_server.errors import InvalidRequest
 from mlx_server.models.reasoning_effort import effort_kwargs
 from mlx_server.parsing.tool_schema import validate_tools
+from mlx_server.protocols.fields import tool_call
 from mlx_server.protocols.ollama.schemas import (
     ChatBody,
     GenerateBody,
@@ -143,7 +143,7 @@ def _message(i: int, m: Message, vision: bool, where: str | None = None) -> dict
     if m.thinking and m.role == "assistant":
         out["reasoning_content"] = m.thinking
     if m.tool_calls and m.role == "assistant":
-        out["tool_calls"] = [_tool_call(i, j, tc) for j, tc in enumerate(m.tool_calls)]
+        out["tool_calls"] = [tool_call(i, j, tc) for j, tc in enumerate(m.tool_calls)]
     if m.role == "tool":
         if m.tool_name:
             out["name"] = m.tool_name
@@ -172,18 +172,3 @@ def _data_url(b64: str) -> str:
         return b64
     media = next((t for magic, t in _MAGIC if b64.startswith(magic)), "image/webp")
     return f"data:{media};base64,{b64}"
-
-
-def _tool_call(i: int, j: int, tc: Any) -> dict[str, Any]:
-    args = tc.function.arguments
-    if isinstance(args, str):  # some clients send the JSON text, as OpenAI's API does
-        try:
-            args = json.loads(args) if args.strip() else {}
-        except ValueError as e:
-            at = f"messages[{i}].tool_calls[{j}].function.arguments"
-            raise InvalidRequest(f"{at} is not valid JSON: {e}", param=at) from e
-    return {
-        "id": tc.id or f"call_{i}_{j}",
-        "type": "function",
-        "function": {"name": tc.function.name, "arguments": args},
-    }

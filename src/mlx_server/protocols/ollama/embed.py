@@ -3,18 +3,16 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from mlx_server.embedding_service import EmbeddingService
 from mlx_server.registry.lease import Models
-from mlx_server.server.http import parse_body
-from mlx_server.server.streaming import until_disconnect
+from mlx_server.server.collect import collect
 
 from .schemas import EmbedBody, EmbeddingsBody
 
@@ -37,11 +35,9 @@ def make_router(models: Models) -> APIRouter:
         answer: Callable[[Any, EmbeddingService, int], Awaitable[dict[str, Any]]],
     ) -> Response:
         arrived = time.perf_counter_ns()
-        body = await parse_body(request, schema)
-        service = await models.encoder(request, body.model, body.keep_alive)
-        work = asyncio.ensure_future(answer(body, service, arrived))
-        result = await until_disconnect(request, work, work.cancel)
-        return Response(status_code=499) if result is None else JSONResponse(result)
+        return await collect(
+            request, schema, models.encoder, lambda body, service: answer(body, service, arrived)
+        )
 
     return router
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 import uuid
 from dataclasses import replace
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
@@ -31,13 +31,14 @@ from mlx_server.registry.lease import Models
 from mlx_server.server.framing import NDJSON
 from mlx_server.server.http import parse_body
 from mlx_server.server.streaming import respond
-from mlx_server.service import Generation
+from mlx_server.service import ChatService, Generation
 from mlx_server.service.text_completion import CompletionService
 
 # The Ollama version /api/version reports: one recent enough that clients which compare
 # versions send the fields served here (think, tools, format with a schema, logprobs).
 OLLAMA_VERSION = "0.12.6"
 
+B = TypeVar("B", ChatBody, GenerateBody)
 _MANAGEMENT = ("/api/pull", "/api/push", "/api/delete", "/api/create", "/api/copy")
 
 
@@ -46,28 +47,33 @@ def make_router(models: Models, *, vision: bool, keepalive_s: float) -> APIRoute
     a stream's longest silence."""
     router = APIRouter()
 
-    @router.post("/api/chat")
-    async def chat(request: Request) -> Response:
+    async def opening(request: Request, schema: type[B]) -> tuple[B, ChatService, Clock]:
+        """The body, the chat model it names (leased) and the clock since it arrived."""
         arrived = time.perf_counter_ns()
-        body = await parse_body(request, ChatBody)
+        body = await parse_body(request, schema)
         service = await models.chat(request, body.model, body.keep_alive)
-        clock = Clock(arrived)
-        if not body.messages:  # Ollama's way to load a model (or unload it: keep_alive 0)
-            return _loaded(body.model, body.keep_alive, chat=True, clock=clock)
-        neutral = to_chat_request(body, vision=vision)
-        log(f"Request: ollama chat, model={body.model}, messages={len(neutral.messages)}")
-        gen = await service.start(neutral, request_id=_request_id())
-        enc = OllamaEncoder(body.model, clock, chat=True)
+        return body, service, Clock(arrived)  # loaded: now
+
+    async def answer(
+        request: Request, body: ChatBody | GenerateBody, gen: Generation, clock: Clock
+    ) -> Response:
+        enc = OllamaEncoder(body.model, clock, chat=isinstance(body, ChatBody))
         return await respond(
             request, enc, [gen], stream=body.stream, keepalive_s=keepalive_s, framing=NDJSON
         )
 
+    @router.post("/api/chat")
+    async def chat(request: Request) -> Response:
+        body, service, clock = await opening(request, ChatBody)
+        if not body.messages:  # Ollama's way to load a model (or unload it: keep_alive 0)
+            return _loaded(body.model, body.keep_alive, chat=True, clock=clock)
+        neutral = to_chat_request(body, vision=vision)
+        log(f"Request: ollama chat, model={body.model}, messages={len(neutral.messages)}")
+        return await answer(request, body, await service.start(neutral, _request_id()), clock)
+
     @router.post("/api/generate")
     async def generate(request: Request) -> Response:
-        arrived = time.perf_counter_ns()
-        body = await parse_body(request, GenerateBody)
-        service = await models.chat(request, body.model, body.keep_alive)
-        clock = Clock(arrived)
+        body, service, clock = await opening(request, GenerateBody)
         if not body.prompt and not body.images and body.suffix is None:
             return _loaded(body.model, body.keep_alive, chat=False, clock=clock)
         log(f"Request: ollama generate, model={body.model}, raw={str(body.raw).lower()}")
@@ -76,10 +82,7 @@ def make_router(models: Models, *, vision: bool, keepalive_s: float) -> APIRoute
         else:
             neutral = generate_chat_request(body, vision=vision)
             gen = await service.start(neutral, request_id=_request_id())
-        enc = OllamaEncoder(body.model, clock, chat=False)
-        return await respond(
-            request, enc, [gen], stream=body.stream, keepalive_s=keepalive_s, framing=NDJSON
-        )
+        return await answer(request, body, gen, clock)
 
     @router.get("/api/tags")
     async def tags() -> dict[str, Any]:

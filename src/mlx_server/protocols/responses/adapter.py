@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mlx_server.errors import InvalidRequest, UnsupportedFeature
-from mlx_server.parsing.tools import validate_tools
+from mlx_server.parsing.tool_schema import validate_tools
 from mlx_server.protocols.responses.items import merge_into, normalize_input, to_messages
 from mlx_server.protocols.responses.schemas import CreateResponseRequest
 from mlx_server.types import ChatRequest, SamplingParams, ToolChoice

@@ -10,6 +10,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from mlx_server.protocols.fields import ToolChoiceField
+
 
 class _Model(BaseModel):
     model_config = ConfigDict(extra="ignore")
@@ -41,7 +43,7 @@ class CreateResponseRequest(_Model):
     input: str | list[Any] = Field(default_factory=list)
     instructions: str | None = None
     tools: list[Any] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tool_choice: ToolChoiceField = None
     parallel_tool_calls: bool | None = None
     text: TextConfig | None = None
     reasoning: ReasoningConfig | None = None
@@ -56,13 +58,6 @@ class CreateResponseRequest(_Model):
     previous_response_id: str | None = None
     background: bool | None = None
     truncation: str | None = None
-
-    @field_validator("tool_choice")
-    @classmethod
-    def _check_tool_choice(cls, v: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
-        if isinstance(v, str) and v not in ("none", "auto", "required"):
-            raise ValueError("tool_choice must be 'none', 'auto', 'required' or a function object")
-        return v
 
     @field_validator("metadata")
     @classmethod

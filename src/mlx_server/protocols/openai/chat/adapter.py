@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from mlx_server.errors import InvalidRequest
 from mlx_server.models.reasoning_effort import effort_kwargs
-from mlx_server.parsing.tools import validate_tools
+from mlx_server.parsing.tool_schema import validate_tools
+from mlx_server.protocols.fields import tool_call
 from mlx_server.protocols.openai.chat.schemas import ChatCompletionRequest, Message
 from mlx_server.protocols.openai.sampling import sampling_params
 from mlx_server.types import AUTO, ChatRequest, ToolChoice
@@ -135,7 +135,7 @@ def _message(i: int, m: Message, vision: bool) -> dict[str, Any]:
     if m.name:
         out["name"] = m.name
     if m.tool_calls and role == "assistant":
-        out["tool_calls"] = [_tool_call(i, j, tc) for j, tc in enumerate(m.tool_calls)]
+        out["tool_calls"] = [tool_call(i, j, tc) for j, tc in enumerate(m.tool_calls)]
     if m.tool_call_id and role == "tool":
         out["tool_call_id"] = m.tool_call_id
     if m.reasoning_content and role == "assistant":
@@ -191,18 +191,3 @@ def _part(where: str, part: Any, vision: bool) -> dict[str, Any]:
     if detail:
         out["detail"] = detail
     return out
-
-
-def _tool_call(i: int, j: int, tc: Any) -> dict[str, Any]:
-    args = tc.function.arguments
-    if isinstance(args, str):
-        try:
-            args = json.loads(args) if args.strip() else {}
-        except ValueError as e:
-            where = f"messages[{i}].tool_calls[{j}].function.arguments"
-            raise InvalidRequest(f"{where} is not valid JSON: {e}", param=where) from e
-    return {
-        "id": tc.id or f"call_{i}_{j}",
-        "type": "function",
-        "function": {"name": tc.function.name, "arguments": args},
-    }

@@ -6,6 +6,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from mlx_server.protocols.fields import ToolChoiceField
 from mlx_server.protocols.openai.sampling import SamplingFields
 
 
@@ -80,7 +81,7 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     tools: list[Any] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tool_choice: ToolChoiceField = None
     parallel_tool_calls: bool | None = None
     response_format: ResponseFormat | None = None
     chat_template_kwargs: dict[str, Any] | None = None
@@ -90,13 +91,6 @@ class ChatCompletionRequest(SamplingFields):
     reasoning_format: str | None = None
     reasoning_effort: str | None = None
     prediction: Prediction | None = None
-
-    @field_validator("tool_choice")
-    @classmethod
-    def _check_tool_choice(cls, v: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
-        if isinstance(v, str) and v not in ("none", "auto", "required"):
-            raise ValueError("tool_choice must be 'none', 'auto', 'required' or a function object")
-        return v
 
     @field_validator("reasoning_format")
     @classmethod

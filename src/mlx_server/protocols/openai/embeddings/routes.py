@@ -4,12 +4,11 @@ chat model is a 400 that says so) and collects the answer unless the client leav
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from mlx_server.embedding_service import EmbeddingService
 from mlx_server.protocols.openai.embeddings.encoder import embeddings_json, rerank_json
@@ -19,8 +18,7 @@ from mlx_server.protocols.openai.embeddings.schemas import (
     RerankRequest,
 )
 from mlx_server.registry.lease import Models
-from mlx_server.server.http import parse_body
-from mlx_server.server.streaming import until_disconnect
+from mlx_server.server.collect import collect
 
 Body = TypeVar("Body", bound=EncoderBody)
 # The body's JSON answer from the service (raising what refuses the body).
@@ -42,12 +40,7 @@ def _router(
     router = APIRouter()
 
     async def route(request: Request) -> Response:
-        body = await parse_body(request, schema)
-        service = await models.encoder(request, body.model, body.keep_alive)
-        # A client gone: the work is cancelled, and with it the inputs still waiting.
-        work = asyncio.ensure_future(answer(body, service))
-        result = await until_disconnect(request, work, work.cancel)
-        return Response(status_code=499) if result is None else JSONResponse(result)
+        return await collect(request, schema, models.encoder, answer)
 
     for path in paths:
         router.add_api_route(path, route, methods=["POST"])
