@@ -69,7 +69,7 @@ def load(args: argparse.Namespace) -> tuple[Any, Any, str]:
         sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
         from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-        from tests.test_constraints import make_hf_tokenizer, make_model
+        from tests.engine.test_constraints import make_hf_tokenizer, make_model
 
         hf = make_hf_tokenizer()
         return make_model(len(hf)), TokenizerWrapper(hf), "tiny random-weight llama"

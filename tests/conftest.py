@@ -18,7 +18,7 @@ from hypothesis import settings
 settings.register_profile("deterministic", derandomize=True, database=None)
 settings.load_profile("deterministic")
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parent / "helpers"))
 
 from support import (  # noqa: E402
     InProcessServer,
@@ -169,7 +169,7 @@ LONGEST_FILES = (
 
 @pytest.fixture(scope="session")
 def arch_model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """A tiny model of every architecture family (tests/arch_models.py), by family name; a
+    """A tiny model of every architecture family (tests/helpers/arch_models.py), by family name; a
     matrix row parametrizes over ``arch_models.FAMILIES`` and takes its directory here."""
     from arch_models import build_all
 

@@ -1,4 +1,4 @@
-"""The architecture builders (tests/arch_models.py): every family builds, loads through
+"""The architecture builders (tests/helpers/arch_models.py): every family builds, loads through
 mlx-lm, has each of its layer kinds, and generates alone and in a batch."""
 
 from __future__ import annotations

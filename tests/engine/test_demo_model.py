@@ -25,7 +25,7 @@ from mlx_server.models.gguf.importer import import_cached, import_gguf
 
 pytestmark = pytest.mark.demo
 
-TEXT = (Path(__file__).parent / "data" / "perplexity.txt").read_text()
+TEXT = (Path(__file__).parents[1] / "data" / "perplexity.txt").read_text()
 # Perplexity per word (tokenizer-independent). The right import scores about 114 on TEXT, an
 # import with Llama 3's pre-tokenizer about 169 (its blank-line tokens are ones SmolLM2 never
 # saw), one with the q/k permutation left in place several hundred.

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parents[1] / "helpers"
 
 
 def _builders() -> dict[str, Callable[[Path], Any]]:

@@ -248,7 +248,7 @@ def test_import_command_exits_1_on_damaged_files(tmp_path, good_gguf, kind):
         capture_output=True,
         text=True,
         env={
-            "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src"),
+            "PYTHONPATH": str(Path(__file__).resolve().parents[2] / "src"),
             "PATH": "/usr/bin:/bin",
         },
     )

@@ -12,7 +12,7 @@ from scripted_engine import ScriptedEngine
 from mlx_server.engine.core.engine import Engine, EngineConfig
 from mlx_server.engine.core.protocol import ChatEngine, EngineCounters, EngineLike, engine_stats
 
-SRC = Path(__file__).resolve().parents[1] / "src" / "mlx_server"
+SRC = Path(__file__).resolve().parents[2] / "src" / "mlx_server"
 
 
 def test_every_engine_is_engine_like(tmp_path_factory):

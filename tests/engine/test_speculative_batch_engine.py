@@ -256,7 +256,7 @@ def demo(demo_f32_dir: Any) -> tuple[Any, Any]:
 def test_demo_model_greedy_output_is_identical_in_a_batch(demo: Any) -> None:
     """Greedy, float32, four requests together: prompt lookup for all of them, then
     predictions for two (the other two plain), against the batch without drafts. (Alone,
-    tests/test_speculative.py compares the lone path with mlx-lm's plain decoding.)"""
+    tests/engine/test_speculative.py compares the lone path with mlx-lm's plain decoding.)"""
     from engine_runner import chat_tokens
 
     model, tokenizer = demo

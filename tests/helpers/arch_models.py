@@ -16,7 +16,7 @@ from typing import Any
 
 from tiny_model import CHATML, SPECIALS, build_tokenizer
 
-TEMPLATES = Path(__file__).parent / "data" / "templates"
+TEMPLATES = Path(__file__).parents[1] / "data" / "templates"
 
 # Sizes shared by every family: 4 heads of 16, 2 KV heads.
 HIDDEN = 64

@@ -18,7 +18,7 @@ from tokenizers.pre_tokenizers import ByteLevel
 
 from mlx_server.models.demo import DEMO_GGUF, demo_model_dir, ensure_demo_gguf, ensure_demo_model
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 # ---------------------------------------------------------------- the demo model
 

@@ -161,7 +161,7 @@ QWEN3_RERANKER_TEMPLATE = (
 
 
 def _qwen_tokenizer(dest: Path, template: str, eos_after: bool) -> Any:
-    """The tiny BPE tokenizer (tests/tiny_model.py) with "yes" and "no" as tokens; with
+    """The tiny BPE tokenizer (tests/helpers/tiny_model.py) with "yes" and "no" as tokens; with
     ``eos_after``, every encoding ends in ``<|endoftext|>`` as Qwen3-Embedding's does."""
     from tiny_model import build_tokenizer
     from tokenizers import Tokenizer, processors

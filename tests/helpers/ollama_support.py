@@ -9,7 +9,7 @@ from pathlib import Path
 import httpx
 import jsonschema
 
-_DOC = json.loads((Path(__file__).parent / "specs" / "ollama-api.schema.json").read_text())
+_DOC = json.loads((Path(__file__).parents[1] / "specs" / "ollama-api.schema.json").read_text())
 
 
 def ollama_validator(name: str) -> jsonschema.Draft202012Validator:

@@ -14,7 +14,7 @@ from typing import Any
 
 import jsonschema
 
-SPEC = Path(__file__).parent / "specs" / "openai-responses.schema.json"
+SPEC = Path(__file__).parents[1] / "specs" / "openai-responses.schema.json"
 
 
 @cache

@@ -20,8 +20,8 @@ import httpx
 from scripted_engine import ScriptedEngine
 from tiny_model import build_tiny_model
 
-SPECS = Path(__file__).resolve().parents[2] / "shared" / "specs"
-LOCAL_SPECS = Path(__file__).parent / "specs"
+SPECS = Path(__file__).resolve().parents[3] / "shared" / "specs"
+LOCAL_SPECS = Path(__file__).parents[1] / "specs"
 
 
 def free_port() -> int:
@@ -191,7 +191,7 @@ def launch(args: list[str], env: dict[str, str] | None = None) -> ServerProcess:
     return sp
 
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 DEMO_DIR = REPO / "models" / "smollm2-135m-instruct"
 DEMO_F32_DIR = REPO / "models" / "smollm2-135m-instruct-f32"
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from tiny_model import SPECIALS, build_tiny_model, build_tokenizer
 
-TEMPLATES = Path(__file__).parent / "data" / "templates"
+TEMPLATES = Path(__file__).parents[1] / "data" / "templates"
 
 # Harmony (gpt-oss) control tokens: single tokens in the real vocabulary.
 HARMONY_SPECIALS = [

@@ -1,4 +1,4 @@
-"""The architecture matrix: every family of tests/arch_models.py served by one real server
+"""The architecture matrix: every family of tests/helpers/arch_models.py served by one real server
 process (one ``-m`` per family, each loaded on its first request by the registry), through
 every API and generation path. Greedy output is token for token mlx-lm's own.
 

@@ -16,7 +16,7 @@ from support import free_port, launch
 # The kit's scripts run as processes of their own, each given up to 240 s.
 pytestmark = [pytest.mark.tiny, pytest.mark.timeout(900)]
 
-KIT = Path(__file__).resolve().parents[1] / "bench" / "gpu"
+KIT = Path(__file__).resolve().parents[2] / "bench" / "gpu"
 
 
 def kit(script: str, *args: str, timeout: float = 240) -> str:

@@ -23,7 +23,7 @@ from safetensors.numpy import load_file
 
 pytestmark = pytest.mark.demo
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 KIT = REPO / "bench" / "gpu"
 PROBE = "mlx_server_kit_probe"
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from tiny_model import build_tiny_model
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 KIT = REPO / "bench" / "gpu"
 
 

@@ -18,7 +18,7 @@ from mlx_server.cli import parse_launch
 from mlx_server.models.base import ModelLoadError
 from mlx_server.models.template_override import install_chat_template, resolve_override
 
-LAUNCHERS = json.loads((Path(__file__).parent / "data" / "jan" / "launchers.json").read_text())
+LAUNCHERS = json.loads((Path(__file__).parents[1] / "data" / "jan" / "launchers.json").read_text())
 KEY = "q+3/Zx9vL0Q1rT7sB2mN8kP4wY6hJ5cV0aE1fG2dH3I="  # shaped like Jan's (base64 HMAC)
 AUTH = {"Authorization": f"Bearer {KEY}"}
 

@@ -17,7 +17,7 @@ import ollama
 import pytest
 from ollama_support import CHAT_CHUNK, ERROR, GENERATE_CHUNK, PS, SHOW, TAGS, VERSION, ndjson
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 NPM_PACKAGE = REPO / ".cache" / "npm" / "node_modules" / "ollama"
 SCHEMA = {
     "type": "object",
@@ -81,7 +81,7 @@ def test_the_ollama_npm_package(tiny_server):
     if shutil.which("node") is None or shutil.which("npm") is None:
         pytest.skip("npm is not installed (.ci/run installs it and the ollama package)")
     assert NPM_PACKAGE.is_dir(), "run: npm install --prefix .cache/npm ollama@0.6.4 (.ci/run does)"
-    script = REPO / "tests" / "js" / "ollama_client.mjs"
+    script = REPO / "tests" / "helpers" / "js" / "ollama_client.mjs"
     done = subprocess.run(
         ["node", str(script), str(NPM_PACKAGE), tiny_server.base_url],
         capture_output=True,

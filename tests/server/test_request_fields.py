@@ -16,7 +16,7 @@ from mlx_server.protocols.openai.chat.schemas import ChatCompletionRequest
 from mlx_server.protocols.openai.completions.schemas import CompletionRequest
 from mlx_server.server.ignored_fields import known_fields
 
-TESTS = Path(__file__).parent
+TESTS = Path(__file__).parents[1]
 FIELDS = json.loads((TESTS / "specs" / "openai-request-fields.json").read_text())
 
 # field → the test file that exercises it
@@ -113,7 +113,8 @@ def test_implemented_fields_are_declared_and_tested(spec, schema, implemented, n
     known = known_fields(schema)
     for name, test_file in implemented.items():
         assert name in known, f"{name} is implemented but {schema.__name__} ignores it"
-        text = (TESTS / test_file).read_text()
+        (path,) = TESTS.glob(f"*/{test_file}")  # the file in whichever tier holds it
+        text = path.read_text()
         assert f'"{name}"' in text or f"{name}=" in text, f"{test_file} never sends {name}"
 
 

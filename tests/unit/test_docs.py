@@ -17,7 +17,7 @@ from mlx_server.config import TABLE_END, TABLE_START, flags_markdown, settings_f
 
 pytestmark = pytest.mark.tiny
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 DOCS = REPO / "docs"
 PAGES = [REPO / "README.md", *sorted(DOCS.glob("*.md"))]
 LINK = re.compile(r"\]\(([^)\s]+)\)")

@@ -15,7 +15,7 @@ from mlx_server.parsing.pipeline import OutputPipeline, collect
 from mlx_server.parsing.tool_formats import available_tool_parsers, tool_format
 
 VECTORS = json.loads(
-    (Path(__file__).parent / "data" / "formats" / "vectors.json").read_text(encoding="utf-8")
+    (Path(__file__).parents[1] / "data" / "formats" / "vectors.json").read_text(encoding="utf-8")
 )
 
 
