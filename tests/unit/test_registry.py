@@ -225,10 +225,7 @@ def test_embedding_models_load_count_no_kv_budget_and_unload_like_chat_models():
         clock.now += 1
         slot = await reg.acquire("emb", 0, serves="embedding")
         reg.release(slot)  # keep_alive 0: unloaded once its response ends
-        for _ in range(100):
-            if slot.state == "unloaded":
-                break
-            await asyncio.sleep(0.05)
+        await until(lambda: slot.state == "unloaded", "keep_alive 0 to unload")
         assert states(reg) == {"chat": "loaded", "emb": "unloaded"}
         assert loader.loads == ["emb", "chat"]
         await reg.load("emb")  # the management route loads any kind

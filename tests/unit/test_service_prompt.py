@@ -27,10 +27,7 @@ def two_render_boundary(service: ChatService, request: ChatRequest, tokens: list
     """The boundary as a second rendering finds it: the prompt's common prefix with its
     system messages followed by an empty user turn."""
     head = replace(request, messages=[*request.messages[:1], {"role": "user", "content": ""}])
-    try:
-        head_tokens = encode_prompt(service.tokenizer, service.render(head))
-    except Exception:
-        return 0
+    head_tokens = encode_prompt(service.tokenizer, service.render(head))
     common = 0
     for a, b in zip(head_tokens, tokens, strict=False):
         if a != b:
