@@ -18,6 +18,7 @@ from mlx_lm.models import llama
 from mlx_lm.sample_utils import make_sampler
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.tool_parsers import json_tools
+from payloads import closed_object
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
@@ -120,39 +121,27 @@ def generate(model, tokenizer, processors, *, max_tokens=300, seed=0):
 
 
 SCHEMAS = [
-    {
-        "type": "object",
-        "properties": {
+    closed_object(
+        {
             "age": {"type": "integer", "minimum": 0, "maximum": 120},
             "unit": {"enum": ["celsius", "fahrenheit"]},
             "ok": {"type": "boolean"},
             "kind": {"const": "reading"},
-        },
-        "required": ["age", "unit", "ok", "kind"],
-        "additionalProperties": False,
-    },
-    {
-        "type": "object",
-        "properties": {
+        }
+    ),
+    closed_object(
+        {
             "tags": {
                 "type": "array",
                 "items": {"type": "string", "pattern": "^[a-z]{1,4}$"},
                 "minItems": 1,
                 "maxItems": 3,
             },
-            "inner": {
-                "type": "object",
-                "properties": {"x": {"type": "number", "minimum": -5, "maximum": 5}},
-                "required": ["x"],
-                "additionalProperties": False,
-            },
-        },
-        "required": ["tags", "inner"],
-        "additionalProperties": False,
-    },
-    {
-        "type": "object",
-        "properties": {
+            "inner": closed_object({"x": {"type": "number", "minimum": -5, "maximum": 5}}),
+        }
+    ),
+    closed_object(
+        {
             "value": {
                 "anyOf": [
                     {"type": "integer", "minimum": 0, "maximum": 9},
@@ -161,18 +150,13 @@ SCHEMAS = [
                 ]
             },
             "day": {"type": "string", "format": "date"},
-        },
-        "required": ["value", "day"],
-        "additionalProperties": False,
-    },
+        }
+    ),
     {
         "$defs": {
-            "point": {
-                "type": "object",
-                "properties": {"x": {"$ref": "#/$defs/coord"}, "y": {"$ref": "#/$defs/coord"}},
-                "required": ["x", "y"],
-                "additionalProperties": False,
-            },
+            "point": closed_object(
+                {"x": {"$ref": "#/$defs/coord"}, "y": {"$ref": "#/$defs/coord"}}
+            ),
             "coord": {"type": "integer", "minimum": -9, "maximum": 9},
         },
         "type": "object",
@@ -228,15 +212,12 @@ ADD = {
     "type": "function",
     "function": {
         "name": "add",
-        "parameters": {
-            "type": "object",
-            "properties": {
+        "parameters": closed_object(
+            {
                 "a": {"type": "integer", "minimum": 0, "maximum": 99},
                 "b": {"type": "integer", "minimum": 0, "maximum": 99},
-            },
-            "required": ["a", "b"],
-            "additionalProperties": False,
-        },
+            }
+        ),
     },
 }
 TOOL_CALL = re.compile(r"^<tool_call>\n?(.*?)\n?</tool_call>$", re.DOTALL)

@@ -15,7 +15,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from engine_runner import load_varied_model
+from engine_runner import held_disk_writer, load_varied_model
 from test_disk_cache import entry_files, kv, reopen, stop
 
 from mlx_server.engine.cache.disk import MANIFEST, DiskPromptCache
@@ -82,14 +82,7 @@ def test_a_holder_killed_with_sigkill_leaves_no_stale_lock(tmp_path):
 
 
 def test_a_closing_holder_keeps_the_folder_until_its_last_write_ends(tmp_path, monkeypatch):
-    release = threading.Event()
-    write = DiskPromptCache._write
-
-    def slow(self, job):
-        assert release.wait(30)
-        write(self, job)
-
-    monkeypatch.setattr(DiskPromptCache, "_write", slow)
+    release = held_disk_writer(monkeypatch)
     first = reopen(tmp_path)
     assert first.save(list(range(40)), kv(40), "assistant")
     assert not first.close(timeout=0)  # its write is still running: the folder is still held

@@ -9,17 +9,10 @@ import threading
 from pathlib import Path
 
 import pytest
+from arch_models import LLAMA3_ROPE
 from tiny_model import build_tiny_model
 
 pytestmark = pytest.mark.tiny
-
-LLAMA3_ROPE = {
-    "rope_type": "llama3",
-    "factor": 8.0,
-    "low_freq_factor": 1.0,
-    "high_freq_factor": 4.0,
-    "original_max_position_embeddings": 1024,
-}
 
 
 def _run_elsewhere(fn) -> list[BaseException]:

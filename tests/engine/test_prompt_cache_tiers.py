@@ -10,7 +10,14 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
-from engine_runner import chat_tokens, load_varied_model, request, running_engine, solo
+from engine_runner import (
+    chat_tokens,
+    held_disk_writer,
+    load_varied_model,
+    request,
+    running_engine,
+    solo,
+)
 from test_disk_cache import entry_files, kv, reopen, stop
 
 from mlx_server.boot.memory import prompt_cache_bytes
@@ -24,19 +31,6 @@ def wait_for(cond, timeout: float = 20.0) -> None:
     while not cond():
         assert time.monotonic() < deadline, "condition not met in time"
         time.sleep(0.01)
-
-
-def held_writer(monkeypatch) -> threading.Event:
-    """Hold the disk tier's writer until the returned event is set (a slow disk)."""
-    release = threading.Event()
-    write = DiskPromptCache._write
-
-    def slow(self, job):
-        assert release.wait(30)
-        write(self, job)
-
-    monkeypatch.setattr(DiskPromptCache, "_write", slow)
-    return release
 
 
 def test_the_ram_tier_defaults_to_the_kv_budget_and_the_flag_wins():
@@ -64,7 +58,7 @@ def test_a_state_larger_than_the_ram_tier_goes_to_disk(tmp_path, capsys):
 
 
 def test_a_state_waiting_to_be_written_is_served_from_memory(tmp_path, monkeypatch):
-    release = held_writer(monkeypatch)
+    release = held_disk_writer(monkeypatch)
     disk = reopen(tmp_path)
     pc = PrefixCache(4, 1000, disk=disk)
     tokens = list(range(40))
@@ -163,7 +157,7 @@ def test_the_next_turn_is_cached_while_the_last_is_still_being_written(lm, tmp_p
     first, second, system_end = agent_turns(tokenizer)
     with running_engine(model, tokenizer, prompt_cache_size=0) as engine:
         (cold,) = solo(engine, [request(second, 12, system_prefix_tokens=system_end)])
-    release = held_writer(monkeypatch)
+    release = held_disk_writer(monkeypatch)
     disk = DiskPromptCache(tmp_path, 1 << 30, min_tokens=64)
     try:  # a RAM tier too small for one state: everything goes to disk
         with running_engine(

@@ -145,6 +145,16 @@ def build_tiny_xlmr_cross_encoder(dest: Path, seed: int = 0) -> Path:
 # system turn asking for "yes" or "no", the instruction (a system message, default web
 # search), the query and the document in the user turn, an empty thinking block to answer
 # after. Written here as a template over sentence-transformers' query/document roles.
+# A query and documents to rank, the relevant ones among them.
+RERANK_QUERY = "how do cats purr"
+RERANK_DOCS = [
+    "Cats purr by vibrating the muscles of the larynx.",
+    "The stock market closed higher today.",
+    "Purring happens when a cat breathes in and out.",
+    "A recipe for lemon cake.",
+    "Dogs bark; cats purr.",
+]
+
 QWEN3_RERANKER_TEMPLATE = (
     "{%- set ns = namespace(task='Given a web search query, retrieve relevant passages that "
     "answer the query', query='', document='') -%}"

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import Callable, Coroutine, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from mlx_server.engine.cache.disk import DiskPromptCache
 from mlx_server.engine.core.engine import Engine, EngineConfig
 from mlx_server.engine.core.handle import GenerationHandle, Started, TokenPiece
 from mlx_server.events import Finished, LogprobEntry
@@ -25,6 +27,19 @@ async def until(condition: Callable[[], object], what: str, timeout: float = 60)
     while not condition():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         await asyncio.sleep(0.001)
+
+
+def held_disk_writer(monkeypatch: Any) -> threading.Event:
+    """Hold the prefix cache's disk writer (a slow disk) until the returned event is set."""
+    release = threading.Event()
+    write = DiskPromptCache._write
+
+    def slow(self: DiskPromptCache, job: Any) -> None:
+        assert release.wait(30)
+        write(self, job)
+
+    monkeypatch.setattr(DiskPromptCache, "_write", slow)
+    return release
 
 
 @dataclass

@@ -13,6 +13,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -189,6 +191,22 @@ def launch(args: list[str], env: dict[str, str] | None = None) -> ServerProcess:
     sp._draining = threading.Thread(target=sp._drain, daemon=True)
     sp._draining.start()
     return sp
+
+
+@contextmanager
+def serving(
+    args: list[str], env: dict[str, str] | None = None, timeout: float = 150
+) -> Iterator[ServerProcess]:
+    """A server process (on a free port unless ``args`` name one) that has printed its
+    readiness line, stopped on leaving, also when it never became ready."""
+    if "--port" not in args:
+        args = [*args, "--port", str(free_port())]
+    sp = launch(args, env)
+    try:
+        assert sp.wait_ready(timeout), f"not ready: {sp.lines} {sp.stderr_text()}"
+        yield sp
+    finally:
+        sp.stop()
 
 
 REPO = Path(__file__).resolve().parents[2]

@@ -91,6 +91,21 @@ def build_tokenizer(
     (path / "tokenizer_config.json").write_text(json.dumps(cfg))
 
 
+# The tiny Llama's shape (two layers, grouped-query attention), for the models built here and
+# the language half of the tiny vision models.
+TINY_LLAMA = {
+    "model_type": "llama",
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "rms_norm_eps": 1e-5,
+    "max_position_embeddings": 4096,
+    "rope_theta": 10000.0,
+}
+
+
 def build_tiny_model(
     path: Path, *, template: str = CHATML, seed: int = 0, specials: list[str] = SPECIALS
 ) -> Path:
@@ -104,16 +119,8 @@ def build_tiny_model(
     vocab = json.loads((path / "tokenizer.json").read_text())["model"]["vocab"]
     vocab_size = max(len(vocab) + len(specials), 64)
     config = {
-        "model_type": "llama",
-        "hidden_size": 64,
-        "num_hidden_layers": 2,
-        "intermediate_size": 128,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "rms_norm_eps": 1e-5,
+        **TINY_LLAMA,
         "vocab_size": vocab_size,
-        "max_position_embeddings": 4096,
-        "rope_theta": 10000.0,
         "tie_word_embeddings": True,
         "eos_token_id": vocab["<|im_end|>"] if "<|im_end|>" in vocab else 2,
     }

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tiny_model import build_tokenizer
+from tiny_model import TINY_LLAMA, build_tokenizer
 
 SPECIALS = [
     "<|endoftext|>",
@@ -171,19 +171,7 @@ def build_tiny_idefics3(path: Path, *, seed: int = 0) -> Path:
     (path / "preprocessor_config.json").write_text(json.dumps(image))
     processor = {"processor_class": "Idefics3Processor", "image_seq_len": 1}
     (path / "processor_config.json").write_text(json.dumps(processor))
-    text = {
-        "model_type": "llama",
-        "hidden_size": 64,
-        "num_hidden_layers": 2,
-        "intermediate_size": 128,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "rms_norm_eps": 1e-5,
-        "vocab_size": max(len(vocab), 64),
-        "max_position_embeddings": 4096,
-        "rope_theta": 10000.0,
-        "tie_word_embeddings": False,
-    }
+    text = {**TINY_LLAMA, "vocab_size": max(len(vocab), 64), "tie_word_embeddings": False}
     vision = {
         "model_type": "idefics3",
         "hidden_size": 32,

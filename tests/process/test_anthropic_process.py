@@ -11,15 +11,11 @@ import json
 import anthropic
 import httpx
 import pytest
+from clients import anthropic_client
+from payloads import closed_object
 from support import MESSAGE, ServerProcess, check_stream_order, stream_events
 
 QUESTION = [{"role": "user", "content": "hello"}]
-
-
-def sdk(srv) -> anthropic.Anthropic:
-    return anthropic.Anthropic(
-        base_url=srv.base_url, api_key="x", _strict_response_validation=True, max_retries=0
-    )
 
 
 def without_ids(msg: anthropic.types.Message) -> dict:
@@ -30,7 +26,7 @@ def without_ids(msg: anthropic.types.Message) -> dict:
 
 
 def test_message_stream_and_count_on_a_real_model(tiny_server):
-    c = sdk(tiny_server)
+    c = anthropic_client(tiny_server)
     # Current SDKs no longer have sampling arguments; older clients still send them.
     kw = dict(model="tiny", max_tokens=8, messages=QUESTION, extra_body={"temperature": 0})
     raw = {"model": "tiny", "max_tokens": 8, "messages": QUESTION, "temperature": 0}
@@ -62,7 +58,7 @@ def demo(demo_server: ServerProcess) -> ServerProcess:
 
 @pytest.mark.demo
 def test_demo_model_answers_through_the_sdk(demo):
-    msg = sdk(demo).messages.create(
+    msg = anthropic_client(demo).messages.create(
         model="smollm2",
         max_tokens=40,
         extra_body={"temperature": 0},
@@ -80,14 +76,9 @@ def test_demo_model_forced_tool_use_streams_its_input(demo):
     tool = {
         "name": "get_weather",
         "description": "Current weather for a city",
-        "input_schema": {
-            "type": "object",
-            "properties": {"city": {"type": "string"}},
-            "required": ["city"],
-            "additionalProperties": False,
-        },
+        "input_schema": closed_object({"city": {"type": "string"}}),
     }
-    with sdk(demo).messages.stream(
+    with anthropic_client(demo).messages.stream(
         model="smollm2",
         max_tokens=100,
         extra_body={"temperature": 0},
@@ -106,13 +97,8 @@ def test_demo_model_forced_tool_use_streams_its_input(demo):
 
 @pytest.mark.demo
 def test_demo_model_structured_output(demo):
-    schema = {
-        "type": "object",
-        "properties": {"capital": {"type": "string"}},
-        "required": ["capital"],
-        "additionalProperties": False,
-    }
-    msg = sdk(demo).messages.create(
+    schema = closed_object({"capital": {"type": "string"}})
+    msg = anthropic_client(demo).messages.create(
         model="smollm2",
         max_tokens=60,
         extra_body={"temperature": 0},

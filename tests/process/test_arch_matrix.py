@@ -23,6 +23,7 @@ import jsonschema
 import openai
 import pytest
 from arch_models import FAMILIES
+from payloads import closed_object
 from support import ServerProcess, free_port, launch
 
 pytestmark = pytest.mark.tiny
@@ -31,12 +32,7 @@ FAMILY_NAMES = list(FAMILIES)
 USER = [{"role": "user", "content": "What is the capital of France?"}]
 GREEDY = {"temperature": 0, "ignore_eos": True}
 # One bounded value: a random-weight model fills a free string until max_tokens.
-SCHEMA = {
-    "type": "object",
-    "properties": {"ok": {"type": "boolean"}},
-    "required": ["ok"],
-    "additionalProperties": False,
-}
+SCHEMA = closed_object({"ok": {"type": "boolean"}})
 GRAMMAR_TOKENS = 64
 # The answer itself, not a reasoning block the model may end anywhere.
 NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}

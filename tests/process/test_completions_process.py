@@ -7,7 +7,7 @@ import json
 import httpx
 import openai
 import pytest
-from support import free_port, launch, schema_validator
+from support import schema_validator, serving
 from tiny_model import FIM_SPECIALS, build_tiny_model
 
 RESPONSE = schema_validator("CreateCompletionResponse")
@@ -16,11 +16,8 @@ RESPONSE = schema_validator("CreateCompletionResponse")
 @pytest.fixture(scope="module")
 def fim_server(tmp_path_factory):
     model = build_tiny_model(tmp_path_factory.mktemp("srv") / "tiny-fim", specials=FIM_SPECIALS)
-    port = free_port()
-    sp = launch(["-m", str(model), "--port", str(port), "--ctx-size", "256"])
-    assert sp.wait_ready(), sp.lines
-    yield sp
-    sp.stop()
+    with serving(["-m", str(model), "--ctx-size", "256"]) as sp:
+        yield sp
 
 
 def post(srv, body: dict) -> httpx.Response:

@@ -8,7 +8,7 @@ import httpx
 import numpy as np
 import pytest
 from embedding_support import QWEN3_QUERY_PROMPT, build_tiny_qwen3_embedder
-from support import free_port, launch
+from support import serving
 
 pytestmark = pytest.mark.tiny
 
@@ -28,11 +28,8 @@ def embedder(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(embedder):
-    port = free_port()
-    sp = launch(["--model", str(embedder), "--port", str(port), "--ctx-size", "4096"])
-    assert sp.wait_ready(150), sp.lines
-    yield sp
-    sp.stop()
+    with serving(["--model", str(embedder), "--ctx-size", "4096"]) as sp:
+        yield sp
 
 
 @pytest.fixture(scope="module")

@@ -11,25 +11,16 @@ import time
 
 import httpx
 import pytest
-from support import free_port
+from support import serving
 
 LONG = " ".join(["hello world"] * 600)  # about 3,600 tokens
 
 
 @pytest.fixture(scope="module")
 def slow_prefill_server(tiny_model_dir, tmp_path_factory):
-    from support import launch
-
-    port = free_port()
-    sp = launch(
-        [
-            *("-m", str(tiny_model_dir), "--port", str(port), "--ctx-size", "4096"),
-            *("--prefill-step-size", "8", "--prompt-cache-size", "0"),
-        ]
-    )
-    assert sp.wait_ready(), sp.lines
-    yield sp
-    sp.stop()
+    args = ["-m", str(tiny_model_dir), "--ctx-size", "4096"]
+    with serving([*args, "--prefill-step-size", "8", "--prompt-cache-size", "0"]) as sp:
+        yield sp
 
 
 def health(sp) -> dict:

@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 from embedding_support import embedding_demo_dir
-from support import free_port, launch
+from support import serving
 
 pytestmark = pytest.mark.demo
 
@@ -21,12 +21,8 @@ BATCH = 16  # --max-batch-size: the request takes N_INPUTS / BATCH = 32 steps
 
 @pytest.fixture(scope="module")
 def server():
-    port = free_port()
-    model = str(embedding_demo_dir())
-    sp = launch(["--model", model, "--port", str(port), "--max-batch-size", str(BATCH)])
-    assert sp.wait_ready(150), sp.lines
-    yield sp
-    sp.stop()
+    with serving(["--model", str(embedding_demo_dir()), "--max-batch-size", str(BATCH)]) as sp:
+        yield sp
 
 
 def health(server) -> dict:

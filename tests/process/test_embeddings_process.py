@@ -8,10 +8,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import numpy as np
-import openai
 import pytest
+from clients import openai_client
 from embedding_support import embedding_demo_dir
-from support import free_port, launch
+from support import serving
 
 pytestmark = pytest.mark.demo
 
@@ -32,13 +32,11 @@ LONG = "word " * 400  # over the model's 256-token maximum
 def server():
     """Jan's launch: the weights file inside the model folder, --ctx-size, --embedding and
     --api-key."""
-    port = free_port()
     model = embedding_demo_dir() / "model.safetensors"
-    args = ["--model", str(model), "--port", str(port), "--ctx-size", "4096", "--embedding"]
-    sp = launch([*args, "--api-key", KEY])
-    assert sp.wait_ready(150), sp.lines
-    yield sp
-    sp.stop()
+    with serving(
+        ["--model", str(model), "--ctx-size", "4096", "--embedding", "--api-key", KEY]
+    ) as sp:
+        yield sp
 
 
 @pytest.fixture(scope="module")
@@ -169,21 +167,14 @@ def test_sixteen_concurrent_clients_get_what_one_by_one_gets(server):
         assert np.allclose(a, b, atol=1e-5)
 
 
-def sdk(server, strict: bool) -> openai.OpenAI:
-    return openai.OpenAI(
-        base_url=server.base_url + "/v1",
-        api_key=KEY,
-        _strict_response_validation=strict,
-        max_retries=0,
-    )
-
-
 def test_openai_sdk_strict(server, reference):
-    result = sdk(server, True).embeddings.create(model="m", input=TEXTS, encoding_format="float")
+    result = openai_client(server, api_key=KEY, strict=True).embeddings.create(
+        model="m", input=TEXTS, encoding_format="float"
+    )
     ours = np.array([d.embedding for d in result.data], dtype=np.float32)
     assert_close(ours, reference.encode(TEXTS))
     assert result.usage.prompt_tokens == result.usage.total_tokens > 0
-    one = sdk(server, True).embeddings.create(
+    one = openai_client(server, api_key=KEY, strict=True).embeddings.create(
         model="m", input="hello", dimensions=32, encoding_format="float"
     )
     assert len(one.data[0].embedding) == 32
@@ -192,7 +183,9 @@ def test_openai_sdk_strict(server, reference):
 def test_openai_sdk_decodes_our_base64(server, reference):
     # Without encoding_format the SDK asks for base64 and decodes it after validating the
     # raw body, whose strings a strict client's schema (lists of floats) cannot accept.
-    result = sdk(server, False).embeddings.create(model="m", input=TEXTS)
+    result = openai_client(server, api_key=KEY, strict=False).embeddings.create(
+        model="m", input=TEXTS
+    )
     ours = np.array([d.embedding for d in result.data], dtype=np.float32)
     assert_close(ours, reference.encode(TEXTS))
 

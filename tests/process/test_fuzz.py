@@ -15,7 +15,7 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from support import free_port, launch
+from support import serving
 
 from mlx_server.server.http import MAX_JSON_DEPTH
 
@@ -28,15 +28,14 @@ pytestmark = pytest.mark.timeout(2400)
 
 @pytest.fixture(scope="module")
 def fuzz_server(tiny_model_dir):
-    port = free_port()
-    sp = launch(["-m", str(tiny_model_dir), "--port", str(port), "--ctx-size", "512"])
-    assert sp.wait_ready(), sp.lines
-    sp.client = httpx.Client(base_url=sp.base_url, timeout=TIMEOUT)  # type: ignore[attr-defined]
-    sp.sent = 0  # type: ignore[attr-defined]
-    sp.statuses = Counter()  # type: ignore[attr-defined]
-    yield sp
-    sp.client.close()  # type: ignore[attr-defined]
-    sp.stop()
+    with (
+        serving(["-m", str(tiny_model_dir), "--ctx-size", "512"]) as sp,
+        httpx.Client(base_url=sp.base_url, timeout=TIMEOUT) as client,
+    ):
+        sp.client = client  # type: ignore[attr-defined]
+        sp.sent = 0  # type: ignore[attr-defined]
+        sp.statuses = Counter()  # type: ignore[attr-defined]
+        yield sp
 
 
 # ---- building blocks ---------------------------------------------------------------------

@@ -11,7 +11,7 @@ import time
 from collections.abc import Iterator
 
 import pytest
-from support import ServerProcess, free_port, launch
+from support import ServerProcess, serving
 from tiny_model import build_tiny_model
 
 HEADER_TIMEOUT_S = 3.0
@@ -23,12 +23,9 @@ CLOSE_DEADLINE_S = HEADER_TIMEOUT_S + 30
 @pytest.fixture(scope="module")
 def server(tmp_path_factory) -> Iterator[ServerProcess]:
     model = build_tiny_model(tmp_path_factory.mktemp("srv") / "tiny-model")
-    port = free_port()
-    args = ["-m", str(model), "--port", str(port), "--ctx-size", "256"]
-    sp = launch([*args, "--header-timeout-s", str(HEADER_TIMEOUT_S)])
-    assert sp.wait_ready(), sp.lines
-    yield sp
-    sp.stop()
+    args = ["-m", str(model), "--ctx-size", "256", "--header-timeout-s", str(HEADER_TIMEOUT_S)]
+    with serving(args) as sp:
+        yield sp
 
 
 def _connect(server: ServerProcess) -> socket.socket:

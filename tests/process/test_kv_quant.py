@@ -9,6 +9,7 @@ import httpx
 import mlx.core as mx
 import pytest
 from engine_runner import drive, generate_all, request, running_engine, solo
+from payloads import chat
 from support import build_wide_model, free_port
 
 from mlx_server.engine.cache.kv_quant import (
@@ -161,12 +162,7 @@ def test_the_server_runs_with_8_bit_kv_and_serves_it_from_disk_after_a_restart(
     port = free_port()
     cmd = ["-m", str(path), "--port", str(port), "--ctx-size", "4096", "--kv-bits", "8"]
     cmd += ["--prompt-cache-dir", str(tmp_path)]
-    body = {
-        "model": "m",
-        "messages": [{"role": "user", "content": "the quick brown fox " * 80}],
-        "max_tokens": 6,
-        "temperature": 0,
-    }
+    body = chat("the quick brown fox " * 80, max_tokens=6, temperature=0)
     first = server_factory(cmd)
     assert any("KV cache: 8-bit" in line for line in first.lines)
     cold = httpx.post(first.base_url + "/v1/chat/completions", json=body, timeout=120).json()

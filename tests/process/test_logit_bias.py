@@ -9,6 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import openai
 import pytest
+from payloads import closed_object
 from support import ServerProcess
 
 MESSAGES = [{"role": "user", "content": "Name a colour."}]
@@ -78,12 +79,7 @@ def test_bias_on_text_completions_and_with_a_schema(demo):
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["logprobs"]["tokens"] == [" banana"] * 3
     # A constraint's mask wins over a bias: the answer is still the schema's JSON.
-    schema = {
-        "type": "object",
-        "properties": {"ok": {"type": "boolean"}},
-        "required": ["ok"],
-        "additionalProperties": False,
-    }
+    schema = closed_object({"ok": {"type": "boolean"}})
     resp = chat(
         demo,
         max_tokens=20,

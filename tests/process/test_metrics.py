@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 
 import httpx
 import pytest
+from clients import wait_until
 from prometheus_client.parser import text_string_to_metric_families
-from support import free_port, launch
+from support import serving
 from tiny_model import build_tiny_model
 
 
@@ -26,15 +26,6 @@ def scrape(base_url: str, **headers: str) -> dict[tuple[str, tuple], float]:
 
 def value(m: dict, name: str, **labels: str) -> float:
     return m.get((name, tuple(sorted(labels.items()))), 0.0)
-
-
-def wait_for(cond, timeout: float = 30.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.05)
-    return False
 
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
@@ -81,7 +72,11 @@ def test_disconnect_and_cancellation_are_counted(scripted):
         for line in r.iter_lines():
             if '"w"' in line:
                 break  # leave mid-stream
-    assert wait_for(lambda: value(scrape(scripted.base_url), "mlx_server_cancellations_total") == 1)
+    assert wait_until(
+        lambda: value(scrape(scripted.base_url), "mlx_server_cancellations_total") == 1,
+        "the cancellation to be counted",
+        timeout=30,
+    )
     m = scrape(scripted.base_url)
     assert value(m, "mlx_server_client_disconnects_total") == 1
     assert value(m, "mlx_server_generations_total", reason="cancelled") == 1
@@ -90,14 +85,11 @@ def test_disconnect_and_cancellation_are_counted(scripted):
 @pytest.fixture(scope="module")
 def tiny_metrics_server(tmp_path_factory):
     model = build_tiny_model(tmp_path_factory.mktemp("srv") / "tiny-model")
-    port = free_port()
-    args = ["-m", str(model), "--port", str(port), "--ctx-size", "512"]
+    args = ["-m", str(model), "--ctx-size", "512"]
     flags = ["--api-key", "k", "--metrics-open", "--max-batch-size", "2"]
     flags += ["--allowed-hosts", "box.lan", "--allowed-origins", "https://app.example"]
-    sp = launch([*args, *flags])
-    assert sp.wait_ready(), sp.lines
-    yield sp
-    sp.stop()
+    with serving([*args, *flags]) as sp:
+        yield sp
 
 
 def test_browser_flags_reach_the_process(tiny_metrics_server):
@@ -115,7 +107,14 @@ def test_counters_move_under_load(tiny_metrics_server):
     before = scrape(srv.base_url)
     assert value(before, "mlx_server_kv_budget_bytes") > 0
     prompt = "Hello world! What is the capital of France? " * 4
-    body = {"prompt": prompt, "max_tokens": 40, "temperature": 0, "stream": True}
+    # ignore_eos: every request runs its 40 tokens (a random model may end one at once).
+    body = {
+        "prompt": prompt,
+        "max_tokens": 40,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+    }
     usages: list[dict] = []
     errors: list[BaseException] = []
 
@@ -135,11 +134,14 @@ def test_counters_move_under_load(tiny_metrics_server):
         t.start()
     # During the load: sequences run, and with a batch of 2 the others wait in the queue.
     busy = []
-    assert wait_for(
+    assert wait_until(
         lambda: (
             busy.append(scrape(srv.base_url))
             or value(busy[-1], "mlx_server_running_sequences") >= 1
-        )
+        ),
+        "a running sequence",
+        timeout=30,
+        interval=0.05,
     )
     assert value(busy[-1], "mlx_server_kv_bytes_in_use") > 0
     for t in threads:

@@ -6,28 +6,12 @@ from __future__ import annotations
 import json
 
 import httpx
-import openai
 import pytest
+from clients import openai_client, sse_data
+from payloads import closed_object
 from support import ServerProcess
 
 USER = [{"role": "user", "content": "Say something."}]
-
-
-def sse_chunks(r: httpx.Response) -> list[dict]:
-    out = []
-    for line in r.iter_lines():
-        if line.startswith("data: ") and line != "data: [DONE]":
-            out.append(json.loads(line[6:]))
-    return out
-
-
-def client(srv) -> openai.OpenAI:
-    return openai.OpenAI(
-        base_url=f"{srv.base_url}/v1",
-        api_key="x",
-        max_retries=0,
-        _strict_response_validation=True,
-    )
 
 
 # ---- scripted: the protocol ---------------------------------------------------------------
@@ -36,7 +20,7 @@ def client(srv) -> openai.OpenAI:
 def test_chat_n_collected(scripted):
     for text in ("one", "two", "three"):
         scripted.engine.push(text)
-    out = client(scripted).chat.completions.create(
+    out = openai_client(scripted).chat.completions.create(
         model="m", messages=USER, n=3, seed=7, temperature=1
     )
     assert [c.index for c in out.choices] == [0, 1, 2]
@@ -57,7 +41,7 @@ def test_chat_n_streamed(scripted):
     with httpx.stream(
         "POST", f"{scripted.base_url}/v1/chat/completions", json=body, timeout=30
     ) as r:
-        chunks = sse_chunks(r)
+        chunks = sse_data(r.iter_lines())
     texts: dict[int, str] = {}
     finished = []
     for c in chunks:
@@ -72,7 +56,9 @@ def test_chat_n_streamed(scripted):
 
 
 def test_sdk_stream_with_n(scripted):
-    stream = client(scripted).chat.completions.create(model="m", messages=USER, n=2, stream=True)
+    stream = openai_client(scripted).chat.completions.create(
+        model="m", messages=USER, n=2, stream=True
+    )
     indices = {ch.index for chunk in stream for ch in chunk.choices}
     assert indices == {0, 1}
 
@@ -131,7 +117,7 @@ def demo(demo_server: ServerProcess) -> ServerProcess:
 @pytest.mark.timeout(600)  # demo-model generations: up to 3 minutes on a loaded 2-core machine
 def test_seeded_n_is_reproducible_and_each_choice_differs(demo):
     def ask():
-        return client(demo).chat.completions.create(
+        return openai_client(demo).chat.completions.create(
             model="m",
             messages=USER,
             n=3,
@@ -147,7 +133,7 @@ def test_seeded_n_is_reproducible_and_each_choice_differs(demo):
     assert len(set(texts)) > 1  # each choice has its own seed stream
     assert all(len(c.logprobs.content) == 12 or c.finish_reason == "stop" for c in a.choices)
     # Choice i is what a single request with seed + i samples.
-    solo = client(demo).chat.completions.create(
+    solo = openai_client(demo).chat.completions.create(
         model="m", messages=USER, seed=43, temperature=1.0, max_tokens=12
     )
     assert solo.choices[0].message.content == texts[1]
@@ -163,7 +149,7 @@ def test_streamed_n_matches_collected(demo):
         json={**body, "stream": True},
         timeout=120,
     ) as r:
-        chunks = sse_chunks(r)
+        chunks = sse_data(r.iter_lines())
     texts = ["", "", ""]
     for c in chunks:
         for ch in c["choices"]:
@@ -175,13 +161,8 @@ def test_streamed_n_matches_collected(demo):
 @pytest.mark.demo
 @pytest.mark.timeout(600)  # demo-model generations: up to 3 minutes on a loaded 2-core machine
 def test_n_with_a_schema_and_with_tools(demo):
-    schema = {
-        "type": "object",
-        "properties": {"colour": {"enum": ["red", "green", "blue"]}},
-        "required": ["colour"],
-        "additionalProperties": False,
-    }
-    out = client(demo).chat.completions.create(
+    schema = closed_object({"colour": {"enum": ["red", "green", "blue"]}})
+    out = openai_client(demo).chat.completions.create(
         model="m",
         messages=USER,
         n=2,
@@ -197,15 +178,12 @@ def test_n_with_a_schema_and_with_tools(demo):
         "type": "function",
         "function": {
             "name": "get_weather",
-            "parameters": {
-                "type": "object",
-                "properties": {"city": {"type": "string", "minLength": 1, "maxLength": 10}},
-                "required": ["city"],
-                "additionalProperties": False,
-            },
+            "parameters": closed_object(
+                {"city": {"type": "string", "minLength": 1, "maxLength": 10}}
+            ),
         },
     }
-    calls = client(demo).chat.completions.create(
+    calls = openai_client(demo).chat.completions.create(
         model="m",
         messages=[{"role": "user", "content": "What is the weather in Paris?"}],
         n=2,

@@ -10,7 +10,7 @@ import ollama
 import pytest
 from embedding_support import embedding_demo_dir
 from ollama_support import EMBED, EMBEDDINGS, ERROR
-from support import free_port, launch
+from support import serving
 
 pytestmark = pytest.mark.demo
 
@@ -20,11 +20,8 @@ TEXTS = ["The cat sits on the mat.", "Stock markets fell sharply on Monday.", "h
 @pytest.fixture(scope="module")
 def server():
     model = embedding_demo_dir() / "model.safetensors"
-    port = free_port()
-    sp = launch(["--model", str(model), "--port", str(port), "--ctx-size", "4096", "--embedding"])
-    assert sp.wait_ready(300), sp.lines
-    yield sp
-    sp.stop()
+    with serving(["--model", str(model), "--ctx-size", "4096", "--embedding"], timeout=300) as sp:
+        yield sp
 
 
 def v1_vectors(server, texts: list[str]) -> np.ndarray:

@@ -16,16 +16,11 @@ import jsonschema
 import ollama
 import pytest
 from ollama_support import CHAT_CHUNK, ERROR, GENERATE_CHUNK, PS, SHOW, TAGS, VERSION, ndjson
+from payloads import closed_object
 
 REPO = Path(__file__).resolve().parents[2]
 NPM_PACKAGE = REPO / ".cache" / "npm" / "node_modules" / "ollama"
-SCHEMA = {
-    "type": "object",
-    # Bounded values: on random weights an integer's digits could run to max_tokens.
-    "properties": {"color": {"enum": ["red", "green", "blue"]}, "ok": {"type": "boolean"}},
-    "required": ["color", "ok"],
-    "additionalProperties": False,
-}
+SCHEMA = closed_object({"color": {"enum": ["red", "green", "blue"]}, "ok": {"type": "boolean"}})
 GREEDY = {"temperature": 0, "num_predict": 6}
 
 

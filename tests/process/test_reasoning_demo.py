@@ -6,6 +6,7 @@ import json
 
 import httpx
 import pytest
+from payloads import chat
 from support import demo_model_dir, free_port
 
 pytestmark = pytest.mark.demo
@@ -24,12 +25,7 @@ def test_template_opened_think_block_is_reasoning(tmp_path, server_factory):
         (model / f.name).symlink_to(f)
     (model / "chat_template.jinja").write_text(OPENER)
     sp = server_factory(["-m", str(model), "--port", str(free_port())])
-    body = {
-        "model": "m",
-        "messages": [{"role": "user", "content": "What is 2+2?"}],
-        "temperature": 0,
-        "max_tokens": 24,
-    }
+    body = chat("What is 2+2?", temperature=0, max_tokens=24)
     r = httpx.post(sp.base_url + "/v1/chat/completions", json=body, timeout=120).json()
     msg = r["choices"][0]["message"]
     assert msg.get("reasoning_content")

@@ -9,19 +9,13 @@ from __future__ import annotations
 import httpx
 import numpy as np
 import pytest
+from embedding_support import RERANK_DOCS as DOCS
+from embedding_support import RERANK_QUERY as QUERY
 from embedding_support import build_tiny_qwen3_reranker, build_tiny_xlmr_cross_encoder
-from support import free_port, launch
+from support import serving
 
 pytestmark = pytest.mark.tiny
 
-QUERY = "how do cats purr"
-DOCS = [
-    "Cats purr by vibrating the muscles of the larynx.",
-    "The stock market closed higher today.",
-    "Purring happens when a cat breathes in and out.",
-    "A recipe for lemon cake.",
-    "Dogs bark; cats purr.",
-]
 INSTRUCTION = "Find the passages a cat owner asks for"
 BUILDERS = {"xlmr": build_tiny_xlmr_cross_encoder, "qwen3": build_tiny_qwen3_reranker}
 # The longest input each model takes here: a short document fits, "long " * 300 does not.
@@ -32,11 +26,8 @@ CTX = {"xlmr": 128, "qwen3": 300}
 def reranker(request, tmp_path_factory):
     name = request.param
     model = BUILDERS[name](tmp_path_factory.mktemp("rerank") / f"tiny-{name}")
-    port = free_port()
-    sp = launch(["--model", str(model), "--port", str(port), "--ctx-size", str(CTX[name])])
-    assert sp.wait_ready(150), sp.lines
-    yield name, model, sp
-    sp.stop()
+    with serving(["--model", str(model), "--ctx-size", str(CTX[name])]) as sp:
+        yield name, model, sp
 
 
 def post(server, body) -> httpx.Response:

@@ -7,18 +7,11 @@ from __future__ import annotations
 import httpx
 import numpy as np
 import pytest
+from embedding_support import RERANK_DOCS as DOCS
+from embedding_support import RERANK_QUERY as QUERY
 from embedding_support import build_tiny_cross_encoder
-from support import free_port, launch
+from support import serving
 from tiny_model import build_tiny_model
-
-QUERY = "how do cats purr"
-DOCS = [
-    "Cats purr by vibrating the muscles of the larynx.",
-    "The stock market closed higher today.",
-    "Purring happens when a cat breathes in and out.",
-    "A recipe for lemon cake.",
-    "Dogs bark; cats purr.",
-]
 
 
 @pytest.fixture(scope="module")
@@ -28,11 +21,8 @@ def reranker(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(reranker):
-    port = free_port()
-    sp = launch(["--model", str(reranker), "--port", str(port), "--ctx-size", "512"])
-    assert sp.wait_ready(150), sp.lines
-    yield sp
-    sp.stop()
+    with serving(["--model", str(reranker), "--ctx-size", "512"]) as sp:
+        yield sp
 
 
 def post(server, body, path="/v1/rerank") -> httpx.Response:
@@ -113,10 +103,7 @@ def test_a_reranker_refuses_embeddings_and_chat(server):
 
 def test_a_chat_model_refuses_embeddings_and_rerank(tmp_path):
     model = build_tiny_model(tmp_path / "tiny-chat")
-    port = free_port()
-    sp = launch(["-m", str(model), "--port", str(port), "--ctx-size", "256"])
-    try:
-        assert sp.wait_ready(150), sp.lines
+    with serving(["-m", str(model), "--ctx-size", "256"]) as sp:
         for path, body in (
             ("/v1/embeddings", {"input": "x"}),
             ("/embeddings", {"input": "x"}),
@@ -126,5 +113,3 @@ def test_a_chat_model_refuses_embeddings_and_rerank(tmp_path):
             assert r.status_code == 400, r.text
             error = r.json()["error"]
             assert error["param"] == "model" and "chat model" in error["message"]
-    finally:
-        sp.stop()

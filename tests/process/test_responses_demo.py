@@ -10,8 +10,9 @@ import json
 import time
 
 import httpx
-import openai
 import pytest
+from clients import openai_client
+from payloads import closed_object
 from pydantic import BaseModel, Field
 from responses_spec import parse_sse, validate_event, validate_response
 from support import ServerProcess
@@ -22,12 +23,7 @@ TOOL = {
     "type": "function",
     "name": "get_weather",
     "description": "Get the current weather in a city",
-    "parameters": {
-        "type": "object",
-        "properties": {"city": {"type": "string", "maxLength": 20}},
-        "required": ["city"],
-        "additionalProperties": False,
-    },
+    "parameters": closed_object({"city": {"type": "string", "maxLength": 20}}),
     "strict": True,
 }
 
@@ -43,18 +39,8 @@ def demo(demo_server: ServerProcess) -> ServerProcess:
     return demo_server  # the session's demo-model server (conftest.py)
 
 
-def oai(srv: ServerProcess) -> openai.OpenAI:
-    return openai.OpenAI(
-        base_url=srv.base_url + "/v1",
-        api_key="x",
-        _strict_response_validation=True,
-        max_retries=0,
-        timeout=120,
-    )
-
-
 def test_create_and_stream(demo):
-    c = oai(demo)
+    c = openai_client(demo, timeout=120)
     r = c.responses.create(
         model="demo", input="What is the capital of France?", temperature=0, max_output_tokens=24
     )
@@ -70,7 +56,7 @@ def test_create_and_stream(demo):
 
 
 def test_parse_with_pydantic_model(demo):
-    r = oai(demo).responses.parse(
+    r = openai_client(demo, timeout=120).responses.parse(
         model="demo",
         input="Describe Paris as JSON.",
         text_format=City,
@@ -86,7 +72,7 @@ def test_parse_with_pydantic_model(demo):
 
 @pytest.mark.timeout(600)  # demo-model generations: up to 3 minutes on a loaded 2-core machine
 def test_tool_round_trip(demo):
-    c = oai(demo)
+    c = openai_client(demo, timeout=120)
     first = c.responses.create(
         model="demo",
         input="What is the weather in Paris?",
@@ -117,7 +103,7 @@ def test_tool_round_trip(demo):
 
 @pytest.mark.timeout(600)  # demo-model generations: up to 3 minutes on a loaded 2-core machine
 def test_three_turns_reuse_the_prefix_cache(demo):
-    c = oai(demo)
+    c = openai_client(demo, timeout=120)
     prev = None
     cached = []
     sizes = []

@@ -15,7 +15,7 @@ import openai
 import pytest
 from PIL import Image
 from responses_spec import validate_error, validate_response
-from support import free_port, launch
+from support import serving
 from tiny_vlm import build_tiny_vlm
 
 
@@ -28,10 +28,8 @@ def data_url(w: int, h: int) -> str:
 @pytest.fixture(scope="module")
 def vlm_server(tmp_path_factory) -> Iterator:
     model = build_tiny_vlm(tmp_path_factory.mktemp("vlm") / "tiny-vlm")
-    sp = launch(["-m", str(model), "--port", str(free_port()), "--ctx-size", "1024"])
-    assert sp.wait_ready(), sp.lines
-    yield sp
-    sp.stop()
+    with serving(["-m", str(model), "--ctx-size", "1024"]) as sp:
+        yield sp
 
 
 def input_tokens(srv, content) -> int:

@@ -10,29 +10,19 @@ import time
 from pathlib import Path
 
 import httpx
-import openai
 import pytest
+from clients import openai_client
+from payloads import chat
 from support import free_port, schema_validator
 
 CHUNK = schema_validator("CreateChatCompletionStreamResponse")
 COMPLETION = schema_validator("CreateChatCompletionResponse")
 
 
-def oai(srv) -> openai.OpenAI:
-    return openai.OpenAI(
-        base_url=srv.base_url + "/v1", api_key="x", _strict_response_validation=True, max_retries=0
-    )
-
-
 def test_greedy_generation_and_schema(e2e_server):
     r = httpx.post(
         e2e_server.base_url + "/v1/chat/completions",
-        json={
-            "model": "m",
-            "messages": [{"role": "user", "content": "hello"}],
-            "max_tokens": 8,
-            "temperature": 0,
-        },
+        json=chat("hello", max_tokens=8, temperature=0),
         timeout=60,
     )
     assert r.status_code == 200, r.text
@@ -43,7 +33,7 @@ def test_greedy_generation_and_schema(e2e_server):
 
 
 def test_same_seed_same_text(e2e_server):
-    c = oai(e2e_server)
+    c = openai_client(e2e_server)
     kw = dict(
         model="m",
         messages=[{"role": "user", "content": "tell me"}],
@@ -62,7 +52,7 @@ def test_same_seed_same_text(e2e_server):
 
 
 def test_stream_matches_non_stream_at_temperature_zero(e2e_server):
-    c = oai(e2e_server)
+    c = openai_client(e2e_server)
     kw = dict(
         model="m", messages=[{"role": "user", "content": "abc"}], max_tokens=10, temperature=0
     )
@@ -74,7 +64,7 @@ def test_stream_matches_non_stream_at_temperature_zero(e2e_server):
 
 
 def test_length_and_context_limit(e2e_server):
-    c = oai(e2e_server)
+    c = openai_client(e2e_server)
     r = c.chat.completions.create(
         model="m", messages=[{"role": "user", "content": "x"}], max_tokens=3, temperature=0
     )
@@ -97,14 +87,7 @@ def test_length_and_context_limit(e2e_server):
 def test_logprobs(e2e_server):
     r = httpx.post(
         e2e_server.base_url + "/v1/chat/completions",
-        json={
-            "model": "m",
-            "messages": [{"role": "user", "content": "x"}],
-            "max_tokens": 4,
-            "temperature": 0,
-            "logprobs": True,
-            "top_logprobs": 3,
-        },
+        json=chat("x", max_tokens=4, temperature=0, logprobs=True, top_logprobs=3),
         timeout=120,
     ).json()
     COMPLETION.validate(r)
@@ -118,14 +101,7 @@ def test_logprobs(e2e_server):
 
 
 def test_health_answers_during_generation(e2e_server):
-    body = {
-        "model": "m",
-        "messages": [{"role": "user", "content": "x"}],
-        "max_tokens": 200,
-        "temperature": 0,
-        "ignore_eos": True,
-        "stream": True,
-    }
+    body = chat("x", max_tokens=200, temperature=0, ignore_eos=True, stream=True)
     url = e2e_server.base_url
     with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=120) as resp:
         lines = resp.iter_lines()
@@ -200,13 +176,7 @@ def test_readiness_only_after_bind_and_sigterm(tiny_model_dir, server_factory):
     t = threading.Thread(
         target=lambda: httpx.post(
             sp.base_url + "/v1/chat/completions",
-            json={
-                "model": "m",
-                "messages": [{"role": "user", "content": "x"}],
-                "stream": True,
-                "max_tokens": 3000,
-                "ignore_eos": True,
-            },
+            json=chat("x", stream=True, max_tokens=3000, ignore_eos=True),
             timeout=30,
         )
     )
@@ -284,7 +254,7 @@ def test_hf_repo_id_offline_fails_clearly(server_factory, tmp_path):
 
 @pytest.mark.demo
 def test_serves_a_gguf_file_directly(server_factory, tmp_path):
-    gguf = Path(__file__).resolve().parents[1] / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    gguf = Path(__file__).resolve().parents[2] / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
     assert gguf.is_file(), "run mlx-server-demo first"
     env = {"MLX_SERVER_CACHE": str(tmp_path / "cache")}
     sp = server_factory(
@@ -296,12 +266,7 @@ def test_serves_a_gguf_file_directly(server_factory, tmp_path):
     )
     r = httpx.post(
         sp.base_url + "/v1/chat/completions",
-        json={
-            "model": "m",
-            "messages": [{"role": "user", "content": "What is the capital of France?"}],
-            "temperature": 0,
-            "max_tokens": 20,
-        },
+        json=chat("What is the capital of France?", temperature=0, max_tokens=20),
         timeout=120,
     )
     assert "Paris" in r.json()["choices"][0]["message"]["content"]
@@ -322,13 +287,7 @@ def test_non_gguf_file_named_gguf_fails_clearly(server_factory, tmp_path):
 
 
 def test_ignore_eos_generates_max_tokens(e2e_server):
-    body = {
-        "model": "m",
-        "messages": [{"role": "user", "content": "Say hi."}],
-        "max_tokens": 40,
-        "temperature": 0,
-        "ignore_eos": True,
-    }
+    body = chat("Say hi.", max_tokens=40, temperature=0, ignore_eos=True)
     r = httpx.post(e2e_server.base_url + "/v1/chat/completions", json=body, timeout=120).json()
     assert r["usage"]["completion_tokens"] == 40
     assert r["choices"][0]["finish_reason"] == "length"

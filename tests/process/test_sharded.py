@@ -19,6 +19,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from payloads import closed_object
 from support import ServerProcess, demo_model_dir, free_port, launch
 
 from mlx_server.boot.ranks import free_ports
@@ -239,12 +240,7 @@ def test_a_repeated_prompt_hits_the_prefix_cache_on_every_rank(sharded, referenc
 
 
 def test_structured_output_is_enforced_on_rank_0(sharded):
-    schema = {
-        "type": "object",
-        "properties": {"city": {"type": "string"}},
-        "required": ["city"],
-        "additionalProperties": False,
-    }
+    schema = closed_object({"city": {"type": "string"}})
     payload = body(
         PROMPTS[0],
         max_tokens=40,

@@ -11,20 +11,18 @@ from typing import Any
 
 import openai
 import pytest
+from clients import openai_client
 from engine_runner import build_varied_model
-from support import free_port, launch
+from support import serving
 from test_metrics import scrape, value
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Any:
     model = build_varied_model(tmp_path_factory.mktemp("spec-http") / "tiny-varied")
-    port = free_port()
-    sp = launch(["-m", str(model), "--port", str(port), "--max-batch-size", "4"])
-    assert sp.wait_ready(), sp.lines
-    sp.bias = word_bias(model)  # type: ignore[attr-defined]
-    yield sp
-    sp.stop()
+    with serving(["-m", str(model), "--max-batch-size", "4"]) as sp:
+        sp.bias = word_bias(model)  # type: ignore[attr-defined]
+        yield sp
 
 
 def word_bias(model_dir: Any) -> dict[str, int]:
@@ -38,12 +36,6 @@ def word_bias(model_dir: Any) -> dict[str, int]:
     whole = [i for i in words if tok.encode(tok.decode([i]), add_special_tokens=False) == [i]]
     assert len(whole) >= 8
     return {str(i): 100 for i in whole[:24]}
-
-
-def client(srv: Any) -> openai.OpenAI:
-    return openai.OpenAI(
-        base_url=srv.base_url + "/v1", api_key="x", _strict_response_validation=True, max_retries=0
-    )
 
 
 QUESTIONS = ["the quick brown fox", "hello world", "def add(a, b):", "Paris is the capital"]
@@ -82,7 +74,7 @@ def test_a_prediction_reports_accepted_and_rejected_tokens(server: Any, stream: 
     """Alone, the first drafting step comes right after the two plain steps that time the
     model, whatever they measure: its draft (the prediction's next four words, which the
     answer says) is accepted."""
-    c = client(server)
+    c = openai_client(server)
     before = scrape(server.base_url)
     plain, usage = ask(c, server, QUESTIONS[0], stream=stream)
     assert usage.completion_tokens_details is None or (
@@ -115,7 +107,7 @@ def test_concurrent_requests_with_and_without_predictions_give_their_own_text(
     """Speculating and plain rows in one batch, streamed and whole. How much the batch
     drafts depends on the step costs it measures (on a busy CPU it may not pay): the text
     must not, and each prediction is reported."""
-    c = client(server)
+    c = openai_client(server)
     alone = [ask(c, server, q, stream=False)[0] for q in QUESTIONS]
     preds = [alone[0], None, alone[2][: len(alone[2]) // 2], None]  # rows 0 and 2 speculate
     with ThreadPoolExecutor(8) as pool:

@@ -7,8 +7,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import jsonschema
-import openai
 import pytest
+from clients import openai_client
+from payloads import chat, closed_object
 from support import ServerProcess
 
 # A demo-model server (up to 300 s to start) and generations of up to 300 s each.
@@ -18,27 +19,18 @@ NAME = {"type": "string", "minLength": 1, "maxLength": 20}
 
 SCHEMAS = [
     # 1. flat object
-    {
-        "type": "object",
-        "properties": {"name": NAME, "age": {"type": "integer", "minimum": 0, "maximum": 120}},
-        "required": ["name", "age"],
-        "additionalProperties": False,
-    },
+    closed_object({"name": NAME, "age": {"type": "integer", "minimum": 0, "maximum": 120}}),
     # 2. enum, const, boolean
-    {
-        "type": "object",
-        "properties": {
+    closed_object(
+        {
             "color": {"enum": ["red", "green", "blue"]},
             "kind": {"const": "paint"},
             "glossy": {"type": "boolean"},
-        },
-        "required": ["color", "kind", "glossy"],
-        "additionalProperties": False,
-    },
+        }
+    ),
     # 3. arrays with bounds and a pattern
-    {
-        "type": "object",
-        "properties": {
+    closed_object(
+        {
             "tags": {
                 "type": "array",
                 "items": {"type": "string", "pattern": "^[a-z]{1,8}$"},
@@ -46,38 +38,23 @@ SCHEMAS = [
                 "maxItems": 3,
             },
             "code": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{2}$"},
-        },
-        "required": ["tags", "code"],
-        "additionalProperties": False,
-    },
+        }
+    ),
     # 4. nested objects and anyOf
-    {
-        "type": "object",
-        "properties": {
-            "city": {
-                "type": "object",
-                "properties": {
+    closed_object(
+        {
+            "city": closed_object(
+                {
                     "name": NAME,
                     "population": {"type": "integer", "minimum": 0, "maximum": 50000000},
-                },
-                "required": ["name", "population"],
-                "additionalProperties": False,
-            },
+                }
+            ),
             "capital": {"anyOf": [{"type": "boolean"}, {"type": "null"}]},
-        },
-        "required": ["city", "capital"],
-        "additionalProperties": False,
-    },
+        }
+    ),
     # 5. $defs/$ref, array of objects, nested enum
     {
-        "$defs": {
-            "person": {
-                "type": "object",
-                "properties": {"name": NAME, "role": {"enum": ["dev", "ops"]}},
-                "required": ["name", "role"],
-                "additionalProperties": False,
-            }
-        },
+        "$defs": {"person": closed_object({"name": NAME, "role": {"enum": ["dev", "ops"]}})},
         "type": "object",
         "properties": {
             "team": NAME,
@@ -99,12 +76,7 @@ TOOLS = [
         "function": {
             "name": "get_weather",
             "description": "Current weather in a city",
-            "parameters": {
-                "type": "object",
-                "properties": {"city": NAME},
-                "required": ["city"],
-                "additionalProperties": False,
-            },
+            "parameters": closed_object({"city": NAME}),
         },
     },
     {
@@ -112,15 +84,12 @@ TOOLS = [
         "function": {
             "name": "add",
             "description": "Add two integers",
-            "parameters": {
-                "type": "object",
-                "properties": {
+            "parameters": closed_object(
+                {
                     "a": {"type": "integer", "minimum": -1000, "maximum": 1000},
                     "b": {"type": "integer", "minimum": -1000, "maximum": 1000},
-                },
-                "required": ["a", "b"],
-                "additionalProperties": False,
-            },
+                }
+            ),
         },
     },
 ]
@@ -131,16 +100,6 @@ def demo(demo_server: ServerProcess) -> ServerProcess:
     return demo_server  # the session's demo-model server (conftest.py)
 
 
-def oai(srv) -> openai.OpenAI:
-    return openai.OpenAI(
-        base_url=srv.base_url + "/v1",
-        api_key="x",
-        _strict_response_validation=True,
-        max_retries=0,
-        timeout=300,
-    )
-
-
 def ask_schema(
     srv,
     schema: dict,
@@ -148,7 +107,7 @@ def ask_schema(
     seed: int | None = None,
     prompt: str = "Fill in an example.",
 ) -> dict:
-    r = oai(srv).chat.completions.create(
+    r = openai_client(srv, timeout=300).chat.completions.create(
         model="m",
         messages=[{"role": "user", "content": prompt}],
         temperature=temperature,
@@ -171,7 +130,7 @@ def test_schemas_validate(demo, index, temperature, seed):
 
 
 def test_json_object(demo):
-    r = oai(demo).chat.completions.create(
+    r = openai_client(demo, timeout=300).chat.completions.create(
         model="m",
         messages=[
             {
@@ -188,7 +147,7 @@ def test_json_object(demo):
 
 @pytest.mark.parametrize("temperature,seed", [(0.0, None), (0.8, 3)])
 def test_tool_choice_required(demo, temperature, seed):
-    r = oai(demo).chat.completions.create(
+    r = openai_client(demo, timeout=300).chat.completions.create(
         model="m",
         messages=[{"role": "user", "content": "What is the weather in Paris?"}],
         tools=TOOLS,
@@ -204,7 +163,7 @@ def test_tool_choice_required(demo, temperature, seed):
 
 
 def test_named_tool_choice(demo):
-    r = oai(demo).chat.completions.create(
+    r = openai_client(demo, timeout=300).chat.completions.create(
         model="m",
         messages=[{"role": "user", "content": "What is the weather in Paris?"}],
         tools=TOOLS,
@@ -222,7 +181,7 @@ def test_concurrent_mixed_constraints(demo):
         jsonschema.validate(ask_schema(demo, SCHEMAS[i], 0.0), SCHEMAS[i])
 
     def free() -> str:
-        r = oai(demo).chat.completions.create(
+        r = openai_client(demo, timeout=300).chat.completions.create(
             model="m",
             messages=[{"role": "user", "content": "What is the capital of France?"}],
             temperature=0,
@@ -257,11 +216,7 @@ def test_concurrent_mixed_constraints(demo):
 def test_bad_schema_400(demo, response_format, needle):
     r = httpx.post(
         demo.base_url + "/v1/chat/completions",
-        json={
-            "model": "m",
-            "messages": [{"role": "user", "content": "x"}],
-            "response_format": response_format,
-        },
+        json=chat("x", response_format=response_format),
         timeout=60,
     )
     assert r.status_code == 400, r.text

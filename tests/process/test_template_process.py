@@ -7,14 +7,10 @@ import json
 
 import httpx
 import pytest
+from payloads import openai_tool_round_trip
 from support import free_port
 from template_corpus import TEMPLATES, model_dir
 
-CALL = {
-    "id": "call_0123456789abcdef01234567",
-    "type": "function",
-    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
-}
 TOOLS = [
     {
         "type": "function",
@@ -26,8 +22,9 @@ TOOLS = [
 ]
 ROUND_TRIP = [
     {"role": "user", "content": "Weather in Paris?"},
-    {"role": "assistant", "content": None, "tool_calls": [CALL]},
-    {"role": "tool", "tool_call_id": CALL["id"], "content": "18 degrees"},
+    *openai_tool_round_trip(
+        "get_weather", '{"city": "Paris"}', "18 degrees", call_id="call_0123456789abcdef01234567"
+    ),
     {"role": "user", "content": "And tomorrow?"},
 ]
 

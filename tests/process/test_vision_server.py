@@ -15,12 +15,11 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import anthropic
 import httpx
-import openai
 import pytest
+from clients import anthropic_client, openai_client
 from PIL import Image
-from support import free_port, launch
+from support import free_port, launch, serving
 from tiny_vlm import build_tiny_vlm
 
 QUESTION = "What is in the picture?"
@@ -60,29 +59,15 @@ def media_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def vlm_server(vlm_dir) -> Iterator:
-    args = ["-m", str(vlm_dir), "--port", str(free_port()), "--ctx-size", str(CTX)]
+    args = ["-m", str(vlm_dir), "--ctx-size", str(CTX)]
     args += ["--max-images", str(MAX_IMAGES), "--max-image-mb", str(MAX_MB)]
     args += ["--max-image-pixels", str(MAX_PIXELS)]
-    sp = launch(args)
-    assert sp.wait_ready(), sp.lines
-    yield sp
-    sp.stop()
-
-
-def oai(srv) -> openai.OpenAI:
-    return openai.OpenAI(
-        base_url=srv.base_url + "/v1", api_key="x", _strict_response_validation=True, max_retries=0
-    )
-
-
-def ant(srv) -> anthropic.Anthropic:
-    return anthropic.Anthropic(
-        base_url=srv.base_url, api_key="x", _strict_response_validation=True, max_retries=0
-    )
+    with serving(args) as sp:
+        yield sp
 
 
 def prompt_tokens(srv, messages: list[dict]) -> int:
-    r = oai(srv).chat.completions.create(
+    r = openai_client(srv).chat.completions.create(
         model="tiny-vlm", messages=messages, max_tokens=2, temperature=0
     )
     assert r.usage is not None
@@ -143,7 +128,7 @@ def test_image_in_an_earlier_turn(vlm_server):
 
 
 def test_the_same_image_next_turn_comes_from_the_prefix_cache(vlm_server):
-    c = oai(vlm_server)
+    c = openai_client(vlm_server)
     kw = dict(model="tiny-vlm", max_tokens=3, temperature=0, extra_body={"ignore_eos": True})
 
     def first(color) -> dict:
@@ -160,7 +145,7 @@ def test_the_same_image_next_turn_comes_from_the_prefix_cache(vlm_server):
 
 def test_streaming_with_an_image(vlm_server):
     messages = [user(image_part(data_url(png(112, 112))))]
-    stream = oai(vlm_server).chat.completions.create(
+    stream = openai_client(vlm_server).chat.completions.create(
         model="tiny-vlm",
         messages=messages,
         max_tokens=6,
@@ -176,7 +161,7 @@ def test_streaming_with_an_image(vlm_server):
     usage = chunks[-1].usage
     assert finish in (["length"], ["stop"]) and usage is not None
     assert usage.prompt_tokens == prompt_tokens(vlm_server, messages)
-    full = oai(vlm_server).chat.completions.create(
+    full = openai_client(vlm_server).chat.completions.create(
         model="tiny-vlm", messages=messages, max_tokens=6, temperature=0
     )
     assert text == full.choices[0].message.content  # greedy: the same text either way
@@ -184,7 +169,7 @@ def test_streaming_with_an_image(vlm_server):
 
 
 def test_sampling_seed_and_stop_strings(vlm_server):
-    c = oai(vlm_server)
+    c = openai_client(vlm_server)
     messages = [user(image_part(data_url(png(56, 56))))]
     kw = dict(model="tiny-vlm", messages=messages, max_tokens=8)
     a = c.chat.completions.create(**kw, temperature=1.0, seed=7).choices[0].message.content
@@ -207,7 +192,7 @@ def test_structured_output_with_an_image(vlm_server):
         "properties": {"color": {"type": "string", "enum": ["red", "blue"]}},
         "required": ["color"],
     }
-    r = oai(vlm_server).chat.completions.create(
+    r = openai_client(vlm_server).chat.completions.create(
         model="tiny-vlm",
         messages=[user(image_part(data_url(png(56, 56))))],
         max_tokens=500,  # random weights: whitespace up to the grammar's bound in every gap
@@ -353,7 +338,7 @@ def _input(usage) -> int:
 
 
 def test_anthropic_images_are_counted(vlm_server, media_dir):
-    c = ant(vlm_server)
+    c = anthropic_client(vlm_server)
     kw = dict(model="tiny-vlm", max_tokens=4, extra_body={"temperature": 0})
     text = c.messages.create(**kw, messages=[{"role": "user", "content": QUESTION}])
     content = [_ant_image(png(56, 56)), {"type": "text", "text": QUESTION}]
@@ -387,7 +372,7 @@ def test_anthropic_image_in_a_tool_result(vlm_server):
             },
         ]
 
-    c = ant(vlm_server)
+    c = anthropic_client(vlm_server)
     text = [{"type": "text", "text": "done"}]
     plain = c.messages.count_tokens(model="m", tools=tools, messages=turns(text)).input_tokens
     shot = c.messages.count_tokens(
@@ -408,7 +393,7 @@ def test_anthropic_stream_with_an_image(vlm_server):
         messages=[{"role": "user", "content": content}],
         extra_body={"temperature": 0},
     )
-    c = ant(vlm_server)
+    c = anthropic_client(vlm_server)
     with c.messages.stream(**kw) as stream:
         streamed = stream.get_final_message()
     whole = c.messages.create(**kw)

@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 from playwright.sync_api import Browser, ConsoleMessage, Page, expect, sync_playwright
-from support import ServerProcess, free_port, launch
+from support import ServerProcess, serving
 from tiny_model import build_tiny_model
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -493,10 +493,8 @@ def _png(folder: Path) -> Path:
 @pytest.fixture(scope="module")
 def real_server(tmp_path_factory) -> Iterator[ServerProcess]:
     model = build_tiny_model(tmp_path_factory.mktemp("webui") / "tiny-model")
-    sp = launch(["-m", str(model), "--port", str(free_port()), "--ctx-size", "2048"])
-    assert sp.wait_ready(), sp.lines
-    yield sp
-    sp.stop()
+    with serving(["-m", str(model), "--ctx-size", "2048"]) as sp:
+        yield sp
 
 
 def test_real_server_streams_and_stop_cancels(real_server, open_page):

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 
 import anthropic
 import httpx
 import pytest
+from clients import anthropic_client, wait_until
+from payloads import TIME, WEATHER, anthropic_tool, anthropic_tool_round_trip
 from support import (
     COUNT,
     ERROR,
@@ -18,22 +19,7 @@ from support import (
     stream_events,
 )
 
-TOOLS = [
-    {
-        "name": "get_weather",
-        "description": "Weather for a city",
-        "input_schema": {
-            "type": "object",
-            "properties": {"city": {"type": "string"}},
-            "required": ["city"],
-        },
-    },
-    {
-        "name": "get_time",
-        "description": "Time in a zone",
-        "input_schema": {"type": "object", "properties": {"tz": {"type": "string"}}},
-    },
-]
+TOOLS = [anthropic_tool(WEATHER), anthropic_tool(TIME)]
 
 # Thinking, text, then two tool calls; the first call's JSON arrives in several pieces.
 TOOL_SCRIPT = (
@@ -51,13 +37,6 @@ TOOL_SCRIPT = (
     "<tool_call>",
     '\n{"name": "get_time", "arguments": {"tz": "CET"}}\n</tool_call>',
 )
-
-
-def client(srv, **kw) -> anthropic.Anthropic:
-    kw.setdefault("api_key", "x")
-    return anthropic.Anthropic(
-        base_url=srv.base_url, _strict_response_validation=True, max_retries=0, **kw
-    )
 
 
 def post(srv, body: dict, path: str = "/v1/messages", **kw) -> httpx.Response:
@@ -103,13 +82,13 @@ def test_non_stream_message_is_valid(scripted):
     assert usage["cache_read_input_tokens"] == 0 and usage["cache_creation_input_tokens"] == 0
 
     scripted.engine.push("Hi", "!")
-    msg = client(scripted).messages.create(model="m", max_tokens=10, messages=user())
+    msg = anthropic_client(scripted).messages.create(model="m", max_tokens=10, messages=user())
     assert msg.content[0].type == "text" and msg.content[0].text == "Hi!"
     assert msg.stop_reason == "end_turn" and msg.usage.output_tokens == 2
 
 
 def test_stream_accumulates_to_the_non_stream_message(scripted):
-    c = client(scripted)
+    c = anthropic_client(scripted)
     kw = dict(model="m", max_tokens=64, messages=user("weather?"), tools=TOOLS)
     scripted.engine.push(*TOOL_SCRIPT)
     whole = c.messages.create(**kw)
@@ -162,7 +141,7 @@ def test_stream_thinking_text_and_two_tool_calls(scripted):
 
     # The SDK's own accumulation of the same stream.
     scripted.engine.push(*TOOL_SCRIPT)
-    with client(scripted).messages.stream(
+    with anthropic_client(scripted).messages.stream(
         model="m", max_tokens=64, messages=user("weather?"), tools=TOOLS
     ) as stream:
         msg = stream.get_final_message()
@@ -190,7 +169,7 @@ def test_max_tokens_stop_reason(scripted):
 
 
 def test_stop_sequences_are_enforced(scripted):
-    c = client(scripted)
+    c = anthropic_client(scripted)
     scripted.engine.push("Hello", " wor", "ld EN", "D more", " text")
     msg = c.messages.create(
         model="m", max_tokens=20, messages=user(), stop_sequences=["END", "never"]
@@ -268,30 +247,17 @@ def claude_code_body(cch: str) -> dict:
                     {"type": "text", "text": "Show a.py", "cache_control": {"type": "ephemeral"}},
                 ],
             },
-            {
-                "role": "assistant",
-                "content": [
+            *anthropic_tool_round_trip(
+                "Read",
+                {"file_path": "a.py"},
+                [{"type": "text", "text": "print(1)"}],
+                call_id="toolu_01A",
+                before=(
                     {"type": "thinking", "thinking": "Read it.", "signature": "c2ln"},
                     {"type": "text", "text": "Reading."},
-                    {
-                        "type": "tool_use",
-                        "id": "toolu_01A",
-                        "name": "Read",
-                        "input": {"file_path": "a.py"},
-                    },
-                ],
-            },
-            {
-                "role": "user",
-                "content": [
-                    {
-                        "type": "tool_result",
-                        "tool_use_id": "toolu_01A",
-                        "content": [{"type": "text", "text": "print(1)"}],
-                    },
-                    {"type": "text", "text": "Explain it."},
-                ],
-            },
+                ),
+                after=({"type": "text", "text": "Explain it."},),
+            ),
         ],
     }
 
@@ -389,7 +355,7 @@ def test_claude_code_2_1_request_with_a_system_message_in_place(scripted_factory
 
 
 def test_count_tokens_equals_input_tokens(scripted):
-    c = client(scripted)
+    c = anthropic_client(scripted)
     kw = dict(
         model="m",
         system=[{"type": "text", "text": "Be brief.", "cache_control": {"type": "ephemeral"}}],
@@ -521,14 +487,18 @@ def test_bad_request_gets_the_anthropic_envelope(scripted, body, names):
 
 def test_context_overflow_uses_anthropics_wording(scripted):
     """Claude Code recognises these two messages (and compacts / lowers max_tokens)."""
-    counted = client(scripted).messages.count_tokens(model="m", messages=user()).input_tokens
+    counted = (
+        anthropic_client(scripted).messages.count_tokens(model="m", messages=user()).input_tokens
+    )
     message = error_of(post(scripted, base(max_tokens=1000)), 400, "invalid_request_error")
     assert message.startswith(
         f"input length and `max_tokens` exceed context limit: {counted} + 1000 > 512, "
         "decrease input length or `max_tokens` and try again"
     )
     long = user("word " * 600)
-    counted = client(scripted).messages.count_tokens(model="m", messages=long).input_tokens
+    counted = (
+        anthropic_client(scripted).messages.count_tokens(model="m", messages=long).input_tokens
+    )
     message = error_of(post(scripted, base(messages=long)), 400, "invalid_request_error")
     assert message.startswith(f"prompt is too long: {counted} tokens > 512 maximum")
 
@@ -547,7 +517,7 @@ def test_bad_body_and_routes(scripted):
     big = base(messages=user("x" * (11 * 1024 * 1024)))
     error_of(post(scripted, big), 413, "request_too_large")
     with pytest.raises(anthropic.BadRequestError) as e:
-        client(scripted).messages.create(model="m", max_tokens=5, messages=[])
+        anthropic_client(scripted).messages.create(model="m", max_tokens=5, messages=[])
     assert e.value.body["error"]["type"] == "invalid_request_error"
 
 
@@ -565,7 +535,7 @@ def test_overloaded_is_529(scripted):
     scripted.engine.max_queue = 0
     error_of(post(scripted, base()), 529, "overloaded_error")
     with pytest.raises(anthropic.OverloadedError):
-        client(scripted).messages.create(model="m", max_tokens=5, messages=user())
+        anthropic_client(scripted).messages.create(model="m", max_tokens=5, messages=user())
     scripted.engine.max_queue = 64
     assert post(scripted, base()).status_code == 200
 
@@ -588,9 +558,13 @@ def test_auth_with_x_api_key_and_bearer(scripted_factory):
     error_of(post(srv, base()), 401, "authentication_error")
     error_of(post(srv, base(), headers={"x-api-key": "wrong"}), 401, "authentication_error")
     with pytest.raises(anthropic.AuthenticationError):
-        client(srv, api_key="wrong").messages.create(model="m", max_tokens=5, messages=user())
+        anthropic_client(srv, api_key="wrong").messages.create(
+            model="m", max_tokens=5, messages=user()
+        )
     srv.engine.push("yes")
-    msg = client(srv, api_key="sekret").messages.create(model="m", max_tokens=5, messages=user())
+    msg = anthropic_client(srv, api_key="sekret").messages.create(
+        model="m", max_tokens=5, messages=user()
+    )
     assert msg.content[0].text == "yes"
     srv.engine.push("bearer")
     via_token = anthropic.Anthropic(
@@ -599,19 +573,10 @@ def test_auth_with_x_api_key_and_bearer(scripted_factory):
     assert via_token.messages.create(model="m", max_tokens=5, messages=user()).content[0].text == (
         "bearer"
     )
-    assert client(srv, api_key="sekret").messages.count_tokens(model="m", messages=user())
+    assert anthropic_client(srv, api_key="sekret").messages.count_tokens(model="m", messages=user())
 
 
 # ---- cancellation ------------------------------------------------------------------------
-
-
-def wait_until(cond, timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.02)
-    return cond()
 
 
 def test_client_disconnect_stops_generation(scripted):

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import copy
 import json
-import time
 
 import httpx
 import jsonschema
 import openai
 import pytest
+from clients import openai_client, wait_until
 from scripted_engine import Script
 from support import schema_validator, start_in_process
 from tiny_model import FIM_SPECIALS, build_tiny_model
@@ -31,15 +31,6 @@ def _stream_chunk_validator() -> jsonschema.Draft202012Validator:
 
 
 CHUNK = _stream_chunk_validator()
-
-
-def client(srv) -> openai.OpenAI:
-    return openai.OpenAI(
-        base_url=srv.base_url + "/v1",
-        api_key="x",
-        _strict_response_validation=True,
-        max_retries=0,
-    )
 
 
 def post(srv, body: dict) -> httpx.Response:
@@ -72,7 +63,7 @@ def fim_server(fim_tokenizer):
 
 def test_sdk_non_stream_is_valid(scripted, tiny_tokenizer):
     scripted.engine.push("Hello", " world")
-    r = client(scripted).completions.create(model="any", prompt="Once upon a time")
+    r = openai_client(scripted).completions.create(model="any", prompt="Once upon a time")
     assert r.object == "text_completion" and r.id.startswith("cmpl-")
     assert r.model == "any"
     assert [(c.index, c.text, c.finish_reason) for c in r.choices] == [(0, "Hello world", "stop")]
@@ -244,7 +235,7 @@ def test_fim_prompt_is_prefix_suffix_middle(fim_server, fim_tokenizer):
     vocab = fim_tokenizer.get_vocab()
     pre, suf, mid = (vocab[t] for t in ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"))
     fim_server.engine.push("a + b")
-    r = client(fim_server).completions.create(
+    r = openai_client(fim_server).completions.create(
         model="m", prompt="def add(a, b):\n    return ", suffix="\n", max_tokens=8, stop=["\n\n"]
     )
     assert r.choices[0].text == "a + b"
@@ -268,15 +259,6 @@ def test_fim_prompt_is_prefix_suffix_middle(fim_server, fim_tokenizer):
     assert second.prompt_tokens == [pre, *enc("y = "), suf, *enc(";"), mid]
 
 
-def wait_for(cond, timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.02)
-    return False
-
-
 def test_queue_full_is_503_and_cancels_the_rest_of_the_batch(scripted_factory):
     srv = scripted_factory()
     srv.engine.max_queue = 2
@@ -286,7 +268,7 @@ def test_queue_full_is_503_and_cancels_the_rest_of_the_batch(scripted_factory):
     ERROR.validate(r.json())
     assert len(srv.engine.requests) == 2
     # The two prompts that were queued are cancelled, not left running.
-    assert wait_for(lambda: httpx.get(srv.base_url + "/health").json()["active"] == 0)
+    assert wait_until(lambda: httpx.get(srv.base_url + "/health").json()["active"] == 0)
 
 
 def test_cancel_by_id_stops_every_choice(scripted):
@@ -335,7 +317,7 @@ def test_client_leaving_a_stream_frees_its_slots(scripted):
         for line in r.iter_lines():
             if line.startswith("data: {"):
                 break  # leave after the first chunk
-    assert wait_for(lambda: httpx.get(scripted.base_url + "/health").json()["active"] == 0)
+    assert wait_until(lambda: httpx.get(scripted.base_url + "/health").json()["active"] == 0)
 
 
 def test_generation_failure_is_500_or_an_error_event(scripted):

@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
+from clients import sse_data
+from payloads import WEATHER, anthropic_tool, anthropic_tool_round_trip, openai_tool_round_trip
 from scripted_engine import ScriptedEngine
 from starlette.testclient import TestClient
 from template_corpus import TEMPLATES, load_tokenizer, tokenizer_dir
@@ -14,23 +17,7 @@ from template_corpus import TEMPLATES, load_tokenizer, tokenizer_dir
 from mlx_server.boot.app import create_app
 from mlx_server.service import ChatService
 
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "Weather forecast for a city.",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"type": "string"}},
-            "required": ["city"],
-        },
-    },
-}
-ANTHROPIC_TOOL = {
-    "name": "get_weather",
-    "description": "Weather forecast for a city.",
-    "input_schema": WEATHER["function"]["parameters"],
-}
+ANTHROPIC_TOOL = anthropic_tool(WEATHER)
 CALL_OUTPUT = (
     "<|channel|>analysis<|message|>The user wants the weather; call the tool.<|end|>"
     "<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json"
@@ -60,12 +47,9 @@ def prompt_of(engine: ScriptedEngine, tokenizer) -> str:
     return tokenizer.decode(engine.requests[-1].prompt_tokens)
 
 
-def sse(text: str) -> list[dict]:
-    return [
-        json.loads(line[6:])
-        for line in text.splitlines()
-        if line.startswith("data: ") and line != "data: [DONE]"
-    ]
+def post(client: TestClient, path: str, **body: Any) -> Any:
+    """A request to the gpt-oss model."""
+    return client.post(path, json={"model": "gpt-oss", **body})
 
 
 def test_detected_as_harmony(harmony):
@@ -77,14 +61,12 @@ def test_detected_as_harmony(harmony):
 def test_openai_tool_call_with_reasoning(harmony):
     client, engine, tokenizer, _ = harmony
     engine.push(*pieces(CALL_OUTPUT))
-    r = client.post(
+    r = post(
+        client,
         "/v1/chat/completions",
-        json={
-            "model": "gpt-oss",
-            "messages": [{"role": "user", "content": "Weather in Paris?"}],
-            "tools": [WEATHER],
-            "reasoning_effort": "high",
-        },
+        messages=[{"role": "user", "content": "Weather in Paris?"}],
+        tools=[WEATHER],
+        reasoning_effort="high",
     )
     assert r.status_code == 200, r.text
     choice = r.json()["choices"][0]
@@ -104,16 +86,14 @@ def test_openai_tool_call_with_reasoning(harmony):
 def test_openai_stream_splits_channels(harmony):
     client, engine, _, _ = harmony
     engine.push(*pieces(CALL_OUTPUT, 2))
-    r = client.post(
+    r = post(
+        client,
         "/v1/chat/completions",
-        json={
-            "model": "gpt-oss",
-            "stream": True,
-            "messages": [{"role": "user", "content": "Weather in Paris?"}],
-            "tools": [WEATHER],
-        },
+        stream=True,
+        messages=[{"role": "user", "content": "Weather in Paris?"}],
+        tools=[WEATHER],
     )
-    chunks = sse(r.text)
+    chunks = sse_data(r.text.splitlines())
     deltas = [c["choices"][0]["delta"] for c in chunks if c.get("choices")]
     reasoning = "".join(d.get("reasoning_content") or "" for d in deltas)
     assert reasoning == "The user wants the weather; call the tool."
@@ -133,24 +113,14 @@ def test_history_renders_back_as_the_template_expects(harmony):
         {"role": "user", "content": "Weather in Rome?"},
         {"role": "assistant", "content": "Rome is cloudy.", "reasoning_content": "OLD-THOUGHT"},
         {"role": "user", "content": "Weather in Paris?"},
-        {
-            "role": "assistant",
-            "content": None,
-            "reasoning_content": "Need the tool.",
-            "tool_calls": [
-                {
-                    "id": "call_1",
-                    "type": "function",
-                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
-                }
-            ],
-        },
-        {"role": "tool", "tool_call_id": "call_1", "content": "18 degrees and sunny"},
+        *openai_tool_round_trip(
+            "get_weather",
+            '{"city": "Paris"}',
+            "18 degrees and sunny",
+            reasoning_content="Need the tool.",
+        ),
     ]
-    r = client.post(
-        "/v1/chat/completions",
-        json={"model": "gpt-oss", "messages": messages, "tools": [WEATHER]},
-    )
+    r = post(client, "/v1/chat/completions", messages=messages, tools=[WEATHER])
     assert r.status_code == 200, r.text
     message = r.json()["choices"][0]["message"]
     assert message["content"] == "It is sunny in Paris."
@@ -172,15 +142,13 @@ def test_history_renders_back_as_the_template_expects(harmony):
 def test_anthropic_thinking_and_tool_use(harmony):
     client, engine, tokenizer, _ = harmony
     engine.push(*pieces(CALL_OUTPUT))
-    r = client.post(
+    r = post(
+        client,
         "/v1/messages",
-        json={
-            "model": "gpt-oss",
-            "max_tokens": 200,
-            "thinking": {"type": "enabled", "budget_tokens": 2048},
-            "tools": [ANTHROPIC_TOOL],
-            "messages": [{"role": "user", "content": "Weather in Paris?"}],
-        },
+        max_tokens=200,
+        thinking={"type": "enabled", "budget_tokens": 2048},
+        tools=[ANTHROPIC_TOOL],
+        messages=[{"role": "user", "content": "Weather in Paris?"}],
     )
     assert r.status_code == 200, r.text
     body = r.json()
@@ -194,44 +162,28 @@ def test_anthropic_thinking_and_tool_use(harmony):
 def test_anthropic_stream_and_history_with_thinking_text_and_tool_use(harmony):
     client, engine, tokenizer, _ = harmony
     engine.push(*pieces(ANSWER_OUTPUT))
-    r = client.post(
+    r = post(
+        client,
         "/v1/messages",
-        json={
-            "model": "gpt-oss",
-            "max_tokens": 200,
-            "stream": True,
-            "output_config": {"effort": "high"},
-            "tools": [ANTHROPIC_TOOL],
-            "messages": [
-                {"role": "user", "content": "Weather in Paris?"},
-                {
-                    "role": "assistant",
-                    "content": [
-                        {"type": "thinking", "thinking": "Need the tool.", "signature": "x"},
-                        {"type": "text", "text": "Let me check."},
-                        {
-                            "type": "tool_use",
-                            "id": "toolu_1",
-                            "name": "get_weather",
-                            "input": {"city": "Paris"},
-                        },
-                    ],
-                },
-                {
-                    "role": "user",
-                    "content": [
-                        {
-                            "type": "tool_result",
-                            "tool_use_id": "toolu_1",
-                            "content": "18 degrees and sunny",
-                        }
-                    ],
-                },
-            ],
-        },
+        max_tokens=200,
+        stream=True,
+        output_config={"effort": "high"},
+        tools=[ANTHROPIC_TOOL],
+        messages=[
+            {"role": "user", "content": "Weather in Paris?"},
+            *anthropic_tool_round_trip(
+                "get_weather",
+                {"city": "Paris"},
+                "18 degrees and sunny",
+                before=(
+                    {"type": "thinking", "thinking": "Need the tool.", "signature": "x"},
+                    {"type": "text", "text": "Let me check."},
+                ),
+            ),
+        ],
     )
     assert r.status_code == 200, r.text
-    events = sse(r.text)
+    events = sse_data(r.text.splitlines())
     thinking = "".join(
         e["delta"].get("thinking", "") for e in events if e["type"] == "content_block_delta"
     )
@@ -248,10 +200,7 @@ def test_plain_text_output_is_the_answer(harmony):
     """A model that skips the Harmony headers still gets its text through."""
     client, engine, _, _ = harmony
     engine.push("Just ", "an answer.")
-    r = client.post(
-        "/v1/chat/completions",
-        json={"model": "gpt-oss", "messages": [{"role": "user", "content": "Hi"}]},
-    )
+    r = post(client, "/v1/chat/completions", messages=[{"role": "user", "content": "Hi"}])
     assert r.json()["choices"][0]["message"]["content"] == "Just an answer."
 
 
@@ -263,13 +212,11 @@ def test_template_file_is_the_real_one():
 def test_reasoning_format_none_returns_the_raw_channels(harmony):
     client, engine, _, _ = harmony
     engine.push(*pieces(ANSWER_OUTPUT))
-    r = client.post(
+    r = post(
+        client,
         "/v1/chat/completions",
-        json={
-            "model": "gpt-oss",
-            "reasoning_format": "none",
-            "messages": [{"role": "user", "content": "Hi"}],
-        },
+        reasoning_format="none",
+        messages=[{"role": "user", "content": "Hi"}],
     )
     message = r.json()["choices"][0]["message"]
     assert message["content"] == ANSWER_OUTPUT
@@ -278,13 +225,11 @@ def test_reasoning_format_none_returns_the_raw_channels(harmony):
 
 def test_unknown_reasoning_effort_is_a_400(harmony):
     client, _, _, _ = harmony
-    r = client.post(
+    r = post(
+        client,
         "/v1/chat/completions",
-        json={
-            "model": "gpt-oss",
-            "reasoning_effort": "extreme",
-            "messages": [{"role": "user", "content": "Hi"}],
-        },
+        reasoning_effort="extreme",
+        messages=[{"role": "user", "content": "Hi"}],
     )
     assert r.status_code == 400
     assert r.json()["error"]["param"] == "reasoning_effort"
@@ -293,17 +238,15 @@ def test_unknown_reasoning_effort_is_a_400(harmony):
 def test_anthropic_stream_tool_use_arguments_arrive_as_input_json_deltas(harmony):
     client, engine, _, _ = harmony
     engine.push(*pieces(CALL_OUTPUT, 2))
-    r = client.post(
+    r = post(
+        client,
         "/v1/messages",
-        json={
-            "model": "gpt-oss",
-            "max_tokens": 200,
-            "stream": True,
-            "tools": [ANTHROPIC_TOOL],
-            "messages": [{"role": "user", "content": "Weather in Paris?"}],
-        },
+        max_tokens=200,
+        stream=True,
+        tools=[ANTHROPIC_TOOL],
+        messages=[{"role": "user", "content": "Weather in Paris?"}],
     )
-    events = sse(r.text)
+    events = sse_data(r.text.splitlines())
     starts = [e["content_block"]["type"] for e in events if e["type"] == "content_block_start"]
     assert starts == ["thinking", "tool_use"]
     parts = [

@@ -5,11 +5,11 @@ tests/specs/ollama-api.schema.json."""
 from __future__ import annotations
 
 import json
-import time
 
 import httpx
 import ollama
 import pytest
+from clients import wait_until
 from ollama_support import (
     CHAT_CHUNK,
     ERROR,
@@ -20,23 +20,11 @@ from ollama_support import (
     VERSION,
     ndjson,
 )
+from payloads import WEATHER
 
 pytestmark = pytest.mark.scripted
 
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "get_weather",
-            "description": "Weather for a city",
-            "parameters": {
-                "type": "object",
-                "properties": {"city": {"type": "string"}},
-                "required": ["city"],
-            },
-        },
-    }
-]
+TOOLS = [WEATHER]
 TOOL_SCRIPT = (
     "<think>",
     "Need",
@@ -57,15 +45,6 @@ def client(srv, **kw) -> ollama.Client:
 
 def post(srv, path: str, body: dict, **kw) -> httpx.Response:
     return httpx.post(srv.base_url + path, json=body, timeout=30, **kw)
-
-
-def wait_until(cond, timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.02)
-    return cond()
 
 
 # ---- chat ----------------------------------------------------------------------------------

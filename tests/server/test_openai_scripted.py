@@ -7,6 +7,8 @@ import json
 import httpx
 import openai
 import pytest
+from clients import openai_client, sse_data, wait_until
+from payloads import chat, openai_tool_round_trip
 from support import schema_validator
 
 COMPLETION = schema_validator("CreateChatCompletionResponse")
@@ -14,27 +16,9 @@ CHUNK = schema_validator("CreateChatCompletionStreamResponse")
 ERROR = schema_validator("ErrorResponse")
 
 
-def client(srv, **kw) -> openai.OpenAI:
-    return openai.OpenAI(
-        base_url=srv.base_url + "/v1",
-        api_key=kw.pop("api_key", "x"),
-        _strict_response_validation=True,
-        max_retries=0,
-        **kw,
-    )
-
-
-def sse_events(resp: httpx.Response) -> list[dict]:
-    out = []
-    for line in resp.iter_lines():
-        if line.startswith("data: ") and line != "data: [DONE]":
-            out.append(json.loads(line[6:]))
-    return out
-
-
 def test_non_stream_response_is_valid(scripted):
     scripted.engine.push("Hello", " world", "!")
-    r = client(scripted).chat.completions.create(
+    r = openai_client(scripted).chat.completions.create(
         model="anything", messages=[{"role": "user", "content": "hi"}]
     )
     assert r.choices[0].message.content == "Hello world!"
@@ -50,12 +34,7 @@ def test_non_stream_response_is_valid(scripted):
 
 def test_stream_chunks_are_valid_and_ordered(scripted):
     scripted.engine.push("A", "B", "C")
-    body = {
-        "model": "m",
-        "messages": [{"role": "user", "content": "hi"}],
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
+    body = chat("hi", stream=True, stream_options={"include_usage": True})
     with httpx.stream("POST", scripted.base_url + "/v1/chat/completions", json=body) as resp:
         assert resp.status_code == 200
         assert resp.headers["content-type"].startswith("text/event-stream")
@@ -98,7 +77,7 @@ def test_stream_without_include_usage_puts_usage_on_the_final_chunk(scripted):
 def test_sdk_stream(scripted):
     scripted.engine.push("x", "y")
     chunks = list(
-        client(scripted).chat.completions.create(
+        openai_client(scripted).chat.completions.create(
             model="m", messages=[{"role": "user", "content": "hi"}], stream=True
         )
     )
@@ -108,7 +87,7 @@ def test_sdk_stream(scripted):
 @pytest.mark.parametrize("stream", [False, True])
 def test_stop_string_split_across_pieces_never_leaks(scripted, stream):
     scripted.engine.push("The answer", " is EN", "D and more", " text")
-    c = client(scripted)
+    c = openai_client(scripted)
     kw = dict(model="m", messages=[{"role": "user", "content": "hi"}], stop=["END"])
     if stream:
         text = "".join(
@@ -125,7 +104,7 @@ def test_stop_string_split_across_pieces_never_leaks(scripted, stream):
 
 def test_stop_as_plain_string(scripted):
     scripted.engine.push("one, two, three")
-    r = client(scripted).chat.completions.create(
+    r = openai_client(scripted).chat.completions.create(
         model="m", messages=[{"role": "user", "content": "hi"}], stop=", "
     )
     assert r.choices[0].message.content == "one"
@@ -133,7 +112,7 @@ def test_stop_as_plain_string(scripted):
 
 def test_finish_reason_length(scripted):
     scripted.engine.push(*["w "] * 10)
-    r = client(scripted).chat.completions.create(
+    r = openai_client(scripted).chat.completions.create(
         model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=3
     )
     assert r.choices[0].finish_reason == "length"
@@ -143,11 +122,7 @@ def test_finish_reason_length(scripted):
 def test_context_length_exceeded(scripted):
     r = httpx.post(
         scripted.base_url + "/v1/chat/completions",
-        json={
-            "model": "m",
-            "messages": [{"role": "user", "content": "hi " * 50}],
-            "max_tokens": 500,
-        },
+        json=chat("hi " * 50, max_tokens=500),
     )
     assert r.status_code == 400
     err = r.json()["error"]
@@ -165,18 +140,7 @@ def test_whole_conversation_reaches_template(scripted):
             "role": "user",
             "content": [{"type": "text", "text": "U1"}, {"type": "text", "text": "U2"}],
         },
-        {
-            "role": "assistant",
-            "content": None,
-            "tool_calls": [
-                {
-                    "id": "call_1",
-                    "type": "function",
-                    "function": {"name": "f", "arguments": '{"a": 1}'},
-                }
-            ],
-        },
-        {"role": "tool", "tool_call_id": "call_1", "content": "R1"},
+        *openai_tool_round_trip("f", '{"a": 1}', "R1"),
     ]
     r = httpx.post(
         scripted.base_url + "/v1/chat/completions", json={"model": "m", "messages": msgs}
@@ -204,23 +168,16 @@ def test_cancel_all_and_by_id(scripted):
             json={"model": "m", "messages": [{"role": "user", "content": key}], "stream": True},
             timeout=30,
         ) as resp:
-            results[key] = sse_events(resp)
+            results[key] = sse_data(resp.iter_lines())
 
     threads = [threading.Thread(target=run, args=(k,)) for k in ("a", "b")]
     for t in threads:
         t.start()
-    import time
-
-    deadline = time.time() + 5
-    while eng.active_count < 2 and time.time() < deadline:
-        time.sleep(0.01)
+    wait_until(lambda: eng.active_count == 2, "both generations to run", timeout=5)
     first_id = eng.requests[0].request_id
     r = httpx.post(scripted.base_url + "/v1/cancel", json={"id": first_id})
     assert r.json() == {"status": "cancelled", "cancelled_count": 1}
-    deadline = time.time() + 5
-    while eng.active_count != 1 and time.time() < deadline:
-        time.sleep(0.01)
-    assert eng.active_count == 1
+    wait_until(lambda: eng.active_count == 1, "the cancelled one to end", timeout=5)
     r = httpx.post(scripted.base_url + "/v1/cancel", json={})
     assert r.json() == {"status": "cancelled", "cancelled_count": 1}
     for t in threads:
@@ -235,7 +192,6 @@ def test_cancel_all_and_by_id(scripted):
 
 def test_cancel_non_streaming(scripted):
     import threading
-    import time
 
     eng = scripted.engine
     eng.push(*["x"] * 500, delay=0.01)
@@ -251,9 +207,7 @@ def test_cancel_non_streaming(scripted):
         )
     )
     t.start()
-    deadline = time.time() + 5
-    while eng.active_count < 1 and time.time() < deadline:
-        time.sleep(0.01)
+    wait_until(lambda: eng.active_count == 1, "the generation to run", timeout=5)
     assert httpx.post(scripted.base_url + "/v1/cancel", json={}).json()["cancelled_count"] == 1
     t.join(10)
     assert out["r"].status_code == 200
@@ -261,8 +215,6 @@ def test_cancel_non_streaming(scripted):
 
 
 def test_disconnect_stops_generation(scripted):
-    import time
-
     eng = scripted.engine
     eng.push(*["x"] * 1000, delay=0.01)
     with httpx.stream(
@@ -273,10 +225,7 @@ def test_disconnect_stops_generation(scripted):
         it = resp.iter_lines()
         for _ in range(5):
             next(it)
-    deadline = time.time() + 5
-    while eng.active_count and time.time() < deadline:
-        time.sleep(0.02)
-    assert eng.active_count == 0
+    wait_until(lambda: eng.active_count == 0, "the generation to stop", timeout=5)
 
 
 def test_error_after_stream_began(scripted):
@@ -304,7 +253,7 @@ def test_models_and_health(scripted):
     schema_validator("ListModelsResponse").validate(r)
     h = httpx.get(scripted.base_url + "/health").json()
     assert h["status"] == "ok"
-    assert client(scripted).models.list().data[0].id == "scripted-model"
+    assert openai_client(scripted).models.list().data[0].id == "scripted-model"
 
 
 BAD = [
@@ -348,14 +297,7 @@ BAD = [
     ),
     (
         "top_logprobs too big",
-        json.dumps(
-            {
-                "model": "m",
-                "messages": [{"role": "user", "content": "x"}],
-                "logprobs": True,
-                "top_logprobs": 21,
-            }
-        ).encode(),
+        json.dumps(chat("x", logprobs=True, top_logprobs=21)).encode(),
         "application/json",
         "top_logprobs",
     ),
@@ -369,13 +311,7 @@ BAD = [
     ),
     (
         "response_format unknown type",
-        json.dumps(
-            {
-                "model": "m",
-                "messages": [{"role": "user", "content": "x"}],
-                "response_format": {"type": "xml"},
-            }
-        ).encode(),
+        json.dumps(chat("x", response_format={"type": "xml"})).encode(),
         "application/json",
         "response_format",
     ),
@@ -477,9 +413,9 @@ def test_auth_on_every_v1_route(scripted_factory):
         )
         assert r.status_code == 200
     assert httpx.get(srv.base_url + "/health").status_code == 200
-    assert client(srv, api_key="s3cret+/=").models.list().data
+    assert openai_client(srv, api_key="s3cret+/=").models.list().data
     with pytest.raises(openai.AuthenticationError):
-        client(srv, api_key="nope").models.list()
+        openai_client(srv, api_key="nope").models.list()
 
 
 def test_unknown_fields_ignored_and_model_echoed(scripted):
@@ -500,17 +436,16 @@ def test_sampling_params_reach_engine(scripted):
     scripted.engine.push("ok")
     httpx.post(
         scripted.base_url + "/v1/chat/completions",
-        json={
-            "model": "m",
-            "messages": [{"role": "user", "content": "x"}],
-            "temperature": 0.3,
-            "top_p": 0.9,
-            "top_k": 5,
-            "min_p": 0.1,
-            "seed": 7,
-            "repetition_penalty": 1.1,
-            "max_completion_tokens": 9,
-        },
+        json=chat(
+            "x",
+            temperature=0.3,
+            top_p=0.9,
+            top_k=5,
+            min_p=0.1,
+            seed=7,
+            repetition_penalty=1.1,
+            max_completion_tokens=9,
+        ),
     )
     req = scripted.engine.requests[-1]
     s = req.sampling

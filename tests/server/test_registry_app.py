@@ -5,11 +5,11 @@ response has ended (a stream's last byte), and an unknown model is each protocol
 from __future__ import annotations
 
 import threading
-import time
 from dataclasses import dataclass
 
 import httpx
 import pytest
+from clients import wait_until
 from scripted_engine import ScriptedEngine
 from support import serve_in_process
 
@@ -67,13 +67,6 @@ def several(tiny_tokenizer):
     srv.stop()
 
 
-def until(condition, what: str, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.01)
-
-
 def test_each_request_runs_on_the_model_it_names(several):
     for model in ("b", "a", "b"):
         r = several.post("/v1/chat/completions", {"model": model, "messages": HI})
@@ -123,7 +116,7 @@ def test_a_stream_holds_its_model_until_its_last_byte(several):
         gate.set()
         rest = list(lines)
     assert "data: [DONE]" in rest
-    until(lambda: slot.state == "unloaded", "the model to unload once its stream ended")
+    wait_until(lambda: slot.state == "unloaded", "the model to unload once its stream ended")
     assert slot.leases == 0
 
 
@@ -135,4 +128,4 @@ def test_a_refused_request_gives_its_lease_back(several):
     assert several.registry.slot("a").leases == 0
     r = several.post("/v1/chat/completions", {"model": "a", "messages": HI, "keep_alive": 0})
     assert r.status_code == 200
-    until(lambda: several.registry.slot("a").state == "unloaded", "keep_alive 0 to unload")
+    wait_until(lambda: several.registry.slot("a").state == "unloaded", "keep_alive 0 to unload")

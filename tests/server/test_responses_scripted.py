@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 
 import httpx
 import openai
 import pytest
+from clients import openai_client, wait_until
+from payloads import WEATHER, WEATHER_CALL, responses_tool
 from responses_spec import (
     parse_sse,
     validate_error,
@@ -22,28 +23,8 @@ from responses_spec import (
 )
 from scripted_engine import ScriptedEngine
 
-TOOL = {
-    "type": "function",
-    "name": "get_weather",
-    "description": "Weather in a city",
-    "parameters": {
-        "type": "object",
-        "properties": {"city": {"type": "string"}},
-        "required": ["city"],
-    },
-    "strict": True,
-}
-CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
-
-
-def client(srv, **kw) -> openai.OpenAI:
-    return openai.OpenAI(
-        base_url=srv.base_url + "/v1",
-        api_key=kw.pop("api_key", "x"),
-        _strict_response_validation=True,
-        max_retries=0,
-        **kw,
-    )
+TOOL = responses_tool(WEATHER, strict=True)
+CALL = WEATHER_CALL
 
 
 def post(srv, body: dict, **kw) -> httpx.Response:
@@ -65,13 +46,6 @@ def stream_events(srv, body: dict) -> list[dict]:
 
 def prompt_text(srv) -> str:
     return srv.service.tokenizer.decode(srv.engine.requests[-1].prompt_tokens)
-
-
-def wait_for(condition, timeout: float = 10) -> None:
-    deadline = time.time() + timeout
-    while not condition():
-        assert time.time() < deadline, "condition not reached"
-        time.sleep(0.01)
 
 
 # ---- create ------------------------------------------------------------------------------
@@ -101,7 +75,7 @@ def test_create_plain_text(scripted):
 
 def test_sdk_create_strict(scripted):
     scripted.engine.push("Hi", " there")
-    r = client(scripted).responses.create(
+    r = openai_client(scripted).responses.create(
         model="m", input="hello", instructions="Be brief.", temperature=0.2, top_p=0.5
     )
     assert r.output_text == "Hi there"
@@ -159,7 +133,7 @@ def test_reasoning_then_text_stream_event_sequence(scripted):
 
 def test_sdk_stream_strict(scripted):
     scripted.engine.push("x", "y", "z")
-    with client(scripted).responses.stream(model="m", input="hi") as stream:
+    with openai_client(scripted).responses.stream(model="m", input="hi") as stream:
         deltas = [e.delta for e in stream if e.type == "response.output_text.delta"]
         final = stream.get_final_response()
     assert deltas == ["x", "y", "z"]
@@ -224,7 +198,7 @@ def test_internal_fault_mid_stream_sends_error_then_failed(scripted, monkeypatch
     assert [e["type"] for e in events[-2:]] == ["error", "response.failed"]
     assert events[-2]["code"] == "server_error" and "RuntimeError" in events[-2]["message"]
     assert events[-1]["response"]["status"] == "failed"
-    wait_for(lambda: scripted.engine.active_count == 0)
+    wait_until(lambda: scripted.engine.active_count == 0)
 
 
 def test_generation_error_non_streaming_is_500_and_stored_failed(scripted):
@@ -285,7 +259,7 @@ def test_function_call_output_item(scripted, stream):
         {
             "type": "function",
             "name": "get_weather",
-            "description": "Weather in a city",
+            "description": "Weather for a city.",
             "parameters": TOOL["parameters"],
             "strict": True,
         }
@@ -294,7 +268,7 @@ def test_function_call_output_item(scripted, stream):
 
 
 def test_tool_round_trip_with_function_call_output(scripted):
-    c = client(scripted)
+    c = openai_client(scripted)
     scripted.engine.push(CALL)
     first = c.responses.create(model="m", input="Weather in Paris?", tools=[TOOL], store=False)
     [call] = first.output
@@ -475,17 +449,17 @@ def test_auth_on_responses_routes(scripted_factory):
         r = httpx.request(method, srv.base_url + path, json={"model": "m", "input": "hi"})
         assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
     srv.engine.push("ok")
-    r = client(srv, api_key="k3y").responses.create(model="m", input="hi")
+    r = openai_client(srv, api_key="k3y").responses.create(model="m", input="hi")
     assert r.output_text == "ok"
     with pytest.raises(openai.AuthenticationError):
-        client(srv, api_key="bad").responses.create(model="m", input="hi")
+        openai_client(srv, api_key="bad").responses.create(model="m", input="hi")
 
 
 # ---- stored responses --------------------------------------------------------------------
 
 
 def test_retrieve_input_items_delete(scripted):
-    c = client(scripted)
+    c = openai_client(scripted)
     scripted.engine.push("stored")
     items = [
         {"role": "user", "content": "one"},
@@ -528,7 +502,7 @@ def test_store_false_is_not_kept(scripted):
 
 
 def test_previous_response_id_continues_the_conversation(scripted):
-    c = client(scripted)
+    c = openai_client(scripted)
     scripted.engine.push("<think>", "hm", "</think>", "Paris.")
     first = c.responses.create(model="m", input="Capital of France?", instructions="OLD")
     scripted.engine.push(CALL)
@@ -639,7 +613,7 @@ def test_cancel_non_streaming(scripted):
         target=lambda: out.setdefault("r", post(scripted, {"model": "m", "input": "go"}))
     )
     t.start()
-    wait_for(lambda: scripted.engine.active_count == 1)
+    wait_until(lambda: scripted.engine.active_count == 1)
     rid = scripted.engine.requests[-1].request_id
     assert rid.startswith("resp_")
     assert (
@@ -663,8 +637,8 @@ def test_disconnect_stops_generation(scripted):
         it = resp.iter_lines()
         first = [next(it) for _ in range(2)]
     rid = parse_sse(first)[0]["response"]["id"]
-    wait_for(lambda: scripted.engine.active_count == 0)
-    wait_for(
+    wait_until(lambda: scripted.engine.active_count == 0)
+    wait_until(
         lambda: (
             httpx.get(f"{scripted.base_url}/v1/responses/{rid}").json()["status"] != "in_progress"
         )

@@ -12,6 +12,7 @@ import anthropic
 import httpx
 import openai
 import pytest
+from clients import anthropic_client, openai_client
 
 CHAT = ("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "a"}]})
 COMPLETIONS = ("/v1/completions", {"model": "m", "prompt": "a", "max_tokens": 8})
@@ -122,19 +123,6 @@ def test_the_protocols_own_error_event_follows_jans_line(scripted, api):
         assert after[-1]["type"] == "response.failed"
         assert after[-1]["response"]["error"]["message"] == "scripted failure"
     assert "data: [DONE]" not in lines
-
-
-def openai_client(srv, strict: bool = True) -> openai.OpenAI:
-    url = srv.base_url + "/v1"
-    return openai.OpenAI(
-        base_url=url, api_key="x", _strict_response_validation=strict, max_retries=0
-    )
-
-
-def anthropic_client(srv) -> anthropic.Anthropic:
-    return anthropic.Anthropic(
-        base_url=srv.base_url, api_key="x", _strict_response_validation=True, max_retries=0
-    )
 
 
 def test_sdks_read_keep_alives_and_ignore_jans_line(fast_keepalive):

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from payloads import WEATHER, anthropic_tool, anthropic_tool_round_trip, openai_tool_round_trip
 from scripted_engine import ScriptedEngine
 from starlette.testclient import TestClient
 from template_corpus import load_tokenizer, raise_messages, template_files, tokenizer_dir
@@ -22,30 +23,17 @@ from template_corpus import load_tokenizer, raise_messages, template_files, toke
 from mlx_server.boot.app import create_app
 from mlx_server.service import ChatService
 
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "Weather forecast for a city.",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"type": "string"}},
-            "required": ["city"],
-        },
-    },
-}
 SYSTEM = {"role": "system", "content": "You are terse."}
 USER = {"role": "user", "content": "What is the weather in Paris?"}
-CALL = {
-    "id": "call_a1b2c3d4e5f6a7b8c9d0e1f2",
-    "type": "function",
-    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
-}
 ROUND_TRIP = [
     SYSTEM,
     USER,
-    {"role": "assistant", "content": None, "tool_calls": [CALL]},
-    {"role": "tool", "tool_call_id": CALL["id"], "content": "18 degrees and sunny"},
+    *openai_tool_round_trip(
+        "get_weather",
+        '{"city": "Paris"}',
+        "18 degrees and sunny",
+        call_id="call_a1b2c3d4e5f6a7b8c9d0e1f2",
+    ),
     {"role": "user", "content": "And tomorrow?"},
 ]
 REASONING = [
@@ -85,37 +73,16 @@ SHAPES: dict[str, tuple[dict[str, Any], list[str]]] = {
 ANTHROPIC_ROUND_TRIP = {
     "max_tokens": 16,
     "system": "You are terse.",
-    "tools": [
-        {
-            "name": "get_weather",
-            "description": "Weather forecast for a city.",
-            "input_schema": WEATHER["function"]["parameters"],
-        }
-    ],
+    "tools": [anthropic_tool(WEATHER)],
     "messages": [
         {"role": "user", "content": "What is the weather in Paris?"},
-        {
-            "role": "assistant",
-            "content": [
-                {
-                    "type": "tool_use",
-                    "id": "toolu_01",
-                    "name": "get_weather",
-                    "input": {"city": "Paris"},
-                }
-            ],
-        },
-        {
-            "role": "user",
-            "content": [
-                {
-                    "type": "tool_result",
-                    "tool_use_id": "toolu_01",
-                    "content": "18 degrees and sunny",
-                },
-                {"type": "text", "text": "And tomorrow?"},
-            ],
-        },
+        *anthropic_tool_round_trip(
+            "get_weather",
+            {"city": "Paris"},
+            "18 degrees and sunny",
+            call_id="toolu_01",
+            after=({"type": "text", "text": "And tomorrow?"},),
+        ),
     ],
 }
 

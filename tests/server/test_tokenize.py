@@ -4,15 +4,7 @@ from __future__ import annotations
 
 import httpx
 import pytest
-
-TOOL = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "Weather for a city",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
-    },
-}
+from payloads import WEATHER
 
 
 def post(srv, path: str, body: dict, **headers: str) -> httpx.Response:
@@ -71,8 +63,8 @@ def test_tokenizer_endpoints_need_the_key(scripted_factory):
     "extra",
     [
         {},
-        {"tools": [TOOL]},
-        {"tools": [TOOL], "tool_choice": "none"},
+        {"tools": [WEATHER]},
+        {"tools": [WEATHER], "tool_choice": "none"},
         {"chat_template_kwargs": {"enable_thinking": False}},
     ],
 )
@@ -100,7 +92,7 @@ def test_chat_count_tokens_equals_prompt_usage(scripted, extra):
 def test_count_tokens_grows_with_tools_and_rejects_bad_bodies(scripted):
     base = {"messages": [{"role": "user", "content": "hi"}]}
     plain = post(scripted, "/v1/chat/completions/count_tokens", base).json()["input_tokens"]
-    tools = post(scripted, "/v1/chat/completions/count_tokens", {**base, "tools": [TOOL]})
+    tools = post(scripted, "/v1/chat/completions/count_tokens", {**base, "tools": [WEATHER]})
     assert tools.json()["input_tokens"] > plain
     r = post(scripted, "/v1/chat/completions/count_tokens", {"messages": []})
     assert r.status_code == 400 and "messages" in r.json()["error"]["message"]

@@ -5,26 +5,16 @@ from __future__ import annotations
 import json
 
 import httpx
-import openai
 import pytest
+from clients import openai_client
+from payloads import WEATHER, chat
 from support import schema_validator, start_in_process
 
 CHUNK = schema_validator("CreateChatCompletionStreamResponse")
 COMPLETION = schema_validator("CreateChatCompletionResponse")
 
 TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "get_weather",
-            "description": "Weather for a city",
-            "parameters": {
-                "type": "object",
-                "properties": {"city": {"type": "string"}},
-                "required": ["city"],
-            },
-        },
-    },
+    WEATHER,
     {
         "type": "function",
         "function": {
@@ -44,12 +34,6 @@ TWO_CALLS = [
     'ris"}}\n</tool_call>\n<tool_call>\n{"name": "get_time", ',
     '"arguments": {"tz": "CET"}}\n</tool_call>',
 ]
-
-
-def oai(srv) -> openai.OpenAI:
-    return openai.OpenAI(
-        base_url=srv.base_url + "/v1", api_key="x", _strict_response_validation=True, max_retries=0
-    )
 
 
 def raw_stream(srv, body: dict) -> list[dict]:
@@ -75,7 +59,7 @@ def test_reasoning_then_content_stream_and_non_stream(scripted):
     assert "<think>" not in content + reasoning and "</think>" not in content + reasoning
     scripted.engine.push(*pieces)
     msg = (
-        oai(scripted)
+        openai_client(scripted)
         .chat.completions.create(model="m", messages=[{"role": "user", "content": "2+2?"}])
         .choices[0]
         .message
@@ -88,11 +72,7 @@ def test_reasoning_format_none_gives_raw_text(scripted):
     scripted.engine.push("<think>hmm</think>", "ok")
     r = httpx.post(
         scripted.base_url + "/v1/chat/completions",
-        json={
-            "model": "m",
-            "messages": [{"role": "user", "content": "x"}],
-            "reasoning_format": "none",
-        },
+        json=chat("x", reasoning_format="none"),
     ).json()
     assert r["choices"][0]["message"]["content"] == "<think>hmm</think>ok"
     assert "reasoning_content" not in r["choices"][0]["message"]
@@ -142,7 +122,7 @@ def test_two_parallel_tool_calls_streamed_and_reassembled_by_sdk(scripted):
     )
 
     scripted.engine.push(*TWO_CALLS)
-    with oai(scripted).chat.completions.stream(
+    with openai_client(scripted).chat.completions.stream(
         model="m", messages=[{"role": "user", "content": "w?"}], tools=TOOLS
     ) as stream:
         for _ in stream:
@@ -157,7 +137,7 @@ def test_two_parallel_tool_calls_streamed_and_reassembled_by_sdk(scripted):
 
 def test_stream_and_non_stream_assemble_the_same_message(scripted):
     scripted.engine.push(*TWO_CALLS)
-    full = oai(scripted).chat.completions.create(
+    full = openai_client(scripted).chat.completions.create(
         model="m", messages=[{"role": "user", "content": "w?"}], tools=TOOLS
     )
     COMPLETION.validate(full.model_dump(exclude_unset=True))
@@ -196,7 +176,7 @@ def test_non_stream_content_null_when_only_calls(scripted):
 def test_tool_round_trip(scripted):
     eng = scripted.engine
     eng.push('<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>')
-    c = oai(scripted)
+    c = openai_client(scripted)
     msgs = [{"role": "user", "content": "Weather in Paris?"}]
     first = c.chat.completions.create(model="m", messages=msgs, tools=TOOLS)
     call = first.choices[0].message.tool_calls[0]
@@ -231,12 +211,7 @@ def test_tool_choice_none_hides_tools_and_does_not_parse(scripted):
     scripted.engine.push(text)
     r = httpx.post(
         scripted.base_url + "/v1/chat/completions",
-        json={
-            "model": "m",
-            "messages": [{"role": "user", "content": "t?"}],
-            "tools": TOOLS,
-            "tool_choice": "none",
-        },
+        json=chat("t?", tools=TOOLS, tool_choice="none"),
     ).json()
     assert r["choices"][0]["message"]["content"] == text
     prompt = scripted.service.tokenizer.decode(scripted.engine.requests[-1].prompt_tokens)
@@ -247,12 +222,7 @@ def test_parallel_tool_calls_false_keeps_first(scripted):
     scripted.engine.push(*TWO_CALLS)
     r = httpx.post(
         scripted.base_url + "/v1/chat/completions",
-        json={
-            "model": "m",
-            "messages": [{"role": "user", "content": "w?"}],
-            "tools": TOOLS,
-            "parallel_tool_calls": False,
-        },
+        json=chat("w?", tools=TOOLS, parallel_tool_calls=False),
     ).json()
     calls = r["choices"][0]["message"]["tool_calls"]
     assert [c["function"]["name"] for c in calls] == ["get_weather"]
@@ -333,11 +303,7 @@ def test_template_opened_reasoning_and_enable_thinking_kwarg(tmp_path):
         srv.engine.push("4")
         r = httpx.post(
             srv.base_url + "/v1/chat/completions",
-            json={
-                "model": "m",
-                "messages": [{"role": "user", "content": "2+2"}],
-                "chat_template_kwargs": {"enable_thinking": False},
-            },
+            json=chat("2+2", chat_template_kwargs={"enable_thinking": False}),
         ).json()
         assert (
             r["choices"][0]["message"]["content"] == "4"
