@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import httpx
 import openai
@@ -552,15 +554,17 @@ def test_store_is_bounded_lru():
 # ---- cancellation ------------------------------------------------------------------------
 
 
+@contextmanager
+def streamed(srv) -> Iterator[Iterator[str]]:
+    """The lines of a streamed response to "go", while the stream is open."""
+    body = {"model": "m", "input": "go", "stream": True}
+    with httpx.stream("POST", srv.base_url + "/v1/responses", json=body, timeout=30) as resp:
+        yield resp.iter_lines()
+
+
 def test_cancel_endpoint_stops_a_stream(scripted):
     scripted.engine.push(*["x"] * 500, delay=0.01)
-    with httpx.stream(
-        "POST",
-        scripted.base_url + "/v1/responses",
-        json={"model": "m", "input": "go", "stream": True},
-        timeout=30,
-    ) as resp:
-        lines = resp.iter_lines()
+    with streamed(scripted) as lines:
         seen = []
         for line in lines:
             seen.append(line)
@@ -589,13 +593,7 @@ def test_cancel_endpoint_stops_a_stream(scripted):
 
 def test_delete_a_running_response_stops_it_and_keeps_nothing(scripted):
     scripted.engine.push(*["x"] * 1000, delay=0.01)
-    with httpx.stream(
-        "POST",
-        scripted.base_url + "/v1/responses",
-        json={"model": "m", "input": "go", "stream": True},
-        timeout=30,
-    ) as resp:
-        lines = resp.iter_lines()
+    with streamed(scripted) as lines:
         first = [next(lines) for _ in range(2)]
         rid = parse_sse(first)[0]["response"]["id"]
         d = httpx.delete(f"{scripted.base_url}/v1/responses/{rid}")
@@ -629,12 +627,7 @@ def test_cancel_non_streaming(scripted):
 
 def test_disconnect_stops_generation(scripted):
     scripted.engine.push(*["x"] * 1000, delay=0.01)
-    with httpx.stream(
-        "POST",
-        scripted.base_url + "/v1/responses",
-        json={"model": "m", "input": "go", "stream": True},
-    ) as resp:
-        it = resp.iter_lines()
+    with streamed(scripted) as it:
         first = [next(it) for _ in range(2)]
     rid = parse_sse(first)[0]["response"]["id"]
     wait_until(lambda: scripted.engine.active_count == 0)
