@@ -1,4 +1,4 @@
-"""An agent session on every architecture family's tiny model (tests/arch_models.py): how
+"""An agent session on every architecture family's tiny model (tests/helpers/arch_models.py): how
 much of turns 2 and 3 the prefix cache serves, through the chat service's prompt building
 (the system prompt's end, the history's end) and the engine (no HTTP), RAM tier then a
 restart from the disk tier. Prints one row per family; CPU, seconds of work per family.
@@ -15,7 +15,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "helpers"))
 
 from arch_models import FAMILIES, build  # noqa: E402
 from engine_runner import request, running_engine, solo  # noqa: E402

@@ -66,10 +66,11 @@ QUESTION = (
 def load(args: argparse.Namespace) -> tuple[Any, Any, str]:
     """The model, its tokenizer wrapper and a description of what was loaded."""
     if args.tiny:
-        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+        repo = Path(__file__).resolve().parents[1]
+        sys.path[:0] = [str(repo), str(repo / "tests" / "helpers")]
         from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-        from tests.test_constraints import make_hf_tokenizer, make_model
+        from tests.engine.test_constraints import make_hf_tokenizer, make_model
 
         hf = make_hf_tokenizer()
         return make_model(len(hf)), TokenizerWrapper(hf), "tiny random-weight llama"

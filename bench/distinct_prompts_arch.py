@@ -1,4 +1,4 @@
-"""Many distinct long prompts on every architecture family's tiny model (tests/arch_models.py),
+"""Many distinct long prompts on every architecture family's tiny model (tests/helpers/arch_models.py),
 through the real server: a RAM tier of a few entries, so states are evicted to the disk tier
 from the fifth prompt on. Each family's server gets ``N`` chat requests, each with its own
 system prompt of about 1,000 tokens (a few at a time), then a repeat of the first one.
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "helpers"))
 
 from arch_models import FAMILIES, build  # noqa: E402
 from support import free_port, launch  # noqa: E402

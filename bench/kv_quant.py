@@ -9,7 +9,7 @@ The model computes in float32 (float16 matmuls are very slow on Linux CPU); "16"
 KV cache in float16 (rounded on store, as a float16 model's cache is), "32" in float32. The
 memory figures for 16-bit activations (``kv16_bytes_per_token``: a float16 model's cache,
 whose quantization scales are float16 too) are the estimate admission uses, which
-tests/test_kv_quant.py checks against real caches.
+tests/process/test_kv_quant.py checks against real caches.
 
     .venv/bin/python bench/kv_quant.py                  # 16,8,4 on 2,048 tokens
     .venv/bin/python bench/kv_quant.py --bits 32,16,8,4 --tokens 1024

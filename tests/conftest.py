@@ -18,14 +18,15 @@ from hypothesis import settings
 settings.register_profile("deterministic", derandomize=True, database=None)
 settings.load_profile("deterministic")
 
-sys.path.insert(0, str(Path(__file__).parent))
+TESTS = Path(__file__).parent
+sys.path.insert(0, str(TESTS / "helpers"))
 
 from support import (  # noqa: E402
     InProcessServer,
     ServerProcess,
     demo_model_dir,
-    free_port,
     launch,
+    serving,
     start_in_process,
 )
 from tiny_model import build_tiny_model  # noqa: E402
@@ -92,11 +93,8 @@ def server_factory():
 def tiny_server(tmp_path_factory) -> Iterator[ServerProcess]:
     """One real server process on the tiny model, shared by the session's tests."""
     model = build_tiny_model(tmp_path_factory.mktemp("srv") / "tiny-model")
-    port = free_port()
-    sp = launch(["-m", str(model), "--port", str(port), "--ctx-size", "256"])
-    assert sp.wait_ready(), sp.lines
-    yield sp
-    sp.stop()
+    with serving(["-m", str(model), "--ctx-size", "256"]) as sp:
+        yield sp
 
 
 @pytest.fixture(scope="session")
@@ -104,10 +102,8 @@ def demo_server() -> Iterator[ServerProcess]:
     """One demo-model server for the session, shared by the modules whose demo tests need no
     setting of their own (each started its own before, several seconds apiece); a module that
     needs other flags starts its own."""
-    sp = launch(["-m", str(demo_model_dir()), "--port", str(free_port()), "--ctx-size", "2048"])
-    assert sp.wait_ready(150), sp.lines
-    yield sp
-    sp.stop()
+    with serving(["-m", str(demo_model_dir()), "--ctx-size", "2048"]) as sp:
+        yield sp
 
 
 @pytest.fixture(scope="module", params=["tiny", pytest.param("demo", marks=pytest.mark.demo)])
@@ -116,12 +112,8 @@ def e2e_server(request) -> Iterator[ServerProcess]:
     if request.param == "tiny":
         yield request.getfixturevalue("tiny_server")  # the same flags: the session's
         return
-    model = demo_model_dir()
-    port = free_port()
-    sp = launch(["-m", str(model), "--port", str(port), "--ctx-size", "256"])
-    assert sp.wait_ready(150), sp.lines
-    yield sp
-    sp.stop()
+    with serving(["-m", str(demo_model_dir()), "--ctx-size", "256"]) as sp:
+        yield sp
 
 
 SCRIPTED_FIXTURES = {"scripted", "scripted_factory"}
@@ -132,6 +124,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     ``scripted`` (the real server stack over the scripted engine), or ``tiny`` (real engines
     and servers on tiny models the tests build, and unit tests). ``pytest -m scripted`` runs
     the protocol tests alone in well under a minute."""
+    stray = sorted({path.name for i in items if (path := Path(str(i.fspath))).parent == TESTS})
+    if stray:
+        raise pytest.UsageError(
+            f"{', '.join(stray)}: a test file goes in the folder of its tier (tests/unit, "
+            "tests/engine, tests/server or tests/process; tests/README.md says which)"
+        )
     for item in items:
         if item.get_closest_marker("demo"):
             continue
@@ -169,7 +167,7 @@ LONGEST_FILES = (
 
 @pytest.fixture(scope="session")
 def arch_model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """A tiny model of every architecture family (tests/arch_models.py), by family name; a
+    """A tiny model of every architecture family (tests/helpers/arch_models.py), by family name; a
     matrix row parametrizes over ``arch_models.FAMILIES`` and takes its directory here."""
     from arch_models import build_all
 

@@ -9,7 +9,7 @@ checkpoint with one label, or a causal LM whose ``modules.json`` ends in a ``Log
 module (the Qwen3-Reranker layout: the score is the logit of "yes" minus "no" at the last
 token of a chat-templated prompt). The encoders themselves are mlx-embeddings' models
 (``mlx_embeddings.models.<type>``), the causal rerankers mlx-lm's; mlx-embeddings' private
-loader pieces we use are pinned and checked in tests/test_mlx_embeddings_contract.py.
+loader pieces we use are pinned and checked in tests/engine/test_mlx_embeddings_contract.py.
 """
 
 from __future__ import annotations

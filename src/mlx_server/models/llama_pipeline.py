@@ -11,7 +11,7 @@ with rank 0's output (``all_gather``) so that all of them compute the same logit
 Only the rank's own layers stay in ``model.model.layers``, so the KV cache (``make_cache``)
 holds those alone, and the attention masks are built from the first of them. This relies on
 ``LlamaModel``'s attributes (``layers``, ``fa_idx``, ``swa_idx``) and its layer call
-``layer(h, mask, cache=c)``: tests/test_mlx_lm_contract.py checks them.
+``layer(h, mask, cache=c)``: tests/engine/test_mlx_lm_contract.py checks them.
 """
 
 from __future__ import annotations

@@ -65,7 +65,7 @@ def _set() -> int | None:
 
 def hands_off(generator: Any) -> Any:
     """Stop a ``BatchGenerator`` from restoring the wired limit it found (mlx-lm keeps it in
-    ``_old_wired_limit``; tests/test_mlx_lm_contract.py pins the name), and put back the
+    ``_old_wired_limit``; tests/engine/test_mlx_lm_contract.py pins the name), and put back the
     process's own limit, which the generator replaced with the whole working set."""
     if generator._old_wired_limit is not None:
         generator._old_wired_limit = None

@@ -1,0 +1,207 @@
+"""Every script of the GPU kit (bench/gpu/) runs end to end on the tiny model on the CPU, so a
+change to the engine's events, the server's API or a script cannot break the kit unnoticed
+before a GPU run. Few tokens, small prompts: this checks that the scripts work, not speed."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from support import free_port, launch
+
+# The kit's scripts run as processes of their own, each given up to 240 s.
+pytestmark = [pytest.mark.tiny, pytest.mark.timeout(900)]
+
+KIT = Path(__file__).resolve().parents[2] / "bench" / "gpu"
+
+
+def kit(script: str, *args: str, timeout: float = 240) -> str:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.run(
+        [sys.executable, str(KIT / script), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
+    assert proc.returncode == 0, f"{script} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc.stdout
+
+
+def rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def results(tiny_model_dir: Path, tmp_path_factory) -> Path:
+    """Run the whole kit once: raw engine, layers, then the server's scenarios."""
+    out = tmp_path_factory.mktemp("kit") / "results.jsonl"
+    m = str(tiny_model_dir)
+    kit("raw_engine.py", "--model", m, "--label", "raw tiny", "--max-tokens", "4",
+        "--repeats", "1", "--prefill-repeats", "1", "--system-tokens", "50", "--ignore-eos",
+        "--out", str(out))  # fmt: skip
+    kit("layers.py", "--model", m, "--label", "layers tiny", "--levels", "1,2",
+        "--max-tokens", "4", "--single-tokens", "4", "--system-tokens", "50", "--rounds", "2",
+        "--out", str(out))  # fmt: skip
+    port = free_port()
+    srv = launch(["-m", m, "--port", str(port), "--model-id", "m", "--ctx-size", "4096",
+                  "--prompt-cache-dir", ""])  # fmt: skip
+    try:
+        assert srv.wait_ready(120), "\n".join(srv.lines[-20:])
+        url = f"http://127.0.0.1:{port}/v1"
+        kit("bench_openai.py", "--base-url", url, "--model", "m", "--label", "ours tiny",
+            "--scenario", "burst,single,concurrency,prefix,nonstream,long_ctx,constrained",
+            "--concurrency", "1,2", "--burst-n", "2", "--max-tokens", "4", "--repeats", "1",
+            "--conc-max-tokens", "4", "--turns", "2", "--prefix-max-tokens", "2",
+            "--system-tokens", "50", "--long-system-tokens", "50", "--long-max-tokens", "2",
+            "--nonstream-repeats", "1", "--server-pid", str(srv.proc.pid),
+            "--out", str(out))  # fmt: skip
+        kit("variants.py", "--model", m, "--base-url", url, "--label", "variants tiny",
+            "--max-tokens", "4", "--repeats", "2", "--out", str(out))  # fmt: skip
+    finally:
+        srv.stop()
+    return out
+
+
+def test_every_script_writes_its_lines(results):
+    out = results
+    got = rows(out)
+    kinds = {(r["scenario"], r.get("layer"), r.get("what")) for r in got}
+    for want in [
+        ("raw_engine", None, None),
+        ("layer", "stream_generate", None),
+        ("layer", "batch_generator", None),
+        ("layer", "engine", None),
+        ("layer", "engine", "prefill"),
+        ("layer", "stream_generate", "shapes"),
+        ("burst", None, None),
+        ("single", None, None),
+        ("concurrency", None, None),
+        ("prefix", None, None),
+        ("long_ctx", None, None),
+        ("constrained", None, None),
+        ("variants", None, None),
+    ]:
+        assert want in kinds, f"no {want} line"
+    engine = [r for r in got if r.get("layer") == "engine" and r.get("n")]
+    assert engine and all(r["tokens"] >= r["n"] for r in engine)  # usage read from Finished
+
+
+def test_the_new_scenarios_report_what_they_promise(results):
+    out = results
+    got = rows(out)
+    (long_ctx,) = [r for r in got if r["scenario"] == "long_ctx"]
+    assert [t["turn"] for t in long_ctx["turns"]] == [1, 2, 3]
+    assert long_ctx["turns"][2]["cached_tokens"] > long_ctx["turns"][0]["prompt_tokens"] // 2
+    (cons,) = [r for r in got if r["scenario"] == "constrained"]
+    assert [x["n"] for x in cons["levels"]] == [1, 2]
+    assert all(x["json_schema"]["aggregate_tok_s"] > 0 for x in cons["levels"])
+    variants = {r["variant"]: r for r in got if r["scenario"] == "variants"}
+    assert set(variants) == {"greedy", "temp0.7_top_p0.95", "logprobs5", "ignore_eos", "stop"}
+    for row in variants.values():  # each round turns the order: no variant is always last
+        positions = [x["position"] for x in row["rounds"]]
+        assert len(positions) == 2 and positions[0] != positions[1], row["variant"]
+        assert len(row["ours_tokens"]) == len(row["raw_tokens"]) == 2
+    eos = variants["ignore_eos"]  # both sides run to max_tokens
+    assert eos["raw_tokens"] == eos["ours_tokens"] == [4, 4]
+    stream = [r for r in got if r.get("layer") == "stream_generate" and "what" not in r]
+    assert {r["ignore_eos"] for r in stream} == {False, True}
+
+
+def test_the_server_cpu_per_token_is_reported(results):
+    """``--server-pid``: the server's CPU per 1,000 tokens, for one stream and each level."""
+    got = rows(results)
+    (single,) = [r for r in got if r["scenario"] == "single"]
+    (conc,) = [r for r in got if r["scenario"] == "concurrency"]
+    for value in [
+        single["server_cpu_s_per_1k_tok"],
+        *(x["server_cpu_s_per_1k_tok"] for x in conc["levels"]),
+    ]:
+        assert value is not None and value > 0
+
+
+def test_a_process_cpu_time_is_read_with_or_without_proc():
+    sys.path.insert(0, str(KIT))
+    try:
+        from bench_openai import parse_ps_time, process_cpu_s
+    finally:
+        sys.path.remove(str(KIT))
+    assert parse_ps_time("00:01:02\n") == 62  # Linux ps
+    assert parse_ps_time("1:02.50") == 62.5  # macOS ps
+    assert parse_ps_time("2-01:00:00") == 2 * 86400 + 3600
+    own = process_cpu_s(os.getpid())
+    assert own is not None and own > 0
+
+
+def test_the_summary_reads_every_line(results):
+    out = results
+    text = kit("summary.py", str(out))
+    for word in (
+        "raw_engine",
+        "long_ctx",
+        "constrained",
+        "variant greedy",
+        "ratios",
+        "new chunk lengths",
+        "server CPU",
+    ):
+        assert word in text
+
+
+def test_random_models_are_made(tiny_model_dir, tmp_path):
+    kit("make_random_model.py", str(tmp_path / "m"), "tiny", "4", str(tiny_model_dir))
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    assert config["quantization"]["bits"] == 4 and (tmp_path / "m" / "tokenizer.json").exists()
+
+
+# The GPU kit's real-shape presets, checked from their shapes alone (nothing is computed): the
+# parameter count with SmolLM2's 49,152-token vocabulary in place of the model's own, and the kind
+# of cache each layer keeps (hybrid: gated-delta state plus KV; sliding window plus full).
+REAL_SHAPES = {
+    "qwen35-9b": (7_322_219_008, {"ArraysCache": 24, "KVCache": 8}),
+    "gptoss-20b": (20_039_605_824, {"KVCache": 12, "RotatingKVCache": 12}),
+}
+
+# Their scaled-down twins, built and run on the CPU through the same code path.
+TWINS = {
+    "tiny-qwen35": {"ArraysCache": 3, "KVCache": 1},
+    "tiny-gptoss": {"KVCache": 2, "RotatingKVCache": 2},
+}
+
+
+@pytest.mark.parametrize("preset", sorted(REAL_SHAPES))
+def test_real_shape_presets_have_their_models_layers(preset, tiny_model_dir, tmp_path):
+    out = kit("make_random_model.py", str(tmp_path / "m"), preset, "4", str(tiny_model_dir),
+              "--count")  # fmt: skip
+    facts = json.loads(out.splitlines()[-1])
+    assert (facts["parameters"], facts["caches"]) == REAL_SHAPES[preset]
+    assert not (tmp_path / "m").exists()  # counting builds nothing
+
+
+@pytest.mark.parametrize("preset", sorted(TWINS))
+def test_the_twins_are_built_4_bit_and_run_in_mlx_lm(preset, tiny_model_dir, tmp_path):
+    import mlx.core as mx
+    from mlx_lm import load
+    from mlx_lm.models.cache import make_prompt_cache
+
+    out = tmp_path / preset
+    kit("make_random_model.py", str(out), preset, "4", str(tiny_model_dir))
+    config = json.loads((out / "config.json").read_text())
+    assert config["quantization"]["bits"] == 4 and config["quantization"]["group_size"] == 64
+    if preset == "tiny-gptoss":  # the model's own rule: its router stays at 8 bits
+        assert config["quantization"]["model.layers.0.mlp.router"]["bits"] == 8
+    model, tokenizer = load(str(out))
+    cache = make_prompt_cache(model)
+    kinds: dict[str, int] = {}
+    for c in cache:
+        kinds[type(c).__name__] = kinds.get(type(c).__name__, 0) + 1
+    assert kinds == TWINS[preset]
+    ids = tokenizer.encode("The rules of this session follow. " * 8)  # past the tiny window
+    logits = model(mx.array([ids]), cache=cache)
+    step = model(mx.array([[ids[-1]]]), cache=cache)  # one decode step on the filled caches
+    assert logits.shape[-1] == step.shape[-1] == 49152
+    assert mx.isfinite(logits).all().item() and mx.isfinite(step).all().item()
