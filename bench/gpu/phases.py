@@ -45,7 +45,7 @@ def _timed(name: str, fn: Any, on_engine: bool = True) -> Any:
 
 # The engine's calls timed on its thread: (label, module, class or "" for a module function,
 # name). The labels stay those of earlier runs where the call only moved (results compare);
-# tests/test_phases_names.py checks every one still exists, so a rename fails a test.
+# tests/unit/test_phases_names.py checks every one still exists, so a rename fails a test.
 _CORE = "mlx_server.engine.core"
 ENGINE_CALLS = [
     ("engine._step", f"{_CORE}.engine", "Engine", "_step"),

@@ -7,7 +7,7 @@ import importlib
 import importlib.util
 from pathlib import Path
 
-PHASES = Path(__file__).resolve().parents[1] / "bench" / "gpu" / "phases.py"
+PHASES = Path(__file__).resolve().parents[2] / "bench" / "gpu" / "phases.py"
 
 
 def load_phases():

@@ -18,7 +18,7 @@ import pytest
 
 pytestmark = pytest.mark.demo  # the kit's tokenizer is the demo model's
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 KIT = REPO / "bench" / "gpu"
 TOK = REPO / "models" / "smollm2-135m-instruct"
 

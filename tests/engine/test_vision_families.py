@@ -11,12 +11,12 @@ import asyncio
 from typing import Any
 
 import pytest
-from engine_runner import drive, generate, request
+from engine_runner import drive, generate, request, vision_engine
 from test_vision_engine import batched
 from tiny_vlm_families import build
 
 from mlx_server.engine.core.engine import Engine, EngineConfig
-from mlx_server.engine.runners.vision import VisionEngine, VisionRunner
+from mlx_server.engine.runners.vision import VisionRunner, vision_runner
 from mlx_server.engine.runners.vision_batch import VisionBatchRunner
 
 BATCHED = ["llava", "pixtral", "mistral3", "qwen2_5_vl", "qwen3_vl"]
@@ -50,8 +50,8 @@ def logprobs(result: Any) -> list[float]:
 def test_batched_as_mlx_vlm_gives_alone(family, tmp_path):
     tiny = build(family, tmp_path)
     alone = mlx_vlm_alone(tiny, [tiny.req(0), tiny.req(1)])
-    engine = VisionEngine(tiny.model, tiny.tokenizer, _config())
-    assert engine.serial_reason == ""
+    assert vision_runner(tiny.model, tiny.tokenizer, _config()).serial_reason == ""
+    engine = vision_engine(tiny.model, tiny.tokenizer, _config())
     engine.start()
     try:
         text = request(tiny.text_prompt, 5, ignore_eos=True)
@@ -72,8 +72,8 @@ def test_batched_as_mlx_vlm_gives_alone(family, tmp_path):
 
 def test_llava_next_runs_one_at_a_time_as_mlx_vlm(tmp_path):
     tiny = build("llava_next", tmp_path)
-    engine = VisionEngine(tiny.model, tiny.tokenizer, _config())
-    assert "llava_next" in engine.serial_reason
+    assert "llava_next" in vision_runner(tiny.model, tiny.tokenizer, _config()).serial_reason
+    engine = vision_engine(tiny.model, tiny.tokenizer, _config())
     engine.start()
     try:
         ours = drive(engine, generate(engine, tiny.req(0)))

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from arch_models import build
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 KIT = REPO / "bench" / "gpu"
 
 pytestmark = [pytest.mark.tiny, pytest.mark.timeout(300)]
