@@ -122,7 +122,7 @@ def test_every_protocol_translates_every_finish_reason():
     import pytest
 
     from mlx_server.events import Finished, FinishReason, Usage, finish_reason
-    from mlx_server.protocols.anthropic.encoder import STOP_REASONS, stop_reason
+    from mlx_server.protocols.anthropic.stream import STOP_REASONS, stop_reason
     from mlx_server.protocols.openai.finish import FINISH_REASONS
     from mlx_server.protocols.openai.finish import finish_reason as openai_finish
 

@@ -16,13 +16,10 @@ from fastapi.responses import Response
 from mlx_server.errors import ContextLengthExceeded
 from mlx_server.logs import log
 from mlx_server.protocols.anthropic.adapter import to_chat_request
-from mlx_server.protocols.anthropic.encoder import (
-    MessagesEncoder,
-    StreamEncoder,
-    context_error_message,
-    new_message_id,
-)
+from mlx_server.protocols.anthropic.encoder import MessagesEncoder
+from mlx_server.protocols.anthropic.errors import context_error_message
 from mlx_server.protocols.anthropic.schemas import CountTokensRequest, MessagesRequest
+from mlx_server.protocols.anthropic.stream import StreamEncoder, new_message_id
 from mlx_server.registry.lease import Models
 from mlx_server.server.http import parse_and_lease
 from mlx_server.server.streaming import respond
