@@ -22,10 +22,11 @@ from mlx_server.errors import (
 )
 from mlx_server.logs import log
 from mlx_server.protocols.responses.adapter import Adapted, to_chat_request
-from mlx_server.protocols.responses.encoder import ResponseEncoder, ResponseFrames
+from mlx_server.protocols.responses.encoder import ResponseFrames
 from mlx_server.protocols.responses.items import new_id
 from mlx_server.protocols.responses.schemas import CreateResponseRequest
 from mlx_server.protocols.responses.store import ResponseStore, StoredResponse
+from mlx_server.protocols.responses.stream import ResponseEncoder
 from mlx_server.registry.lease import Models
 from mlx_server.server.http import parse_and_lease
 from mlx_server.server.streaming import respond
