@@ -43,12 +43,15 @@ class ChunkEncoder:
     ) -> dict[str, Any]:
         choice: dict[str, Any] = {"index": self.index, "delta": delta, "finish_reason": finish}
         choice.update(extra)
+        return self._object([choice])
+
+    def _object(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {
             "id": self.id,
             "object": "chat.completion.chunk",
             "created": self.created,
             "model": self.model,
-            "choices": [choice],
+            "choices": choices,
         }
 
     def content(self, text: str) -> RawJSON:
@@ -98,11 +101,4 @@ class ChunkEncoder:
         return chunk
 
     def usage_chunk(self, fin: Finished) -> dict[str, Any]:
-        return {
-            "id": self.id,
-            "object": "chat.completion.chunk",
-            "created": self.created,
-            "model": self.model,
-            "choices": [],
-            "usage": usage_json(fin.usage),
-        }
+        return {**self._object([]), "usage": usage_json(fin.usage)}
