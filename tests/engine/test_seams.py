@@ -100,6 +100,23 @@ def test_the_server_is_plumbing_the_protocols_use():
         assert "mlx_server.server.streaming" in mods, proto
 
 
+def test_model_routes_open_through_one_helper():
+    """Every route that serves a model leases it through server/http.parse_and_lease (the
+    body parsed, the model it names leased with its keep_alive), not by calling the lease."""
+    users = set()
+    for path in [*(SRC / "protocols").rglob("*.py"), SRC / "server" / "collect.py"]:
+        text = path.read_text()
+        assert "models.chat(request" not in text and "models.encoder(request" not in text, path
+        if "parse_and_lease(" in text:
+            users.add(path.relative_to(SRC).as_posix())
+    assert {
+        "protocols/openai/chat/routes.py",
+        "protocols/anthropic/routes.py",
+        "protocols/ollama/routes.py",
+        "server/collect.py",
+    } <= users
+
+
 def test_the_services_submit_through_one_path():
     """Chat and text completion reach the engine only through service/generation.submit."""
     for name in ("chat.py", "text_completion.py"):
@@ -122,7 +139,7 @@ def test_every_protocol_translates_every_finish_reason():
     import pytest
 
     from mlx_server.events import Finished, FinishReason, Usage, finish_reason
-    from mlx_server.protocols.anthropic.encoder import STOP_REASONS, stop_reason
+    from mlx_server.protocols.anthropic.stream import STOP_REASONS, stop_reason
     from mlx_server.protocols.openai.finish import FINISH_REASONS
     from mlx_server.protocols.openai.finish import finish_reason as openai_finish
 

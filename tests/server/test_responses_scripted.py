@@ -185,7 +185,7 @@ def test_generation_error_stream_ends_failed(scripted):
 
 
 def test_internal_fault_mid_stream_sends_error_then_failed(scripted, monkeypatch):
-    from mlx_server.protocols.responses.encoder import ResponseEncoder
+    from mlx_server.protocols.responses.stream import ResponseEncoder
 
     real = ResponseEncoder.event
 

@@ -15,18 +15,16 @@ from mlx_server.events import (
     ToolCallStart,
     Usage,
 )
+from mlx_server.protocols.anthropic.accumulator import MessageAccumulator
 from mlx_server.protocols.anthropic.adapter import to_chat_request
-from mlx_server.protocols.anthropic.encoder import (
-    MessageAccumulator,
-    MessagesEncoder,
-    StreamEncoder,
-)
+from mlx_server.protocols.anthropic.encoder import MessagesEncoder
 from mlx_server.protocols.anthropic.messages import strip_billing_header, system_text
 from mlx_server.protocols.anthropic.schemas import (
     CountTokensRequest,
     MessagesRequest,
     SystemBlock,
 )
+from mlx_server.protocols.anthropic.stream import StreamEncoder
 from mlx_server.types import ToolChoice
 
 PNG = {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}

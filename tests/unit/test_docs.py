@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from mlx_server.cli import build_parser
-from mlx_server.config import TABLE_END, TABLE_START, flags_markdown, settings_fields
+from mlx_server.config import settings_fields
+from mlx_server.config.flag_table import TABLE_END, TABLE_START, flags_markdown
 
 pytestmark = pytest.mark.tiny
 

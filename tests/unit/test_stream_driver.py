@@ -14,8 +14,10 @@ import pytest
 
 from mlx_server.engine.core.handle import Started
 from mlx_server.events import ReasoningDelta, TextDelta
-from mlx_server.protocols.anthropic.encoder import MessagesEncoder, StreamEncoder, frames
-from mlx_server.protocols.openai.chat.encoder import ChatEncoder, ChoicesEncoder, ChunkEncoder
+from mlx_server.protocols.anthropic.encoder import MessagesEncoder, frames
+from mlx_server.protocols.anthropic.stream import StreamEncoder
+from mlx_server.protocols.openai.chat.chunks import ChunkEncoder
+from mlx_server.protocols.openai.chat.encoder import ChatEncoder, ChoicesEncoder
 from mlx_server.server.event_stream import EventStream
 from mlx_server.server.sse import encode
 

@@ -13,13 +13,8 @@ from PIL import Image
 from support import free_port
 
 from mlx_server.errors import InvalidRequest
-from mlx_server.models.media import (
-    MediaLimits,
-    collect_media,
-    decode_image,
-    is_video_container,
-    read_bytes,
-)
+from mlx_server.models.media import MediaLimits, collect_media, decode_image, is_video_container
+from mlx_server.models.media_read import read_bytes
 from mlx_server.protocols.openai.chat.adapter import to_chat_request
 from mlx_server.protocols.openai.chat.schemas import ChatCompletionRequest
 

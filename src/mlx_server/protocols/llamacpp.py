@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict
 
 from mlx_server.models.text_prompt import check_token_ids
 from mlx_server.registry.lease import Models
-from mlx_server.server.http import parse_body
+from mlx_server.server.http import parse_and_lease
 
 _SPM_BYTE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
@@ -75,8 +75,8 @@ def make_router(models: Models) -> APIRouter:
 
     @router.post("/tokenize")
     async def tokenize(request: Request) -> dict[str, Any]:
-        body = await parse_body(request, TokenizeRequest)
-        tokenizer = (await models.chat(request, body.model, body.keep_alive)).tokenizer
+        body, service = await parse_and_lease(request, TokenizeRequest, models.chat)
+        tokenizer = service.tokenizer
         kwargs: dict[str, Any] = {"add_special_tokens": body.add_special}
         if not body.parse_special:
             kwargs["split_special_tokens"] = True  # special-token text stays plain text
@@ -90,8 +90,8 @@ def make_router(models: Models) -> APIRouter:
 
     @router.post("/detokenize")
     async def detokenize(request: Request) -> dict[str, Any]:
-        body = await parse_body(request, DetokenizeRequest)
-        tokenizer = (await models.chat(request, body.model, body.keep_alive)).tokenizer
+        body, service = await parse_and_lease(request, DetokenizeRequest, models.chat)
+        tokenizer = service.tokenizer
         ids = check_token_ids(tokenizer, body.tokens, "tokens")
         return {"content": tokenizer.decode(ids, skip_special_tokens=False)}
 

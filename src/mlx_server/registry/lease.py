@@ -14,9 +14,8 @@ from fastapi import Request
 
 from mlx_server.embedding_service import EmbeddingService
 from mlx_server.engine.core.protocol import EngineCounters, OwnedEngine
-from mlx_server.errors import InvalidRequest
 from mlx_server.registry.keep_alive import parse_keep_alive
-from mlx_server.registry.registry import LOADED, ModelRegistry, Slot
+from mlx_server.registry.registry import LOADED, ModelRegistry, Slot, wrong_kind
 from mlx_server.server.after_response import after_response
 from mlx_server.service import ChatService
 
@@ -68,24 +67,15 @@ class OneModel:
 
     async def chat(self, request: Request, name: str | None, keep_alive: Any = None) -> ChatService:
         if not isinstance(self.service, ChatService):  # its app refuses the chat routes first
-            raise InvalidRequest(
-                f"the model '{self.model_id}' is an embedding model; it does not generate text",
-                param="model",
-                code="model_not_supported",
-            )
+            raise wrong_kind(self.model_id, "embedding")
         return self.service
 
     async def encoder(
         self, request: Request, name: str | None, keep_alive: Any = None
     ) -> EmbeddingService:
         if not isinstance(self.service, EmbeddingService):
-            raise InvalidRequest(
-                f"the model '{self.model_id}' is a chat model; it does not serve embeddings "
-                "or rerank; start the server with an embedding or reranker model "
-                "(or --embedding)",
-                param="model",
-                code="model_not_supported",
-            )
+            instead = "start the server with an embedding or reranker model (or --embedding)"
+            raise wrong_kind(self.model_id, "chat", instead)
         return self.service
 
     def engines(self) -> list[OwnedEngine]:

@@ -267,20 +267,23 @@ class ModelRegistry:
 
 
 def _check_serves(slot: Slot, serves: str) -> None:
-    if slot.offer.kind == "embedding" and serves != "embedding":
-        raise InvalidRequest(
-            f"model '{slot.id}' is an embedding model; it does not generate text "
-            "(it serves /v1/embeddings or /v1/rerank)",
-            param="model",
-            code="model_not_supported",
-        )
-    if slot.offer.kind != "embedding" and serves == "embedding":
-        raise InvalidRequest(
-            f"model '{slot.id}' is a {slot.offer.kind} model; it does not serve embeddings "
-            "or rerank; name an embedding model",
-            param="model",
-            code="model_not_supported",
-        )
+    if (slot.offer.kind == "embedding") != (serves == "embedding"):
+        raise wrong_kind(slot.id, slot.offer.kind, "name an embedding model")
+
+
+def wrong_kind(model_id: str, kind: str, instead: str = "") -> InvalidRequest:
+    """The 400 for a request naming a model of the other kind: an embedding model (``kind``)
+    where text is generated, or a chat model where embeddings are; ``instead``: what a chat
+    model's caller should do."""
+    if kind == "embedding":
+        does = "it does not generate text (it serves /v1/embeddings or /v1/rerank)"
+    else:
+        does = f"it does not serve embeddings or rerank; {instead}"
+    return InvalidRequest(
+        f"the model '{model_id}' is {'an' if kind[0] in 'aeiou' else 'a'} {kind} model; {does}",
+        param="model",
+        code="model_not_supported",
+    )
 
 
 def _release_parts(parts: Any) -> None:

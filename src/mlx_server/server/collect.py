@@ -11,7 +11,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 
-from mlx_server.server.http import parse_body
+from mlx_server.server.http import Lease, parse_and_lease
 from mlx_server.server.streaming import until_disconnect
 
 B = TypeVar("B", bound=BaseModel)
@@ -21,15 +21,14 @@ S = TypeVar("S")
 async def collect(
     request: Request,
     schema: type[B],
-    lease: Callable[[Request, str | None, Any], Awaitable[S]],
+    lease: Lease[S],
     answer: Callable[[B, S], Awaitable[dict[str, Any]]],
 ) -> Response:
     """``answer(body, model)`` as JSON, ``body`` parsed as ``schema`` (it has ``model`` and
     ``keep_alive``) and ``model`` leased by ``lease(request, body.model, body.keep_alive)``
     (e.g. ``Models.encoder``). A client gone first: the work is cancelled, and with it the
     inputs still waiting (499)."""
-    body = await parse_body(request, schema)
-    model = await lease(request, getattr(body, "model", None), getattr(body, "keep_alive", None))
+    body, model = await parse_and_lease(request, schema, lease)
     work = asyncio.ensure_future(answer(body, model))
     result = await until_disconnect(request, work, work.cancel)
     return Response(status_code=499) if result is None else JSONResponse(result)

@@ -1,9 +1,11 @@
-"""Shared HTTP helpers: JSON body parsing and schema errors that name the field."""
+"""Shared HTTP helpers: JSON body parsing and schema errors that name the field, and the
+opening every model route shares (the body, then the model it names, leased)."""
 
 from __future__ import annotations
 
 import json
 import re
+from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 from fastapi import Request
@@ -13,6 +15,10 @@ from mlx_server.errors import InvalidRequest
 from mlx_server.server.ignored_fields import note_ignored
 
 M = TypeVar("M", bound=BaseModel)
+S = TypeVar("S")
+# Leases the model a body names for a request: ``(request, name, keep_alive) -> model``
+# (``Models.chat``, ``Models.encoder``); the lease is given back when the response has ended.
+Lease = Callable[[Request, str | None, Any], Awaitable[S]]
 
 
 async def parse_body(request: Request, schema: type[M]) -> M:
@@ -37,6 +43,15 @@ async def parse_body(request: Request, schema: type[M]) -> M:
     except ValidationError as e:
         raise InvalidRequest(describe_validation_error(e), param=_first_loc(e)) from e
     return body
+
+
+async def parse_and_lease(request: Request, schema: type[M], lease: Lease[S]) -> tuple[M, S]:
+    """The body parsed as ``schema`` and the model its ``model`` names, leased by ``lease``
+    with the body's ``keep_alive``. What refuses either reaches the app's handlers, which
+    answer in the envelope of the route's protocol."""
+    body = await parse_body(request, schema)
+    model = await lease(request, getattr(body, "model", None), getattr(body, "keep_alive", None))
+    return body, model
 
 
 # Deeper bodies than this are refused before anything recurses over them (validation, chat

@@ -27,3 +27,14 @@ def error_response(err: ServerError) -> tuple[int, dict[str, Any], dict[str, str
     if isinstance(err, ContextLengthExceeded):  # the fields OpenAI and llama.cpp clients read
         body["error"].update(code=err.code, n_prompt_tokens=err.n_prompt_tokens, n_ctx=err.n_ctx)
     return err.status, body, {}
+
+
+def context_error_message(prompt_tokens: int, max_tokens: int, ctx_size: int) -> str:
+    """Anthropic's wording for a request that does not fit the context. Clients act on it:
+    Claude Code compacts the conversation on the first, and lowers max_tokens on the second."""
+    if prompt_tokens >= ctx_size:
+        return f"prompt is too long: {prompt_tokens} tokens > {ctx_size} maximum"
+    return (
+        f"input length and `max_tokens` exceed context limit: {prompt_tokens} + {max_tokens} "
+        f"> {ctx_size}, decrease input length or `max_tokens` and try again"
+    )

@@ -16,15 +16,12 @@ from fastapi.responses import Response
 from mlx_server.errors import ContextLengthExceeded
 from mlx_server.logs import log
 from mlx_server.protocols.anthropic.adapter import to_chat_request
-from mlx_server.protocols.anthropic.encoder import (
-    MessagesEncoder,
-    StreamEncoder,
-    context_error_message,
-    new_message_id,
-)
+from mlx_server.protocols.anthropic.encoder import MessagesEncoder
+from mlx_server.protocols.anthropic.errors import context_error_message
 from mlx_server.protocols.anthropic.schemas import CountTokensRequest, MessagesRequest
+from mlx_server.protocols.anthropic.stream import StreamEncoder, new_message_id
 from mlx_server.registry.lease import Models
-from mlx_server.server.http import parse_body
+from mlx_server.server.http import parse_and_lease
 from mlx_server.server.streaming import respond
 from mlx_server.service import ChatService, Generation
 from mlx_server.types import ChatRequest
@@ -37,8 +34,7 @@ def make_router(models: Models, *, vision: bool, keepalive_s: float) -> APIRoute
 
     @router.post("/v1/messages")
     async def messages(request: Request) -> Response:
-        body = await parse_body(request, MessagesRequest)
-        service = await models.chat(request, body.model, body.keep_alive)
+        body, service = await parse_and_lease(request, MessagesRequest, models.chat)
         chat = to_chat_request(body, vision=vision)
         log(
             f"Request: model={body.model}, messages={len(chat.messages)}, "
@@ -51,8 +47,7 @@ def make_router(models: Models, *, vision: bool, keepalive_s: float) -> APIRoute
 
     @router.post("/v1/messages/count_tokens")
     async def count_tokens(request: Request) -> dict[str, Any]:
-        body = await parse_body(request, CountTokensRequest)
-        service = await models.chat(request, body.model, body.keep_alive)
+        body, service = await parse_and_lease(request, CountTokensRequest, models.chat)
         chat = to_chat_request(body, vision=vision)
         return {"input_tokens": await service.count(chat)}
 

@@ -124,6 +124,16 @@ class OllamaEncoder:
 
     def _chunk(self, text: str, thinking: str | None = None, calls: Any = None) -> dict[str, Any]:
         out: dict[str, Any] = {"model": self.model, "created_at": created_at()}
+        self._put_output(out, text, thinking, calls)
+        if self._pending:
+            out["logprobs"] = self._pending
+            self._pending = []
+        out["done"] = False
+        return out
+
+    def _put_output(self, out: dict[str, Any], text: str, thinking: str | None, calls: Any) -> None:
+        """The output's fields: /api/chat's ``message``, /api/generate's ``response`` (and
+        ``thinking`` beside either)."""
         if self.chat:
             message: dict[str, Any] = {"role": "assistant", "content": text}
             if thinking is not None:
@@ -135,11 +145,6 @@ class OllamaEncoder:
             out["response"] = text
             if thinking is not None:
                 out["thinking"] = thinking
-        if self._pending:
-            out["logprobs"] = self._pending
-            self._pending = []
-        out["done"] = False
-        return out
 
     def open(self, collect: bool) -> list[Frame]:
         self.collect = collect
@@ -195,17 +200,7 @@ class OllamaEncoder:
         out = dict(self.final)
         text = "".join(self.content)
         thinking = "".join(self.thinking) or None
-        if self.chat:
-            message: dict[str, Any] = {"role": "assistant", "content": text}
-            if thinking is not None:
-                message["thinking"] = thinking
-            if self.tool_calls:
-                message["tool_calls"] = self.tool_calls
-            out["message"] = message
-        else:
-            out["response"] = text
-            if thinking is not None:
-                out["thinking"] = thinking
+        self._put_output(out, text, thinking, self.tool_calls)
         if self.logprobs:
             out["logprobs"] = self.logprobs
         log(f"Response: {len(text)} chars, {len(self.tool_calls)} tool call(s)")

@@ -29,7 +29,7 @@ from mlx_server.protocols.ollama.schemas import ChatBody, GenerateBody, ModelBod
 from mlx_server.registry.keep_alive import parse_keep_alive
 from mlx_server.registry.lease import Models
 from mlx_server.server.framing import NDJSON
-from mlx_server.server.http import parse_body
+from mlx_server.server.http import parse_and_lease, parse_body
 from mlx_server.server.streaming import respond
 from mlx_server.service import ChatService, Generation
 from mlx_server.service.text_completion import CompletionService
@@ -50,8 +50,7 @@ def make_router(models: Models, *, vision: bool, keepalive_s: float) -> APIRoute
     async def opening(request: Request, schema: type[B]) -> tuple[B, ChatService, Clock]:
         """The body, the chat model it names (leased) and the clock since it arrived."""
         arrived = time.perf_counter_ns()
-        body = await parse_body(request, schema)
-        service = await models.chat(request, body.model, body.keep_alive)
+        body, service = await parse_and_lease(request, schema, models.chat)
         return body, service, Clock(arrived)  # loaded: now
 
     async def answer(

@@ -22,12 +22,13 @@ from mlx_server.errors import (
 )
 from mlx_server.logs import log
 from mlx_server.protocols.responses.adapter import Adapted, to_chat_request
-from mlx_server.protocols.responses.encoder import ResponseEncoder, ResponseFrames
+from mlx_server.protocols.responses.encoder import ResponseFrames
 from mlx_server.protocols.responses.items import new_id
 from mlx_server.protocols.responses.schemas import CreateResponseRequest
 from mlx_server.protocols.responses.store import ResponseStore, StoredResponse
+from mlx_server.protocols.responses.stream import ResponseEncoder
 from mlx_server.registry.lease import Models
-from mlx_server.server.http import parse_body
+from mlx_server.server.http import parse_and_lease
 from mlx_server.server.streaming import respond
 from mlx_server.service import ChatService, Generation
 
@@ -55,8 +56,7 @@ def make_router(
 
     @router.post("/v1/responses")
     async def create(request: Request) -> Response:
-        body = await parse_body(request, CreateResponseRequest)
-        service = await models.chat(request, body.model, body.keep_alive)
+        body, service = await parse_and_lease(request, CreateResponseRequest, models.chat)
         run = await responses.start(service, body)
         return await respond(
             request,

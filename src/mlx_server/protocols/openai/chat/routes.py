@@ -21,7 +21,7 @@ from mlx_server.protocols.openai.chat.adapter import to_chat_request
 from mlx_server.protocols.openai.chat.encoder import ChatEncoder, ChoicesEncoder
 from mlx_server.protocols.openai.chat.schemas import ChatCompletionRequest
 from mlx_server.registry.lease import Models
-from mlx_server.server.http import parse_body
+from mlx_server.server.http import parse_and_lease
 from mlx_server.server.streaming import respond
 from mlx_server.service.choices import check_n, start_chat_choices
 
@@ -33,8 +33,7 @@ def make_router(models: Models, *, vision: bool, max_n: int, keepalive_s: float)
 
     @router.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        body = await parse_body(request, ChatCompletionRequest)
-        service = await models.chat(request, body.model, body.keep_alive)
+        body, service = await parse_and_lease(request, ChatCompletionRequest, models.chat)
         chat = to_chat_request(body, vision=vision)
         tools = len(chat.tools or [])
         log(
@@ -55,8 +54,7 @@ def make_router(models: Models, *, vision: bool, max_n: int, keepalive_s: float)
 
     @router.post("/v1/chat/completions/count_tokens")
     async def count_tokens(request: Request) -> dict[str, Any]:
-        body = await parse_body(request, ChatCompletionRequest)
-        service = await models.chat(request, body.model, body.keep_alive)
+        body, service = await parse_and_lease(request, ChatCompletionRequest, models.chat)
         chat = to_chat_request(body, vision=vision)
         n = await service.count(chat)
         return {"object": "chat.completion.input_tokens", "input_tokens": n}

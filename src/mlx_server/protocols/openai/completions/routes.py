@@ -19,7 +19,7 @@ from mlx_server.protocols.openai.completions.encoder import (
 from mlx_server.protocols.openai.completions.schemas import CompletionRequest
 from mlx_server.protocols.openai.sampling import sampling_params
 from mlx_server.registry.lease import Models
-from mlx_server.server.http import parse_body
+from mlx_server.server.http import parse_and_lease
 from mlx_server.server.streaming import respond
 from mlx_server.service.choices import check_n, start_text_choices
 from mlx_server.service.text_completion import CompletionOptions, CompletionService
@@ -44,8 +44,7 @@ def make_router(models: Models, *, max_n: int, keepalive_s: float) -> APIRouter:
 
     @router.post("/v1/completions")
     async def create_completion(request: Request) -> Response:
-        body = await parse_body(request, CompletionRequest)
-        service = await models.chat(request, body.model, body.keep_alive)
+        body, service = await parse_and_lease(request, CompletionRequest, models.chat)
         completions = CompletionService(service)
         if body.echo and body.logprobs is not None:
             raise InvalidRequest(
