@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -38,6 +39,16 @@ def command(kind: str, model: str, port: int) -> list[str]:
     return [sys.executable, "-m", "mlx_lm", "server", "--model", model, "--port", str(port)]
 
 
+def cpu_seconds(pid: int) -> float | None:
+    """User and system CPU seconds a process has used so far (Linux /proc); None elsewhere.
+    Less sensitive than wall time to other work on the machine."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def one_round(
     kind: str, model: str, openblas: bool, torch: bool, timeout: float, src: str = ""
 ) -> dict[str, Any]:
@@ -57,7 +68,7 @@ def one_round(
             command(kind, model, port), stdout=log, stderr=subprocess.STDOUT, env=env
         )
     try:
-        line_s = answer_s = None
+        line_s = answer_s = line_cpu = answer_cpu = None
         deadline = t0 + timeout
         body = {"model": "default_model", "max_tokens": 1, "temperature": 0}
         body["messages"] = [{"role": "user", "content": "Hi"}]
@@ -67,6 +78,7 @@ def one_round(
             text = log_path.read_text()
             if line_s is None and READY["mlx_lm" if kind == "mlx_lm" else "ours"] in text:
                 line_s = time.perf_counter() - t0
+                line_cpu = cpu_seconds(proc.pid)
             if kind != "mlx_lm" and line_s is None:
                 time.sleep(0.02)
                 continue
@@ -78,14 +90,15 @@ def one_round(
                 )
                 if r.status_code == 200:
                     answer_s = time.perf_counter() - t0
+                    answer_cpu = cpu_seconds(proc.pid)
             except httpx.HTTPError:
                 time.sleep(0.02)
         if answer_s is None:
             raise RuntimeError(f"{kind} did not answer within {timeout}s")
-        if line_s is None:
-            line_s = answer_s
-        row: dict[str, Any] = {"server": kind, "line_s": round(line_s, 3)}
-        row["answer_s"] = round(answer_s, 3)
+        row: dict[str, Any] = {"server": kind}
+        if kind != "mlx_lm":  # mlx_lm's line comes before its model loads: not readiness
+            row.update(line_s=round(line_s or answer_s, 3), line_cpu_s=line_cpu)
+        row.update(answer_s=round(answer_s, 3), answer_cpu_s=answer_cpu)
         for line in log_path.read_text().splitlines():
             if "Start: " in line:
                 phases = line.split("Start: ", 1)[1].split(" (")[0].split(", ")
@@ -108,9 +121,15 @@ def summary(rows: list[dict[str, Any]]) -> list[str]:
         mine = [r for r in rows if r["server"] == kind]
         if not mine:
             continue
-        line = statistics.median(r["line_s"] for r in mine)
-        answer = statistics.median(r["answer_s"] for r in mine)
-        text = f"{kind}: readiness line {line:.2f}s, first answer {answer:.2f}s (median of {len(mine)})"
+        def med(key: str) -> str:
+            values = [r[key] for r in mine if r.get(key) is not None]
+            return f"{statistics.median(values):.2f}s" if values else "-"
+
+        text = (
+            f"{kind} (median of {len(mine)}): readiness line {med('line_s')} "
+            f"(CPU {med('line_cpu_s')}), first answer {med('answer_s')} "
+            f"(CPU {med('answer_cpu_s')})"
+        )
         names = [n for n in (mine[0].get("phases") or {})]
         if names:
             med = {n: statistics.median(r["phases"].get(n, 0.0) for r in mine) for n in names}
