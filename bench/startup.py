@@ -121,7 +121,8 @@ def summary(rows: list[dict[str, Any]]) -> list[str]:
         mine = [r for r in rows if r["server"] == kind]
         if not mine:
             continue
-        def med(key: str) -> str:
+
+        def med(key: str, mine: list[dict[str, Any]] = mine) -> str:
             values = [r[key] for r in mine if r.get(key) is not None]
             return f"{statistics.median(values):.2f}s" if values else "-"
 
