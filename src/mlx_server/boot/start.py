@@ -42,7 +42,10 @@ def build(settings: Settings, group: Any = None) -> tuple[Any, Any]:
 def collect_again() -> None:
     """Garbage collection back on (``cli.main`` turns it off for the start), with what
     start-up made (the model, the modules), which lives as long as the server, kept out of
-    every later collection: those then walk only what requests make."""
+    every later collection: those then walk only what requests make. Start-up's own cyclic
+    garbage is frozen with it, never freed (demo model: 1,347 small objects, 0.4 MB, no
+    arrays), which costs less than the collection before the readiness line that would
+    free it (0.13 s of CPU)."""
     gc.freeze()
     gc.enable()
 
