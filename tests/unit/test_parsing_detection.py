@@ -189,3 +189,26 @@ def test_one_value_for_the_output_format(qwen3, template, vocab, expected):
     explicit = detect_output_format(qwen3, template, vocab, "mistral")
     assert explicit.tools is not None and explicit.tools.name == "mistral"
     assert explicit.messages == expected[1]
+
+
+class _WrapperWithoutThinking:
+    """A tokenizer shaped like mlx-lm's wrapper that found no thinking tags, counting how
+    often its vocabulary is built."""
+
+    think_start = property(lambda self: None)
+    think_end = property(lambda self: None)
+
+    def __init__(self, vocab):
+        self.vocab, self.built = vocab, 0
+
+    def get_vocab(self):
+        self.built += 1
+        return dict(self.vocab)
+
+
+def test_reasoning_tags_use_a_vocabulary_already_built():
+    tokenizer = _WrapperWithoutThinking({"[THINK]": 1, "[/THINK]": 2})
+    assert reasoning_tags(tokenizer, "", tokenizer.get_vocab()) == ("[THINK]", "[/THINK]")
+    assert tokenizer.built == 1  # the one the caller built
+    assert reasoning_tags(tokenizer) == ("[THINK]", "[/THINK]")  # without one: its own
+    assert tokenizer.built == 2

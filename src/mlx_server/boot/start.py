@@ -4,6 +4,7 @@ asks for (ranks, the bound socket, the log lines Jan's launcher reads, serving).
 
 from __future__ import annotations
 
+import gc
 import sys
 import time
 from typing import Any
@@ -38,6 +39,17 @@ def build(settings: Settings, group: Any = None) -> tuple[Any, Any]:
     return app, parts.engine
 
 
+def collect_again() -> None:
+    """Garbage collection back on (``cli.main`` turns it off for the start), with what
+    start-up made (the model, the modules), which lives as long as the server, kept out of
+    every later collection: those then walk only what requests make. Start-up's own cyclic
+    garbage is frozen with it, never freed (demo model: 1,347 small objects, 0.4 MB, no
+    arrays), which costs less than the collection before the readiness line that would
+    free it (0.13 s of CPU)."""
+    gc.freeze()
+    gc.enable()
+
+
 def start(settings: Settings, notes: list[str], argv: list[str] | None = None) -> int:
     """Serve until shut down; returns the exit status. ``notes``: lines to log about the
     flags of an earlier Swift server; ``argv``: the flags, handed to each rank of ``--ranks``."""
@@ -50,6 +62,7 @@ def start(settings: Settings, notes: list[str], argv: list[str] | None = None) -
     if group is not None:
         sharded.announce(group)
         if group.rank() != 0:
+            collect_again()  # it loads, then follows rank 0 until shut down
             return sharded.follow(settings, group)
     log("MLX Server starting...")
     log(f"Model path: {settings.model}")
@@ -77,6 +90,7 @@ def start(settings: Settings, notes: list[str], argv: list[str] | None = None) -
     log(f"Model loaded in {time.perf_counter() - t0:.2f}s")
     START.mark("app")
     log(START.line())
+    collect_again()
     serve(
         app,
         engine,

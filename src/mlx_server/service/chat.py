@@ -74,8 +74,9 @@ class ChatService:
         self.trained_ctx = trained_ctx
         self.chat_template = load_chat_template(tokenizer)
         self.template = self.chat_template.text if self.chat_template else template_text(tokenizer)
-        self.reasoning_tags = reasoning_tags(tokenizer, self.template) or ("<think>", "</think>")
-        vocab = _vocab(tokenizer)
+        vocab = _vocab(tokenizer)  # once: a large vocabulary takes a tenth of a second
+        tags = reasoning_tags(tokenizer, self.template, vocab)
+        self.reasoning_tags = tags or ("<think>", "</think>")
         # Added tokens included; 0 (no top_k check) for a tokenizer that can't say.
         self.vocab_size = len(vocab) if vocab else 0
         # gpt-oss (Harmony) and functionary v3.2 write addressed messages, not tagged text.

@@ -11,7 +11,6 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import jsonschema
 import llguidance
 
 if TYPE_CHECKING:
@@ -219,6 +218,8 @@ def _function_of(tool: Mapping[str, Any]) -> tuple[str, Mapping[str, Any]]:
 
 
 def _check_meta_schema(schema: Mapping[str, Any]) -> None:
+    import jsonschema  # on the first schema: a tenth of a second of the server's start
+
     validator = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
     try:
         validator.check_schema(schema)
