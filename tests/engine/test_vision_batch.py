@@ -237,3 +237,43 @@ def test_gemma3_batched_as_mlx_vlm_gives_and_checkpointed(gemma):
         )
     # The sliding-window cache cannot be rewound: the prompt's end was kept as a checkpoint.
     assert again.cached == len(req(0).prompt_tokens) - 1 and again.text == together[0].text
+
+
+def test_a_failing_prefill_chunk_ends_its_request_alone(gemma, monkeypatch):
+    """A chunk of one prompt's prefill raising (after its vision tower ran) ends that request
+    with the error; the requests beside it, with an image and without, finish in full."""
+    from mlx_server.engine.runners.vision_prefill import VisionPrefill
+
+    model, tok, req, text = gemma
+    bad, good, plain = req(1, 6), req(0, 6), request(text, 6, ignore_eos=True)
+    assert len(bad.prompt_tokens) > 2 * 8  # two chunks at least: the second one fails
+    step, calls = VisionPrefill.step, []
+
+    def failing(self):
+        if self.job.request.request_id == bad.request_id:
+            calls.append(len(self.fed))
+            if len(calls) == 2:
+                raise RuntimeError("the chunk broke")
+        return step(self)
+
+    config = EngineConfig(kv_bytes_per_token=256, prefill_step_size=8, prompt_cache_size=0)
+    engine = vision_engine(model, tok, config)
+    engine.start()
+    try:
+        monkeypatch.setattr(VisionPrefill, "step", failing)
+        together = batched(engine, [good, bad, plain])
+        monkeypatch.setattr(VisionPrefill, "step", step)
+        alone = [asyncio.run(generate(engine, r)) for r in (req(0, 6), plain)]
+        assert engine.active_count == 0
+    finally:
+        engine.shutdown(timeout=10)
+    assert calls == [0, 8]  # the tower ran and a chunk went in before the failure
+    for ours, theirs in zip([together[0], together[2]], alone, strict=True):
+        assert ours.finished.reason == "length" and ours.finished.usage.completion_tokens == 6
+        assert ours.text == theirs.text
+        assert [e.logprob for e in ours.logprobs] == pytest.approx(
+            [e.logprob for e in theirs.logprobs], abs=1e-3
+        )
+    failed = together[1].finished
+    assert failed.reason == "error" and "the chunk broke" in (failed.error or "")
+    assert "prefill failed" in (failed.error or "")

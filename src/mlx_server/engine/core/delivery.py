@@ -41,7 +41,7 @@ class Seq:
     prefill_left: int = 0  # prompt tokens still to prefill once inserted (0: decoding)
     uncached: int = -1  # estimate, while queued, of the tokens it will have to prefill
     logprobs: list[LogprobEntry] = field(default_factory=list)
-    fault: str | None = None  # set when this sequence's own sampler or processors failed
+    fault: str | None = None  # its own sampler, processors or prefill (the runner's) failed
     shared: SharedSampler | None = None  # the sampler it shares with same-settings sequences
     draft_n: int = 0  # speculative decoding: tokens drafted for it
     draft_accepted: int = 0  # of those, accepted
