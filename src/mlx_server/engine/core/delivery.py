@@ -37,6 +37,7 @@ class Seq:
     t_start: float = 0.0
     t_first: float = 0.0
     kv_bytes: int = 0
+    media_bytes: int = 0  # the vision tower's memory for its media, counted at admission
     system_end: int = 0  # prompt offset where the system prompt's KV state is worth caching
     prefill_left: int = 0  # prompt tokens still to prefill once inserted (0: decoding)
     uncached: int = -1  # estimate, while queued, of the tokens it will have to prefill
