@@ -1,5 +1,6 @@
 """Vision over HTTP in process: the real stack over the real engine on a tiny random-weight
-Qwen2-VL: admission counting the vision tower's memory (a budget of 1 MiB: a 56x56 image's tower
+Qwen2-VL, through the OpenAI and Anthropic SDKs: one and two images, streamed and not, and
+admission counting the vision tower's memory (a budget of 1 MiB: a 56x56 image's tower
 fits beside the KV, a 224x224 one's cannot, and is refused with each protocol's envelope).
 """
 
@@ -12,6 +13,7 @@ from typing import Any
 
 import httpx
 import pytest
+from clients import anthropic_client, openai_client
 from PIL import Image
 from support import serve_in_process
 from tiny_vlm import build_tiny_vlm
@@ -112,3 +114,56 @@ def test_a_small_image_within_the_budget_is_served_by_both_apis(srv):
     r = httpx.post(f"{srv.base_url}/v1/messages", json={**body, "ignore_eos": True}, timeout=60)
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["output_tokens"] == 3
+
+
+@pytest.mark.parametrize("n_images", [1, 2])
+def test_openai_images_streamed_and_not(srv, n_images):
+    client = openai_client(srv)
+    messages = openai_images(*[png(56, (40 * i, 90, 200)) for i in range(n_images)])
+    extra = {"ignore_eos": True}
+    done = client.chat.completions.create(
+        model="m", messages=messages, max_tokens=5, temperature=0, extra_body=extra
+    )
+    assert done.choices[0].finish_reason == "length" and done.usage.completion_tokens == 5
+    chunks = list(
+        client.chat.completions.create(
+            model="m",
+            messages=messages,
+            max_tokens=5,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body=extra,
+        )
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    usage = chunks[-1].usage
+    assert text == done.choices[0].message.content  # greedy: the same answer either way
+    assert usage.prompt_tokens == done.usage.prompt_tokens and usage.completion_tokens == 5
+    assert done.usage.prompt_tokens >= 4 * n_images + 8  # each 56x56 image is 4 tokens
+
+
+@pytest.mark.parametrize("n_images", [1, 2])
+def test_anthropic_images_streamed_and_not(srv, n_images):
+    client = anthropic_client(srv)
+    messages = anthropic_images(*[png(56, (40 * i, 90, 200)) for i in range(n_images)])
+    extra = {"ignore_eos": True, "temperature": 0}  # (not among this SDK's arguments)
+    done = client.messages.create(model="m", messages=messages, max_tokens=5, extra_body=extra)
+    assert done.stop_reason == "max_tokens" and done.usage.output_tokens == 5
+    with client.messages.stream(model="m", messages=messages, max_tokens=5, extra_body=extra) as s:
+        text = "".join(s.text_stream)
+        final = s.get_final_message()
+    assert text == "".join(b.text for b in done.content if b.type == "text")
+    assert final.usage.output_tokens == 5 and final.stop_reason == "max_tokens"
+    seen = final.usage.input_tokens + (final.usage.cache_read_input_tokens or 0)
+    assert seen == done.usage.input_tokens + (done.usage.cache_read_input_tokens or 0)
+
+
+def test_two_images_take_more_prompt_than_one(srv):
+    client = openai_client(srv)
+    sizes = []
+    for n in (1, 2):
+        messages = openai_images(*[png(56, (0, 60 * i, 90)) for i in range(n)])
+        done = client.chat.completions.create(model="m", messages=messages, max_tokens=1)
+        sizes.append(done.usage.prompt_tokens)
+    assert sizes[1] - sizes[0] >= 4  # the second image's tokens (and its markers)
