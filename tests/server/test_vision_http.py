@@ -120,22 +120,12 @@ def test_a_small_image_within_the_budget_is_served_by_both_apis(srv):
 def test_openai_images_streamed_and_not(srv, n_images):
     client = openai_client(srv)
     messages = openai_images(*[png(56, (40 * i, 90, 200)) for i in range(n_images)])
-    extra = {"ignore_eos": True}
-    done = client.chat.completions.create(
-        model="m", messages=messages, max_tokens=5, temperature=0, extra_body=extra
-    )
+    kw: dict[str, Any] = {"model": "m", "messages": messages, "max_tokens": 5, "temperature": 0}
+    kw["extra_body"] = {"ignore_eos": True}
+    done = client.chat.completions.create(**kw)
     assert done.choices[0].finish_reason == "length" and done.usage.completion_tokens == 5
-    chunks = list(
-        client.chat.completions.create(
-            model="m",
-            messages=messages,
-            max_tokens=5,
-            temperature=0,
-            stream=True,
-            stream_options={"include_usage": True},
-            extra_body=extra,
-        )
-    )
+    options = {"include_usage": True}
+    chunks = list(client.chat.completions.create(**kw, stream=True, stream_options=options))
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     usage = chunks[-1].usage
     assert text == done.choices[0].message.content  # greedy: the same answer either way
