@@ -105,23 +105,26 @@ class VisionBatchRunner:
         # A prompt prefilled last step goes on now (until then the engine could take its
         # state at the prompt's end: a checkpoint, for caches that cannot be rewound), as a
         # prefix-cache hit would: on the lone runner if it is alone, else in the batch.
+        failed: list[Progress] = []
         for uid, prefill in list(self._prefills.items()):
             if prefill.done:
                 del self._prefills[uid]
                 job = prefill.job
                 alone = job.alone and not self._prefills
                 cached = len(prefill.fed)
-                self.text.insert(
-                    replace(
-                        job,
-                        cached=cached,
-                        cache=prefill.cache,
-                        system_end=0,
-                        checkpoints=(),
-                        alone=alone,
-                    )
+                joining = replace(
+                    job,
+                    cached=cached,
+                    cache=prefill.cache,
+                    system_end=0,
+                    checkpoints=(),
+                    alone=alone,
                 )
-        progress = [self._prefill_step(uid, p) for uid, p in list(self._prefills.items())]
+                try:  # a runner's insert that raises starts nothing: this request's failure
+                    self.text.insert(joining)
+                except Exception as e:
+                    failed.append(self._failed(prefill, "joining the batch failed", e))
+        progress = failed + [self._prefill_step(uid, p) for uid, p in list(self._prefills.items())]
         if isinstance(self.text, BatchRunner) and not len(self.batch):
             return progress, []
         more, responses = self.text.step()
@@ -141,12 +144,17 @@ class VisionBatchRunner:
         try:
             return prefill.step()
         except Exception as e:
-            traceback.print_exc()
             del self._prefills[uid]
-            mx.clear_cache()
-            done = len(prefill.fed) - prefill.job.cached
-            error = f"prefill failed: {type(e).__name__}: {e}"
-            return Progress(uid, (done, len(prefill.job.prompt) - prefill.job.cached), error=error)
+            return self._failed(prefill, "prefill failed", e)
+
+    @staticmethod
+    def _failed(prefill: VisionPrefill, what: str, e: Exception) -> Progress:
+        """The ``Progress`` that reports a prefilled request's own failure to the engine."""
+        traceback.print_exc()
+        mx.clear_cache()
+        job = prefill.job
+        done, total = len(prefill.fed) - job.cached, len(job.prompt) - job.cached
+        return Progress(prefill.uid, (done, total), error=f"{what}: {type(e).__name__}: {e}")
 
     def remove(self, uids: list[int]) -> dict[int, KVState]:
         out = {u: self._prefills.pop(u).state(copied=False) for u in uids if u in self._prefills}
