@@ -47,6 +47,8 @@ def test_the_estimate_counts_patches_of_each_layout():
     grids = {"image_grid_thw": mx.array([[1, 4, 4], [1, 4, 4]])}
     got = tower_bytes(vlm(QWEN), {"pixel_values": flat, **grids})
     assert got == expected(32, 16, flat.size)  # embed_dim, not the output hidden_size
+    video = {"pixel_values_videos": flat, "video_grid_thw": mx.array([[2, 4, 4]])}
+    assert tower_bytes(vlm(QWEN), video) == expected(32, 32, flat.size)  # frames attend together
 
 
 def test_no_pixels_no_tower():

@@ -30,6 +30,7 @@ from typing import Any
 from mlx_server.types import GenerationRequest
 
 _ACTIVATION_BYTES = 4
+_PIXELS = ("pixel_values", "pixel_values_videos")  # images; Qwen-VL's videos
 _EXTRA_STATES = 16  # hidden-size activations besides one per layer (embeddings, projector)
 
 
@@ -59,10 +60,12 @@ def _elements(x: Any) -> tuple[int, int]:
 
 def tower_bytes(vlm: Any, inputs: dict[str, Any] | None) -> int:
     """Bytes the vision tower may hold while it encodes ``inputs`` (0 without pixels)."""
-    if not inputs or inputs.get("pixel_values") is None:
+    inputs = inputs or {}
+    pixels = [inputs[k] for k in _PIXELS if inputs.get(k) is not None]
+    if not pixels:
         return 0
     tower = getattr(getattr(vlm, "config", None), "vision_config", None)
-    size, images = _elements(inputs["pixel_values"])
+    size, images = _elements(pixels)
     # Qwen-VL: flat patches, one row of each grid's (t, h, w) per image or video.
     grids = [inputs.get(k) for k in ("image_grid_thw", "video_grid_thw")]
     counted = sum(int(g.shape[0]) for g in grids if g is not None and len(g.shape) == 2)
