@@ -237,3 +237,54 @@ def test_gemma3_batched_as_mlx_vlm_gives_and_checkpointed(gemma):
         )
     # The sliding-window cache cannot be rewound: the prompt's end was kept as a checkpoint.
     assert again.cached == len(req(0).prompt_tokens) - 1 and again.text == together[0].text
+
+
+@pytest.mark.parametrize("where", ["chunk", "join"])
+def test_a_failing_prefill_ends_its_request_alone(gemma, monkeypatch, where):
+    """A chunk of one prompt's prefill raising (after its vision tower ran), or its joining
+    the batch once prefilled, ends that request with the error; the requests beside it, with
+    an image and without, finish in full."""
+    from mlx_server.engine.runners.solo import LoneFirstRunner
+    from mlx_server.engine.runners.vision_prefill import VisionPrefill
+
+    model, tok, req, text = gemma
+    bad, good, plain = req(1, 6), req(0, 6), request(text, 6, ignore_eos=True)
+    assert len(bad.prompt_tokens) > 2 * 8  # two chunks at least: the second one fails
+    step, insert, calls = VisionPrefill.step, LoneFirstRunner.insert, []
+
+    def failing(self):
+        if self.job.request.request_id == bad.request_id:
+            calls.append(len(self.fed))
+            if len(calls) == 2 and where == "chunk":
+                raise RuntimeError("it broke")
+        return step(self)
+
+    def refusing(self, job):
+        if job.request.request_id == bad.request_id:
+            raise RuntimeError("it broke")
+        return insert(self, job)
+
+    config = EngineConfig(kv_bytes_per_token=256, prefill_step_size=8, prompt_cache_size=0)
+    engine = vision_engine(model, tok, config)
+    engine.start()
+    try:
+        monkeypatch.setattr(VisionPrefill, "step", failing)
+        monkeypatch.setattr(LoneFirstRunner, "insert", refusing if where == "join" else insert)
+        together = batched(engine, [good, bad, plain])
+        monkeypatch.setattr(VisionPrefill, "step", step)
+        monkeypatch.setattr(LoneFirstRunner, "insert", insert)
+        alone = [asyncio.run(generate(engine, r)) for r in (req(0, 6), plain)]
+        assert engine.active_count == 0
+    finally:
+        engine.shutdown(timeout=10)
+    # The tower ran and a chunk went in before the failure (all of them, joining).
+    assert calls[:2] == [0, 8] and (len(calls) == 2) == (where == "chunk")
+    for ours, theirs in zip([together[0], together[2]], alone, strict=True):
+        assert ours.finished.reason == "length" and ours.finished.usage.completion_tokens == 6
+        assert ours.text == theirs.text
+        assert [e.logprob for e in ours.logprobs] == pytest.approx(
+            [e.logprob for e in theirs.logprobs], abs=1e-3
+        )
+    failed = together[1].finished
+    what = "prefill failed" if where == "chunk" else "joining the batch failed"
+    assert failed.reason == "error" and f"{what}: RuntimeError: it broke" in (failed.error or "")

@@ -210,7 +210,7 @@ def _vision_prompt_builder(loaded: Any, settings: Settings) -> Any:
         allow_remote=settings.allow_remote_images,
     )
     log(
-        f"Vision: up to {limits.max_images} images per request, requests run one at a time, "
+        f"Vision: up to {limits.max_images} images per request, "
         f"remote image URLs {'allowed' if limits.allow_remote else 'refused'}"
     )
     return VisionPromptBuilder(loaded.processor, loaded.config, limits)

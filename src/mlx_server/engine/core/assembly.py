@@ -30,4 +30,5 @@ def scheduler(cfg: EngineConfig, cache: PrefixCache | None) -> Scheduler:
         kv_bytes_per_sequence=cfg.kv_bytes_per_sequence,
         prefix_cache=cache,
         gather_s=cfg.gather_s,
+        media_bytes=cfg.media_bytes,
     )

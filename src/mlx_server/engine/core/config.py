@@ -3,12 +3,14 @@ is not one of them: start-up builds it and hands it to the engine."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from mlx_server.engine.cache.checkpoints import CHUNK_EVERY
 from mlx_server.engine.cache.prefix import PrefixCache
 from mlx_server.engine.runners.base import Runner
+from mlx_server.types import GenerationRequest
 
 if TYPE_CHECKING:  # the disk tier's module is imported only where one is built
     from mlx_server.engine.cache.disk import DiskPromptCache
@@ -63,3 +65,6 @@ class EngineConfig:
     lockstep: Lockstep | None = None
     # Tokens between the chunk-boundary checkpoints of a long prefill (cache/checkpoints.py).
     checkpoint_every: int = CHUNK_EVERY
+    # A vision model's tower memory for a request's media, counted at its admission
+    # (runners/vision_memory.py); None: nothing besides KV.
+    media_bytes: Callable[[GenerationRequest], int] | None = None

@@ -37,11 +37,12 @@ class Seq:
     t_start: float = 0.0
     t_first: float = 0.0
     kv_bytes: int = 0
+    media_bytes: int = 0  # the vision tower's memory for its media, counted at admission
     system_end: int = 0  # prompt offset where the system prompt's KV state is worth caching
     prefill_left: int = 0  # prompt tokens still to prefill once inserted (0: decoding)
     uncached: int = -1  # estimate, while queued, of the tokens it will have to prefill
     logprobs: list[LogprobEntry] = field(default_factory=list)
-    fault: str | None = None  # set when this sequence's own sampler or processors failed
+    fault: str | None = None  # its own sampler, processors or prefill (the runner's) failed
     shared: SharedSampler | None = None  # the sampler it shares with same-settings sequences
     draft_n: int = 0  # speculative decoding: tokens drafted for it
     draft_accepted: int = 0  # of those, accepted

@@ -54,8 +54,9 @@ class Endings:
                 keep(seq, *saved.get(seq.uid, (None, [])))
 
     def faulted(self) -> None:
-        """Take sequences whose own sampler, processors or output failed out of the runner
-        and end each with its error; the others go on."""
+        """Take sequences whose own sampler, processors, output or step (a ``Progress``
+        with an error) failed out of the runner and end each with its error; the others go
+        on."""
         bad = faults.faulted(self.sched.active.values())
         if not bad:
             return

@@ -267,8 +267,13 @@ class Engine(OwnerThread):
         active = self._sched.active
         faults.blame_shared_samplers(active.values())
         for p in progress:
-            if p.uid in active:
-                done_n, total = p.progress
-                active[p.uid].prefill_left = total - done_n
+            seq = active.get(p.uid)
+            if seq is None:
+                continue
+            if p.error is not None:  # its own failure: it ends alone (``Endings.faulted``)
+                seq.fault = seq.fault or p.error
+                continue
+            done_n, total = p.progress
+            seq.prefill_left = total - done_n
         self._prefixes.save(progress, active)
         self._end.responses(responses)

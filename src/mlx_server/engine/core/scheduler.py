@@ -32,7 +32,12 @@ from mlx_server.engine.cache.prefix import PrefixCache
 from mlx_server.engine.core.delivery import Seq
 from mlx_server.engine.core.handle import GenerationHandle
 from mlx_server.engine.core.memory import MemoryBudget
-from mlx_server.errors import ContextLengthExceeded, Overloaded, overflow_message
+from mlx_server.errors import (
+    ContextLengthExceeded,
+    Overloaded,
+    RequestTooLarge,
+    overflow_message,
+)
 from mlx_server.types import GenerationRequest
 
 
@@ -50,6 +55,7 @@ class Scheduler:
         prefix_cache: PrefixCache | None,
         gather_s: float = 0.0,
         kv_bytes_per_sequence: int = 0,
+        media_bytes: Callable[[GenerationRequest], int] | None = None,
     ):
         self.max_batch_size = max_batch_size
         self.max_queue = max_queue
@@ -58,6 +64,8 @@ class Scheduler:
         self.kv_bytes_per_token = kv_bytes_per_token
         # Bytes a sequence holds whatever its length: sliding windows, recurrent states.
         self.kv_bytes_per_sequence = kv_bytes_per_sequence
+        # A vision model: the memory its tower takes for a request's media (vision_memory).
+        self.media_bytes = media_bytes
         self.pending: deque[Seq] = deque()
         self.active: dict[int, Seq] = {}
         # Re-entrant: a prefix read from disk that is already done when next_admissible asks
@@ -75,8 +83,9 @@ class Scheduler:
     # ---- any thread --------------------------------------------------------------------
 
     def queue(self, req: GenerationRequest, handle: GenerationHandle) -> None:
-        """Queue a request; raises ContextLengthExceeded if it can never fit the budget, Overloaded
-        when shutting down or the queue is full."""
+        """Queue a request; raises ContextLengthExceeded if its KV can never fit the budget,
+        RequestTooLarge if its KV and its media in the vision tower cannot, Overloaded when
+        shutting down or the queue is full."""
         n_prompt = len(req.prompt_tokens)
         need = (n_prompt + req.max_tokens) * self.kv_bytes_per_token + self.kv_bytes_per_sequence
         if need > self.kv_budget_bytes:
@@ -89,7 +98,21 @@ class Scheduler:
                 n_prompt_tokens=n_prompt,
                 n_ctx=longest,
             )
-        seq = Seq(req=req, handle=handle, t_submit=time.perf_counter(), kv_bytes=need)
+        media = self.media_bytes(req) if self.media_bytes and req.vision_inputs else 0
+        if need + media > self.kv_budget_bytes:
+            raise RequestTooLarge(
+                f"the request's images need about {_mib(media)} of memory in the vision "
+                f"tower, beside {_mib(need)} for its KV: more than the memory budget "
+                f"({_mib(self.kv_budget_bytes)}, --kv-budget-gb); send fewer or smaller images",
+                param="messages",
+            )
+        seq = Seq(
+            req=req,
+            handle=handle,
+            t_submit=time.perf_counter(),
+            kv_bytes=need,
+            media_bytes=media,
+        )
         with self.wake:
             if self.stopping:
                 raise Overloaded("the server is shutting down")
@@ -181,8 +204,11 @@ class Scheduler:
                 if blocked and not short:
                     continue
                 # The budget counts the prefix cache and MLX's buffer cache too; they give
-                # memory back before a request waits.
-                fits = not self.active or self.memory.fits(self.kv_in_use + seq.kv_bytes)
+                # memory back before a request waits. A request with media counts its
+                # vision tower too, and makes room for it even when it would run alone.
+                need = self.kv_in_use + seq.kv_bytes + seq.media_bytes
+                fits = (not self.active and not seq.media_bytes) or self.memory.fits(need)
+                fits = fits or not self.active  # alone it fits (``queue`` checked)
                 if fits and (short or self.may_start_prefill(seq)):
                     self.pending.remove(seq)
                     return seq
@@ -246,3 +272,7 @@ class Scheduler:
                 self.pending.clear()
         self.kv_in_use = 0
         return seqs
+
+
+def _mib(n: int) -> str:
+    return f"{n / (1 << 20):.1f} MiB"

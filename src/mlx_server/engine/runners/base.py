@@ -8,6 +8,8 @@ and when; a runner decides *how* its sequences are computed:
   processors come in an ``Insert``), keyed by the ``uid`` the scheduler gave it;
 - ``step()`` advances every sequence once and answers prefill ``Progress`` and one
   ``Response`` (token, log-probabilities, finish reason) per sequence that produced a token;
+  a sequence whose own work failed (a vision prompt's prefill chunk) is reported by a
+  ``Progress`` with its ``error``, and the engine ends that sequence alone;
 - ``remove(uids)`` takes sequences out, returning their KV state (cache, tokens) so that
   the prefix cache can keep it;
 - ``extract_state(uids)`` copies sequences' KV state while they go on (the system-prompt
@@ -78,12 +80,15 @@ class Insert:
 
 @dataclass
 class Progress:
-    """Prefill progress of one sequence: ``progress`` is (tokens done, tokens to do)."""
+    """Prefill progress of one sequence: ``progress`` is (tokens done, tokens to do).
+    ``error``: this sequence's own step failed (why); the runner has dropped its work, the
+    engine ends it with that error and the others go on."""
 
     uid: int
     progress: tuple[int, int]
     end_of_segment: bool = False
     end_of_prompt: bool = False
+    error: str | None = None
 
 
 @dataclass

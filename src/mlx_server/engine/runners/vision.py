@@ -23,6 +23,7 @@ from mlx_server.engine.core.config import EngineConfig
 from mlx_server.engine.runners.assembly import batch_settings, eos_ids
 from mlx_server.engine.runners.base import Insert, KVState, Progress, Response, Runner
 from mlx_server.engine.runners.vision_batch import VisionBatchRunner
+from mlx_server.engine.runners.vision_memory import media_bytes
 from mlx_server.engine.runners.vision_prefill import batch_refusal
 from mlx_server.logs import log
 
@@ -120,7 +121,7 @@ def vision_runner(model: Any, tokenizer: Any, config: EngineConfig | None = None
     """Requests share the continuous batch and the prefix cache
     (``vision_batch.VisionBatchRunner``) where the model allows it
     (``vision_prefill.batch_refusal``), else run one at a time, FIFO (``VisionRunner``)."""
-    config = replace(config or EngineConfig(), warm_up=False)
+    config = replace(config or EngineConfig(), warm_up=False, media_bytes=media_bytes(model))
     eos = eos_ids(tokenizer)
     serial_reason = batch_refusal(model)
     if serial_reason:

@@ -5,7 +5,10 @@ A request whose uncached prompt holds images or videos is prefilled by a ``Visio
 interleaved with the batch's decode steps); then it joins the ``BatchRunner`` over the
 language model. Every other request — text-only, or one whose media are all in its cached
 prefix — is a text request of the language model and takes the text path: the lone runner
-while it is alone, the batch otherwise (``solo.LoneFirstRunner``).
+while it is alone, the batch otherwise (``solo.LoneFirstRunner``). A prefill that fails
+(the tower at ``insert``, a chunk at ``step``) fails its own request only: each prompt is
+prefilled into a cache of its own, and a chunk's failure comes back as that sequence's
+``Progress.error``.
 
 The prefix cache keys a prompt with media by ``GenerationRequest.cache_key``: the prompt's
 tokens with each media placeholder replaced by a digest of the media (``models/
@@ -16,9 +19,12 @@ states in the key's terms, which is what the engine stores.
 
 from __future__ import annotations
 
+import traceback
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
+
+import mlx.core as mx
 
 from mlx_server.engine.cache.mrope import set_delta
 from mlx_server.engine.runners.base import Insert, KVState, Progress, Response
@@ -99,23 +105,26 @@ class VisionBatchRunner:
         # A prompt prefilled last step goes on now (until then the engine could take its
         # state at the prompt's end: a checkpoint, for caches that cannot be rewound), as a
         # prefix-cache hit would: on the lone runner if it is alone, else in the batch.
+        failed: list[Progress] = []
         for uid, prefill in list(self._prefills.items()):
             if prefill.done:
                 del self._prefills[uid]
                 job = prefill.job
                 alone = job.alone and not self._prefills
                 cached = len(prefill.fed)
-                self.text.insert(
-                    replace(
-                        job,
-                        cached=cached,
-                        cache=prefill.cache,
-                        system_end=0,
-                        checkpoints=(),
-                        alone=alone,
-                    )
+                joining = replace(
+                    job,
+                    cached=cached,
+                    cache=prefill.cache,
+                    system_end=0,
+                    checkpoints=(),
+                    alone=alone,
                 )
-        progress = [p.step() for p in self._prefills.values()]  # a failure: the engine's
+                try:  # a runner's insert that raises starts nothing: this request's failure
+                    self.text.insert(joining)
+                except Exception as e:
+                    failed.append(self._failed(prefill, "joining the batch failed", e))
+        progress = failed + [self._prefill_step(uid, p) for uid, p in list(self._prefills.items())]
         if isinstance(self.text, BatchRunner) and not len(self.batch):
             return progress, []
         more, responses = self.text.step()
@@ -128,6 +137,24 @@ class VisionBatchRunner:
             if r.finish_reason is not None:
                 self._forget(r.uid)
         return progress + more, responses
+
+    def _prefill_step(self, uid: int, prefill: VisionPrefill) -> Progress:
+        """One chunk of a prompt's prefill. Its failure is this request's alone (its cache is
+        its own): the prefill is dropped and the engine ends the request with the error."""
+        try:
+            return prefill.step()
+        except Exception as e:
+            del self._prefills[uid]
+            return self._failed(prefill, "prefill failed", e)
+
+    @staticmethod
+    def _failed(prefill: VisionPrefill, what: str, e: Exception) -> Progress:
+        """The ``Progress`` that reports a prefilled request's own failure to the engine."""
+        traceback.print_exc()
+        mx.clear_cache()
+        job = prefill.job
+        done, total = len(prefill.fed) - job.cached, len(job.prompt) - job.cached
+        return Progress(prefill.uid, (done, total), error=f"{what}: {type(e).__name__}: {e}")
 
     def remove(self, uids: list[int]) -> dict[int, KVState]:
         out = {u: self._prefills.pop(u).state(copied=False) for u in uids if u in self._prefills}

@@ -1,0 +1,114 @@
+"""The vision tower's memory at admission: the estimate from the pixel values' shapes and the
+tower's config (runners/vision_memory.py), and the scheduler counting it — refused when the
+KV and the tower cannot fit the budget at all, waiting while they cannot fit beside the
+running requests."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import mlx.core as mx
+import pytest
+
+from mlx_server.engine.core.handle import GenerationHandle
+from mlx_server.engine.core.scheduler import Scheduler
+from mlx_server.engine.runners.vision_memory import media_bytes, tower_bytes
+from mlx_server.errors import RequestTooLarge
+from mlx_server.types import GenerationRequest
+
+SIGLIP = SimpleNamespace(
+    hidden_size=64, num_hidden_layers=2, intermediate_size=128, num_attention_heads=4,
+    patch_size=14, num_channels=3,
+)  # fmt: skip
+QWEN = SimpleNamespace(
+    embed_dim=64, hidden_size=999, depth=2, mlp_ratio=2, num_heads=4, patch_size=14,
+    temporal_patch_size=2, in_channels=3,
+)  # fmt: skip
+
+
+def vlm(tower: SimpleNamespace) -> SimpleNamespace:
+    return SimpleNamespace(config=SimpleNamespace(vision_config=tower))
+
+
+def expected(patches: int, per_image: int, pixels: int) -> int:
+    per_patch = 64 * (2 + 16) + 2 * 128 + 2 * 4 * per_image
+    return patches * per_patch * 4 + pixels * 4
+
+
+def test_the_estimate_counts_patches_of_each_layout():
+    image = mx.zeros((1, 3, 56, 56))  # 16 patches
+    assert tower_bytes(vlm(SIGLIP), {"pixel_values": image}) == expected(16, 16, image.size)
+    tiles = mx.zeros((1, 2, 3, 56, 56))  # Idefics3: two tiles of 16 patches
+    assert tower_bytes(vlm(SIGLIP), {"pixel_values": tiles}) == expected(32, 16, tiles.size)
+    both = [image, image]  # a list of images (Pixtral)
+    assert tower_bytes(vlm(SIGLIP), {"pixel_values": both}) == expected(32, 16, 2 * image.size)
+    flat = mx.zeros((32, 3 * 2 * 14 * 14))  # Qwen-VL: two images' flat patches
+    grids = {"image_grid_thw": mx.array([[1, 4, 4], [1, 4, 4]])}
+    got = tower_bytes(vlm(QWEN), {"pixel_values": flat, **grids})
+    assert got == expected(32, 16, flat.size)  # embed_dim, not the output hidden_size
+    video = {"pixel_values_videos": flat, "video_grid_thw": mx.array([[2, 4, 4]])}
+    assert tower_bytes(vlm(QWEN), video) == expected(32, 32, flat.size)  # frames attend together
+
+
+def test_no_pixels_no_tower():
+    assert tower_bytes(vlm(SIGLIP), None) == 0
+    assert tower_bytes(vlm(SIGLIP), {"attention_mask": mx.ones((1, 4))}) == 0
+
+
+def request(i: int, side: int) -> GenerationRequest:
+    inputs = {"pixel_values": mx.zeros((1, 3, side, side))}
+    return GenerationRequest(f"r{i}", [1] * 10, 10, vision_inputs=inputs)
+
+
+@pytest.fixture(autouse=True)
+def buffer_cache_limit():
+    """The scheduler's budget lowers MLX's buffer-cache limit (process-wide): put it back."""
+    limit = mx.set_cache_limit(0)
+    mx.set_cache_limit(limit)
+    yield
+    mx.set_cache_limit(limit)
+
+
+@pytest.fixture
+def handle():
+    """Handles for queued requests (nothing is delivered to them)."""
+    loop = asyncio.new_event_loop()
+    yield lambda request_id: GenerationHandle(request_id, loop)
+    loop.close()
+
+
+def scheduler(budget: int) -> Scheduler:
+    return Scheduler(
+        max_batch_size=8,
+        max_queue=8,
+        prefill_step_size=512,
+        kv_budget_bytes=budget,
+        kv_bytes_per_token=16,
+        prefix_cache=None,
+        media_bytes=media_bytes(vlm(SIGLIP)),
+    )
+
+
+def test_a_request_whose_tower_cannot_fit_the_budget_is_refused(handle):
+    small = tower_bytes(vlm(SIGLIP), request(0, 56).vision_inputs)
+    sched = scheduler(small + 20 * 16)  # the KV (20 tokens) and one small image's tower
+    sched.queue(request(0, 56), handle("r0"))
+    with pytest.raises(RequestTooLarge, match="vision tower") as err:
+        sched.queue(request(1, 112), handle("r1"))
+    assert err.value.status == 413 and len(sched.pending) == 1
+
+
+def test_a_request_waits_while_its_tower_cannot_fit_beside_the_running_ones(handle):
+    small = tower_bytes(vlm(SIGLIP), request(0, 56).vision_inputs)
+    sched = scheduler(small + 2 * 20 * 16 - 1)  # two requests' KV, one of them with its tower
+    for i in range(2):
+        sched.queue(request(i, 56), handle(f"r{i}"))
+    first = sched.next_admissible(lambda s: None)
+    assert first is not None and first.media_bytes == small
+    first.uid = sched.next_uid()
+    sched.run(first)
+    assert sched.next_admissible(lambda s: None) is None  # its tower would not fit
+    sched.active.pop(first.uid)
+    sched.release(first)
+    assert sched.next_admissible(lambda s: None) is not None
