@@ -14,6 +14,7 @@ from mlx_server.engine.speculative.controller import (
     spacing,
 )
 from mlx_server.engine.speculative.costs import StepCosts, bucket
+from mlx_server.engine.speculative.plan_log import PlanLog
 
 
 def test_a_build_far_above_the_estimate_is_left_out_and_two_in_a_row_count() -> None:
@@ -134,3 +135,21 @@ def test_probes_are_spaced_by_what_a_pass_costs() -> None:
     c.record_verify(1, 1, 0.061)  # 6.1 plain steps: once in 170 steps adds 3 %
     assert spacing(c, 1, 1) == 170
     assert spacing(StepCosts(8), 1, 1) == 0  # nothing measured: the plan measures first
+
+
+def test_the_log_says_why_a_batch_stopped_drafting_and_what_was_left_out() -> None:
+    log = PlanLog()
+    plan, rows = BatchPlan(8, log=log), [Acceptance() for _ in range(4)]
+    plan.record_plain(4, T0)
+    plan.record_plain(4, T0)
+    assert plan.worth_trying(rows)  # a draft model's prior: expected to pay at the guess
+    for _ in range(3):  # the first pass, a build, then the pass's cost
+        plan.record_draft(4, 8, [0.5, 3.0, 0.03][_])
+    for r in rows:
+        r.record(8, 0)
+        r.record(8, 0)  # two failures: every row backs off
+    plan.record_try(32, 0)
+    assert not plan.worth_trying(rows)
+    text = log.summary()
+    assert "drafting stopped 1 time(s)" in text and "batch 4" in text
+    assert "w=8: 3.00" in text and "left out as kernel builds: 1" in text

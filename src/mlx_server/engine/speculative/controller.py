@@ -223,6 +223,8 @@ class BatchPlan:
         self.tries = Acceptance()  # the batch's own back-off for probes (its rate is unused)
         self._undrafted: dict[int, int] = {}  # steps since the last drafting one, by size
         self._forced = False  # this step drafts whatever the costs say (probe, explore)
+        self._drafting = False  # the last decision drafted (a stop is logged once)
+        self._step: tuple[int, list[float]] = (0, [])  # this step's batch size and rates
         if log is not None:
             log.watch(self.costs)
 
@@ -235,6 +237,7 @@ class BatchPlan:
         if self.max_k <= 0 or not self.costs.measured(b):
             return self._say(False, why.MEASURING)
         rates = [r.rate if r is not None else 0.0 for r in rows]
+        self._step = (b, rates)
         # Shadowed rows' rates are current: they draft as soon as it pays.
         shadowed = [self.max_k if r is not None and not r.backs_off else 0 for r in rows]
         if any(shadowed) and self.costs.best(b, rates, shadowed) > 0:
@@ -264,6 +267,17 @@ class BatchPlan:
     def _say(self, drafts: bool, reason: str) -> bool:
         if self.log is not None:
             self.log.decided(reason)
+            if self._drafting and not drafts and reason != why.MEASURING:
+                b, rates = self._step
+                cost = self.costs.cost(b, self.max_k)
+                t0 = self.costs.t0.get(b) or 0.0
+                ratio = cost / t0 if cost and t0 else 0.0
+                top = max(rates, default=0.0)
+                self.log.stopped(
+                    f"{reason} (batch {b}, best rate {top:.2f}, "
+                    f"width {self.max_k} costs {ratio:.2f} steps)"
+                )
+        self._drafting = drafts
         return drafts
 
     def choose(self, rows: Sequence[Acceptance | None], lengths: Sequence[int]) -> int:
