@@ -3,13 +3,12 @@ holds, that each runs the pass it names, and that none run where the warm-up is 
 
 from __future__ import annotations
 
-import asyncio
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
-from engine_runner import text_engine
+from engine_runner import request, solo, text_engine
 
 from mlx_server.engine.core.engine import EngineConfig
 from mlx_server.engine.core.tuning import WarmUp
@@ -19,8 +18,6 @@ from mlx_server.engine.speculative import batch as spec_batch
 from mlx_server.engine.speculative import warm
 from mlx_server.engine.speculative.assembly import speculative_runner
 from mlx_server.engine.speculative.runner import Speculation
-from mlx_server.events import Finished
-from mlx_server.types import GenerationRequest, SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -112,19 +109,7 @@ def test_an_engine_serves_after_warming_its_verify_passes_while_idle(lm, passes)
             ("batch", b, w) for b in (1, 2) for w in (1, 2)
         }
 
-        async def go() -> Finished:
-            req = GenerationRequest(
-                request_id="r",
-                prompt_tokens=tokenizer.encode("Hello there"),
-                max_tokens=5,
-                sampling=SamplingParams(temperature=0.0),
-                ignore_eos=True,
-            )
-            async for event in engine.submit(req):
-                if isinstance(event, Finished):
-                    return event
-            raise AssertionError("no Finished event")
-
-        assert asyncio.run(go()).usage.completion_tokens == 5
+        done = solo(engine, [request(tokenizer.encode("Hello there"), 5, ignore_eos=True)])
+        assert done[0].finished.usage.completion_tokens == 5
     finally:
         engine.shutdown()
