@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from mlx_server.engine.speculative import plan_log as why
 from mlx_server.engine.speculative.controller import (
     PROBE_SHARE,
     Acceptance,
@@ -153,3 +154,25 @@ def test_the_log_says_why_a_batch_stopped_drafting_and_what_was_left_out() -> No
     text = log.summary()
     assert "drafting stopped 1 time(s)" in text and "batch 4" in text
     assert "w=8: 3.00" in text and "left out as kernel builds: 1" in text
+
+
+def test_a_lone_sequence_whose_pass_was_measured_too_dear_measures_it_again() -> None:
+    log = PlanLog()
+    plan = DraftLength(8, shadowed=True, log=log)  # a lookup: its rate is current
+    dear, cheap = 0.200, 0.015  # a pass measured on a busy machine, then what it costs
+    drafted = steps = 0
+    while steps < 2000:
+        steps += 1
+        k = plan.next_k()
+        if k:
+            w = bucket(k, 8)
+            plan.record(k, k, dear if drafted < 2 else cheap, w)
+            drafted += 1
+        else:
+            plan.record_plain(T0)
+            plan.acceptance.observe(8, 8)  # the shadow drafts match
+        if drafted > 2 and log.steps[why.DRAFTS] > 100:
+            break
+    assert log.steps[why.EXPLORE] >= 1  # it measured again...
+    assert log.steps[why.DRAFTS] > 100  # ...and drafts since
+    assert steps < 1000  # the first explore waits out the spacing of a 20-step pass: 634

@@ -20,7 +20,9 @@ A draft model costs a forward pass per token: it is not shadowed, and instead ba
 ``MAX_WAIT``, and probes with one token when the wait ends; one accepted token resets it.
 
 Steps that draft without the plan expecting them to pay (a probe after backing off, a
-batch's exploring step) are spaced by what they cost: at least ``spacing`` steps apart, so
+batch's or a lone sequence's exploring step, which drafts now and then where the drafts
+match but the measured cost says verifying does not pay, so that a cost measured too high
+is measured again) are spaced by what they cost: at least ``spacing`` steps apart, so
 that with nothing ever accepted they add at most ``PROBE_SHARE`` of plain decoding's time
 (a pass measured at 6 plain steps probes once in 167 steps, one at 1.15 once in 5).
 
@@ -163,6 +165,10 @@ class DraftLength:
         if acc.backs_off:
             acc.back_off()  # it does not pay at this rate: wait, then probe
         free = self.costs.best(1, [acc.rate], [self.max_k], free=True)
+        if free and not acc.backs_off:  # the drafts match: is the measured cost still right?
+            every = max(BatchPlan.EXPLORE_EVERY, spacing(self.costs, 1, free))
+            if self._steps - self._drafted_at >= every:
+                return self._draft(free, why.EXPLORE)
         return self._plain(why.COST if free else why.RATE)
 
     def _draft(self, k: int, reason: str) -> int:
