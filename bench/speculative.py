@@ -1,8 +1,8 @@
 """Speculative decoding against the server's own plain decoding, side by side in one run.
 
 Every run goes through the engine as the server builds it (``speculative_support.streams``:
-the lone-request runner for one stream, continuous batching for several), greedy, EOS
-ignored; the baseline is the same engine without speculation, run before and after each
+the lone-request runner for one stream, continuous batching for several, its warm-up
+done, idle-time pieces included, before anything is timed), greedy, EOS ignored; the baseline is the same engine without speculation, run before and after each
 speculating run (its ratio is to their mean). Workloads:
 
 - ``code``: a 60-line source file asked back with one rename (prompt lookup's best case);
@@ -16,7 +16,8 @@ Each runs at one stream and at ``--streams`` streams (each stream its own prompt
 prompt lookup (or the predictions), and with random drafts (nothing to accept: the cost of
 trying, which must stay near 1.0x). Each speculating run prints the plan's decisions (how
 many steps drafted, why the others did not, the measured verify cost per batch size and
-width over a plain step); each stream's text is compared with the plain run's, and where
+width over a plain step, the samples left out as kernel builds, how often and why drafting
+stopped); each stream's text is compared with the plain run's, and where
 one parts from plain greedy decoding the top-2 log-probability margin there is printed (a
 near-tie is what another kernel's rounding flips). Then the step costs measured directly:
 a forward pass over k + 1 tokens against a decode step, alone and at ``--streams`` rows.

@@ -3,9 +3,10 @@
 # and STREAMS streams, with and without speculation in one run, ratios printed): the code edit and prose with prompt
 # lookup, the Predicted Outputs ceiling (each request predicts its own plain answer with a 10-token span in the middle
 # changed), and random drafts (nothing to accept: must stay near 1.0x). Each speculating run prints the plan's
-# decisions and the verify cost it measured per batch size and width; where an answer parts from plain greedy
-# decoding, the top-2 margin there. Models: the demo model dequantized to float16 and random-weight models of real
-# sizes (their answers are noise, the predicted outputs still match exactly).
+# decisions and the verify cost it measured per batch size and width (and the samples it left out as kernel builds,
+# how often and why drafting stopped); each engine's warm-up, verify passes included, ends before timing; where an
+# answer parts from plain greedy decoding, the top-2 margin there. Models: the demo model dequantized to float16 and
+# random-weight models of real sizes (their answers are noise, the predicted outputs still match exactly).
 #
 # How to run it next session (six GPU calls, each right after the last, so the machine stays warm; see
 # docs/benchmarks.md, "Speculative decoding"):

@@ -10,7 +10,9 @@ size stalls unless it was run once before the server says it is ready.
 from __future__ import annotations
 
 import time
-from collections.abc import Generator
+from collections.abc import Callable, Generator
+from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import mlx.core as mx
@@ -60,6 +62,22 @@ def default_prefill_step() -> int:
     return GPU_PREFILL_STEP if on_gpu() else CPU_PREFILL_STEP
 
 
+# One piece of the warm-up: called, a generator whose steps are run one at a time.
+Piece = Callable[[], Generator[None, None, None]]
+
+
+@dataclass
+class ShapePieces:
+    """Shapes a runner of its own adds to the warm-up (a speculative runner's verify
+    passes): ``first`` before serving, ``later`` by batch size in idle time, each size's
+    after its decode steps; ``budget_s``: seconds they add to the warm-up's budget."""
+
+    first: list[Piece] = field(default_factory=list)
+    later: dict[int, list[Piece]] = field(default_factory=dict)
+    budget_s: float = 0.0
+    what: str = ""  # for the log line: "verify passes of widths 1, 2, 4, 8"
+
+
 def warm_up(
     model: Any,
     max_batch_size: int,
@@ -83,8 +101,9 @@ class WarmUp:
     the lone path's prefill buckets and batch size 1. Afterwards, one piece at a time while
     the engine has nothing else to do (``step``): batch sizes 2 to ``max_batch_size``, the
     small ones first (what a few concurrent requests meet), then a full prefill chunk in
-    the batch. A piece is one step of a generator of the warm-up's own (one prefill chunk
-    or one decode step at one batch size), so a request that arrives meanwhile waits for
+    the batch. A runner may add shapes of its own (``shapes``: a speculative runner's
+    verify passes). A piece is one step of a generator of the warm-up's own (one prefill
+    chunk or one decode step at one batch size), so a request that arrives meanwhile waits for
     that step only; a shape it meets before its piece has run is built on first use, as it
     would have been without a warm-up."""
 
@@ -96,18 +115,22 @@ class WarmUp:
         budget_s: float = 30.0,
         *,
         buckets: bool = False,
+        shapes: ShapePieces | None = None,
     ):
         self.model = model
         self.max_batch_size = max_batch_size
         self.step_size = prefill_step_size
-        self.budget_s = budget_s
+        shapes = shapes or ShapePieces()
+        self.budget_s = budget_s + shapes.budget_s
+        self._first = shapes.first
         self.buckets = buckets
         self.spent = 0.0  # seconds, over every piece run so far
         self.pieces = 0  # pieces run after the readiness line
         full = [[1 + i % 7 for i in range(prefill_step_size + 1)]]
-        self._later: list[tuple[list[list[int]], int]] = [
-            (_prompts(n), 3) for n in range(2, max_batch_size + 1)
-        ] + [(full, 2)]
+        self._later: list[Piece] = list(shapes.later.get(1, []))
+        for n in range(2, max_batch_size + 1):
+            self._later += [partial(self._drain, _prompts(n), 3), *shapes.later.get(n, [])]
+        self._later.append(partial(self._drain, full, 2))
         # the drain under way, one piece (generator step) at a time
         self._run: Generator[None, None, None] | None = None
 
@@ -122,8 +145,10 @@ class WarmUp:
         try:
             if self.buckets:
                 _prefill_buckets(self.model, self.step_size)
-            for _ in self._drain(_prompts(1), 3):
-                pass
+            pieces: list[Piece] = [partial(self._drain, _prompts(1), 3), *self._first]
+            for piece in pieces:
+                for _ in piece():
+                    pass
         finally:
             mx.clear_cache()
         return self._spend(t0)
@@ -133,7 +158,7 @@ class WarmUp:
         t0 = time.perf_counter()
         try:
             if self._run is None:
-                self._run = self._drain(*self._later.pop(0))
+                self._run = self._later.pop(0)()
             if next(self._run, StopIteration) is StopIteration:
                 self._run = None
         except BaseException:

@@ -1,5 +1,6 @@
 """The engine's warm-up: one token before serving, every batch size's shapes (a lone
-request's before serving, the rest in idle time; see ``tuning.WarmUp``)."""
+request's before serving, the rest in idle time; see ``tuning.WarmUp``), and the shapes
+the runner adds (``warm_shapes``: a speculative runner's verify passes)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from typing import Any
 
 from mlx_server.engine.core import faults
 from mlx_server.engine.core.config import EngineConfig
-from mlx_server.engine.core.tuning import WarmUp, first_token
+from mlx_server.engine.core.tuning import ShapePieces, WarmUp, first_token
 from mlx_server.engine.sampling.samplers import reset_random_state
 from mlx_server.logs import log
 
@@ -15,9 +16,10 @@ from mlx_server.logs import log
 class Warming:
     """What is left of the warm-up; ``pending`` while pieces wait for idle time."""
 
-    def __init__(self, model: Any, config: EngineConfig):
+    def __init__(self, model: Any, config: EngineConfig, runner: Any = None):
         self._model = model
         self._config = config
+        self._runner = runner
         self._plan: WarmUp | None = None
 
     @property
@@ -38,12 +40,15 @@ class Warming:
         if cfg.warm_up:
             try:
                 n, step, buckets = cfg.max_batch_size, cfg.prefill_step_size, cfg.prefill_buckets
-                plan = WarmUp(self._model, n, step, budget, buckets=buckets)
+                shapes = self._shapes(n)
+                plan = WarmUp(self._model, n, step, budget, buckets=buckets, shapes=shapes)
                 secs = plan.before_ready()
                 if budget == float("inf"):  # ranks in lockstep: every rank, every piece, now
                     while plan.pending:
                         secs += plan.step()
                 what = ", the prefill buckets" if buckets else ""
+                if shapes is not None and shapes.what:
+                    what += f", {shapes.what}"
                 sizes, later = (
                     ("1", f"; batch sizes 2-{n} while idle") if plan.pending else (f"1-{n}", "")
                 )
@@ -52,6 +57,11 @@ class Warming:
             except Exception as e:  # serving without it is slower at first, not wrong
                 log(f"Warm-up failed: {faults.describe(e)}")
         return ""
+
+    def _shapes(self, max_batch_size: int) -> ShapePieces | None:
+        """What the runner adds to the warm-up (a runner without ``warm_shapes``: nothing)."""
+        shapes = getattr(self._runner, "warm_shapes", None)
+        return shapes(max_batch_size) if shapes is not None else None
 
     def close(self) -> None:
         """Drop what is left (a drain under way gives its generator back)."""

@@ -14,9 +14,11 @@ from typing import Any
 
 from mlx_lm.generate import BatchGenerator
 
+from mlx_server.engine.core.tuning import ShapePieces
 from mlx_server.engine.runners.base import Insert, Progress, Response
 from mlx_server.engine.runners.batch import BatchRunner
 from mlx_server.engine.sampling.samplers import LogitsProcessor, Sampler
+from mlx_server.engine.speculative import warm
 from mlx_server.engine.speculative.batch import BatchSpeculator, RowSpec, install
 from mlx_server.engine.speculative.costs import StepCosts
 from mlx_server.engine.speculative.drafters import DraftModel
@@ -65,6 +67,15 @@ class SpeculativeBatchRunner(BatchRunner):
         )
         install(gen, self.speculator)
         return gen
+
+    def warm_shapes(self, max_batch_size: int) -> ShapePieces:
+        """A verifying step of each width at each batch size (``warm``): a lone one's
+        before serving, the others in idle time."""
+        k, step = self.spec.num_draft_tokens, self._step_size
+        pieces = warm.batch_pieces(
+            self.model, k, range(1, max_batch_size + 1), max_batch_size, step
+        )
+        return warm.shapes(pieces.pop(1), pieces, k)
 
     def _grammar_of(self, gen_uid: int) -> tuple[Any, ...]:
         """A row's grammar when the batch masks it (it has left mlx-lm's per-row list): in

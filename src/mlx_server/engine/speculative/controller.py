@@ -19,6 +19,13 @@ A draft model costs a forward pass per token: it is not shadowed, and instead ba
 (``Acceptance``): after two failed tries it stops for 4 steps, then 8, ... up to
 ``MAX_WAIT``, and probes with one token when the wait ends; one accepted token resets it.
 
+Steps that draft without the plan expecting them to pay (a probe after backing off, a
+batch's or a lone sequence's exploring step, which drafts now and then where the drafts
+match but the measured cost says verifying does not pay, so that a cost measured too high
+is measured again) are spaced by what they cost: at least ``spacing`` steps apart, so
+that with nothing ever accepted they add at most ``PROBE_SHARE`` of plain decoding's time
+(a pass measured at 6 plain steps probes once in 167 steps, one at 1.15 once in 5).
+
 ``DraftLength`` is the lone sequence's controller; ``BatchPlan`` picks one width for a
 batch (each row drafts at most that many, padded to it). Both report each decision to a
 ``plan_log.PlanLog`` when given one.
@@ -26,6 +33,7 @@ batch (each row drafts at most that many, padded to it). Both report each decisi
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 from mlx_server.engine.speculative import plan_log as why
@@ -37,6 +45,16 @@ MAX_WAIT = 256
 FAILS_BEFORE_WAIT = 2
 EMA = 0.2  # per scored position: a run of 8 accepted tokens lifts a rate of 0 to 0.83
 PRIOR = 0.6  # the rate of a drafter not shadowed, before its first try
+PROBE_SHARE = 0.03  # of plain decoding's time, the most that probing steps may add
+
+
+def spacing(costs: StepCosts, batch: int, width: int) -> int:
+    """Steps between two probing passes of ``width`` at ``batch`` rows, so that passes
+    which yield nothing add at most ``PROBE_SHARE`` of plain decoding's time."""
+    cost, t0 = costs.cost(batch, width), costs.t0.get(batch)
+    if not cost or not t0:
+        return 0
+    return math.ceil((cost / t0 - 1) / PROBE_SHARE)
 
 
 class Acceptance:
@@ -116,6 +134,7 @@ class DraftLength:
         self.costs = costs if costs is not None else StepCosts(max_k)
         self.log = log
         self._steps = 0
+        self._drafted_at = 0  # the step that last verified a draft
         self._drafting = False  # the last decision drafted (a stop is logged once)
         if log is not None:
             log.watch(self.costs)
@@ -140,10 +159,16 @@ class DraftLength:
         if k > 0:
             return self._draft(k, why.DRAFTS)
         if acc.due:  # a probe: the text may have turned repetitive
-            return self._draft(1, why.PROBE)
+            if self._steps - self._drafted_at >= spacing(self.costs, 1, 1):
+                return self._draft(1, why.PROBE)
+            return self._plain(why.BACKING_OFF)  # too soon for what a pass costs
         if acc.backs_off:
             acc.back_off()  # it does not pay at this rate: wait, then probe
         free = self.costs.best(1, [acc.rate], [self.max_k], free=True)
+        if free and not acc.backs_off:  # the drafts match: is the measured cost still right?
+            every = max(BatchPlan.EXPLORE_EVERY, spacing(self.costs, 1, free))
+            if self._steps - self._drafted_at >= every:
+                return self._draft(free, why.EXPLORE)
         return self._plain(why.COST if free else why.RATE)
 
     def _draft(self, k: int, reason: str) -> int:
@@ -170,6 +195,7 @@ class DraftLength:
         and (``seconds``, counted only when there was a draft) its pass of ``width``."""
         self.acceptance.record(drafted, accepted)
         if drafted:
+            self._drafted_at = self._steps
             self.costs.record_verify(1, width or drafted, seconds)
             if self.log is not None:
                 self.log.verified(drafted, accepted, seconds)
@@ -190,7 +216,8 @@ class BatchPlan:
     accepted, wait 4, 8, ... steps), so the unaligned probes of rows that back off (a
     draft model's) do not each cost it a step. Now and
     then (``EXPLORE_EVERY`` steps at a batch size that does not draft, while some row's
-    drafts are accepted at all) one step drafts anyway, to measure its cost afresh."""
+    drafts are accepted at all) one step drafts anyway, to measure its cost afresh. Those
+    two, and a try after backing off, come at most once in ``spacing`` steps."""
 
     EXPLORE_EVERY = 256
     EXPLORE_RATE = 0.1
@@ -202,6 +229,8 @@ class BatchPlan:
         self.tries = Acceptance()  # the batch's own back-off for probes (its rate is unused)
         self._undrafted: dict[int, int] = {}  # steps since the last drafting one, by size
         self._forced = False  # this step drafts whatever the costs say (probe, explore)
+        self._drafting = False  # the last decision drafted (a stop is logged once)
+        self._step: tuple[int, list[float]] = (0, [])  # this step's batch size and rates
         if log is not None:
             log.watch(self.costs)
 
@@ -210,9 +239,11 @@ class BatchPlan:
         ready row drafted ``max_k``? (Reading them costs the step its pipelining.)"""
         self._forced = False
         b = len(rows)
+        since = self._undrafted[b] = self._undrafted.get(b, 0) + 1
         if self.max_k <= 0 or not self.costs.measured(b):
             return self._say(False, why.MEASURING)
         rates = [r.rate if r is not None else 0.0 for r in rows]
+        self._step = (b, rates)
         # Shadowed rows' rates are current: they draft as soon as it pays.
         shadowed = [self.max_k if r is not None and not r.backs_off else 0 for r in rows]
         if any(shadowed) and self.costs.best(b, rates, shadowed) > 0:
@@ -226,11 +257,15 @@ class BatchPlan:
         lengths = [self.max_k if r is not None and r.ready else 0 for r in rows]
         if not any(lengths):
             return self._say(False, why.BACKING_OFF)
-        if self.costs.best(b, rates, lengths) > 0:
+        k = self.costs.best(b, rates, lengths)
+        if k > 0:
+            if self.tries.fails and since < spacing(self.costs, b, k):
+                return self._say(False, why.BACKING_OFF)  # a try after failures: too soon
             return self._say(True, why.DRAFTS)
-        n = self._undrafted[b] = self._undrafted.get(b, 0) + 1
-        if n % self.EXPLORE_EVERY == 0 and max(rates) >= self.EXPLORE_RATE:
+        explore = max(self.EXPLORE_EVERY, spacing(self.costs, b, self.max_k))
+        if since >= explore and max(rates) >= self.EXPLORE_RATE:
             self._forced = True
+            self._undrafted[b] = 0  # counted from here, whether or not rows had drafts
             return self._say(True, why.EXPLORE)
         paid = self.costs.best(b, rates, lengths, free=True)
         return self._say(False, why.COST if paid else why.RATE)
@@ -238,6 +273,17 @@ class BatchPlan:
     def _say(self, drafts: bool, reason: str) -> bool:
         if self.log is not None:
             self.log.decided(reason)
+            if self._drafting and not drafts and reason != why.MEASURING:
+                b, rates = self._step
+                cost = self.costs.cost(b, self.max_k)
+                t0 = self.costs.t0.get(b) or 0.0
+                ratio = cost / t0 if cost and t0 else 0.0
+                top = max(rates, default=0.0)
+                self.log.stopped(
+                    f"{reason} (batch {b}, best rate {top:.2f}, "
+                    f"width {self.max_k} costs {ratio:.2f} steps)"
+                )
+        self._drafting = drafts
         return drafts
 
     def choose(self, rows: Sequence[Acceptance | None], lengths: Sequence[int]) -> int:

@@ -8,7 +8,13 @@ is not linear in ``w``: on a GPU a pass over 9 tokens costs 1.6-2.7 plain steps 
 memory bandwidth alone says about one, because the step is not pipelined (its tokens are
 read before the next is queued) and a new shape pays for its first compilation. So
 ``StepCosts`` keeps seconds per (batch size, width), measured, its first sample of each
-dropped (that one compiles), and answers for a width not yet measured by interpolating
+dropped (that one compiles). Where kernels are built per shape (CUDA) a build costs a
+third of a second to a minute against a pass of a few milliseconds, and it may come later
+than a shape's first pass (a prefill's shapes in between, a batch size met again), so a
+sample more than ``BUILD`` times its estimate (or, before one, than ``BUILD`` plain steps
+per position) is taken for a build and left out; two such in a row count (the cost has
+changed), and a sample ``BUILD`` times below the estimate replaces it (a build had got
+in: building only ever slows a step). Plain steps are kept the same way. It answers for a width not yet measured by interpolating
 between the plain step (width 0) and the widths measured, past them by the slope between
 the two widest (at most ``GUESS`` per position), or from ``GUESS`` before any measure.
 """
@@ -16,10 +22,12 @@ the two widest (at most ``GUESS`` per position), or from ``GUESS`` before any me
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 EMA = 0.2
 MARGIN = 1.02  # drafting must beat plain decoding by this much: noise should not make it draft
 GUESS = 0.15  # before any measure: each drafted position costs this much of a plain step
+BUILD = 4.0  # a sample this many times its estimate is a kernel build, not the step's cost
 
 
 def widths(max_k: int) -> list[int]:
@@ -53,6 +61,8 @@ class StepCosts:
         self.verify: dict[tuple[int, int], float] = {}
         self.samples: dict[tuple[int, int], int] = {}  # verify passes seen, the dropped one too
         self.plain_samples: dict[int, int] = {}
+        self.builds = 0  # samples left out as kernel builds
+        self._outlier: set[Any] = set()  # keys whose last sample was left out
 
     def measured(self, batch: int) -> bool:
         """Whether the plain step at ``batch`` rows has been timed twice (one may be an
@@ -61,16 +71,32 @@ class StepCosts:
 
     def record_plain(self, batch: int, seconds: float) -> None:
         self.plain_samples[batch] = self.plain_samples.get(batch, 0) + 1
-        old = self.t0.get(batch)
-        self.t0[batch] = seconds if old is None else (1 - EMA) * old + EMA * seconds
+        self._update(self.t0, batch, seconds, None)
 
     def record_verify(self, batch: int, width: int, seconds: float) -> None:
         key = (batch, width)
         n = self.samples[key] = self.samples.get(key, 0) + 1
         if n == 1:
             return  # the shape's first pass compiles: not what the next ones cost
-        old = self.verify.get(key)
-        self.verify[key] = seconds if old is None else (1 - EMA) * old + EMA * seconds
+        t0 = self.t0.get(batch)
+        self._update(self.verify, key, seconds, t0 * (width + 1) if t0 else None)
+
+    def _update(
+        self, table: dict[Any, float], key: Any, seconds: float, bound: float | None
+    ) -> None:
+        """Average ``seconds`` into ``table[key]``, leaving out a build (see the module
+        docstring); ``bound``: what a step may cost before any estimate (None: anything)."""
+        old = table.get(key, bound)
+        if old is not None and seconds > BUILD * old and key not in self._outlier:
+            self._outlier.add(key)  # a build, unless the next sample is as dear
+            self.builds += 1
+            return
+        self._outlier.discard(key)
+        old = table.get(key)
+        if old is None or seconds > BUILD * old or seconds * BUILD < old:
+            table[key] = seconds  # the first, a changed cost, or a build that got in
+        else:
+            table[key] = (1 - EMA) * old + EMA * seconds
 
     def cost(self, batch: int, width: int) -> float | None:
         """Seconds of a verifying step of ``width`` at ``batch`` rows (None: no plain step

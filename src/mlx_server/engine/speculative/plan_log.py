@@ -40,6 +40,7 @@ class PlanLog:
         self.shadow_drafted = 0  # drafts scored against plain decoding, not verified
         self.shadow_accepted = 0
         self.stops: deque[str] = deque(maxlen=KEEP)
+        self.stop_count = 0
         self.costs: list[Any] = []  # StepCosts
         self.trace = trace
 
@@ -62,6 +63,7 @@ class PlanLog:
 
     def stopped(self, why: str) -> None:
         self.stops.append(why)
+        self.stop_count += 1
 
     def watch(self, costs: Any) -> None:
         if all(c is not costs for c in self.costs):
@@ -83,6 +85,13 @@ class PlanLog:
                 lines.append(
                     f"  verify cost / plain step ({t0 * 1e3:.2f} ms) at batch {b}: {cells}"
                 )
+            if c.builds:
+                lines.append(f"  samples left out as kernel builds: {c.builds}")
         if self.stops:
-            lines.append(f"  last stop: {self.stops[-1]} ({len(self.stops)} kept)")
+            whys = Counter(s.split(" (")[0] for s in self.stops)
+            lines.append(
+                f"  drafting stopped {self.stop_count} time(s), the last {len(self.stops)}: "
+                + ", ".join(f"{n} x {w}" for w, n in whys.most_common())
+            )
+            lines.append(f"  last stop: {self.stops[-1]}")
         return "\n".join(lines)

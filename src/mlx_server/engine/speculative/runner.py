@@ -13,8 +13,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from mlx_server.engine.core.tuning import ShapePieces
 from mlx_server.engine.runners.base import Insert, Progress, Response
 from mlx_server.engine.runners.solo import Handover, SoloRunner
+from mlx_server.engine.speculative import warm
 from mlx_server.engine.speculative.batch import RowSpec
 from mlx_server.engine.speculative.costs import StepCosts
 from mlx_server.engine.speculative.drafters import (
@@ -81,6 +83,11 @@ class SpeculativeRunner(SoloRunner):
         self._handed: dict[int, RowSpec] = {}
         # Step costs are the model's and the machine's: measured once for every request.
         self.costs = StepCosts(spec.num_draft_tokens)
+
+    def warm_shapes(self, max_batch_size: int) -> ShapePieces:
+        """A verify pass of each width, before serving (``warm``)."""
+        k = self.spec.num_draft_tokens
+        return warm.shapes(warm.lone_pieces(self.model, k), {}, k)
 
     def drafter(self, job: Insert) -> Drafter | None:
         return make_drafter(self.spec, job, self._draft, self._step_size)
