@@ -227,6 +227,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--size", type=int, default=448, help="image side in pixels")
     p.add_argument("--out", default=None, help="append the JSON lines to this file")
     p.add_argument("--timeout", type=float, default=300.0)
+    p.add_argument("--server-pid", type=int, default=None, help="the server's PID (its CPU)")
     p.add_argument("--summary", default=None, help="print the ratios of this results file")
     a = p.parse_args(argv)
     # What bench_openai's client reads.

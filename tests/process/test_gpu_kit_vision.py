@@ -87,7 +87,8 @@ def test_every_scenario_writes_its_line(models, tmp_path):
         bench += [f"http://127.0.0.1:{port}/v1", "--model", "m", "--max-tokens", "2"]
         bench += ["--session-max-tokens", "2", "--concurrency", "2", "--repeats", "1"]
         bench += ["--size", "56", "--warmup", "0", "--out", str(out)]
-        subprocess.run(bench, check=True, timeout=180, env=env, capture_output=True)
+        ran = subprocess.run(bench, timeout=180, env=env, capture_output=True, text=True)
+        assert ran.returncode == 0, ran.stdout[-2000:] + ran.stderr[-4000:]
     finally:
         server.terminate()
         server.wait(timeout=30)
