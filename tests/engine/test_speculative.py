@@ -380,6 +380,7 @@ def demo(demo_f32_dir: Path) -> tuple[Any, Any]:
     return load(str(demo_f32_dir))
 
 
+@pytest.mark.timeout(600)  # demo-model generations: 1-2 minutes alone on 2 cores
 @pytest.mark.demo
 @pytest.mark.parametrize("drafter", ["lookup", "draft_model"])
 def test_demo_model_greedy_output_is_identical(demo: Any, drafter: str) -> None:

@@ -252,6 +252,7 @@ def demo(demo_f32_dir: Any) -> tuple[Any, Any]:
     return load(str(demo_f32_dir))[:2]
 
 
+@pytest.mark.timeout(600)  # demo-model generations: 1-2 minutes alone on 2 cores
 @pytest.mark.demo
 def test_demo_model_greedy_output_is_identical_in_a_batch(demo: Any) -> None:
     """Greedy, float32, four requests together: prompt lookup for all of them, then
