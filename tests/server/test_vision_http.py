@@ -1,6 +1,6 @@
 """Vision over HTTP in process: the real stack over the real engine on a tiny random-weight
 Qwen2-VL, through the OpenAI and Anthropic SDKs: one and two images, streamed and not, and
-admission counting the vision tower's memory (a budget of 1 MiB: a 56x56 image's tower
+admission counting the vision tower's memory (a budget of 512 KiB: a 56x56 image's tower
 fits beside the KV, a 224x224 one's cannot, and is refused with each protocol's envelope).
 """
 
@@ -21,9 +21,10 @@ from tiny_vlm import build_tiny_vlm
 from mlx_server.boot.app import app_options, create_app
 from mlx_server.boot.chat import load_chat_model
 from mlx_server.config import Settings
+from mlx_server.engine.core.scheduler import MEDIA_REFUSAL_DIVISOR
 from mlx_server.engine.runners.vision_memory import tower_bytes
 
-BUDGET_GB = 1 / 1024  # 1 MiB
+BUDGET_GB = 1 / 2048  # 512 KiB
 
 
 def png(side: int, color=(200, 30, 30)) -> str:
@@ -77,7 +78,7 @@ def test_the_tower_estimate_sets_the_small_image_in_and_the_large_one_out(srv):
         return tower_bytes(vlm, inputs)
 
     budget = int(BUDGET_GB * (1 << 30))
-    assert 2 * estimate(56) < budget // 2 < budget < estimate(224)
+    assert 2 * estimate(56) < budget // 2 < budget < estimate(224) // MEDIA_REFUSAL_DIVISOR
 
 
 @pytest.mark.parametrize("stream", [False, True])

@@ -12,7 +12,7 @@ import mlx.core as mx
 import pytest
 
 from mlx_server.engine.core.handle import GenerationHandle
-from mlx_server.engine.core.scheduler import Scheduler
+from mlx_server.engine.core.scheduler import MEDIA_REFUSAL_DIVISOR, Scheduler
 from mlx_server.engine.runners.vision_memory import media_bytes, tower_bytes
 from mlx_server.errors import RequestTooLarge
 from mlx_server.types import GenerationRequest
@@ -112,3 +112,14 @@ def test_a_request_waits_while_its_tower_cannot_fit_beside_the_running_ones(hand
     sched.active.pop(first.uid)
     sched.release(first)
     assert sched.next_admissible(lambda s: None) is not None
+
+
+def test_an_image_whose_estimate_is_over_the_budget_but_a_share_fits_runs_alone(handle):
+    """The estimate is an upper bound: an image is refused only when a share of it cannot
+    fit (MEDIA_REFUSAL_DIVISOR); otherwise it runs, alone when nothing else does."""
+    large = tower_bytes(vlm(SIGLIP), request(0, 112).vision_inputs)
+    sched = scheduler(20 * 16 + large // 2)  # the KV and half the estimate
+    assert MEDIA_REFUSAL_DIVISOR >= 2
+    sched.queue(request(0, 112), handle("r0"))
+    seq = sched.next_admissible(lambda s: None)
+    assert seq is not None and seq.media_bytes == large
