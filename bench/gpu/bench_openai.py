@@ -27,7 +27,9 @@ Scenarios (select with --scenario, comma separated, or "all" = default):
               prompt of rules, then two follow-up turns; TTFT and cached tokens
               per turn.
   constrained (not in "all") response_format json_schema vs free decoding at
-              each --concurrency level: aggregate tok/s and their ratio.
+              each --concurrency level: aggregate tok/s and their ratio, after one
+              unmeasured json_schema request; at N = 1 --constrained-rounds
+              interleaved rounds, the median per-round ratio and its spread.
 
 Each scenario prints ONE JSON line on stdout (and appends it to --out if
 given). Progress notes go to stderr.
@@ -743,7 +745,12 @@ class Bench:
     async def sc_constrained(self) -> dict:
         """``response_format`` json_schema against free decoding, N streams at a time (N in
         --concurrency): aggregate tok/s of each and their ratio. The schema asks for a long
-        string, so a constrained answer does not end before max_tokens."""
+        string, so a constrained answer does not end before max_tokens.
+
+        One json_schema request is sent first, unmeasured: a server may build its grammar
+        compiler on the first constrained request. At N = 1 the two modes run in
+        --constrained-rounds interleaved rounds (free, json_schema, free, ...): ``ratio`` is
+        the median per-round ratio, ``ratio_per_round`` its spread."""
         a = self.args
         schema = {
             "type": "object",
@@ -755,48 +762,83 @@ class Bench:
             "additionalProperties": False,
         }
         fmt = {"type": "json_schema", "json_schema": {"name": "essay", "schema": schema}}
+
+        async def run(mode: str, n: int, tag: str, max_tokens: int) -> dict[str, Any]:
+            extra = {"response_format": fmt} if mode == "json_schema" else None
+            ignore = self.send_ignore_eos
+            self.send_ignore_eos = ignore and mode == "free"  # a grammar ends by itself
+            prompts = [
+                f"[{mode} {tag}{n}-{i}] Reply in JSON: a title and a long essay about "
+                f"{TOPICS[(i + 3 * n) % len(TOPICS)]}."
+                for i in range(n)
+            ]
+            try:
+                results = await asyncio.gather(
+                    *[
+                        self.stream_chat([{"role": "user", "content": q}], max_tokens, extra)
+                        for q in prompts
+                    ]
+                )
+            finally:
+                self.send_ignore_eos = ignore
+            ok = [r for r in results if r["ok"]]
+            if len(ok) < n:
+                bad = next(r for r in results if not r["ok"])
+                return {"failed": n - len(ok), "error": bad.get("error")}
+            span = max(r["t_end"] for r in ok) - min(r["t_start"] for r in ok)
+            return {
+                "aggregate_tok_s": sum(r["completion_tokens"] for r in ok) / span,
+                "tokens": [r["completion_tokens"] for r in ok],
+                "ttft_p50_s": pct([r["ttft_s"] for r in ok], 50),
+            }
+
+        warm = await run("json_schema", 1, "warm-up ", min(16, a.conc_max_tokens))
+        if "failed" in warm:
+            log(f"constrained warm-up failed: {warm['error']}")
         levels = []
         for n in a.concurrency:  # bounded
             row: dict[str, Any] = {"n": n}
-            for mode in ("free", "json_schema"):
-                extra = {"response_format": fmt} if mode == "json_schema" else None
-                ignore = self.send_ignore_eos
-                self.send_ignore_eos = ignore and mode == "free"  # a grammar ends by itself
-                prompts = [
-                    f"[{mode} {n}-{i}] Reply in JSON: a title and a long essay about "
-                    f"{TOPICS[(i + 3 * n) % len(TOPICS)]}."
-                    for i in range(n)
-                ]
-                try:
-                    results = await asyncio.gather(
-                        *[
-                            self.stream_chat(
-                                [{"role": "user", "content": q}], a.conc_max_tokens, extra
-                            )
-                            for q in prompts
-                        ]
-                    )
-                finally:
-                    self.send_ignore_eos = ignore
-                ok = [r for r in results if r["ok"]]
-                if len(ok) < n:
-                    bad = next(r for r in results if not r["ok"])
-                    row[mode] = {"failed": n - len(ok), "error": bad.get("error")}
+            n_rounds = a.constrained_rounds if n == 1 else 1
+            per_mode: dict[str, list[dict[str, Any]]] = {"free": [], "json_schema": []}
+            ratios: list[float] = []
+            for k in range(n_rounds):  # bounded
+                tag = f"r{k} " if n_rounds > 1 else ""
+                got = {mode: await run(mode, n, tag, a.conc_max_tokens) for mode in per_mode}
+                for mode, res in got.items():
+                    per_mode[mode].append(res)
+                free, cons = got["free"], got["json_schema"]
+                if free.get("aggregate_tok_s") and cons.get("aggregate_tok_s"):
+                    ratios.append(cons["aggregate_tok_s"] / free["aggregate_tok_s"])
+            for mode, runs in per_mode.items():
+                good = [r for r in runs if "aggregate_tok_s" in r]
+                if not good:
+                    row[mode] = runs[0]
                     continue
-                span = max(r["t_end"] for r in ok) - min(r["t_start"] for r in ok)
-                tokens = sum(r["completion_tokens"] for r in ok)
                 row[mode] = {
-                    "aggregate_tok_s": tokens / span,
-                    "tokens": [r["completion_tokens"] for r in ok],
-                    "ttft_p50_s": pct([r["ttft_s"] for r in ok], 50),
+                    "aggregate_tok_s": med([r["aggregate_tok_s"] for r in good]),
+                    "tokens": [t for r in good for t in r["tokens"]],
+                    "ttft_p50_s": med([r["ttft_p50_s"] for r in good]),
                 }
-            free, cons = row.get("free", {}), row.get("json_schema", {})
-            if free.get("aggregate_tok_s") and cons.get("aggregate_tok_s"):
-                row["ratio"] = cons["aggregate_tok_s"] / free["aggregate_tok_s"]
-                log(f"constrained N={n}: json_schema / free = {row['ratio']:.2f}")
+                if n_rounds > 1:
+                    row[mode]["aggregate_tok_s_all"] = [r.get("aggregate_tok_s") for r in runs]
+            if ratios:
+                row["ratio"] = med(ratios)
+                row["rounds"] = n_rounds
+                row["ratio_per_round"] = {
+                    "median": med(ratios),
+                    "min": min(ratios),
+                    "max": max(ratios),
+                    "all": ratios,
+                }
+                log(
+                    f"constrained N={n}: json_schema / free = {row['ratio']:.2f} "
+                    f"({min(ratios):.2f}-{max(ratios):.2f} over {len(ratios)} rounds)"
+                )
             levels.append(row)
         out = self.common("constrained")
-        out.update({"max_tokens": a.conc_max_tokens, "levels": levels})
+        out.update(
+            {"max_tokens": a.conc_max_tokens, "levels": levels, "warm_up": "failed" not in warm}
+        )
         return out
 
     async def sc_nonstream(self) -> dict:
@@ -917,6 +959,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--nonstream-repeats", type=int, default=5)
     p.add_argument("--nonstream-max-tokens", type=int, default=8)
     p.add_argument("--warmup", type=int, default=1)
+    p.add_argument(
+        "--constrained-rounds",
+        type=int,
+        default=5,
+        help="constrained: interleaved rounds (free, json_schema) at N = 1",
+    )
     p.add_argument("--timeout", type=float, default=300.0, help="per-request read timeout, s")
     p.add_argument("--no-ignore-eos", action="store_true")
     p.add_argument(
@@ -939,6 +987,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         ("turns", 1, 16),
         ("nonstream_repeats", 1, 50),
         ("warmup", 0, 10),
+        ("constrained_rounds", 1, 20),
         ("max_tokens", 1, 4096),
         ("conc_max_tokens", 1, 4096),
         ("prefix_max_tokens", 1, 4096),

@@ -85,12 +85,12 @@ for spec in $MODELS; do
       echo "$srv ready after $(python3 -c "print(round($(date +%s.%N)-$t0,1))") s"
       B $P $name "$srv $preset-$bits" $SP  # the server's CPU per 1,000 tokens too
       if [ $srv = ours ] && [ "$VARIANTS" = 1 ]; then
-        timeout 200 python3 $BENCH/variants.py --model $M --base-url "http://127.0.0.1:$P/v1" \
-          --label "variants $preset-$bits" --max-tokens 256 --repeats 3 --out "$R" > $T/variants-$preset-$bits.log 2>&1
+        timeout 300 python3 $BENCH/variants.py --model $M --base-url "http://127.0.0.1:$P/v1" \
+          --label "variants $preset-$bits" --max-tokens 256 --repeats 5 --out "$R" > $T/variants-$preset-$bits.log 2>&1
       fi
       if [ $srv = ours ] && [ "$CONSTRAINED" = 1 ]; then
-        timeout 150 python3 $BENCH/bench_openai.py --base-url "http://127.0.0.1:$P/v1" --model m --label "ours $preset-$bits" \
-          --scenario constrained --concurrency "$LEVELS" --conc-max-tokens 128 --warmup 1 --out "$R" > /dev/null
+        timeout 240 python3 $BENCH/bench_openai.py --base-url "http://127.0.0.1:$P/v1" --model m --label "ours $preset-$bits" \
+          --scenario constrained --constrained-rounds 5 --concurrency "$LEVELS" --conc-max-tokens 128 --warmup 1 --out "$R" > /dev/null
       fi
       if [ $srv = ours ] && [ "$preset-$bits" = "$PROFILE" ] && [ -x $S/bin/py-spy ]; then
         $S/bin/py-spy record --pid $SP --duration 8 --rate 250 --threads --idle --format raw -o $T/pyspy-$preset-$bits.txt > /dev/null 2>&1 &

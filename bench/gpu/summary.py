@@ -131,7 +131,15 @@ def main(path: str) -> None:
                 )
                 print(f"  {who:6} long_ctx ttft per turn: {turns}")
             elif sc == "constrained":
-                parts = ", ".join(f"N={x['n']} {x.get('ratio') or 0:.2f}" for x in r["levels"])
+                parts = ", ".join(
+                    f"N={x['n']} {x.get('ratio') or 0:.2f}"
+                    + (
+                        f" (median of {len(q['all'])} rounds, {q['min']:.2f}-{q['max']:.2f})"
+                        if (q := x.get("ratio_per_round")) and len(q["all"]) > 1
+                        else ""
+                    )
+                    for x in r["levels"]
+                )
                 print(f"  {who:6} constrained json_schema/free: {parts}")
             elif sc == "prefix":
                 f[f"{who}_cold"] = r["ttft_cold_turn1_s"]

@@ -113,3 +113,85 @@ def test_an_engine_serves_after_warming_its_verify_passes_while_idle(lm, passes)
         assert done[0].finished.usage.completion_tokens == 5
     finally:
         engine.shutdown()
+
+
+class _Clock:
+    """Seconds that pass only when a scripted piece says so."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _scripted(clock: _Clock, ran: list[str], name: str, costs: list[float]):
+    """A warm-up piece whose generator steps cost ``costs`` seconds on ``clock``."""
+
+    def piece():
+        for i, cost in enumerate(costs):
+            clock.now += cost
+            ran.append(f"{name}{i}")
+            yield
+
+    return piece
+
+
+def test_the_shapes_before_serving_stop_at_the_budget_and_the_rest_runs_first_while_idle(lm):
+    """A budget of 10 s: A (3 + 3 s) runs whole, B's first step ends past the budget, so B's
+    second step and C wait for idle time, where they run before anything else."""
+    model, _ = lm
+    clock, ran = _Clock(), []
+    first = [
+        _scripted(clock, ran, "A", [3, 3]),
+        _scripted(clock, ran, "B", [5, 5]),
+        _scripted(clock, ran, "C", [1]),
+    ]
+    later = {1: [_scripted(clock, ran, "L", [1])]}
+    shapes = warm.ShapePieces(first=first, later=later, budget_s=100.0, what="x")
+    plan = WarmUp(model, 1, 16, 10.0, shapes=shapes, clock=clock)
+    assert plan.before_ready() == 11.0
+    assert ran == ["A0", "A1", "B0"] and plan.deferred == 2 and plan.pending
+    for _ in range(5):  # B's rest, then C, then the batch's own: a step each, one more to end
+        plan.step()
+    assert ran == ["A0", "A1", "B0", "B1", "C0", "L0"]
+    plan.close()
+
+
+def test_an_unbounded_budget_runs_every_shape_before_serving(lm):
+    model, _ = lm
+    clock, ran = _Clock(), []
+    first = [_scripted(clock, ran, n, [50, 50]) for n in "AB"]
+    shapes = warm.ShapePieces(first=first, budget_s=0.0, what="x")
+    plan = WarmUp(model, 1, 16, float("inf"), shapes=shapes, clock=clock)
+    plan.before_ready()
+    assert ran == ["A0", "A1", "B0", "B1"] and plan.deferred == 0
+    plan.close()
+
+
+def test_the_start_line_says_which_shapes_were_left_for_idle_time(lm, monkeypatch):
+    from functools import partial
+
+    from mlx_server.engine.core import warming
+
+    model, _ = lm
+    clock, ran, lines = _Clock(), [], []
+    first = [_scripted(clock, ran, n, [20]) for n in "ABC"]
+
+    class Runner:
+        def warm_shapes(self, max_batch_size: int) -> warm.ShapePieces:
+            return warm.ShapePieces(first=list(first), budget_s=60.0, what="verify passes")
+
+    monkeypatch.setattr(warming, "WarmUp", partial(WarmUp, clock=clock))
+    monkeypatch.setattr(warming, "log", lines.append)
+    w = Warming(model, EngineConfig(max_batch_size=3, warm_up=True), Runner())
+    assert w.before_serving(30.0) == ""
+    assert ran == ["A0", "B0"]  # B's step starts within the budget and ends past it
+    (line,) = [x for x in lines if x.startswith("Warm-up:")]
+    # B, under way (what follows its step), and C
+    assert line.endswith("left for idle time: 2 of the 3 verify passes, batch sizes 2-3"), line
+    assert w.pending
+    w.later()  # B's end
+    w.later()
+    assert ran == ["A0", "B0", "C0"]
+    w.close()

@@ -58,7 +58,8 @@ def results(tiny_model_dir: Path, tmp_path_factory) -> Path:
             "--concurrency", "1,2", "--burst-n", "2", "--max-tokens", "4", "--repeats", "1",
             "--conc-max-tokens", "4", "--turns", "2", "--prefix-max-tokens", "2",
             "--system-tokens", "50", "--long-system-tokens", "50", "--long-max-tokens", "2",
-            "--nonstream-repeats", "1", "--server-pid", str(srv.proc.pid),
+            "--nonstream-repeats", "1", "--constrained-rounds", "2",
+            "--server-pid", str(srv.proc.pid),
             "--out", str(out))  # fmt: skip
         kit("variants.py", "--model", m, "--base-url", url, "--label", "variants tiny",
             "--max-tokens", "4", "--repeats", "2", "--out", str(out))  # fmt: skip
@@ -100,6 +101,12 @@ def test_the_new_scenarios_report_what_they_promise(results):
     (cons,) = [r for r in got if r["scenario"] == "constrained"]
     assert [x["n"] for x in cons["levels"]] == [1, 2]
     assert all(x["json_schema"]["aggregate_tok_s"] > 0 for x in cons["levels"])
+    assert cons["warm_up"] is True  # the grammar compiler is built before the measured runs
+    one, two = cons["levels"]  # N = 1 in interleaved rounds, N = 2 once
+    assert one["rounds"] == 2 and len(one["free"]["aggregate_tok_s_all"]) == 2
+    q = one["ratio_per_round"]
+    assert len(q["all"]) == 2 and q["min"] <= q["median"] == one["ratio"] <= q["max"]
+    assert two["rounds"] == 1 and len(two["ratio_per_round"]["all"]) == 1
     variants = {r["variant"]: r for r in got if r["scenario"] == "variants"}
     assert set(variants) == {"greedy", "temp0.7_top_p0.95", "logprobs5", "ignore_eos", "stop"}
     for row in variants.values():  # each round turns the order: no variant is always last

@@ -69,8 +69,9 @@ Piece = Callable[[], Generator[None, None, None]]
 @dataclass
 class ShapePieces:
     """Shapes a runner of its own adds to the warm-up (a speculative runner's verify
-    passes): ``first`` before serving, ``later`` by batch size in idle time, each size's
-    after its decode steps; ``budget_s``: seconds they add to the warm-up's budget."""
+    passes): ``first`` before serving as far as the warm-up's budget allows (what does not
+    fit runs first in idle time), ``later`` by batch size in idle time, each size's after
+    its decode steps; ``budget_s``: seconds they add to the warm-up's budget."""
 
     first: list[Piece] = field(default_factory=list)
     later: dict[int, list[Piece]] = field(default_factory=dict)
@@ -105,7 +106,12 @@ class WarmUp:
     verify passes). A piece is one step of a generator of the warm-up's own (one prefill
     chunk or one decode step at one batch size), so a request that arrives meanwhile waits for
     that step only; a shape it meets before its piece has run is built on first use, as it
-    would have been without a warm-up."""
+    would have been without a warm-up.
+
+    Before the readiness line the warm-up's own ``budget_s`` holds for the runner's
+    ``first`` shapes too: once it is spent, the rest of them (the piece under way, one
+    generator step later) go to the front of the idle-time queue (``deferred`` counts them).
+    ``clock``: seconds, for the budget (tests pass a fake one)."""
 
     def __init__(
         self,
@@ -116,8 +122,11 @@ class WarmUp:
         *,
         buckets: bool = False,
         shapes: ShapePieces | None = None,
+        clock: Callable[[], float] | None = None,
     ):
         self.model = model
+        self._clock = clock or time.perf_counter
+        self.ready_budget_s = budget_s
         self.max_batch_size = max_batch_size
         self.step_size = prefill_step_size
         shapes = shapes or ShapePieces()
@@ -126,6 +135,7 @@ class WarmUp:
         self.buckets = buckets
         self.spent = 0.0  # seconds, over every piece run so far
         self.pieces = 0  # pieces run after the readiness line
+        self.deferred = 0  # pieces of ``shapes.first`` left for idle time by before_ready
         full = [[1 + i % 7 for i in range(prefill_step_size + 1)]]
         self._later: list[Piece] = list(shapes.later.get(1, []))
         for n in range(2, max_batch_size + 1):
@@ -140,22 +150,34 @@ class WarmUp:
         return (bool(self._later) or self._run is not None) and self.spent < self.budget_s
 
     def before_ready(self) -> float:
-        """The pieces a first request needs; returns their seconds."""
-        t0 = time.perf_counter()
+        """The pieces a first request needs; returns their seconds. The runner's shapes run
+        while the budget lasts; the rest is left for idle time (``deferred``)."""
+        t0 = self._clock()
         try:
             if self.buckets:
                 _prefill_buckets(self.model, self.step_size)
-            pieces: list[Piece] = [partial(self._drain, _prompts(1), 3), *self._first]
-            for piece in pieces:
-                for _ in piece():
-                    pass
+            for _ in self._drain(_prompts(1), 3):
+                pass
+            first = list(self._first)
+            while first:
+                if self._clock() - t0 >= self.ready_budget_s:
+                    break
+                run = first.pop(0)()
+                while self._clock() - t0 < self.ready_budget_s:
+                    if next(run, StopIteration) is StopIteration:
+                        break
+                else:  # out of budget with this piece under way: idle time goes on with it
+                    self._run = run
+                    self.deferred += 1
+            self.deferred += len(first)
+            self._later = first + self._later
         finally:
             mx.clear_cache()
         return self._spend(t0)
 
     def step(self) -> float:
         """Run the next piece (one generator step); returns its seconds."""
-        t0 = time.perf_counter()
+        t0 = self._clock()
         try:
             if self._run is None:
                 self._run = self._later.pop(0)()
@@ -179,7 +201,7 @@ class WarmUp:
         mx.clear_cache()
 
     def _spend(self, t0: float) -> float:
-        secs = time.perf_counter() - t0
+        secs = self._clock() - t0
         self.spent += secs
         return secs
 

@@ -46,13 +46,7 @@ class Warming:
                 if budget == float("inf"):  # ranks in lockstep: every rank, every piece, now
                     while plan.pending:
                         secs += plan.step()
-                what = ", the prefill buckets" if buckets else ""
-                if shapes is not None and shapes.what:
-                    what += f", {shapes.what}"
-                sizes, later = (
-                    ("1", f"; batch sizes 2-{n} while idle") if plan.pending else (f"1-{n}", "")
-                )
-                log(f"Warm-up: batch sizes {sizes}{what} in {secs:.1f}s{later}")
+                log(_line(plan, n, buckets, shapes, secs))
                 self._plan = plan if plan.pending else None
             except Exception as e:  # serving without it is slower at first, not wrong
                 log(f"Warm-up failed: {faults.describe(e)}")
@@ -84,3 +78,18 @@ class Warming:
         if not plan.pending:
             self._plan = None
             log(f"Warm-up: done while idle ({plan.spent:.1f}s in all)")
+
+
+def _line(plan: WarmUp, n: int, buckets: bool, shapes: ShapePieces | None, secs: float) -> str:
+    """The start-up's warm-up line: what ran before serving, and what was left for idle time."""
+    what = ", the prefill buckets" if buckets else ""
+    idle: list[str] = []
+    if shapes is not None and shapes.what:
+        what += f", {shapes.what}"
+        if plan.deferred:
+            idle.append(f"{plan.deferred} of the {len(shapes.first)} {shapes.what}")
+    if plan.pending and n > 1:
+        idle.append(f"batch sizes 2-{n}")
+    sizes = "1" if plan.pending else f"1-{n}"
+    later = f"; left for idle time: {', '.join(idle)}" if idle else ""
+    return f"Warm-up: batch sizes {sizes}{what} in {secs:.1f}s{later}"

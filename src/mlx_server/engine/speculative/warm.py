@@ -6,7 +6,8 @@ about a minute for the first on a fresh machine, a third of a second with the ke
 disk, where the pass itself costs a few milliseconds. Paid while serving, that stalls a
 request and makes the plan measure a build as the pass's cost. So the warm-up
 (``tuning.WarmUp``) runs one pass of each width through the runners' own code: the lone
-path's (``verify.verify``) before serving, the batch's (``batch.BatchSpeculator``, one
+path's (``verify.verify``) before serving as far as the warm-up's budget allows (the
+rest first in idle time: a fresh machine may spend a minute per width), the batch's (``batch.BatchSpeculator``, one
 ``BatchGenerator`` of its own per piece) at each batch size in idle time after that
 size's decode steps. The engine's warm-up is on only where kernels are built on first use
 (or when asked for), so on Metal and the CPU none of this runs.
