@@ -16,6 +16,8 @@
 #      defaults and --ctx-size 40000, oursram the same with the RAM tier alone (--prompt-cache-dir ''), mlxlm
 #      mlx_lm.server; LONG_TOKENS=23470 is the target given to make_system_prompt: about 27,670 tokens with
 #      SmolLM2's tokenizer).
+#      FIRST_ANSWER=1: after readiness, time each server to its first 1-token chat answer (the comparable start
+#      figure: mlx_lm.server's /health answers before its model is loaded); it warms the server before the burst.
 #      A server named ours512 is ours with --prefill-step-size 512, ourspl ours with --prompt-lookup.
 set -u
 K=/tmp/kit/a; S=/tmp/site; OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; R=$OUT/results.jsonl; L=$OUT/log.txt
@@ -40,6 +42,15 @@ print(f"bf16 matmul 8192^3: {2 * 8192**3 * n / (time.perf_counter() - t) / 1e12:
 PY
 port() { python3 -c 'import socket;s=socket.socket();s.bind(("127.0.0.1",0));print(s.getsockname()[1])'; }
 wait_ready() { for _ in $(seq 1 480); do curl -s -m 2 -o /dev/null "http://127.0.0.1:$1/health" && return 0; sleep 0.25; done; return 1; }
+first_answer() {  # $1 port, $2 model: one 1-token chat answer, up to 240 s
+  local body='{"model":"'$2'","messages":[{"role":"user","content":"hi"}],"max_tokens":1}'
+  for _ in $(seq 1 240); do
+    [ "$(curl -s -m 60 -o /dev/null -w '%{http_code}' -H 'Content-Type: application/json' -d "$body" \
+      "http://127.0.0.1:$1/v1/chat/completions")" = 200 ] && return 0
+    sleep 1
+  done
+  return 1
+}
 B() { timeout 300 python3 $BENCH/bench_openai.py --base-url "http://127.0.0.1:$1/v1" --model "$2" --label "$3" \
         --scenario "$SCEN" --concurrency "$LEVELS" --conc-max-tokens 128 --max-tokens 256 --server-pid "$4" --out "$R" >/dev/null; }
 start_server() {  # $1 server, $2 port, $3 log, $4... extra flags for ours
@@ -83,6 +94,9 @@ for spec in $MODELS; do
     SP=$!
     if wait_ready $P; then
       echo "$srv ready after $(python3 -c "print(round($(date +%s.%N)-$t0,1))") s"
+      # A server's /health may answer before its model is loaded (mlx_lm.server's does):
+      # the time to a first answer is the comparable figure.
+      [ "${FIRST_ANSWER:-0}" = 1 ] && first_answer $P $name && echo "$srv first answer after $(python3 -c "print(round($(date +%s.%N)-$t0,1))") s"
       B $P $name "$srv $preset-$bits" $SP  # the server's CPU per 1,000 tokens too
       if [ $srv = ours ] && [ "$VARIANTS" = 1 ]; then
         timeout 300 python3 $BENCH/variants.py --model $M --base-url "http://127.0.0.1:$P/v1" \
