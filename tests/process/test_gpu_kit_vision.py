@@ -58,11 +58,13 @@ def test_the_vlm_and_its_text_twin_are_the_same_language_model(models):
     import mlx.core as mx
 
     from mlx_server.models.loader import load_model
+    from mlx_server.models.vlm_repairs import qwen25_repaired
 
     vlm, twin = (load_model(str(p)) for p in models)
     assert vlm.capabilities == ["vision"] and type(vlm.processor).__name__ == "Qwen2_5_VLProcessor"
     assert vlm.config["quantization"]["bits"] == 4 and twin.config["model_type"] == "qwen2"
     assert twin.capabilities == []
+    assert qwen25_repaired()  # the loader repaired mlx-vlm's window boundaries (vlm_repairs)
     ids = mx.array([[1, 2, 3, 4, 5]])
     ours = vlm.model.language_model(ids)
     ours = getattr(ours, "logits", ours)

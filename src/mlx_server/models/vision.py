@@ -29,6 +29,7 @@ from mlx_server.models.base import (
 from mlx_server.models.media import Media, MediaLimits, collect_media, part_where
 from mlx_server.models.media_key import CACHE_TOKENS, cache_key, media_digest, placeholder_ids
 from mlx_server.models.template_override import install_chat_template
+from mlx_server.models.vlm_repairs import repair_loaded
 
 INSTALL_HINT = "pip install 'mlx-server[vision]'  (or: pip install mlx-vlm)"
 
@@ -74,6 +75,8 @@ def load_vision_model(
         if dtype is not None and not getattr(net.config, "quantization", None):
             net.set_dtype(getattr(mx, dtype))
         settle_arrays(net)
+        for repair in repair_loaded():
+            log(f"Vision: mlx-vlm repaired ({repair})")
         config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
         tokenizer = load_tokenizer(model_dir, eos_token_ids=_eos_ids(model_dir, config, processor))
     except Exception as e:
