@@ -136,6 +136,8 @@ class WarmUp:
         self.spent = 0.0  # seconds, over every piece run so far
         self.pieces = 0  # pieces run after the readiness line
         self.deferred = 0  # pieces of ``shapes.first`` left for idle time by before_ready
+        self.deferred_buckets = 0  # prefill buckets left for idle time by before_ready
+        self._ready_spent = 0.0  # seconds before the readiness line (idle time has its own budget)
         full = [[1 + i % 7 for i in range(prefill_step_size + 1)]]
         self._later: list[Piece] = list(shapes.later.get(1, []))
         for n in range(2, max_batch_size + 1):
@@ -147,33 +149,53 @@ class WarmUp:
     @property
     def pending(self) -> bool:
         """Whether pieces are left (none once the budget is spent)."""
-        return (bool(self._later) or self._run is not None) and self.spent < self.budget_s
+        left = bool(self._later) or self._run is not None
+        return left and self.spent - self._ready_spent < self.budget_s
 
     def before_ready(self) -> float:
-        """The pieces a first request needs; returns their seconds. The runner's shapes run
-        while the budget lasts; the rest is left for idle time (``deferred``)."""
+        """The pieces a first request needs; returns their seconds. Batch size 1 always; then,
+        while the budget lasts, the lone path's prefill buckets and the runner's shapes; what
+        is left of them goes to the front of the idle-time queue (``deferred`` counts the
+        runner's). On a fresh CUDA machine each new shape builds kernels (seconds each), so
+        without the budget the buckets alone could hold the readiness line for minutes."""
         t0 = self._clock()
         try:
-            if self.buckets:
-                _prefill_buckets(self.model, self.step_size)
             for _ in self._drain(_prompts(1), 3):
                 pass
-            first = list(self._first)
-            while first:
-                if self._clock() - t0 >= self.ready_budget_s:
-                    break
-                run = first.pop(0)()
-                while self._clock() - t0 < self.ready_budget_s:
-                    if next(run, StopIteration) is StopIteration:
-                        break
-                else:  # out of budget with this piece under way: idle time goes on with it
-                    self._run = run
-                    self.deferred += 1
-            self.deferred += len(first)
-            self._later = first + self._later
+            buckets: list[Piece] = []
+            if self.buckets:
+                # the lengths bucket(n, step) gives for a chunk (n <= step)
+                lengths = sorted({min(b, self.step_size) for b in PREFILL_BUCKETS})
+                buckets = [partial(_prefill_bucket, self.model, n) for n in lengths]
+            left_buckets = self._within_budget(buckets, t0)
+            self.deferred_buckets = len(left_buckets) + (self._run is not None)
+            left_first = self._within_budget(self._first, t0)
+            if self.deferred_buckets:  # out of budget in the buckets: none of the runner's ran
+                self.deferred = len(self._first)
+            else:
+                self.deferred = len(left_first) + (self._run is not None)
+            self._later = left_buckets + left_first + self._later
         finally:
             mx.clear_cache()
-        return self._spend(t0)
+        secs = self._spend(t0)
+        self._ready_spent = self.spent
+        return secs
+
+    def _within_budget(self, pieces: list[Piece], t0: float) -> list[Piece]:
+        """Run ``pieces`` in order until the readiness budget is spent; returns those not
+        started. A piece under way when it runs out is kept in ``_run`` (idle time goes on
+        with it); once one is kept, nothing else starts."""
+        pieces = list(pieces)
+        while pieces and self._run is None:
+            if self._clock() - t0 >= self.ready_budget_s:
+                break
+            run = pieces.pop(0)()
+            while self._clock() - t0 < self.ready_budget_s:
+                if next(run, StopIteration) is StopIteration:
+                    break
+            else:  # out of budget with this piece under way: idle time goes on with it
+                self._run = run
+        return pieces
 
     def step(self) -> float:
         """Run the next piece (one generator step); returns its seconds."""
@@ -243,12 +265,12 @@ def first_token(model: Any) -> None:
     mx.eval(logits[:, -1, :], [c.state for c in cache])
 
 
-def _prefill_buckets(model: Any, step: int) -> None:
-    """A lone prefill chunk of every bucket length up to ``step``, after a short prefix."""
+def _prefill_bucket(model: Any, n: int) -> Generator[None, None, None]:
+    """A lone prefill chunk of ``n`` tokens after a short prefix (one warm-up piece)."""
     from mlx_lm.models.cache import make_prompt_cache
 
-    for n in sorted({bucket(b, step) for b in PREFILL_BUCKETS}):
-        cache = make_prompt_cache(model)
-        model(mx.array([[1 + i % 7 for i in range(64)]]), cache=cache)  # a "cached" prefix
-        logits = model(mx.array([[1 + i % 7 for i in range(n)]]), cache=cache)
-        mx.eval(logits[:, -1, :], [c.state for c in cache])
+    cache = make_prompt_cache(model)
+    model(mx.array([[1 + i % 7 for i in range(64)]]), cache=cache)  # a "cached" prefix
+    logits = model(mx.array([[1 + i % 7 for i in range(n)]]), cache=cache)
+    mx.eval(logits[:, -1, :], [c.state for c in cache])
+    yield from ()  # one step: done when it returns

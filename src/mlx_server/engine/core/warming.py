@@ -84,6 +84,8 @@ def _line(plan: WarmUp, n: int, buckets: bool, shapes: ShapePieces | None, secs:
     """The start-up's warm-up line: what ran before serving, and what was left for idle time."""
     what = ", the prefill buckets" if buckets else ""
     idle: list[str] = []
+    if plan.deferred_buckets and plan.pending:
+        idle.append(f"{plan.deferred_buckets} of the prefill buckets")
     if shapes is not None and shapes.what:
         what += f", {shapes.what}"
         if plan.deferred:

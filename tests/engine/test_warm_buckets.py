@@ -1,0 +1,85 @@
+"""The prefill buckets of the warm-up hold to its budget before the readiness line: on a
+fresh CUDA machine each bucket builds kernels (seconds each; 155 s for a Qwen3.5-like 9B in
+all), so the buckets past the budget wait for idle time, where they run first."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from mlx_server.engine.core import tuning, warming
+from mlx_server.engine.core.config import EngineConfig
+from mlx_server.engine.core.tuning import WarmUp
+from mlx_server.engine.core.warming import Warming
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_dir: Path) -> Any:
+    from mlx_lm import load
+
+    return load(str(tiny_model_dir))[0]
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def buckets(monkeypatch: pytest.MonkeyPatch) -> tuple[_Clock, list[int]]:
+    """Each bucket piece costs 10 s on the clock and records its length."""
+    clock, ran = _Clock(), []
+
+    def piece(model: Any, n: int):
+        clock.now += 10
+        ran.append(n)
+        yield from ()  # as the real piece: its one step is its whole work
+
+    monkeypatch.setattr(tuning, "_prefill_bucket", piece)
+    return clock, ran
+
+
+def test_buckets_past_the_budget_run_first_while_idle(model, buckets):
+    clock, ran = buckets
+    plan = WarmUp(model, 3, 256, 30.0, buckets=True, clock=clock)
+    plan.before_ready()
+    assert ran == [16, 32, 64]  # the fourth would start with the budget spent
+    assert plan.deferred_buckets == 2 and plan.pending
+    plan.step()
+    plan.step()
+    assert ran == [16, 32, 64, 128, 256]
+    assert plan.pending  # batch sizes 2 and 3 come next
+    plan.close()
+
+
+def test_a_budget_that_runs_out_in_a_bucket_keeps_it_for_idle_time(model, buckets):
+    clock, ran = buckets
+    plan = WarmUp(model, 1, 256, 25.0, buckets=True, clock=clock)
+    plan.before_ready()
+    assert ran == [16, 32, 64]  # 64 starts within the budget and ends past it
+    assert plan.deferred_buckets == 2
+    while plan.pending:
+        plan.step()
+    assert ran == [16, 32, 64, 128, 256]
+
+
+def test_the_start_line_counts_the_buckets_left(model, buckets, monkeypatch):
+    from functools import partial
+
+    clock, ran = buckets
+    lines: list[str] = []
+    monkeypatch.setattr(warming, "WarmUp", partial(WarmUp, clock=clock))
+    monkeypatch.setattr(warming, "log", lines.append)
+    cfg = EngineConfig(max_batch_size=3, warm_up=True, prefill_buckets=True, prefill_step_size=256)
+    w = Warming(model, cfg)
+    assert w.before_serving(20.0) == ""
+    (line,) = [x for x in lines if x.startswith("Warm-up:")]
+    assert ran == [16, 32]
+    assert line.endswith("left for idle time: 3 of the prefill buckets, batch sizes 2-3"), line
+    assert "batch sizes 1," in line
+    w.close()
