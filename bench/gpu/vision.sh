@@ -19,7 +19,9 @@
 #     SRC=$PWD/src MAX_TOKENS=16 SIZE=112 REPEATS=1 N=4 OUT=/tmp/vision-out bash bench/gpu/vision.sh
 #
 # Env: PRESET=qwen25vl-7b (or tiny-qwen25vl), BITS=4, SERVERS="ours mlxvlm", N=8 (concurrent streams),
-#      MAX_TOKENS=128, SIZE=448 (image side), REPEATS=3, SCEN=single,concurrent,session,text,
+#      MAX_TOKENS=128, SIZE=420 (image side; at 448, a multiple of Qwen2.5-VL's attention window,
+#      mlx-vlm 0.7.10 runs empty attention segments, which kill mlx_vlm.server on CUDA with SIGFPE;
+#      this server repairs them: models/vlm_repairs.py), REPEATS=3, SCEN=single,concurrent,session,text,
 #      TWIN=1 (0: skip the text twin), OURS_ARGS (extra flags for this server), NO_INSTALL=1 (use what
 #      PYTHON has), V (the mlx-vlm wheels; default .gpu/v), PYTHON=python3, S=/tmp/site, K=/tmp/kit/a,
 #      TOK=$K/tok, SRC (default the kit's copy, else ./src), MODELS_DIR=/tmp/models, OUT=/tmp/out,
@@ -29,7 +31,7 @@ HERE=$(cd "$(dirname "$0")" && pwd)
 PYTHON=${PYTHON:-python3}; S=${S:-/tmp/site}; K=${K:-/tmp/kit/a}; OUT=${OUT:-/tmp/out}; TOK=${TOK:-$K/tok}
 SRC=${SRC:-$([ -d $K/src/mlx_server ] && echo $K/src || echo $PWD/src)}; MODELS_DIR=${MODELS_DIR:-/tmp/models}
 PRESET=${PRESET:-qwen25vl-7b}; BITS=${BITS:-4}; SERVERS=${SERVERS-"ours mlxvlm"}; N=${N:-8}
-MAX_TOKENS=${MAX_TOKENS:-128}; SIZE=${SIZE:-448}; REPEATS=${REPEATS:-3}; SCEN=${SCEN:-single,concurrent,session,text}
+MAX_TOKENS=${MAX_TOKENS:-128}; SIZE=${SIZE:-420}; REPEATS=${REPEATS:-3}; SCEN=${SCEN:-single,concurrent,session,text}
 TWIN=${TWIN:-1}; OURS_ARGS=${OURS_ARGS:-}; V=${V:-.gpu/v}
 mkdir -p "$OUT"; R=$OUT/results.jsonl; T=$OUT/logs; mkdir -p "$T"; ALL=${ALL:-/tmp/vision-results.jsonl}
 exec > >(tee -a "$OUT/vision.txt") 2>&1
