@@ -90,15 +90,25 @@ def parse_settings(
 
 
 def parse_launch(
-    argv: list[str] | None = None, environ: Mapping[str, str] | None = None
+    argv: list[str] | None = None,
+    environ: Mapping[str, str] | None = None,
+    *,
+    torchless: bool = False,
 ) -> tuple[Settings, list[str]]:
-    """``parse_settings``, and a line to log for each flag of an earlier Swift server."""
+    """``parse_settings``, and a line to log for each flag of an earlier Swift server.
+    ``torchless`` (the server's own start): torch is hidden from this process when it serves
+    one local text model (``boot/torchless.py``), before the checks below import mlx-lm."""
     parser = build_parser(environ)
     ns = parser.parse_args(argv)  # unknown flags: usage on stderr, exit 2
     legacy = pop_legacy(vars(ns))
     _join_repeated(ns, environ if environ is not None else os.environ)
     if not ns.model and not ns.models_dir:
         parser.error("the following arguments are required: -m/--model (or --models-dir)")
+    hidden = None
+    if torchless:
+        from mlx_server.boot.torchless import keep_torch_out
+
+        hidden = keep_torch_out(ns.model, ns.models_dir, environ)
     for f in settings_fields():
         problem = check_bounds(f.name, getattr(ns, f.name), f.metadata)
         if problem:
@@ -120,11 +130,12 @@ def parse_launch(
     problem = draft_kind_problem(ns.draft_kind, ns.prompt_lookup, ns.draft_model)
     if problem:
         parser.error(problem)
-    return apply_legacy(Settings(**vars(ns)), legacy)
+    settings, notes = apply_legacy(Settings(**vars(ns)), legacy)
+    return settings, notes if hidden is None else [*notes, hidden]
 
 
 def main(argv: list[str] | None = None) -> int:
-    settings, notes = parse_launch(argv)
+    settings, notes = parse_launch(argv, torchless=True)
     # Start-up (the imports, the model's load) makes many objects and little garbage, and
     # each full collection walks all of them: 0.3-0.5 s of a start on a CPU. Collection
     # comes back, with what start-up made kept out of it, before serving (``start``).

@@ -2,8 +2,9 @@
 
 Each side runs in a fresh interpreter with torch visible where it is installed (unlike the
 server processes the tests launch, ``support.launch``): transformers imports torch wherever
-it is installed, in ``mlx_lm.server`` too, and that is the one share of torch a text start
-may have. Vision (mlx-vlm) and embedding packages wait for a model that needs them."""
+it is installed, in ``mlx_lm.server`` too; the server's start keeps it out for a text model
+(``boot/torchless.py``). Vision (mlx-vlm) and embedding packages wait for a model that needs
+them."""
 
 from __future__ import annotations
 
@@ -32,8 +33,8 @@ HEAVY = (
 OURS = """
 import json, os, sys
 from mlx_server.cli import parse_launch
+settings, _ = parse_launch(["-m", sys.argv[1], "--port", "0"], torchless=True)  # as cli.main
 from mlx_server.boot.start import build
-settings, _ = parse_launch(["-m", sys.argv[1], "--port", "0"])
 app, engine = build(settings)
 print(json.dumps(sorted(k for k, v in sys.modules.items() if v is not None)), flush=True)
 os._exit(0)  # the engine thread is not stopped: only the imports matter here
@@ -80,3 +81,4 @@ def test_a_text_start_imports_no_heavy_package_beyond_mlx_lm(tiny_model_dir):
     assert not {m for m in ours if m.split(".")[0] == "sentence_transformers"}
     beyond = sorted(_heavy(ours) - _heavy(theirs))
     assert not beyond, f"imported at start beyond mlx_lm.load: {beyond[:20]}"
+    assert not {m for m in ours if m.split(".")[0] == "torch"}  # kept out (boot/torchless.py)
