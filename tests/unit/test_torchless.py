@@ -108,3 +108,20 @@ def test_the_server_start_hides_it_before_any_check_imports_mlx_lm(tmp_path):
     notes, transformers, hidden = _run(LAUNCH, text, "0")  # parse_launch for other callers
     assert transformers and not hidden
     assert not any(n.startswith("torch kept out") for n in notes)
+
+
+HINT = """
+import sys
+from mlx_server.boot.torchless import with_hint
+before = with_hint("No module named 'torch'")
+sys.modules["torch"] = None
+import json
+print(json.dumps([before, with_hint("No module named 'torch'"), with_hint("no config.json")]))
+"""
+
+
+def test_a_load_failure_naming_torch_says_how_to_let_it_in():
+    before, hidden, other = _run(HINT)
+    assert before == "No module named 'torch'"  # torch not hidden: the message as it was
+    assert hidden.endswith("(torch was kept out of this process: MLX_SERVER_TORCH=1 lets it in)")
+    assert other == "no config.json"

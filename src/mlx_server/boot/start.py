@@ -13,6 +13,7 @@ from mlx_server.boot import chat, embedding, several, sharded
 from mlx_server.boot.app import app_options, create_app
 from mlx_server.boot.memory import set_cache_limit
 from mlx_server.boot.ranks import spawn
+from mlx_server.boot.torchless import with_hint
 from mlx_server.config import Settings
 from mlx_server.logs import load_failed, log
 from mlx_server.server.metrics import Metrics
@@ -86,7 +87,7 @@ def start(settings: Settings, notes: list[str], argv: list[str] | None = None) -
         app, engine = build(settings, group)
     except Exception as e:  # ModelLoadError and anything the loaders raise
         sock.close()
-        return load_failed(str(e) or type(e).__name__)
+        return load_failed(with_hint(str(e) or type(e).__name__))
     log(f"Model loaded in {time.perf_counter() - t0:.2f}s")
     START.mark("app")
     log(START.line())

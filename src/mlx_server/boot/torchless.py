@@ -39,6 +39,14 @@ def keep_torch_out(
     return f"torch kept out of this text model's process ({ENV}=1 lets it in)"
 
 
+def with_hint(message: str) -> str:
+    """A load failure's message, with the way out where hidden torch may be its cause (a
+    tokenizer's own code that imports torch)."""
+    if sys.modules.get("torch", 0) is None and "torch" in message.lower():
+        return f"{message} (torch was kept out of this process: {ENV}=1 lets it in)"
+    return message
+
+
 def _local_text_model(p: Path) -> bool:
     from mlx_server.models.embedding import is_encoder_model
     from mlx_server.models.vision import is_vision_config
