@@ -11,6 +11,7 @@
 #   bash .gpu/a/lay.sh                                          # GPU 1, carry .gpu/a
 #   bash bench/gpu/install.sh                                   # GPU 2, carry .gpu/b
 #   bash /tmp/kit/a/vision.sh                                   # GPU 3, carry .gpu/v
+# or in two calls: after lay.sh, 'bash /tmp/kit/a/vision.sh' with both .gpu/b and .gpu/v along (54 MB).
 # Should one call not hold it all (10 minutes), split the servers over two calls, the models kept:
 #   SERVERS=ours bash /tmp/kit/a/vision.sh; then SERVERS=mlxvlm bash /tmp/kit/a/vision.sh (the summary
 #   reads both calls' lines from $ALL).
