@@ -57,7 +57,7 @@ def test_buckets_past_the_budget_run_first_while_idle(model, buckets):
     plan.close()
 
 
-def test_a_budget_that_runs_out_in_a_bucket_keeps_it_for_idle_time(model, buckets):
+def test_a_bucket_started_within_the_budget_runs_whole_and_the_rest_waits(model, buckets):
     clock, ran = buckets
     plan = WarmUp(model, 1, 256, 25.0, buckets=True, clock=clock)
     plan.before_ready()
