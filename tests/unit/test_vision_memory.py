@@ -6,6 +6,7 @@ running requests."""
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 from types import SimpleNamespace
 
 import mlx.core as mx
@@ -123,3 +124,82 @@ def test_an_image_whose_estimate_is_over_the_budget_but_a_share_fits_runs_alone(
     sched.queue(request(0, 112), handle("r0"))
     seq = sched.next_admissible(lambda s: None)
     assert seq is not None and seq.media_bytes == large
+
+
+class Prefixes:
+    """A prefix cache holding the first ``held`` tokens of any prompt, ``nbytes`` big; an
+    eviction drops it all."""
+
+    def __init__(self, held: int, nbytes: int = 0):
+        self.held, self.nbytes, self.disk, self.on_insert = held, nbytes, None, None
+
+    def __len__(self) -> int:
+        return 1
+
+    def prepare(self, key: list[int]) -> bool:
+        return True
+
+    def cached_length(self, tokens: list[int]) -> int:
+        return min(self.held, len(tokens) - 1)
+
+    def evict_bytes(self, n: int, keep_newest: bool = False) -> int:
+        freed, self.held, self.nbytes = self.nbytes, 0, 0
+        return freed
+
+
+def turn(i: int, side: int) -> GenerationRequest:
+    """A later turn of a chat: an image's 4 placeholders at positions 2-5 (keyed by the
+    image's content in the cache tokens), then text."""
+    return replace(
+        request(i, side),
+        prompt_tokens=[1, 1, 9, 9, 9, 9, 1, 1, 1, 1],
+        cache_tokens=[1, 1, -7, -7, -7, -7, 1, 1, 1, 1],
+    )
+
+
+def cached_scheduler(budget: int, prefixes: Prefixes) -> Scheduler:
+    return Scheduler(
+        max_batch_size=8,
+        max_queue=8,
+        prefill_step_size=512,
+        kv_budget_bytes=budget,
+        kv_bytes_per_token=16,
+        prefix_cache=prefixes,  # type: ignore[arg-type]
+        media_bytes=media_bytes(vlm(SIGLIP)),
+    )
+
+
+def _running(sched: Scheduler, handle) -> None:
+    """A text request (20 tokens of KV: 320 bytes) admitted and running."""
+    sched.queue(GenerationRequest("running", [1] * 10, 10), handle("running"))
+    seq = sched.next_admissible(lambda s: None)
+    assert seq is not None
+    seq.uid = sched.next_uid()
+    sched.run(seq)
+
+
+@pytest.mark.parametrize("held, waits", [(6, False), (8, False), (5, True), (0, True)])
+def test_media_the_prefix_cache_holds_take_no_tower_memory(handle, held, waits):
+    """A turn whose image lies inside the cached prefix runs no tower (the text path takes
+    it), so it is admitted beside a running request where counting its tower would make it
+    wait; one image token past the cached prefix counts the whole tower again."""
+    small = tower_bytes(vlm(SIGLIP), request(0, 56).vision_inputs)
+    sched = cached_scheduler(small + 2 * 320 - 1, Prefixes(held))  # both KVs, not the tower
+    _running(sched, handle)
+    sched.queue(turn(1, 56), handle("r1"))
+    seq = sched.next_admissible(lambda s: None)
+    assert (seq is None) == waits
+    if seq is not None:
+        assert seq.req.request_id == "r1" and sched.media_needed(seq) == 0
+
+
+def test_making_room_that_evicts_the_prefix_counts_the_tower_again(handle):
+    """Room for the turn is made by evicting prefix-cache entries, among them the one that
+    held its image: the tower runs after all, so it is counted, and the turn waits."""
+    small = tower_bytes(vlm(SIGLIP), request(0, 56).vision_inputs)
+    prefixes = Prefixes(8, nbytes=small)  # the turn's KV fits only once it is evicted
+    sched = cached_scheduler(small + 2 * 320 - 1, prefixes)
+    _running(sched, handle)
+    sched.queue(turn(1, 56), handle("r1"))
+    assert sched.next_admissible(lambda s: None) is None
+    assert prefixes.held == 0  # evicted while making room

@@ -213,14 +213,31 @@ class Scheduler:
                 # The budget counts the prefix cache and MLX's buffer cache too; they give
                 # memory back before a request waits. A request with media counts its
                 # vision tower too, and makes room for it even when it would run alone.
-                need = self.kv_in_use + seq.kv_bytes + seq.media_bytes
-                fits = (not self.active and not seq.media_bytes) or self.memory.fits(need)
+                media = self.media_needed(seq)
+                need = self.kv_in_use + seq.kv_bytes + media
+                fits = (not self.active and not media) or self.memory.fits(need)
+                if fits and media < seq.media_bytes and self.media_needed(seq, fresh=True):
+                    # making room evicted the cached prefix that held its media: count them
+                    fits = self.memory.fits(need + seq.media_bytes)
                 fits = fits or not self.active  # alone it fits (``queue`` checked)
                 if fits and (short or self.may_start_prefill(seq)):
                     self.pending.remove(seq)
                     return seq
                 blocked = True
             return None
+
+    def media_needed(self, seq: Seq, fresh: bool = False) -> int:
+        """The tower memory this queued request will take: none when the prefix cache holds
+        every media placeholder of its prompt, for then no tower runs (the text path takes
+        the request on: ``runners/vision_batch``); ``fresh``: look the prefix up again."""
+        key = seq.req.cache_tokens
+        if not seq.media_bytes or key is None or self._prefix_cache is None:
+            return seq.media_bytes
+        if fresh:
+            seq.uncached = -1
+        prompt = seq.req.prompt_tokens
+        todo = slice(len(key) - self.uncached(seq), len(prompt) - 1)  # as runners/vision_batch
+        return 0 if key[todo] == list(prompt[todo]) else seq.media_bytes
 
     def uncached(self, seq: Seq) -> int:
         """Prompt tokens this queued request will prefill (prefix-cache hits excluded)."""
