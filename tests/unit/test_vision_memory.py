@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import replace
 from types import SimpleNamespace
+from typing import Any
 
 import mlx.core as mx
 import pytest
@@ -79,14 +80,14 @@ def handle():
     loop.close()
 
 
-def scheduler(budget: int) -> Scheduler:
+def scheduler(budget: int, prefixes: Any = None) -> Scheduler:
     return Scheduler(
         max_batch_size=8,
         max_queue=8,
         prefill_step_size=512,
         kv_budget_bytes=budget,
         kv_bytes_per_token=16,
-        prefix_cache=None,
+        prefix_cache=prefixes,
         media_bytes=media_bytes(vlm(SIGLIP)),
     )
 
@@ -157,18 +158,6 @@ def turn(i: int, side: int) -> GenerationRequest:
     )
 
 
-def cached_scheduler(budget: int, prefixes: Prefixes) -> Scheduler:
-    return Scheduler(
-        max_batch_size=8,
-        max_queue=8,
-        prefill_step_size=512,
-        kv_budget_bytes=budget,
-        kv_bytes_per_token=16,
-        prefix_cache=prefixes,  # type: ignore[arg-type]
-        media_bytes=media_bytes(vlm(SIGLIP)),
-    )
-
-
 def _running(sched: Scheduler, handle) -> None:
     """A text request (20 tokens of KV: 320 bytes) admitted and running."""
     sched.queue(GenerationRequest("running", [1] * 10, 10), handle("running"))
@@ -184,7 +173,7 @@ def test_media_the_prefix_cache_holds_take_no_tower_memory(handle, held, waits):
     it), so it is admitted beside a running request where counting its tower would make it
     wait; one image token past the cached prefix counts the whole tower again."""
     small = tower_bytes(vlm(SIGLIP), request(0, 56).vision_inputs)
-    sched = cached_scheduler(small + 2 * 320 - 1, Prefixes(held))  # both KVs, not the tower
+    sched = scheduler(small + 2 * 320 - 1, Prefixes(held))  # both KVs, not the tower
     _running(sched, handle)
     sched.queue(turn(1, 56), handle("r1"))
     seq = sched.next_admissible(lambda s: None)
@@ -198,7 +187,7 @@ def test_making_room_that_evicts_the_prefix_counts_the_tower_again(handle):
     held its image: the tower runs after all, so it is counted, and the turn waits."""
     small = tower_bytes(vlm(SIGLIP), request(0, 56).vision_inputs)
     prefixes = Prefixes(8, nbytes=small)  # the turn's KV fits only once it is evicted
-    sched = cached_scheduler(small + 2 * 320 - 1, prefixes)
+    sched = scheduler(small + 2 * 320 - 1, prefixes)
     _running(sched, handle)
     sched.queue(turn(1, 56), handle("r1"))
     assert sched.next_admissible(lambda s: None) is None
