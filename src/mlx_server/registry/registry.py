@@ -60,7 +60,7 @@ class Limits:
 
 class ModelRegistry:
     """Offered models by id; ``loader(offer)`` loads one (in a worker thread) and returns
-    its ModelParts; ``on_loaded(slot)`` runs on the event loop after each load."""
+    its ModelParts."""
 
     def __init__(
         self,
@@ -76,7 +76,6 @@ class ModelRegistry:
         self.limits = limits
         self.loader = loader
         self.clock = clock
-        self.on_loaded: Callable[[Slot], None] = lambda slot: None
         self._room = asyncio.Lock()  # one eviction decision at a time
         self._reaper: asyncio.Task[None] | None = None
 
@@ -168,7 +167,6 @@ class ModelRegistry:
             raise
         slot.parts, slot.state, slot.loads = parts, LOADED, slot.loads + 1
         slot.memory_bytes = weights_bytes(parts.loaded.model) + self._overhead(slot)
-        self.on_loaded(slot)
         log(
             f"Model {slot.id} loaded in {time.perf_counter() - t0:.2f}s "
             f"({slot.memory_bytes // (1 << 20)}MB counted)"
