@@ -99,10 +99,10 @@ def load_chat_model(
         kv_bytes_per_sequence=kv.per_sequence,
         prompt_cache_disk=disk,
         prompt_cache_disk_off=disk_off,
-        warm_up=not vision and builds_kernels_on_first_use(),
+        warm_up=builds_kernels_on_first_use(),  # a vision model: its language model's shapes
         first_token=not vision and sharded is None,
         wired_bytes=plan.weights + plan.budget,
-        prefill_buckets=not vision and builds_kernels_on_first_use(),
+        prefill_buckets=builds_kernels_on_first_use(),
         lockstep=sharded.lead() if sharded is not None else None,
     )
     engine = _engine(loaded, settings, model, config, vision, observer)

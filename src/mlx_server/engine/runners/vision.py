@@ -120,13 +120,17 @@ class VisionSetup:
 def vision_runner(model: Any, tokenizer: Any, config: EngineConfig | None = None) -> VisionSetup:
     """Requests share the continuous batch and the prefix cache
     (``vision_batch.VisionBatchRunner``) where the model allows it
-    (``vision_prefill.batch_refusal``), else run one at a time, FIFO (``VisionRunner``)."""
-    config = replace(config or EngineConfig(), warm_up=False, media_bytes=media_bytes(model))
+    (``vision_prefill.batch_refusal``), else run one at a time, FIFO (``VisionRunner``).
+    Batched, the config's warm-up and prefill buckets hold for the language model (what
+    text-only requests and the text after a cached image meet: on CUDA a shape met first by
+    a request costs it seconds); one at a time, there is no warm-up."""
+    config = replace(config or EngineConfig(), media_bytes=media_bytes(model))
     eos = eos_ids(tokenizer)
     serial_reason = batch_refusal(model)
     if serial_reason:
         log(f"Vision requests run one at a time: {serial_reason}")
         config = replace(config, prompt_cache_size=0, max_batch_size=1, solo=False)
+        config = replace(config, warm_up=False, prefill_buckets=False)
         runner = VisionRunner(model, eos, prefill_step_size=config.prefill_step_size)
         return VisionSetup(runner, model, config, serial_reason)
     batch = VisionBatchRunner(model, eos, solo=config.solo, **batch_settings(config))
