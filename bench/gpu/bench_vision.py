@@ -148,11 +148,34 @@ class VisionBench:
         row = {"ttft_s": _med(rs, "ttft_s"), "decode_tok_s": _med(rs, "decode_tok_s")}
         self.emit("text", {**row, "runs": [_fields(r) for r in rs], **self._errors(rs)})
 
+    async def first_use(self) -> None:
+        """The warm-up, timed: on CUDA each shape a server meets first builds kernels
+        (seconds; each server gets a fresh kernel cache from vision.sh), so the first text
+        request, the first image and the first batch of N images are a line of their own,
+        and the scenarios after them measure warm shapes."""
+        t0 = time.perf_counter()
+        await self.http.probe()
+        row: dict[str, Any] = {"probe_s": rnd(time.perf_counter() - t0)}
+        text = await self.stream([{"role": "user", "content": TEXT_PROMPT}], 8)
+        row["text_ttft_s"] = rnd(text.get("ttft_s"))
+        if self.args.kind == "twin":  # a text model: no images
+            self.emit("first_use", {**row, **self._errors([text])})
+            return
+        one = await self.stream([self._next_image(QUESTION)], 8)
+        n = self.args.concurrency
+        many = await asyncio.gather(
+            *(self.stream([self._next_image(QUESTION)], 8) for _ in range(n))
+        )
+        row.update(image_ttft_s=rnd(one.get("ttft_s")), streams=n)
+        row["batch_ttft_s"] = _med(list(many), "ttft_s")
+        self.emit("first_use", {**row, **self._errors([text, one, *many])})
+
     async def run(self) -> int:
         try:
-            await self.http.probe()
-            for _ in range(self.args.warmup):  # the tower's and the kernels' first runs
-                await self.stream([self._next_image(QUESTION)], 8)
+            if self.args.warmup:
+                await self.first_use()
+            else:
+                await self.http.probe()
             for name in self.args.scenario.split(","):
                 await getattr(self, name)()
         finally:
@@ -199,6 +222,10 @@ def summary(path: Path, out: Path | None = None) -> dict:
     rows["ours / mlxvlm: single ttft_s"] = ratio(
         val("ours", "vlm", "single", "ttft_s"), val("mlxvlm", "vlm", "single", "ttft_s")
     )
+    for key in ("probe_s", "text_ttft_s", "image_ttft_s", "batch_ttft_s"):  # lower is better
+        rows[f"ours / mlxvlm: first use {key}"] = ratio(
+            val("ours", "vlm", "first_use", key), val("mlxvlm", "vlm", "first_use", key)
+        )
     width = max(len(k) for k in rows)
     for k, v in rows.items():
         print(f"{k:<{width}}  {v if v is not None else '-'}")
@@ -223,7 +250,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--session-max-tokens", type=int, default=32)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--warmup", type=int, default=1, help="1: time the first uses first (first_use)")
     p.add_argument("--size", type=int, default=448, help="image side in pixels")
     p.add_argument("--out", default=None, help="append the JSON lines to this file")
     p.add_argument("--timeout", type=float, default=300.0)

@@ -26,14 +26,15 @@
 #      TWIN=1 (0: skip the text twin), OURS_ARGS (extra flags for this server), NO_INSTALL=1 (use what
 #      PYTHON has), V (the mlx-vlm wheels; default .gpu/v), PYTHON=python3, S=/tmp/site, K=/tmp/kit/a,
 #      TOK=$K/tok, SRC (default the kit's copy, else ./src), MODELS_DIR=/tmp/models, OUT=/tmp/out,
-#      ALL=/tmp/vision-results.jsonl (every call's lines, for the summary).
+#      ALL=/tmp/vision-results.jsonl (every call's lines, for the summary), PTX=/tmp/ptx (each server's
+#      own MLX kernel cache, emptied before it starts: the first_use line is cold for both servers).
 set -u
 HERE=$(cd "$(dirname "$0")" && pwd)
 PYTHON=${PYTHON:-python3}; S=${S:-/tmp/site}; K=${K:-/tmp/kit/a}; OUT=${OUT:-/tmp/out}; TOK=${TOK:-$K/tok}
 SRC=${SRC:-$([ -d $K/src/mlx_server ] && echo $K/src || echo $PWD/src)}; MODELS_DIR=${MODELS_DIR:-/tmp/models}
 PRESET=${PRESET:-qwen25vl-7b}; BITS=${BITS:-4}; SERVERS=${SERVERS-"ours mlxvlm"}; N=${N:-8}
 MAX_TOKENS=${MAX_TOKENS:-128}; SIZE=${SIZE:-420}; REPEATS=${REPEATS:-3}; SCEN=${SCEN:-single,concurrent,session,text}
-TWIN=${TWIN:-1}; OURS_ARGS=${OURS_ARGS:-}; V=${V:-.gpu/v}
+TWIN=${TWIN:-1}; OURS_ARGS=${OURS_ARGS:-}; V=${V:-.gpu/v}; PTX=${PTX:-/tmp/ptx}
 mkdir -p "$OUT"; R=$OUT/results.jsonl; T=$OUT/logs; mkdir -p "$T"; ALL=${ALL:-/tmp/vision-results.jsonl}
 exec > >(tee -a "$OUT/vision.txt") 2>&1
 if [ "${NO_INSTALL:-0}" != 1 ]; then
@@ -81,6 +82,9 @@ bench() {  # $1 port, $2 model name, $3 server, $4 kind, $5 scenarios
 }
 serve() {  # $1 server, $2 model dir, $3 kind, $4 scenarios
   local P; P=$(port); local log=$T/$1-$3.log; local name=m; local t0; t0=$(date +%s)
+  # A fresh kernel cache for each server: MLX's CUDA backend keeps the kernels it builds on
+  # disk (/tmp/mlx/<version>/ptx), so a server started after another would find them built.
+  export MLX_PTX_CACHE_DIR=$PTX/$1-$3; rm -rf "$MLX_PTX_CACHE_DIR"
   if [ $1 = mlxvlm ]; then
     name=$2; setsid "$PYTHON" -m mlx_vlm.server --model $2 --port $P > $log 2>&1 &
   else

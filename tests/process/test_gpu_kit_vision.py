@@ -1,8 +1,8 @@
 """The GPU kit's vision run on the CPU: ``make_random_vlm.py`` builds the tiny preset (a
 Qwen2.5-VL whose language model is 4-bit, with the processor's files) and its text twin,
-which loads as a plain mlx-lm model with the same network; ``bench_vision.py`` runs every
-scenario against this server for a couple of tokens and writes the JSON lines the
-summary reads."""
+which loads as a plain mlx-lm model with the same network; ``bench_vision.py`` times the
+first uses, runs every scenario against this server for a couple of tokens and writes the
+JSON lines the summary reads."""
 
 from __future__ import annotations
 
@@ -88,14 +88,17 @@ def test_every_scenario_writes_its_line(models, tmp_path):
         bench = [sys.executable, str(KIT / "bench_vision.py"), "--base-url"]
         bench += [f"http://127.0.0.1:{port}/v1", "--model", "m", "--max-tokens", "2"]
         bench += ["--session-max-tokens", "2", "--concurrency", "2", "--repeats", "1"]
-        bench += ["--size", "56", "--warmup", "0", "--out", str(out)]
+        bench += ["--size", "56", "--warmup", "1", "--out", str(out)]
         ran = subprocess.run(bench, timeout=180, env=env, capture_output=True, text=True)
         assert ran.returncode == 0, ran.stdout[-2000:] + ran.stderr[-4000:]
     finally:
         server.terminate()
         server.wait(timeout=30)
     lines = {x["scenario"]: x for x in map(json.loads, out.read_text().splitlines())}
-    assert set(lines) == {"single", "concurrent", "session", "text"}
+    assert set(lines) == {"first_use", "single", "concurrent", "session", "text"}
+    first = lines["first_use"]  # timed before the scenarios, each first use on its own
+    assert first["streams"] == 2 and first["probe_s"] > 0
+    assert all(first[k] > 0 for k in ("text_ttft_s", "image_ttft_s", "batch_ttft_s"))
     assert all(x["errors"] == 0 and x["server"] == "ours" for x in lines.values())
     assert lines["single"]["runs"][0]["completion_tokens"] == 2
     assert lines["concurrent"]["streams"] == 2 and lines["concurrent"]["completion_tokens"] == 4
