@@ -11,10 +11,13 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import mlx.core as mx
 import pytest
+from engine_runner import request, solo
 from tiny_vlm import build_tiny_idefics3, build_tiny_vlm
 
 from mlx_server.engine.core.config import EngineConfig
+from mlx_server.engine.core.engine import Engine
 from mlx_server.engine.core.tuning import WarmUp
 from mlx_server.engine.runners.vision import VisionRunner, vision_runner
 from mlx_server.engine.runners.vision_batch import VisionBatchRunner
@@ -48,3 +51,52 @@ def test_a_vlm_that_runs_one_request_at_a_time_has_no_warm_up(tmp_path: Path):
     setup = vision_runner(loaded.model, loaded.tokenizer, replace(WARM))
     assert isinstance(setup.runner, VisionRunner) and setup.serial_reason
     assert not setup.config.warm_up and not setup.config.prefill_buckets
+
+
+class _Spy:
+    """The VLM's language model, recording the length of every input it is given."""
+
+    def __init__(self, lm: Any):
+        self.lm = lm
+        self.lengths: list[int] = []
+
+    def __call__(self, inputs: mx.array, *args: Any, **kwargs: Any) -> Any:
+        self.lengths.append(int(inputs.shape[1]))
+        return self.lm(inputs, *args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.lm, name)
+
+
+def test_bucketed_prefill_on_a_qwen_vl_language_model_gives_the_same_output(tmp_path: Path):
+    """Qwen-VL's positions follow its cache's offset: the padding trimmed from the cache
+    leaves the next chunk's positions where they were, so a bucketed prefill answers what
+    the plain one does, a warm turn too (text-only requests on the lone runner)."""
+    loaded = load_model(str(build_tiny_vlm(tmp_path / "vlm")))
+    tok = loaded.tokenizer
+    history = list(tok.encode("the cat sat on the mat and looked at the door " * 3))
+    turns = [history, history + list(tok.encode(" then it slept for a while"))]
+    results, spies = [], []
+    for buckets in (True, False):
+        cfg = EngineConfig(kv_bytes_per_token=256, prefill_step_size=64, prefill_buckets=buckets)
+        setup = vision_runner(loaded.model, tok, cfg)
+        spy = _Spy(setup.model.lm)  # the language model behind the batch and the lone runner
+        setup.model.lm = spy
+        engine = Engine(setup.model, tok, setup.config, runner=setup.runner)
+        engine.start()
+        try:
+            reqs = [request(t, 10, ignore_eos=True, logprobs=True) for t in turns]
+            results.append(solo(engine, reqs))
+        finally:
+            engine.shutdown(timeout=10)
+        spies.append(spy)
+    padded, plain = results
+    for a, b in zip(padded, plain, strict=True):
+        assert a.finished.usage.completion_tokens == b.finished.usage.completion_tokens == 10
+        assert [e.token for e in a.logprobs] == [e.token for e in b.logprobs]
+        for x, y in zip(a.logprobs, b.logprobs, strict=True):
+            assert x.logprob == pytest.approx(y.logprob, abs=1e-4)
+    assert padded[1].cached > 0  # the warm turn was served from the prefix cache
+    chunks = [n for n in spies[0].lengths if n > 1]
+    assert chunks and set(chunks) <= {16, 32, 64}, spies[0].lengths
+    assert {n for n in spies[1].lengths if n > 1} - {16, 32, 64}  # unpadded: other lengths

@@ -9,6 +9,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
+from mlx_server.engine.cache.mrope import DeltaKVCache
 from mlx_server.engine.core.tuning import bucket
 from mlx_server.engine.runners.base import Progress
 
@@ -41,8 +42,9 @@ class ChunkedPrefill:
         self._step_size = prefill_step_size
         self._pauses = sorted(pauses)
         # Pad prefill chunks to bucket lengths (kernels built per shape meet a known one); a
-        # plain KV cache can drop the padding again.
-        self._buckets = buckets and all(type(c) is KVCache for c in self.cache)
+        # plain KV cache can drop the padding again (a Qwen-VL sequence's too: its position
+        # delta stays as it is, the positions follow the offset).
+        self._buckets = buckets and all(type(c) in (KVCache, DeltaKVCache) for c in self.cache)
 
     def _prefill_chunk(self) -> Progress:
         n = min(self._step_size, len(self._todo) - 1)

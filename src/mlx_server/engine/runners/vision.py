@@ -133,5 +133,11 @@ def vision_runner(model: Any, tokenizer: Any, config: EngineConfig | None = None
         config = replace(config, warm_up=False, prefill_buckets=False)
         runner = VisionRunner(model, eos, prefill_step_size=config.prefill_step_size)
         return VisionSetup(runner, model, config, serial_reason)
-    batch = VisionBatchRunner(model, eos, solo=config.solo, **batch_settings(config))
+    batch = VisionBatchRunner(
+        model,
+        eos,
+        solo=config.solo,
+        prefill_buckets=config.prefill_buckets,
+        **batch_settings(config),
+    )
     return VisionSetup(batch, batch.lm, config, "")

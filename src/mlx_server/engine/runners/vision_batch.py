@@ -46,10 +46,12 @@ class VisionBatchRunner:
         prefill_step_size: int,
         keep_caches: bool = True,
         solo: bool = True,
+        prefill_buckets: bool = False,
         make_batch: Callable[..., BatchRunner] = BatchRunner,
     ):
         """``solo``: a lone request without media runs on the lone runner, as on the text
-        path (``solo.LoneFirstRunner``)."""
+        path (``solo.LoneFirstRunner``), its prefill chunks padded to bucket lengths with
+        ``prefill_buckets``."""
         self.vlm = vlm
         self.lm = LanguageModel(vlm)
         self.batch = make_batch(
@@ -62,7 +64,9 @@ class VisionBatchRunner:
         # Where requests without media (or with all of it cached) go: the text path.
         self.text: LoneFirstRunner | BatchRunner = self.batch
         if solo:
-            lone = SoloRunner(self.lm, eos, prefill_step_size=prefill_step_size)
+            lone = SoloRunner(
+                self.lm, eos, prefill_step_size=prefill_step_size, prefill_buckets=prefill_buckets
+            )
             self.text = LoneFirstRunner(lone, self.batch)
         self._step_size = prefill_step_size
         self._prefills: dict[int, VisionPrefill] = {}
