@@ -76,9 +76,9 @@ class VisionBench:
         self.http = Bench(args)
         self.seed = 1000  # fresh images for each request (the cache must not serve them)
 
-    def _next_image(self, text: str) -> dict:
+    def _next_image(self, text: str, size: int | None = None) -> dict:
         self.seed += 1
-        return image_message(text, self.args.size, self.seed)
+        return image_message(text, size or self.args.size, self.seed)
 
     async def stream(self, messages: list[dict], max_tokens: int | None = None) -> dict:
         return await self.http.stream_chat(messages, max_tokens or self.args.max_tokens)
@@ -124,7 +124,8 @@ class VisionBench:
         self.emit("concurrent", {**row, **self._errors(rs)})
 
     async def session(self) -> None:
-        messages = [self._next_image(QUESTION)]
+        # A photo as people send one (--session-size): turn 1's image is most of the prompt.
+        messages = [self._next_image(QUESTION, self.args.session_size)]
         turns = []
         for follow_up in [None, *FOLLOW_UPS]:
             if follow_up is not None:
@@ -252,6 +253,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1, help="1: time the first uses first (first_use)")
     p.add_argument("--size", type=int, default=448, help="image side in pixels")
+    p.add_argument(
+        "--session-size", type=int, default=None, help="the session's image side (--size)"
+    )
     p.add_argument("--out", default=None, help="append the JSON lines to this file")
     p.add_argument("--timeout", type=float, default=300.0)
     p.add_argument("--server-pid", type=int, default=None, help="the server's PID (its CPU)")

@@ -22,7 +22,8 @@
 # Env: PRESET=qwen25vl-7b (or tiny-qwen25vl), BITS=4, SERVERS="ours mlxvlm", N=8 (concurrent streams),
 #      MAX_TOKENS=128, SIZE=420 (image side; at 448, a multiple of Qwen2.5-VL's attention window,
 #      mlx-vlm 0.7.10 runs empty attention segments, which kill mlx_vlm.server on CUDA with SIGFPE;
-#      this server repairs them: models/vlm_repairs.py), REPEATS=3, SCEN=single,concurrent,session,text,
+#      this server repairs them: models/vlm_repairs.py), SESSION_SIZE=840 (the session's image: a photo's
+#      900 image tokens make turn 1's prompt, 30 x 30 merged patches, no window multiple), REPEATS=3, SCEN=single,concurrent,session,text,
 #      TWIN=1 (0: skip the text twin), OURS_ARGS (extra flags for this server), NO_INSTALL=1 (use what
 #      PYTHON has), V (the mlx-vlm wheels; default .gpu/v), PYTHON=python3, S=/tmp/site, K=/tmp/kit/a,
 #      TOK=$K/tok, SRC (default the kit's copy, else ./src), MODELS_DIR=/tmp/models, OUT=/tmp/out,
@@ -33,7 +34,7 @@ HERE=$(cd "$(dirname "$0")" && pwd)
 PYTHON=${PYTHON:-python3}; S=${S:-/tmp/site}; K=${K:-/tmp/kit/a}; OUT=${OUT:-/tmp/out}; TOK=${TOK:-$K/tok}
 SRC=${SRC:-$([ -d $K/src/mlx_server ] && echo $K/src || echo $PWD/src)}; MODELS_DIR=${MODELS_DIR:-/tmp/models}
 PRESET=${PRESET:-qwen25vl-7b}; BITS=${BITS:-4}; SERVERS=${SERVERS-"ours mlxvlm"}; N=${N:-8}
-MAX_TOKENS=${MAX_TOKENS:-128}; SIZE=${SIZE:-420}; REPEATS=${REPEATS:-3}; SCEN=${SCEN:-single,concurrent,session,text}
+MAX_TOKENS=${MAX_TOKENS:-128}; SIZE=${SIZE:-420}; SESSION_SIZE=${SESSION_SIZE:-840}; REPEATS=${REPEATS:-3}; SCEN=${SCEN:-single,concurrent,session,text}
 TWIN=${TWIN:-1}; OURS_ARGS=${OURS_ARGS:-}; V=${V:-.gpu/v}; PTX=${PTX:-/tmp/ptx}
 mkdir -p "$OUT"; R=$OUT/results.jsonl; T=$OUT/logs; mkdir -p "$T"; ALL=${ALL:-/tmp/vision-results.jsonl}
 exec > >(tee -a "$OUT/vision.txt") 2>&1
@@ -78,7 +79,7 @@ PY
 bench() {  # $1 port, $2 model name, $3 server, $4 kind, $5 scenarios
   timeout 480 "$PYTHON" "$HERE/bench_vision.py" --base-url "http://127.0.0.1:$1/v1" --model "$2" --server $3 \
     --kind $4 --label "$3 $4 $PRESET-$BITS" --scenario "$5" --concurrency $N --max-tokens $MAX_TOKENS \
-    --size $SIZE --repeats $REPEATS --out "$R" || echo "!! bench_vision.py: $3 $4 exit status $?"
+    --size $SIZE --session-size $SESSION_SIZE --repeats $REPEATS --out "$R" || echo "!! bench_vision.py: $3 $4 exit status $?"
 }
 serve() {  # $1 server, $2 model dir, $3 kind, $4 scenarios
   local P; P=$(port); local log=$T/$1-$3.log; local name=m; local t0; t0=$(date +%s)
