@@ -14,6 +14,7 @@ from typing import Any
 import mlx.core as mx
 import pytest
 from engine_runner import request, solo
+from test_vision_batch import gemma  # noqa: F401 (the fixture)
 from tiny_vlm import build_tiny_idefics3, build_tiny_vlm
 
 from mlx_server.engine.core.config import EngineConfig
@@ -26,6 +27,18 @@ from mlx_server.models.loader import load_model
 WARM = EngineConfig(max_batch_size=3, prefill_step_size=64, warm_up=True, prefill_buckets=True)
 
 
+def warm_all(model: Any) -> None:
+    """The whole warm-up, before and after the readiness line; it must run every piece."""
+    plan = WarmUp(model, 3, 64, float("inf"), buckets=True)
+    secs = plan.before_ready()
+    pieces = 0
+    while plan.pending:  # batch sizes 2 and 3, then a full chunk in the batch
+        secs += plan.step()
+        pieces += 1
+        assert pieces < 100, "the warm-up did not end"
+    assert plan.pieces == pieces > 0 and secs > 0
+
+
 @pytest.mark.parametrize(
     "build", [build_tiny_vlm, build_tiny_idefics3], ids=["qwen2_vl", "idefics3"]
 )
@@ -34,14 +47,15 @@ def test_the_language_model_of_a_batched_vlm_warms_every_shape(build: Any, tmp_p
     setup = vision_runner(loaded.model, loaded.tokenizer, WARM)
     assert isinstance(setup.runner, VisionBatchRunner)
     assert setup.config.warm_up and setup.config.prefill_buckets
-    plan = WarmUp(setup.model, 3, 64, float("inf"), buckets=True)
-    secs = plan.before_ready()
-    pieces = 0
-    while plan.pending:  # batch sizes 2 and 3, then a full chunk in the batch
-        secs += plan.step()
-        pieces += 1
-        assert pieces < 100, "the warm-up did not end"
-    assert plan.pieces == pieces > 0 and secs > 0
+    warm_all(setup.model)
+
+
+def test_the_sliding_window_language_model_of_gemma3_warms_too(gemma):  # noqa: F811
+    """Gemma 3's rotating caches: the warm-up runs (the lone path keeps them unpadded)."""
+    model, tok, _, _ = gemma
+    setup = vision_runner(model, tok, WARM)
+    assert isinstance(setup.runner, VisionBatchRunner) and setup.config.warm_up
+    warm_all(setup.model)
 
 
 def test_a_vlm_that_runs_one_request_at_a_time_has_no_warm_up(tmp_path: Path):
