@@ -132,3 +132,28 @@ def test_a_second_server_on_a_held_folder_runs_with_the_ram_tier_and_says_why(lm
     assert on["prompt_cache_disk"] == "on"
     assert on["prompt_cache_disk_dir"] == str(first.directory)
     stop(first)
+
+
+def test_a_release_during_the_closing_note_waits_for_it(tmp_path, monkeypatch):
+    """``close`` marks the folder closing on the caller's thread while the writer thread may
+    give the folder up: a release that comes in the middle of the note waits for it, and
+    the note never writes to a closed file (a CI run once failed on that race)."""
+    from mlx_server.engine.cache import folder_lock
+
+    lock = folder_lock.FolderLock.acquire(tmp_path)
+    real_truncate, releaser = os.ftruncate, []
+
+    def truncate_then_race(fd: int, length: int) -> None:
+        real_truncate(fd, length)
+        t = threading.Thread(target=lock.release)
+        t.start()
+        releaser.append(t)
+        t.join(0.5)  # with the guard, the release waits for the note to end
+        assert t.is_alive() and lock.held
+
+    monkeypatch.setattr(folder_lock.os, "ftruncate", truncate_then_race)
+    lock.mark_closing()  # raised TypeError when the release closed the file mid-note
+    releaser[0].join(10)
+    assert not releaser[0].is_alive() and not lock.held
+    assert (tmp_path / LOCK_FILE).read_text().split()[1] == "closing"
+    lock.mark_closing()  # released: nothing to write, nothing raised

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -38,6 +39,9 @@ class FolderLock:
     def __init__(self, fd: int, directory: Path):
         self._fd: int | None = fd
         self.directory = directory
+        # A note and the release come from different threads (``close`` marks the folder
+        # closing while the disk tier's writer may give it up): never a write to a closed fd.
+        self._guard = threading.Lock()
 
     @classmethod
     def acquire(cls, directory: Path, wait_closing_s: float = 0.0) -> FolderLock:
@@ -64,22 +68,24 @@ class FolderLock:
 
     def release(self) -> None:
         """Give the folder up (closing the file drops the lock); idempotent."""
-        fd, self._fd = self._fd, None
-        if fd is not None:
-            os.close(fd)
+        with self._guard:
+            fd, self._fd = self._fd, None
+            if fd is not None:
+                os.close(fd)
 
     @property
     def held(self) -> bool:
         return self._fd is not None
 
     def _write_note(self, text: str) -> None:
-        if self._fd is None:
-            return
-        try:
-            os.ftruncate(self._fd, 0)
-            os.pwrite(self._fd, f"{text}\n".encode(), 0)
-        except OSError:
-            pass  # the note only serves messages: the lock itself is held
+        with self._guard:
+            if self._fd is None:  # released: nothing to tell
+                return
+            try:
+                os.ftruncate(self._fd, 0)
+                os.pwrite(self._fd, f"{text}\n".encode(), 0)
+            except OSError:
+                pass  # the note only serves messages: the lock itself is held
 
 
 def _try_lock(fd: int) -> bool:
