@@ -1,0 +1,107 @@
+"""Short queries' attention on CUDA (models/cuda_attention.py): the plain computation gives
+MLX's fused attention's results for every mask kind, grouped heads and sinks; only short
+half-precision queries take it; ``install`` leaves MLX's function alone off CUDA."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlx_server.models import cuda_attention
+from mlx_server.models.cuda_attention import plain_attention, short_query_attention
+
+FUSED = mx.fast.scaled_dot_product_attention
+
+
+def _qkv(batch=2, heads=8, kv_heads=2, length=9, keys=37, dim=64, dtype=mx.float32, seed=0):
+    ks = mx.random.split(mx.random.key(seed), 3)
+    q = mx.random.normal((batch, heads, length, dim), key=ks[0]).astype(dtype)
+    k = mx.random.normal((batch, kv_heads, keys, dim), key=ks[1]).astype(dtype)
+    v = mx.random.normal((batch, kv_heads, keys, dim), key=ks[2]).astype(dtype)
+    return q, k, v
+
+
+def _close(a: mx.array, b: mx.array, tol: float) -> None:
+    a32, b32 = np.array(a.astype(mx.float32)), np.array(b.astype(mx.float32))
+    assert a.shape == b.shape and a.dtype == b.dtype
+    np.testing.assert_allclose(a32, b32, atol=tol, rtol=tol)
+
+
+def _left_padded_mask(batch: int, length: int, keys: int) -> mx.array:
+    """A batch's causal mask with left padding (row 1 starts 5 keys in), as mlx-lm makes it."""
+    rows = mx.arange(keys - length, keys)[:, None] >= mx.arange(keys)[None, :]
+    pad = mx.array([0, 5])[:batch, None, None, None]
+    return mx.logical_and(rows[None, None], mx.arange(keys)[None, None, None, :] >= pad)
+
+
+@pytest.mark.parametrize("kv_heads", [8, 2, 1])
+@pytest.mark.parametrize("mask_kind", ["none", "causal", "bool", "additive"])
+def test_the_plain_attention_is_mlx_s(kv_heads, mask_kind):
+    q, k, v = _qkv(kv_heads=kv_heads)
+    scale = q.shape[-1] ** -0.5
+    mask = {
+        "none": None,
+        "causal": "causal",
+        "bool": _left_padded_mask(2, 9, 37),
+        "additive": mx.random.normal((2, 1, 9, 37), key=mx.random.key(3)),
+    }[mask_kind]
+    _close(
+        plain_attention(q, k, v, scale=scale, mask=mask),
+        FUSED(q, k, v, scale=scale, mask=mask),
+        1e-4,
+    )
+
+
+def test_sinks_as_mlx_counts_them():
+    q, k, v = _qkv(kv_heads=2)
+    sinks = mx.random.normal((8,), key=mx.random.key(4))
+    want = FUSED(q, k, v, scale=0.125, mask="causal", sinks=sinks)
+    _close(plain_attention(q, k, v, scale=0.125, mask="causal", sinks=sinks), want, 1e-4)
+
+
+def test_half_precision_stays_half_and_close():
+    q, k, v = _qkv(dtype=mx.bfloat16)
+    mask = _left_padded_mask(2, 9, 37)
+    got = short_query_attention(q, k, v, scale=0.125, mask=mask)
+    _close(got, FUSED(q, k, v, scale=0.125, mask=mask), 0.05)
+
+
+def test_only_short_half_precision_queries_are_computed_plainly(monkeypatch):
+    calls: list[tuple] = []
+
+    def fused(q, k, v, **kw):
+        calls.append(q.shape)
+        return FUSED(q, k, v, **kw)
+
+    monkeypatch.setattr(cuda_attention, "_FUSED", fused)
+    plain = [(9, mx.bfloat16), (4, mx.float16), (64, mx.bfloat16)]
+    fused_ones = [(1, mx.bfloat16), (3, mx.bfloat16), (65, mx.bfloat16), (9, mx.float32)]
+    for length, dtype in plain + fused_ones:
+        q, k, v = _qkv(length=length, keys=80, dtype=dtype)
+        out = short_query_attention(q, k, v, scale=0.125, mask="causal")
+        assert out.shape == q.shape
+    assert [shape[2] for shape in calls] == [1, 3, 65, 9]
+    calls.clear()
+    q, k, v = _qkv(dtype=mx.bfloat16)
+    short_query_attention(q, k, v, scale=0.125, mask="causal", force_fused=False, stream=mx.cpu)
+    monkeypatch.setattr(cuda_attention, "MAX_SCORES", 100)
+    short_query_attention(q, k, v, scale=0.125, mask="causal")
+    assert len(calls) == 2  # an explicit stream; scores over the limit
+
+
+def test_install_patches_only_where_asked(monkeypatch):
+    monkeypatch.setattr(cuda_attention, "on_cuda_gpu", lambda: False)
+    try:
+        assert cuda_attention.install() is None
+        assert mx.fast.scaled_dot_product_attention is FUSED
+        line = cuda_attention.install(True)
+        assert line is not None and "4-64" in line
+        assert mx.fast.scaled_dot_product_attention is short_query_attention
+        assert cuda_attention.install(True) == line  # twice: still one wrapper
+        q, k, v = _qkv(dtype=mx.bfloat16)
+        got = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask="causal")
+        _close(got, FUSED(q, k, v, scale=0.125, mask="causal"), 0.05)
+    finally:
+        cuda_attention.uninstall()
+    assert mx.fast.scaled_dot_product_attention is FUSED
