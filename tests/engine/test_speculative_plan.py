@@ -180,9 +180,11 @@ def test_eight_rows_stop_drafting_within_two_steps_and_decode_plainly(tiny: Any)
     n, turn = 48, 16
     greedy = [make_sampler(SamplingParams(temperature=0.0))] * 8
 
+    trace: list[str] = []  # the turncoats' run is traced: each step's phases timed alone
+
     def run(drafters: list[Any] | None) -> tuple[list[list[int]], PlanLog, list[int]]:
         gen = BatchGenerator(model, completion_batch_size=8, prefill_batch_size=8)
-        log = PlanLog()
+        log = PlanLog(trace=trace.append if drafters else None)
         spec = BatchSpeculator(8, log=log, costs=GpuLikeCosts(8))
         install(gen, spec)
         uids = gen.insert(prompts, max_tokens=[n] * 8, samplers=greedy)
@@ -212,5 +214,9 @@ def test_eight_rows_stop_drafting_within_two_steps_and_decode_plainly(tiny: Any)
     got, log, verified_at = run(turncoats)
     assert got == want
     assert log.accepted > 0
+    starts = [line for line in trace if line.startswith("verify batch=8")]
+    ends = [line for line in trace if line.startswith("  verified in ")]
+    assert len(starts) == len(ends) == log.verify_steps > 0
+    assert all(all(p in e for p in ("forward", "decide", "roll back", "other")) for e in ends)
     assert len([m for m in verified_at if m >= turn]) <= 2  # after the turn: two failed tries
     assert log.steps[why.RATE] > 10 and log.shadow_drafted > 0

@@ -74,13 +74,19 @@ class DeltaBatchKVCache(BatchKVCache):
         return out
 
 
-def positions(cache: list[Any], length: int) -> mx.array:
-    """Position ids (3, batch, length) for the next ``length`` tokens of each row."""
+def starts(cache: list[Any]) -> mx.array | int:
+    """Each row's next text position: a batch's (batch,) array, a lone sequence's int."""
     c = cache[0]
     if isinstance(c, DeltaBatchKVCache):
-        start = c.offset + c.deltas
-    else:
-        start = mx.array([c.offset + getattr(c, "delta", 0)])
+        return c.offset + c.deltas
+    return int(c.offset) + getattr(c, "delta", 0)
+
+
+def positions(cache: list[Any], length: int) -> mx.array:
+    """Position ids (3, batch, length) for the next ``length`` tokens of each row."""
+    start = starts(cache)
+    if isinstance(start, int):
+        start = mx.array([start])
     pos = start[:, None] + mx.arange(length)[None, :]
     return mx.broadcast_to(pos[None], (3, *pos.shape))
 

@@ -34,8 +34,10 @@ from mlx_server.engine.cache.mrope import (
     first_int,
     positions,
     set_delta,
+    starts,
 )
 from mlx_server.engine.runners.base import Insert, Progress
+from mlx_server.models import mrope_text
 
 # Outputs of ``get_input_embeddings`` that only the prefill uses (Gemma 3's mask letting an
 # image's tokens see each other; Qwen-VL's positions, see cache/mrope.py). Any other would
@@ -67,11 +69,16 @@ class LanguageModel:
         self.vlm = vlm
         self.lm = vlm.language_model
         self.mrope = family(vlm) in MROPE_FAMILIES  # positions from the caches' deltas
+        # text positions rotate as plain RoPE, in one operation (models/mrope_text.py)
+        self.text_ropes = mrope_text.install(self.lm.layers) if self.mrope else []
 
     def __call__(self, inputs: mx.array, cache: Any = None, **kwargs: Any) -> mx.array:
         if self.mrope and cache is not None and "position_ids" not in kwargs:
             kwargs["position_ids"] = positions(cache, inputs.shape[1])
-        out = self.lm(inputs, cache=cache, **kwargs)
+            with mrope_text.at(self.text_ropes, starts(cache)):
+                out = self.lm(inputs, cache=cache, **kwargs)
+        else:
+            out = self.lm(inputs, cache=cache, **kwargs)
         return getattr(out, "logits", out)
 
     @property
@@ -101,7 +108,7 @@ class LanguageModel:
         return first_int(delta)
 
     def __getattr__(self, name: str) -> Any:
-        if name in ("vlm", "lm", "mrope"):  # not set yet
+        if name in ("vlm", "lm", "mrope", "text_ropes"):  # not set yet
             raise AttributeError(name)
         return getattr(self.lm, name)
 

@@ -117,6 +117,7 @@ class BatchSpeculator:
         width = bucket(max(len(d) for d in drafts), self.max_k)
         if self.log is not None:
             self.log.verifying(len(uids), width, [len(d) for d in drafts])
+        timings: dict[str, float] | None = {} if self.log and self.log.trace else None
         responses = verify_batch(
             batch,
             pending,
@@ -125,8 +126,11 @@ class BatchSpeculator:
             model=self.model,
             processors=self._processors(batch),
             width=width,
+            timings=timings,
         )
         seconds = time.perf_counter() - t
+        if self.log is not None and timings:
+            self.log.phases(seconds, timings)
         self.plan.record_draft(len(uids), width, seconds)
         self._record(uids, specs, tried, drafts, responses, seconds)
         return responses

@@ -24,6 +24,7 @@ again, right-padded, as mlx-lm's ``GenerationBatch.prompt`` feeds a batch's new 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -78,6 +79,7 @@ def verify_batch(
     model: Any = None,
     processors: list[Sequence[Any]] | None = None,
     width: int = 0,
+    timings: dict[str, float] | None = None,
 ) -> list[Any]:
     """One verifying step of ``batch`` (a ``GenerationBatch``): feed each row its pending
     token and draft, answer what was accepted, roll the rest back, and let finished rows
@@ -85,22 +87,46 @@ def verify_batch(
     verified by rejection sampling. ``model``: the model to run (default the batch's: a
     wrapper there may expect one position per row); ``processors``: each row's logits
     processors (default its mlx-lm list); ``width``: the drafts' padded length, at least
-    the longest (``costs.bucket``: the pass's shapes repeat). Returns the step's
+    the longest (``costs.bucket``: the pass's shapes repeat); ``timings``: where given,
+    each phase is evaluated on its own and its seconds put there (forward, decide, roll
+    back: a benchmark's trace; the extra waits cost a little). Returns the step's
     ``GenerationBatch.Response`` list, several per row in order."""
     width = max(width, *(len(d) for d in drafts))
     rows = [[p, *d, *[0] * (width - len(d))] for p, d in zip(pending, drafts, strict=True)]
     cache = batch.prompt_cache
     per_row = _trims_per_row(cache)
     saved = None if per_row else [None if type(c) is BatchKVCache else Saved(c) for c in cache]
+    clock = _Phases(timings)
     logits = (model or batch.model)(mx.array(rows), cache=cache)
+    clock.done("forward", logits)
     procs = processors or [tuple(p or ()) for p in batch.logits_processors]
     decided = decide(batch, logits, pending, drafts, sampled or {}, procs)
+    clock.done("decide")
     if saved is None:
         roll_back(cache, [width - d.accepted for d in decided])
     else:
         kept = [[p, *r[1 : 1 + d.accepted]] for p, r, d in zip(pending, rows, decided, strict=True)]
         feed_again(model or batch.model, cache, saved, width + 1, kept)
+    clock.done("roll back", [c.state for c in cache])
     return _answer(batch, pending, decided)
+
+
+class _Phases:
+    """Seconds of each phase of a verifying step, each evaluated before the next starts
+    (nothing is evaluated early where no ``timings`` are asked for)."""
+
+    def __init__(self, timings: dict[str, float] | None):
+        self.timings = timings
+        self.t = time.perf_counter()
+
+    def done(self, name: str, result: Any = None) -> None:
+        if self.timings is None:
+            return
+        if result is not None:
+            mx.eval(result)
+        now = time.perf_counter()
+        self.timings[name] = now - self.t
+        self.t = now
 
 
 def decide(

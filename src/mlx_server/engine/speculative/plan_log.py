@@ -5,7 +5,8 @@ batch) is counted under its reason; each verifying step adds what it drafted, ac
 cost; each time drafting stops, the reason and the figures behind it are kept (the last
 ``KEEP``). ``StepCosts`` objects the controllers use are registered so the measured
 verify costs can be printed beside the decisions. ``trace``, when set, is called with one
-line per verifying step as it starts: a log that survives a crash in the pass itself.
+line per verifying step as it starts (a log that survives a crash in the pass itself) and
+one when it ends, with its phases' milliseconds (``phases``).
 """
 
 from __future__ import annotations
@@ -50,6 +51,13 @@ class PlanLog:
     def verifying(self, batch: int, width: int, lengths: list[int]) -> None:
         if self.trace is not None:
             self.trace(f"verify batch={batch} width={width} drafts={lengths}")
+
+    def phases(self, seconds: float, timings: dict[str, float]) -> None:
+        """The verifying step's time and its phases' (each evaluated alone), traced."""
+        if self.trace is not None:
+            parts = ", ".join(f"{k} {v * 1e3:.2f}" for k, v in timings.items())
+            rest = seconds - sum(timings.values())  # drafting, choosing, answering
+            self.trace(f"  verified in {seconds * 1e3:.2f} ms: {parts}, other {rest * 1e3:.2f}")
 
     def verified(self, drafted: int, accepted: int, seconds: float) -> None:
         self.verify_steps += 1
