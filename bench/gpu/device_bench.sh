@@ -19,6 +19,8 @@
 #      FIRST_ANSWER=1: after readiness, time each server to its first 1-token chat answer (the comparable start
 #      figure: mlx_lm.server's /health answers before its model is loaded); it warms the server before the burst.
 #      A server named ours512 is ours with --prefill-step-size 512, ourspl ours with --prompt-lookup.
+#      FRESH_KERNELS=1: each server starts on an empty MLX kernel cache (PTX=/tmp/ptx/<server>-<model>), so
+#      that readiness and the first answer compare cold against cold (about a minute more per model on 8B).
 set -u
 K=/tmp/kit/a; S=/tmp/site; OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; R=$OUT/results.jsonl; L=$OUT/log.txt
 T=/tmp/benchlogs; mkdir -p $T
@@ -26,7 +28,7 @@ MODELS=${MODELS:-"1b:4 1b:0 8b:4"}; LEVELS=${LEVELS:-1,8,32}; SERVERS=${SERVERS-
 SRC=${SRC:-$([ -d $K/src/mlx_server ] && echo $K/src || echo $PWD/src)}; OURS_ARGS=${OURS_ARGS:-}; BENCH=${BENCH:-$K}; PROFILE=${PROFILE:-1b-0}; LAYERS=${LAYERS:-1}
 LAYERS_ARGS=${LAYERS_ARGS:-}; LAYERS_ONLY=${LAYERS_ONLY:-}; SCEN=${SCEN:-burst,single,concurrency,prefix}
 VARIANTS=${VARIANTS:-0}; CONSTRAINED=${CONSTRAINED:-0}; LONG_CTX=${LONG_CTX:-}; LONG_SERVERS=${LONG_SERVERS:-"ours mlxlm"}
-RAW=${RAW:-1}
+RAW=${RAW:-1}; FRESH_KERNELS=${FRESH_KERNELS:-0}; PTX=${PTX:-/tmp/ptx}
 exec > >(tee -a "$L") 2>&1
 K=$K S=$S bash "$(cd "$(dirname "$0")" && pwd)/install.sh" || exit 1
 export PYTHONPATH=$S:$SRC PYTHONUNBUFFERED=1
@@ -83,6 +85,11 @@ for spec in $MODELS; do
   fi
   for srv in $SERVERS; do
     P=$(port); name=m; t0=$(date +%s.%N)
+    # FRESH_KERNELS=1: each server on an empty kernel cache (MLX's CUDA backend keeps what it
+    # builds on disk, so a server started after another finds it built): cold starts compare.
+    if [ "$FRESH_KERNELS" = 1 ]; then
+      export MLX_PTX_CACHE_DIR=$PTX/$srv-$preset-$bits; rm -rf "$MLX_PTX_CACHE_DIR"
+    fi
     if [ $srv = ours ] || [ $srv = ours512 ] || [ $srv = ourspl ]; then
       extra=""; [ $srv = ours512 ] && extra="--prefill-step-size 512"
       [ $srv = ourspl ] && extra="--prompt-lookup"

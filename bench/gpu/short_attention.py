@@ -38,38 +38,44 @@ def timed(fn, q, k, v) -> float:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--lengths", default="9,32")
+    ap.add_argument("--lengths", default="9,32,128,256")
+    ap.add_argument("--keys", default="300,4000", help="the first key length of each run of 16")
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--dims", default="64,128")
     ap.add_argument("--offsets", type=int, default=16)
     ap.add_argument("--out")
     a = ap.parse_args()
     print(f"mlx {mx.__version__} {mx.default_device()}", flush=True)
-    for dim in map(int, a.dims.split(",")):
-        for batch in map(int, a.batches.split(",")):
-            for length in map(int, a.lengths.split(",")):
-                for name, fn in (("fused", FUSED), ("plain", plain_attention)):
-                    rounds = []
-                    for _ in range(2):
-                        times = []
-                        for i in range(a.offsets):
-                            keys = 300 + 9 * i + length
-                            shape_q, shape_kv = (batch, 32, length, dim), (batch, 8, keys, dim)
-                            q = mx.random.normal(shape_q).astype(mx.bfloat16)
-                            k = mx.random.normal(shape_kv).astype(mx.bfloat16)
-                            v = mx.random.normal(shape_kv).astype(mx.bfloat16)
-                            mx.eval(q, k, v)
-                            times.append(timed(fn, q, k, v))
-                        rounds.append(times)
-                    row = {"scenario": "short_attention", "impl": name, "dim": dim}
-                    row.update(batch=batch, length=length, offsets=a.offsets)
-                    for r, times in enumerate(rounds, 1):
-                        row[f"round{r}_median_ms"] = round(statistics.median(times), 3)
-                        row[f"round{r}_max_ms"] = round(max(times), 3)
-                    print(json.dumps(row), flush=True)
-                    if a.out:
-                        with open(a.out, "a") as f:
-                            f.write(json.dumps(row) + "\n")
+    cases = [
+        (dim, batch, length, base)
+        for dim in map(int, a.dims.split(","))
+        for batch in map(int, a.batches.split(","))
+        for length in map(int, a.lengths.split(","))
+        for base in map(int, a.keys.split(","))
+    ]
+    for dim, batch, length, base in cases:
+        for name, fn in (("fused", FUSED), ("plain", plain_attention)):
+            rounds = []
+            for _ in range(2):
+                times = []
+                for i in range(a.offsets):
+                    keys = base + 9 * i + length
+                    shape_q, shape_kv = (batch, 32, length, dim), (batch, 8, keys, dim)
+                    q = mx.random.normal(shape_q).astype(mx.bfloat16)
+                    k = mx.random.normal(shape_kv).astype(mx.bfloat16)
+                    v = mx.random.normal(shape_kv).astype(mx.bfloat16)
+                    mx.eval(q, k, v)
+                    times.append(timed(fn, q, k, v))
+                rounds.append(times)
+            row = {"scenario": "short_attention", "impl": name, "dim": dim}
+            row.update(batch=batch, length=length, keys=base, offsets=a.offsets)
+            for r, times in enumerate(rounds, 1):
+                row[f"round{r}_median_ms"] = round(statistics.median(times), 3)
+                row[f"round{r}_max_ms"] = round(max(times), 3)
+            print(json.dumps(row), flush=True)
+            if a.out:
+                with open(a.out, "a") as f:
+                    f.write(json.dumps(row) + "\n")
     return 0
 
 

@@ -150,7 +150,8 @@ def test_a_lone_sequence_stops_drafting_within_two_steps_and_decodes_plainly(tin
     prompt = _prompt(tok, "def add(a, b): return a + b")
     steps = generate_step(mx.array(prompt), model, max_tokens=64, sampler=_greedy)
     want = [int(t) for t, _ in steps]
-    log = PlanLog()
+    trace: list[str] = []  # traced: each verifying step's phases timed alone
+    log = PlanLog(trace=trace.append)
     drafter = Turncoat(len(prompt), want, 24, int(model.args.vocab_size))
     seq = SpeculativeSequence(
         model, 1, prompt, 0, None, sampler=_greedy, greedy=True, drafter=drafter,
@@ -169,6 +170,9 @@ def test_a_lone_sequence_stops_drafting_within_two_steps_and_decodes_plainly(tin
             break
     assert got == want
     assert log.accepted > 0  # it drafted while the drafts were the model's
+    ends = [line for line in trace if line.startswith("  verified in ")]
+    assert len(ends) == log.verify_steps > 0
+    assert all(all(p in e for p in ("forward", "decide", "roll back", "other")) for e in ends)
     assert len([n for n in verified_at if n >= 24]) <= 2  # after the turn: two failed tries
     assert log.steps[why.RATE] > 20 and log.shadow_drafted > 0
 

@@ -117,6 +117,28 @@ def test_a_request_during_the_idle_warm_up_is_admitted_before_the_next_piece(lm,
         engine.shutdown()
 
 
+def test_idle_time_counts_from_readiness_so_a_first_request_meets_no_piece(lm, monkeypatch):
+    """A client's first request, sent on the readiness line, runs before any idle piece: on
+    a fresh CUDA machine a piece can take seconds (a probe waited 45 s behind them)."""
+    model, tokenizer = lm
+    events: list[str] = []
+    real_step = WarmUp.step
+    monkeypatch.setattr(WarmUp, "step", lambda plan: (events.append("piece"), real_step(plan))[1])
+    engine = text_engine(
+        model, tokenizer, EngineConfig(max_batch_size=3, warm_up=True, warm_idle_s=30.0)
+    )
+    real_start = engine._start
+    monkeypatch.setattr(engine, "_start", lambda seq: (events.append("admit"), real_start(seq)))
+    engine.start()
+    try:
+        assert engine.wait_ready(60)
+        done = asyncio.run(_generate(engine, tokenizer.encode("Hello there")))
+        assert done.usage.completion_tokens == 5
+        assert events == ["admit"] and engine.warming_up  # the pieces wait for idle time
+    finally:
+        engine.shutdown()
+
+
 def test_a_lazy_compiler_compiles_as_one_that_wrapped_the_tokenizer_at_once(tiny_tokenizer):
     spec = ConstraintSpec.json_object()
     now = ConstraintCompiler(tiny_tokenizer)

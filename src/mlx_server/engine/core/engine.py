@@ -209,6 +209,10 @@ class Engine(OwnerThread):
     def _warm_up(self) -> None:
         """Warm up before serving (see ``warming``), then say the engine is ready."""
         self.start_error = self._warming.before_serving(self._warm_up_budget())
+        # Idle time counts from readiness: a client's first request, sent on the readiness
+        # line, finds no warm-up piece under way (on a fresh CUDA machine one can take
+        # seconds; a VLM's probe waited 45 s behind them on an H100).
+        self._busy_at = time.monotonic()
         self._ready.set()
 
     def _warm_up_budget(self) -> float:

@@ -24,7 +24,6 @@ again, right-padded, as mlx-lm's ``GenerationBatch.prompt`` feeds a batch's new 
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -33,6 +32,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, TokenBuffer
 
 from mlx_server.engine.sampling.samplers import SharedSampler
+from mlx_server.engine.speculative.plan_log import PhaseClock
 from mlx_server.engine.speculative.rejection import Rejection, speculative_sample
 from mlx_server.engine.speculative.rollback import (
     RollbackError,
@@ -96,7 +96,7 @@ def verify_batch(
     cache = batch.prompt_cache
     per_row = _trims_per_row(cache)
     saved = None if per_row else [None if type(c) is BatchKVCache else Saved(c) for c in cache]
-    clock = _Phases(timings)
+    clock = PhaseClock(timings)
     logits = (model or batch.model)(mx.array(rows), cache=cache)
     clock.done("forward", logits)
     procs = processors or [tuple(p or ()) for p in batch.logits_processors]
@@ -109,24 +109,6 @@ def verify_batch(
         feed_again(model or batch.model, cache, saved, width + 1, kept)
     clock.done("roll back", [c.state for c in cache])
     return _answer(batch, pending, decided)
-
-
-class _Phases:
-    """Seconds of each phase of a verifying step, each evaluated before the next starts
-    (nothing is evaluated early where no ``timings`` are asked for)."""
-
-    def __init__(self, timings: dict[str, float] | None):
-        self.timings = timings
-        self.t = time.perf_counter()
-
-    def done(self, name: str, result: Any = None) -> None:
-        if self.timings is None:
-            return
-        if result is not None:
-            mx.eval(result)
-        now = time.perf_counter()
-        self.timings[name] = now - self.t
-        self.t = now
 
 
 def decide(

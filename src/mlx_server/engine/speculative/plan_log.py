@@ -11,9 +11,12 @@ one when it ends, with its phases' milliseconds (``phases``).
 
 from __future__ import annotations
 
+import time
 from collections import Counter, deque
 from collections.abc import Callable
 from typing import Any
+
+import mlx.core as mx
 
 KEEP = 64
 
@@ -103,3 +106,21 @@ class PlanLog:
             )
             lines.append(f"  last stop: {self.stops[-1]}")
         return "\n".join(lines)
+
+
+class PhaseClock:
+    """Seconds of each phase of a verifying step, each evaluated before the next starts
+    (``done``); with no ``timings`` to fill, it evaluates nothing early."""
+
+    def __init__(self, timings: dict[str, float] | None):
+        self.timings = timings
+        self.t = time.perf_counter()
+
+    def done(self, name: str, result: Any = None) -> None:
+        if self.timings is None:
+            return
+        if result is not None:
+            mx.eval(result)
+        now = time.perf_counter()
+        self.timings[name] = now - self.t
+        self.t = now

@@ -152,6 +152,9 @@ class SpeculativeSequence(SoloSequence):
         draft = self.drafter.propose(context, k)[:k]
         if not draft:
             return [], None
+        log = self.length.log
+        timings: dict[str, float] | None = {} if log is not None and log.trace else None
+        t = time.perf_counter()
         out = verify(
             self.model,
             self.cache,
@@ -161,7 +164,10 @@ class SpeculativeSequence(SoloSequence):
             processors=self.processors,
             history=self.fed,
             pad=self._padding(len(draft)),
+            timings=timings,
         )
+        if log is not None and timings:
+            log.phases(time.perf_counter() - t, timings)
         return draft, out
 
     def _padding(self, n: int) -> int:

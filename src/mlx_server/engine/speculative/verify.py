@@ -27,6 +27,7 @@ from typing import Any
 import mlx.core as mx
 
 from mlx_server.engine.sampling.samplers import SharedSampler
+from mlx_server.engine.speculative.plan_log import PhaseClock
 from mlx_server.engine.speculative.rejection import Rejection, speculative_sample
 from mlx_server.engine.speculative.rollback import Rollback
 
@@ -54,6 +55,7 @@ def verify(
     processors: Sequence[Processor] = (),
     history: list[int] | None = None,
     pad: int = 0,
+    timings: dict[str, float] | None = None,
 ) -> Verified:
     """Feed ``last`` and ``draft`` after ``cache``, decide the emitted tokens, and trim the
     cache so it holds ``last`` and the accepted draft tokens (not the final emitted one).
@@ -62,9 +64,12 @@ def verify(
     processors see, as in mlx-lm: the tokens so far, ending with the one just fed.
     ``pad``: positions fed after the draft and never used (the pass's shape; see
     ``costs``): attention is causal, so they change no position before them.
+    ``timings``: where given, each phase's seconds (``plan_log.PhaseClock``).
     """
+    clock = PhaseClock(timings)
     rollback = Rollback(model, cache)
     logits = _feed(rollback, last, draft, pad)
+    clock.done("forward", logits)
     if sampler is None and not processors:
         out = _greedy(logits, draft)
     elif isinstance(sampler, SharedSampler) and not processors:
@@ -72,7 +77,10 @@ def verify(
     else:
         context = [*(history or []), last]
         out = _sequential(logits, draft, sampler, processors, context)
-    return _kept(out, rollback)
+    clock.done("decide")
+    kept = _kept(out, rollback)
+    clock.done("roll back", [c.state for c in cache])
+    return kept
 
 
 def _feed(rollback: Rollback, last: int, draft: list[int], pad: int) -> mx.array:
