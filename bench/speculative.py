@@ -215,6 +215,10 @@ def main() -> None:
         as_dtype(model, getattr(mx, args.dtype))
     if args.random:
         randomize(model)
+    from mlx_server.models.cuda_paths import install_cuda_paths
+
+    for line in install_cuda_paths(model):  # what the server's loader puts in place on CUDA
+        print(line)
     RECORD.update(path=args.json, label=args.label or Path(args.model).name)
     print(f"mlx {mx.__version__} on {mx.default_device()}; {args.model}")
     bench = Bench(model, tokenizer, args)

@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Does a short query's attention build a cuDNN graph at every new key length on CUDA, and
 does computing it plainly (models/cuda_attention.py) avoid that? A speculative verify pass
-(9 tokens) or a short prefill chunk (32) over key lengths never seen before, 16 of them,
-then the same 16 again: MLX's fused attention (cuDNN for 4+ tokens in half precision)
+(2 or 9 tokens) or a short prefill chunk (32) over key lengths never seen before, 16 of them,
+then the same 16 again: MLX's fused attention (cuDNN for 2+ tokens in half precision)
 against the plain computation, each timed alone (evaluated, synchronised).
 
   PYTHONPATH=/tmp/site:$PWD/src python3 bench/gpu/short_attention.py --out $OUT/short_attention.jsonl
@@ -38,7 +38,7 @@ def timed(fn, q, k, v) -> float:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--lengths", default="9,32,128,256")
+    ap.add_argument("--lengths", default="2,9,32,128,256")
     ap.add_argument("--keys", default="300,4000", help="the first key length of each run of 16")
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--dims", default="64,128")

@@ -137,6 +137,12 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--prompt-tokens", type=int, default=256)
     ap.add_argument("--gdn-kernel", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument(
+        "--short-attention",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="short queries' attention computed plainly, as the server does on CUDA",
+    )
     ap.add_argument("--long-prompt", type=int, default=0,
                     help="first time one prompt this long, prefilled in 2048-token chunks")  # fmt: skip
     ap.add_argument("--label", default="")
@@ -155,6 +161,10 @@ def main() -> int:
         print(
             f"gated-delta kernel: {install(model) or 'not installed (not CUDA, or no such layers)'}"
         )
+    if args.short_attention:
+        from mlx_server.models.cuda_attention import install as install_attention
+
+        print(f"short queries' attention: {install_attention() or 'not installed (not CUDA)'}")
     text = config.get("text_config", config)
     vocab = int(text.get("vocab_size") or config["vocab_size"])
     if args.long_prompt:

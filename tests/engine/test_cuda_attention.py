@@ -75,13 +75,13 @@ def test_only_short_half_precision_queries_are_computed_plainly(monkeypatch):
         return FUSED(q, k, v, **kw)
 
     monkeypatch.setattr(cuda_attention, "_FUSED", fused)
-    plain = [(9, mx.bfloat16), (4, mx.float16), (64, mx.bfloat16)]
-    fused_ones = [(1, mx.bfloat16), (3, mx.bfloat16), (65, mx.bfloat16), (9, mx.float32)]
+    plain = [(9, mx.bfloat16), (2, mx.float16), (3, mx.bfloat16), (64, mx.bfloat16)]
+    fused_ones = [(1, mx.bfloat16), (65, mx.bfloat16), (9, mx.float32)]
     for length, dtype in plain + fused_ones:
         q, k, v = _qkv(length=length, keys=80, dtype=dtype)
         out = short_query_attention(q, k, v, scale=0.125, mask="causal")
         assert out.shape == q.shape
-    assert [shape[2] for shape in calls] == [1, 3, 65, 9]
+    assert [shape[2] for shape in calls] == [1, 65, 9]
     calls.clear()
     q, k, v = _qkv(dtype=mx.bfloat16)
     short_query_attention(q, k, v, scale=0.125, mask="causal", force_fused=False, stream=mx.cpu)
@@ -96,7 +96,7 @@ def test_install_patches_only_where_asked(monkeypatch):
         assert cuda_attention.install() is None
         assert mx.fast.scaled_dot_product_attention is FUSED
         line = cuda_attention.install(True)
-        assert line is not None and "4-64" in line
+        assert line is not None and "2-64" in line
         assert mx.fast.scaled_dot_product_attention is short_query_attention
         assert cuda_attention.install(True) == line  # twice: still one wrapper
         q, k, v = _qkv(dtype=mx.bfloat16)
@@ -105,3 +105,19 @@ def test_install_patches_only_where_asked(monkeypatch):
     finally:
         cuda_attention.uninstall()
     assert mx.fast.scaled_dot_product_attention is FUSED
+
+
+def test_the_loader_s_cuda_paths_include_it_only_on_cuda(monkeypatch):
+    from mlx_server.models import cuda_paths
+
+    monkeypatch.setattr(cuda_paths, "install_gated_delta", lambda model: None)
+    monkeypatch.setattr(cuda_attention, "on_cuda_gpu", lambda: False)
+    assert cuda_paths.install_cuda_paths(object()) == []
+    assert mx.fast.scaled_dot_product_attention is FUSED
+    monkeypatch.setattr(cuda_attention, "on_cuda_gpu", lambda: True)
+    try:
+        (line,) = cuda_paths.install_cuda_paths(object())
+        assert line.startswith("Attention: queries of 2-64 tokens")
+        assert mx.fast.scaled_dot_product_attention is short_query_attention
+    finally:
+        cuda_attention.uninstall()

@@ -1,7 +1,7 @@
 """Short queries' attention on a CUDA GPU, without a cuDNN graph for each new shape.
 
-On CUDA, MLX's fused attention for a query of 4 tokens or more is cuDNN's, and cuDNN
-builds a graph for each new combination of query length, key length and cache layout
+On CUDA, MLX's fused attention for a query of 2 tokens or more in half precision is
+cuDNN's (its vector kernel takes one token, a decode step), and cuDNN builds a graph for each new combination of query length, key length and cache layout
 (MLX keeps the graphs in a cache keyed by the exact shapes and strides): tens of
 milliseconds each on a warm machine, seconds on a fresh one. A speculative verify pass
 (k + 1 tokens after a cache that grows every step) and a short prefill chunk after a
@@ -13,8 +13,9 @@ the CPU runs: scaled scores, the mask, a softmax in float32, the values), it cos
 than one graph build, and its matrix products build nothing per shape.
 
 ``install()`` puts ``short_query_attention`` in front of
-``mx.fast.scaled_dot_product_attention`` for query lengths 4 to ``SHORT_QUERY`` (below 4
-MLX's vector kernel serves; a longer prefill chunk keeps cuDNN's flash attention), in
+``mx.fast.scaled_dot_product_attention`` for query lengths 2 to ``SHORT_QUERY`` (a decode
+step's single token keeps MLX's vector kernel; a longer prefill chunk cuDNN's flash
+attention), in
 half precision (what cuDNN takes; float32 already runs unfused), and only while the
 scores stay small (``MAX_SCORES``). Only on a CUDA GPU: Metal's and the CPU's kernels are
 not built per shape, and there nothing changes.
@@ -53,7 +54,7 @@ def short_query_attention(
 def _plain(q: mx.array, k: mx.array, v: mx.array, mask: Any, kwargs: dict[str, Any]) -> bool:
     if kwargs.get("force_fused") or kwargs.get("stream") is not None:
         return False
-    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4 or not 4 <= q.shape[2] <= SHORT_QUERY:
+    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4 or not 2 <= q.shape[2] <= SHORT_QUERY:
         return False
     if q.dtype not in (mx.float16, mx.bfloat16) or q.shape[1] % k.shape[1]:
         return False
@@ -124,7 +125,7 @@ def install(enabled: bool | None = None) -> str | None:
         return None
     if not getattr(mx.fast.scaled_dot_product_attention, _MARK, False):
         mx.fast.scaled_dot_product_attention = short_query_attention
-    return f"queries of 4-{SHORT_QUERY} tokens computed plainly (no cuDNN graph per shape)"
+    return f"queries of 2-{SHORT_QUERY} tokens computed plainly (no cuDNN graph per shape)"
 
 
 def uninstall() -> None:

@@ -16,8 +16,7 @@ from mlx_server.models.base import (  # re-exported: the loader's public names
     read_chat_template,
     settle_arrays,
 )
-from mlx_server.models.cuda_attention import install as install_short_attention
-from mlx_server.models.gated_delta_cuda import install as install_gated_delta
+from mlx_server.models.cuda_paths import install_cuda_paths
 from mlx_server.models.template_override import install_chat_template
 
 __all__ = [
@@ -150,10 +149,8 @@ def load_model(
         raise
     except Exception as e:
         raise ModelLoadError(f"{type(e).__name__}: {e}") from e
-    if (kernel := install_gated_delta(net)) is not None:
-        log(f"Linear attention: {kernel}")
-    if (attention := install_short_attention()) is not None:
-        log(f"Attention: {attention}")
+    for line in install_cuda_paths(net):
+        log(line)
     install_chat_template(tokenizer, read_chat_template(model_dir), chat_template)
     if getattr(tokenizer._tokenizer, "chat_template", None) is None:
         raise ModelLoadError(f"the model in {model_dir} has no chat template")

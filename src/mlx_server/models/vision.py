@@ -26,7 +26,7 @@ from mlx_server.models.base import (
     read_chat_template,
     settle_arrays,
 )
-from mlx_server.models.cuda_attention import install as install_short_attention
+from mlx_server.models.cuda_paths import install_cuda_paths
 from mlx_server.models.media import Media, MediaLimits, collect_media, part_where
 from mlx_server.models.media_key import CACHE_TOKENS, cache_key, media_digest, placeholder_ids
 from mlx_server.models.template_override import install_chat_template
@@ -78,8 +78,8 @@ def load_vision_model(
         settle_arrays(net)
         for repair in repair_loaded():
             log(f"Vision: mlx-vlm repaired ({repair})")
-        if (attention := install_short_attention()) is not None:
-            log(f"Attention: {attention}")
+        for line in install_cuda_paths(net):
+            log(line)
         config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
         tokenizer = load_tokenizer(model_dir, eos_token_ids=_eos_ids(model_dir, config, processor))
     except Exception as e:
