@@ -121,3 +121,46 @@ def test_the_loader_s_cuda_paths_include_it_only_on_cuda(monkeypatch):
         assert mx.fast.scaled_dot_product_attention is short_query_attention
     finally:
         cuda_attention.uninstall()
+
+
+@pytest.mark.parametrize(
+    "family", ["llama3", "qwen3", "gemma3_text", "gpt_oss", "deepseek_v3", "qwen3_5", "phi3"]
+)
+def test_every_family_s_chunk_after_a_prefix_is_the_same_with_it(family, tmp_path, monkeypatch):
+    """A model's 9-token pass after a cached prefix (a verify pass's shape) in bfloat16 gives
+    the same logits with short queries computed plainly: sliding windows, sinks (gpt-oss),
+    MLA (DeepSeek V3), a hybrid (Qwen3.5), each through the patched function."""
+    from arch_models import build
+    from mlx_lm import load
+    from mlx_lm.models.cache import make_prompt_cache
+
+    model, _ = load(str(build(family, tmp_path / family)))[:2]
+    model.set_dtype(mx.bfloat16)
+    for _, module in model.named_modules():  # MLX's CPU runs an MoE's gather_mm in float32
+        if type(module).__name__.startswith("Switch"):
+            module.set_dtype(mx.float32)
+    prompt = mx.array([[3 + (i * 7) % 50 for i in range(40)]])
+
+    def logits() -> mx.array:
+        cache = make_prompt_cache(model)
+        model(prompt[:, :31], cache=cache)
+        out = model(prompt[:, 31:], cache=cache).astype(mx.float32)
+        mx.eval(out)
+        return out
+
+    want = logits()
+    plain: list[int] = []
+    real = cuda_attention.plain_attention
+
+    def counted(*a, **kw):
+        plain.append(a[0].shape[2])
+        return real(*a, **kw)
+
+    monkeypatch.setattr(cuda_attention, "plain_attention", counted)
+    try:
+        cuda_attention.install(True)
+        got = logits()
+    finally:
+        cuda_attention.uninstall()
+    assert set(plain) == {31, 9}  # the prefix's and the chunk's attention went the plain way
+    np.testing.assert_allclose(np.array(got), np.array(want), atol=0.05, rtol=0.05)
