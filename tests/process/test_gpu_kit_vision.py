@@ -98,7 +98,9 @@ def test_every_scenario_writes_its_line(models, tmp_path):
     assert set(lines) == {"first_use", "single", "concurrent", "session", "text"}
     first = lines["first_use"]  # timed before the scenarios, each first use on its own
     assert first["streams"] == 2 and first["probe_s"] > 0
-    assert all(first[k] > 0 for k in ("text_ttft_s", "image_ttft_s", "batch_ttft_s"))
+    assert all(
+        first[k] > 0 for k in ("text_ttft_s", "text2_ttft_s", "image_ttft_s", "batch_ttft_s")
+    )
     assert all(x["errors"] == 0 and x["server"] == "ours" for x in lines.values())
     assert lines["single"]["runs"][0]["completion_tokens"] == 2
     assert lines["concurrent"]["streams"] == 2 and lines["concurrent"]["completion_tokens"] == 4

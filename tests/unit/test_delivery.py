@@ -68,3 +68,20 @@ def test_a_chat_answer_starts_a_text_of_its_own(tokenizer):
     ids = tokenizer.encode("Hi Paris", add_special_tokens=False)
     n = len(tokenizer.encode("Hi", add_special_tokens=False))
     assert delivered(tokenizer, ids[:n], ids[n:], continues=False) == "Paris"
+
+
+@pytest.mark.parametrize("wait,shown", [(0.1, False), (45.0, True)])
+def test_a_long_wait_to_start_shows_in_the_generation_line(tokenizer, monkeypatch, wait, shown):
+    from mlx_server.engine.core import delivery
+
+    lines: list[str] = []
+    monkeypatch.setattr(delivery, "log", lines.append)
+    req = GenerationRequest("r", [1, 2, 3], 2)
+    seq = Seq(req, Pieces())  # type: ignore[arg-type]
+    seq.begin_output(tokenizer)
+    seq.t_submit = seq.t_start - wait
+    seq.t_first, seq.n_generated = seq.t_start + 0.2, 2
+    delivery.deliver_finish(seq, "length")
+    (line,) = lines
+    assert line.startswith("Generation: 3 prompt tokens")
+    assert (f"waited {wait:.1f}s to start" in line) is shown

@@ -20,6 +20,8 @@ from mlx_server.logs import log
 from mlx_server.parsing.stops import StopMatcher
 from mlx_server.types import GenerationRequest
 
+WAIT_LOGGED_S = 0.5  # a wait to start this long shows in the request's Generation line
+
 
 @dataclass
 class Seq:
@@ -131,10 +133,17 @@ def deliver_finish(seq: Seq, reason: str, error: str | None = None, quiet: bool 
         log(
             f"Generation: {timings.prompt_n} prompt tokens at {timings.prompt_per_second:.1f} tokens/sec, "
             f"{timings.predicted_n} generated at {timings.predicted_per_second:.1f} tokens/sec "
-            f"(cached {seq.started.cached_tokens}, finish={reason}){_drafts(seq)}"
+            f"(cached {seq.started.cached_tokens}, finish={reason}){_drafts(seq)}{_waited(seq)}"
         )
     elif reason == "cancelled" and not quiet:
         log(f"Generation {seq.req.request_id} cancelled {_progress(seq)}")
+
+
+def _waited(seq: Seq) -> str:
+    """How long the request waited to start, for the log, when it is long enough to matter
+    (a full batch, a warm-up piece under way); the rates above count from its start."""
+    wait = seq.t_start - seq.t_submit if seq.t_start and seq.t_submit else 0.0
+    return f", waited {wait:.1f}s to start" if wait >= WAIT_LOGGED_S else ""
 
 
 def _drafts(seq: Seq) -> str:
