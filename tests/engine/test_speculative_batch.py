@@ -178,7 +178,11 @@ def test_penalties_and_seeded_samplers_decide_as_plain_batched_decoding(tiny: An
     assert got == want
 
 
-def test_roll_back_turns_each_rows_rejected_tail_into_left_padding() -> None:
+@pytest.mark.parametrize("gpu", [False, True], ids=["slices", "gather"])
+def test_roll_back_turns_each_rows_rejected_tail_into_left_padding(gpu, monkeypatch) -> None:
+    from mlx_server.engine.speculative import batch_verify
+
+    monkeypatch.setattr(batch_verify, "on_gpu", lambda: gpu)  # the CPU's way, and the GPU's
     pads, drop, steps = [1, 0, 2], [2, 4, 1], 6
     cache = BatchKVCache(pads)
     keys = mx.arange(3 * steps, dtype=mx.float32).reshape(3, 1, steps, 1)

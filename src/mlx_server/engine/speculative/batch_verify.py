@@ -31,6 +31,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, TokenBuffer
 
+from mlx_server.engine.core.tuning import on_gpu
 from mlx_server.engine.sampling.samplers import SharedSampler
 from mlx_server.engine.speculative.plan_log import PhaseClock
 from mlx_server.engine.speculative.rejection import Rejection, speculative_sample
@@ -198,12 +199,39 @@ def roll_back(cache: Sequence[Any], rejected: list[int]) -> None:
     """Drop each row's last ``rejected[i]`` positions (see the module docstring)."""
     common = min(rejected)
     extra = [r - common for r in rejected]
+    gather = on_gpu()
     for c in cache:
         checked_trim([c], common)
         if max(extra) > 0:
-            c.prepare(right_padding=extra)
-            c.finalize()
+            if gather:  # one gather per buffer (the cache's own roll): few kernels
+                c.prepare(right_padding=extra)
+                c.finalize()
+            else:
+                rotate_rows(c, extra)
     _compact(cache)
+
+
+def rotate_rows(c: BatchKVCache, extra: list[int]) -> None:
+    """What ``prepare(right_padding=extra)`` and ``finalize()`` do to a ``BatchKVCache``, by
+    copying slices: each row with ``extra[i] > 0`` has its held positions rotated right by
+    it, so that its last ``extra[i]`` (rejected) come first and count as left padding. On a
+    CPU a slice copy runs at memory speed where the roll's gather does not (4.5 x faster
+    for a 135M model's layer at batch 8); on a GPU the roll's one gather per buffer costs
+    fewer kernel launches than a few slices per row, and stays."""
+    end = c._idx
+    for name in ("keys", "values"):
+        x = getattr(c, name)
+        rows = []
+        for i, e in enumerate(extra):
+            row = x[i : i + 1]
+            if e:
+                parts = [row[:, :, end - e : end], row[:, :, : end - e], row[:, :, end:]]
+                row = mx.concatenate(parts, axis=2)
+            rows.append(row)
+        setattr(c, name, mx.concatenate(rows, axis=0))
+    shift = mx.array(extra)
+    c.offset = c.offset - shift
+    c.left_padding = c.left_padding + shift
 
 
 def feed_again(
