@@ -17,6 +17,7 @@ from mlx_server.engine.cache.kv_quant_layers import NoQuantizableLayer, plan_lay
 from mlx_server.engine.core.engine import Engine, EngineConfig
 from mlx_server.engine.core.protocol import GenerationObserver
 from mlx_server.engine.core.tuning import (
+    LONE_DECODE_KEYS,
     builds_kernels_on_first_use,
     default_batch_size,
     default_prefill_step,
@@ -103,6 +104,7 @@ def load_chat_model(
         first_token=not vision and sharded is None,
         wired_bytes=plan.weights + plan.budget,
         prefill_buckets=builds_kernels_on_first_use(),
+        lone_decode_keys=_lone_decode_keys(settings, vision, sharded, kv_budget, kv.per_token),
         lockstep=sharded.lead() if sharded is not None else None,
     )
     engine = _engine(loaded, settings, model, config, vision, observer)
@@ -169,6 +171,17 @@ def _memory_plan(settings: Settings, loaded: Any, kv_per_token: int) -> Any:
         raise ModelLoadError(plan.refusal())
     log(plan.line())
     return plan
+
+
+def _lone_decode_keys(
+    settings: Settings, vision: bool, sharded: Any, kv_budget: int, kv_per_token: int
+) -> int:
+    """The longest key buffer whose lone decode step the idle-time warm-up runs: where
+    kernels are built per shape (CUDA), for a text model on one rank, within the context
+    and the KV budget (``tuning.lone_decode_lengths``)."""
+    if vision or sharded is not None or not builds_kernels_on_first_use():
+        return 0
+    return min(LONE_DECODE_KEYS, settings.ctx_size, kv_budget // max(1, kv_per_token))
 
 
 def _batch_size(settings: Settings, kv_budget: int, kv_per_sequence: int) -> int:

@@ -61,6 +61,9 @@ class EngineConfig:
     solo: bool = True  # a lone request runs on a plain KV cache (see solo.py)
     gather_s: float = 0.05  # how long queued requests wait for announced ones (Scheduler)
     prefill_buckets: bool = False  # the lone path pads prefill chunks (tuning.PREFILL_BUCKETS)
+    # The longest key buffer whose lone decode step the idle-time warm-up runs (0: none;
+    # tuning.lone_decode_lengths: CUDA builds a cuDNN graph per buffer length).
+    lone_decode_keys: int = 0
     # Rank 0 of several ranks in lockstep: its runner is wrapped to journal for the others.
     lockstep: Lockstep | None = None
     # Tokens between the chunk-boundary checkpoints of a long prefill (cache/checkpoints.py).

@@ -26,6 +26,10 @@ GPU_PREFILL_STEP = 2048
 # Prefill chunk lengths the lone path pads to where kernels are built per shape, so that a
 # warm chat turn (its history cached, a few dozen new tokens) meets a length built before.
 PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048)
+# The longest key buffer whose lone decode step the warm-up runs where kernels are built per
+# shape (see ``lone_decode_lengths``); the ones before it come first in idle time.
+LONE_DECODE_KEYS = 8192
+LONE_DECODE_EARLY = 2048
 
 
 def bucket(n: int, limit: int) -> int:
@@ -102,7 +106,9 @@ class WarmUp:
     the lone path's prefill buckets and batch size 1. Afterwards, one piece at a time while
     the engine has nothing else to do (``step``): batch sizes 2 to ``max_batch_size``, the
     small ones first (what a few concurrent requests meet), then a full prefill chunk in
-    the batch. A runner may add shapes of its own (``shapes``: a speculative runner's
+    the batch; with ``lone_keys``, a lone decode step over each key buffer length up to it
+    (``lone_decode_lengths``; those up to ``LONE_DECODE_EARLY`` before the batch sizes, the
+    rest after). A runner may add shapes of its own (``shapes``: a speculative runner's
     verify passes). A piece is one step of a generator of the warm-up's own (one prefill
     chunk or one decode step at one batch size), so a request that arrives meanwhile waits for
     that step only; a shape it meets before its piece has run is built on first use, as it
@@ -122,6 +128,7 @@ class WarmUp:
         *,
         buckets: bool = False,
         shapes: ShapePieces | None = None,
+        lone_keys: int = 0,
         clock: Callable[[], float] | None = None,
     ):
         self.model = model
@@ -139,10 +146,14 @@ class WarmUp:
         self.deferred_buckets = 0  # prefill buckets left for idle time by before_ready
         self._ready_spent = 0.0  # seconds before the readiness line (idle time has its own budget)
         full = [[1 + i % 7 for i in range(prefill_step_size + 1)]]
-        self._later: list[Piece] = list(shapes.later.get(1, []))
+        self.lone_lengths = lone_decode_lengths(model, lone_keys)
+        lone: list[Piece] = [partial(_lone_decode, model, n) for n in self.lone_lengths]
+        early = sum(n <= LONE_DECODE_EARLY for n in self.lone_lengths)
+        self._later: list[Piece] = list(shapes.later.get(1, [])) + lone[:early]
         for n in range(2, max_batch_size + 1):
             self._later += [partial(self._drain, _prompts(n), 3), *shapes.later.get(n, [])]
         self._later.append(partial(self._drain, full, 2))
+        self._later += lone[early:]
         # the drain under way, one piece (generator step) at a time
         self._run: Generator[None, None, None] | None = None
 
@@ -263,6 +274,48 @@ def first_token(model: Any) -> None:
     cache = make_prompt_cache(model)
     logits = model(mx.array([[1, 2]]), cache=cache)
     mx.eval(logits[:, -1, :], [c.state for c in cache])
+
+
+def lone_decode_lengths(model: Any, limit: int) -> list[int]:
+    """The key-buffer lengths, up to ``limit``, whose decode step a lone sequence meets on
+    CUDA: MLX gives a one-token query over a slice of a key buffer whose length is a
+    multiple of mlx-lm's ``KVCache`` step (256) to cuDNN from 256 keys on, and cuDNN builds
+    a graph for each buffer length, so a lone answer that grows its cache past a length not
+    met before waits for one. A sequence prefilled from an empty cache keeps such buffers
+    (the cache grows by whole steps). None where the model's cache has other layers than
+    ``KVCache`` and recurrent states (a sliding window, quantized keys: other kernels)."""
+    if limit <= 0:
+        return []
+    from mlx_lm.models.cache import ArraysCache, KVCache, make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    if not cache or not all(type(c) is KVCache or isinstance(c, ArraysCache) for c in cache):
+        return []
+    if not any(type(c) is KVCache for c in cache):
+        return []
+    step = next(c.step for c in cache if type(c) is KVCache)
+    return list(range(step, limit - limit % step + 1, step))
+
+
+def _lone_decode(model: Any, total: int) -> Generator[None, None, None]:
+    """One decode step of a lone sequence whose key buffers hold ``total`` positions, the
+    last of them the new token's (one warm-up piece; see ``lone_decode_lengths``)."""
+    from mlx_lm.models.cache import KVCache, make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    model(mx.array([[1, 2]]), cache=cache)
+    grown = []
+    for c in cache:
+        if type(c) is KVCache and c.keys is not None and c.values is not None:
+            k, v = c.keys, c.values
+            c.keys = mx.zeros((*k.shape[:2], total, k.shape[3]), dtype=k.dtype)
+            c.values = mx.zeros((*v.shape[:2], total, v.shape[3]), dtype=v.dtype)
+            c.offset = total - 1
+            grown += [c.keys, c.values]
+    mx.eval(grown)  # evaluated buffers: MLX reads the slice's layout from them
+    logits = model(mx.array([[3]]), cache=cache)
+    mx.eval(logits[:, -1, :])
+    yield from ()  # one step: done when it returns
 
 
 def _prefill_bucket(model: Any, n: int) -> Generator[None, None, None]:

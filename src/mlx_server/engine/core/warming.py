@@ -1,6 +1,7 @@
 """The engine's warm-up: one token before serving, every batch size's shapes (a lone
-request's before serving, the rest in idle time; see ``tuning.WarmUp``), and the shapes
-the runner adds (``warm_shapes``: a speculative runner's verify passes)."""
+request's before serving, the rest in idle time; see ``tuning.WarmUp``), a lone sequence's
+decode step over longer key buffers (idle time, where kernels are built per shape), and
+the shapes the runner adds (``warm_shapes``: a speculative runner's verify passes)."""
 
 from __future__ import annotations
 
@@ -41,7 +42,10 @@ class Warming:
             try:
                 n, step, buckets = cfg.max_batch_size, cfg.prefill_step_size, cfg.prefill_buckets
                 shapes = self._shapes(n)
-                plan = WarmUp(self._model, n, step, budget, buckets=buckets, shapes=shapes)
+                lone = cfg.lone_decode_keys if cfg.solo else 0
+                plan = WarmUp(
+                    self._model, n, step, budget, buckets=buckets, shapes=shapes, lone_keys=lone
+                )
                 secs = plan.before_ready()
                 if budget == float("inf"):  # ranks in lockstep: every rank, every piece, now
                     while plan.pending:
@@ -92,6 +96,8 @@ def _line(plan: WarmUp, n: int, buckets: bool, shapes: ShapePieces | None, secs:
             idle.append(f"{plan.deferred} of the {len(shapes.first)} {shapes.what}")
     if plan.pending and n > 1:
         idle.append(f"batch sizes 2-{n}")
+    if plan.pending and plan.lone_lengths:
+        idle.append(f"a lone decode step over {plan.lone_lengths[0]}-{plan.lone_lengths[-1]} keys")
     sizes = "1" if plan.pending else f"1-{n}"
     later = f"; left for idle time: {', '.join(idle)}" if idle else ""
     return f"Warm-up: batch sizes {sizes}{what} in {secs:.1f}s{later}"
