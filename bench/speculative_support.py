@@ -53,6 +53,7 @@ def engine_config(n: int, spec: Any) -> Any:
         warm_up=jit,
         warm_idle_s=0.0,  # the idle pieces (other batch sizes, verify passes) at once
         prefill_buckets=jit,
+        lone_decode_keys=2048 if jit else 0,  # the server's idle-time lone decode steps
     )
 
 

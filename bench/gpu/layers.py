@@ -311,6 +311,8 @@ async def engine_layer(model: Any, tok: Any, a: argparse.Namespace) -> None:
         kw.update(prefill_step_size=default_prefill_step(), warm_up=True)
         if "prefill_buckets" in EngineConfig.__dataclass_fields__:  # as the server sets it
             kw["prefill_buckets"] = builds_kernels_on_first_use()
+        if "lone_decode_keys" in EngineConfig.__dataclass_fields__:  # its idle-time pieces
+            kw["lone_decode_keys"] = 2048 if builds_kernels_on_first_use() else 0
     except ImportError:
         pass
     cfg = EngineConfig(**kw)
