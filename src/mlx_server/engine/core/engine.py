@@ -16,6 +16,7 @@ The pieces (each its own module):
   system-prompt prefix is saved as it is prefilled, so a later prompt sharing a prefix
   prefills only the rest;
 - ``warming``: the warm-up before serving and in idle time;
+- ``slow_steps``: a log line for a step that took seconds, with where its time went;
 - ``owner``: the thread that owns MLX, its loop, and the calls other threads hand it.
 
 The engine itself is the thread's loop and the hand-offs between these; several models in
@@ -38,6 +39,7 @@ from mlx_server.engine.core.handle import GenerationHandle, Outbox, Started
 from mlx_server.engine.core.owner import OwnerThread
 from mlx_server.engine.core.prefixes import Prefixes
 from mlx_server.engine.core.protocol import GenerationObserver
+from mlx_server.engine.core.slow_steps import PARTS, StepClock
 from mlx_server.engine.core.warming import Warming
 from mlx_server.engine.runners.base import Insert, Runner
 from mlx_server.engine.sampling.samplers import SamplerPool, sequence_sampling
@@ -84,6 +86,7 @@ class Engine(OwnerThread):
         self._warming = Warming(model, cfg, runner)  # warm-up pieces left for idle time
         self._busy_at = float("-inf")  # when the engine thread last saw work (monotonic)
         self._wired = 0  # bytes claimed of the process's wired limit (wired.py)
+        self._clock = StepClock(cfg.slow_step_s)  # a slow step's parts, for the log
 
     # ---- public API (any thread) -------------------------------------------------------
 
@@ -158,10 +161,14 @@ class Engine(OwnerThread):
         self._warm_up()
 
     def _work(self) -> None:
+        clock = self._clock
+        clock.start()
         try:
             self._end.cancelled()
             self._admit()
+            clock.mark(PARTS[0])
             if self._sched.active:
+                clock.running(self._sched.active.values())
                 self._step()
         except Exception as e:
             if self.config.lockstep is not None:
@@ -171,6 +178,7 @@ class Engine(OwnerThread):
             self._end.fail(faults.step_failed(e), queued=False)
             self._runner.reset()
         self._outbox.flush()
+        clock.report()
 
     def _stop(self) -> None:
         self._sched.stop()
@@ -268,6 +276,7 @@ class Engine(OwnerThread):
 
     def _step(self) -> None:
         progress, responses = self._runner.step()
+        self._clock.mark(PARTS[1])
         active = self._sched.active
         faults.blame_shared_samplers(active.values())
         for p in progress:
@@ -280,4 +289,6 @@ class Engine(OwnerThread):
             done_n, total = p.progress
             seq.prefill_left = total - done_n
         self._prefixes.save(progress, active)
+        self._clock.mark(PARTS[2])
         self._end.responses(responses)
+        self._clock.mark(PARTS[3])
