@@ -123,7 +123,7 @@ for spec in $MODELS; do
     else echo "$srv did not start"; tail -5 $T/$srv-$preset-$bits.log; fi
     kill $SP; sleep 2; kill -9 $SP 2>/dev/null
     # Our start's phases, the warm-up, and the first generations (rates, waits) in the output itself.
-    [ $srv != mlxlm ] && grep -hE "Start:|Warm-up|Attention:|Linear attention:|Generation:" $T/$srv-$preset-$bits.log | head -8
+    [ $srv != mlxlm ] && grep -hE "Start:|Warm-up|Attention:|Linear attention:|Generation:|Slow engine step" $T/$srv-$preset-$bits.log | head -12
   done
   tar czf $OUT/logs.tgz -C $T .
 done

@@ -100,7 +100,7 @@ serve() {  # $1 server, $2 model dir, $3 kind, $4 scenarios
   kill $SP 2> /dev/null; for _ in $(seq 1 20); do kill -0 $SP 2> /dev/null || break; sleep 0.5; done
   kill -9 $SP 2> /dev/null; wait $SP 2> /dev/null
   # Our start's phases, the warm-up, and the first uses' generations (rates, waits) in the output.
-  [ $1 != mlxvlm ] && grep -hE "Start:|Warm-up|Attention:|Generation:" $log | head -10
+  [ $1 != mlxvlm ] && grep -hE "Start:|Warm-up|Attention:|Generation:|Slow engine step" $log | head -16
   return 0
 }
 for srv in $SERVERS; do
