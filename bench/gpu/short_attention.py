@@ -101,7 +101,7 @@ IMPLS = {
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--modes", default="short,padded,decode")
-    ap.add_argument("--lengths", default="2,9,32,128,256", help="query lengths of 'short'")
+    ap.add_argument("--lengths", default="2,9,32,128,256,512", help="query lengths of 'short'")
     ap.add_argument("--padded-lengths", default="128,512,2048", help="query lengths of 'padded'")
     ap.add_argument("--keys", default="300,4000", help="the first key length of each run of 16")
     ap.add_argument("--batches", default="1,8")

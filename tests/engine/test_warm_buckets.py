@@ -25,19 +25,20 @@ def model(tiny_model_dir: Path) -> Any:
 class _Clock:
     def __init__(self) -> None:
         self.now = 0.0
+        self.cost = 10.0  # seconds a bucket piece takes
 
     def __call__(self) -> float:
         return self.now
 
 
 @pytest.fixture
-def buckets(monkeypatch: pytest.MonkeyPatch) -> tuple[_Clock, list[int]]:
-    """Each bucket piece costs 10 s on the clock and records its length."""
+def buckets(monkeypatch: pytest.MonkeyPatch) -> tuple[_Clock, list[tuple[int, int]]]:
+    """Each bucket piece costs 10 s on the clock and records its length and its prefix."""
     clock, ran = _Clock(), []
 
-    def piece(model: Any, n: int):
-        clock.now += 10
-        ran.append(n)
+    def piece(model: Any, n: int, prefix: int = 64):
+        clock.now += clock.cost
+        ran.append((n, prefix))
         yield from ()  # as the real piece: its one step is its whole work
 
     monkeypatch.setattr(tuning, "_prefill_bucket", piece)
@@ -48,11 +49,15 @@ def test_buckets_past_the_budget_run_first_while_idle(model, buckets):
     clock, ran = buckets
     plan = WarmUp(model, 3, 256, 30.0, buckets=True, clock=clock)
     plan.before_ready()
-    assert ran == [16, 32, 64]  # the fourth would start with the budget spent
-    assert plan.deferred_buckets == 2 and plan.pending
+    assert ran == [(16, 64), (32, 64), (64, 64)]  # the fourth would start with the budget spent
+    assert plan.deferred_buckets == 4 and plan.pending
+    clock.cost = 1.0  # idle time has a budget of its own: 30 s, here enough for every bucket
     plan.step()
     plan.step()
-    assert ran == [16, 32, 64, 128, 256]
+    assert ran[3:] == [(128, 0), (256, 0)]  # a first prompt's chunks, from an empty cache
+    plan.step()
+    plan.step()
+    assert ran[5:] == [(128, 64), (256, 64)]  # then the longer ones after a prefix
     assert plan.pending  # batch sizes 2 and 3 come next
     plan.close()
 
@@ -61,11 +66,12 @@ def test_a_bucket_started_within_the_budget_runs_whole_and_the_rest_waits(model,
     clock, ran = buckets
     plan = WarmUp(model, 1, 256, 25.0, buckets=True, clock=clock)
     plan.before_ready()
-    assert ran == [16, 32, 64]  # 64 starts within the budget and ends past it
-    assert plan.deferred_buckets == 2
+    assert [n for n, _ in ran] == [16, 32, 64]  # 64 starts within the budget and ends past it
+    assert plan.deferred_buckets == 4
     while plan.pending:
         plan.step()
-    assert ran == [16, 32, 64, 128, 256]
+    # idle time's own budget (25 s) ends after three of the four pieces left
+    assert [n for n, _ in ran] == [16, 32, 64, 128, 256, 128]
 
 
 def test_the_start_line_counts_the_buckets_left(model, buckets, monkeypatch):
@@ -79,7 +85,33 @@ def test_the_start_line_counts_the_buckets_left(model, buckets, monkeypatch):
     w = Warming(model, cfg)
     assert w.before_serving(20.0) == ""
     (line,) = [x for x in lines if x.startswith("Warm-up:")]
-    assert ran == [16, 32]
-    assert line.endswith("left for idle time: 3 of the prefill buckets, batch sizes 2-3"), line
+    assert [n for n, _ in ran] == [16, 32]
+    assert line.endswith("left for idle time: 5 of the prefill buckets, batch sizes 2-3"), line
     assert "batch sizes 1," in line
     w.close()
+
+
+def test_the_short_chunks_are_the_ones_attention_computes_plainly_on_cuda():
+    from mlx_server.models.cuda_attention import SHORT_QUERY
+
+    assert tuning.SHORT_CHUNK == SHORT_QUERY
+
+
+def test_a_bucket_piece_prefills_from_an_empty_cache_or_after_a_prefix(model, monkeypatch):
+    import mlx.core as mx
+
+    seen: list[tuple[int, int]] = []
+    fused = mx.fast.scaled_dot_product_attention
+
+    def spy(q: mx.array, k: mx.array, v: mx.array, **kw: Any) -> mx.array:
+        seen.append((q.shape[2], k.shape[2]))
+        return fused(q, k, v, **kw)
+
+    monkeypatch.setattr(mx.fast, "scaled_dot_product_attention", spy)
+    for _ in tuning._prefill_bucket(model, 128, 0):
+        pass
+    assert set(seen) == {(128, 128)}
+    seen.clear()
+    for _ in tuning._prefill_bucket(model, 128):
+        pass
+    assert set(seen) == {(64, 64), (128, 192)}

@@ -28,6 +28,9 @@ GPU_PREFILL_STEP = 2048
 PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048)
 # The longest key buffer whose lone decode step the warm-up runs where kernels are built per
 # shape (see ``lone_decode_lengths``); the ones before it come first in idle time.
+# Prefill chunks up to this many tokens: their attention is computed plainly on CUDA
+# (models/cuda_attention.SHORT_QUERY), so the key length before them builds nothing.
+SHORT_CHUNK = 64
 LONE_DECODE_KEYS = 8192
 LONE_DECODE_EARLY = 2048
 
@@ -177,7 +180,14 @@ class WarmUp:
             if self.buckets:
                 # the lengths bucket(n, step) gives for a chunk (n <= step)
                 lengths = sorted({min(b, self.step_size) for b in PREFILL_BUCKETS})
-                buckets = [partial(_prefill_bucket, self.model, n) for n in lengths]
+                # after a short prefix (a chat's next turn: its short chunks come first), then
+                # from an empty cache (a conversation's first prompt), then the longer ones
+                # after a prefix: attention's kernels are built per query and key length
+                short = [n for n in lengths if n <= SHORT_CHUNK]
+                long = [n for n in lengths if n > SHORT_CHUNK]
+                order = [(n, 64) for n in short] + [(n, 0) for n in long]
+                order += [(n, 64) for n in long]
+                buckets = [partial(_prefill_bucket, self.model, n, p) for n, p in order]
             left_buckets = self._within_budget(buckets, t0)
             self.deferred_buckets = len(left_buckets) + (self._run is not None)
             left_first = self._within_budget(self._first, t0)
@@ -318,12 +328,13 @@ def _lone_decode(model: Any, total: int) -> Generator[None, None, None]:
     yield from ()  # one step: done when it returns
 
 
-def _prefill_bucket(model: Any, n: int) -> Generator[None, None, None]:
-    """A lone prefill chunk of ``n`` tokens after a short prefix (one warm-up piece)."""
+def _prefill_bucket(model: Any, n: int, prefix: int = 64) -> Generator[None, None, None]:
+    """A lone prefill chunk of ``n`` tokens after ``prefix`` tokens (one warm-up piece)."""
     from mlx_lm.models.cache import make_prompt_cache
 
     cache = make_prompt_cache(model)
-    model(mx.array([[1 + i % 7 for i in range(64)]]), cache=cache)  # a "cached" prefix
+    if prefix:  # a "cached" prefix
+        model(mx.array([[1 + i % 7 for i in range(prefix)]]), cache=cache)
     logits = model(mx.array([[1 + i % 7 for i in range(n)]]), cache=cache)
     mx.eval(logits[:, -1, :], [c.state for c in cache])
     yield from ()  # one step: done when it returns
