@@ -115,3 +115,14 @@ def test_a_bucket_piece_prefills_from_an_empty_cache_or_after_a_prefix(model, mo
     for _ in tuning._prefill_bucket(model, 128):
         pass
     assert set(seen) == {(64, 64), (128, 192)}
+
+
+def test_the_long_buckets_wait_for_idle_time_whatever_the_budget(model, buckets):
+    clock, ran = buckets
+    plan = WarmUp(model, 1, 256, 1000.0, buckets=True, clock=clock)
+    plan.before_ready()
+    assert ran == [(16, 64), (32, 64), (64, 64)]  # a next turn's short chunks
+    assert plan.deferred_buckets == 4 and plan.deferred == 0
+    while plan.pending:
+        plan.step()
+    assert ran[3:] == [(128, 0), (256, 0), (128, 64), (256, 64)]

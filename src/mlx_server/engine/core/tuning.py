@@ -106,7 +106,7 @@ def warm_up(
 
 class WarmUp:
     """The warm-up in pieces. Before the readiness line, what a first, lone request meets:
-    the lone path's prefill buckets and batch size 1. Afterwards, one piece at a time while
+    the lone path's short prefill buckets and batch size 1. Afterwards, one piece at a time while
     the engine has nothing else to do (``step``): batch sizes 2 to ``max_batch_size``, the
     small ones first (what a few concurrent requests meet), then a full prefill chunk in
     the batch; with ``lone_keys``, a lone decode step over each key buffer length up to it
@@ -168,34 +168,37 @@ class WarmUp:
 
     def before_ready(self) -> float:
         """The pieces a first request needs; returns their seconds. Batch size 1 always; then,
-        while the budget lasts, the lone path's prefill buckets and the runner's shapes; what
-        is left of them goes to the front of the idle-time queue (``deferred`` counts the
-        runner's). On a fresh CUDA machine each new shape builds kernels (seconds each), so
-        without the budget the buckets alone could hold the readiness line for minutes."""
+        while the budget lasts, the lone path's short prefill buckets (a chat's next turn)
+        and the runner's shapes; what is left of them goes to the front of the idle-time
+        queue (``deferred`` counts the runner's), after it the long buckets, from an empty
+        cache (a conversation's first prompt) and after a prefix. On a fresh CUDA machine
+        each new shape builds kernels (seconds each), so without the budget the buckets
+        alone could hold the readiness line for minutes; once the kernels are on disk a
+        long bucket costs a cuDNN graph (tens of milliseconds), less than it would hold
+        the readiness line (a model switch in Jan waits for it)."""
         t0 = self._clock()
         try:
             for _ in self._drain(_prompts(1), 3):
                 pass
-            buckets: list[Piece] = []
+            now: list[Piece] = []
+            idle: list[Piece] = []
             if self.buckets:
-                # the lengths bucket(n, step) gives for a chunk (n <= step)
+                # the lengths bucket(n, step) gives for a chunk (n <= step); attention's
+                # kernels are built per query and key length
                 lengths = sorted({min(b, self.step_size) for b in PREFILL_BUCKETS})
-                # after a short prefix (a chat's next turn: its short chunks come first), then
-                # from an empty cache (a conversation's first prompt), then the longer ones
-                # after a prefix: attention's kernels are built per query and key length
-                short = [n for n in lengths if n <= SHORT_CHUNK]
+                now = [partial(_prefill_bucket, self.model, n) for n in lengths if n <= SHORT_CHUNK]
                 long = [n for n in lengths if n > SHORT_CHUNK]
-                order = [(n, 64) for n in short] + [(n, 0) for n in long]
-                order += [(n, 64) for n in long]
-                buckets = [partial(_prefill_bucket, self.model, n, p) for n, p in order]
-            left_buckets = self._within_budget(buckets, t0)
-            self.deferred_buckets = len(left_buckets) + (self._run is not None)
+                idle = [partial(_prefill_bucket, self.model, n, 0) for n in long]
+                idle += [partial(_prefill_bucket, self.model, n) for n in long]
+            left_now = self._within_budget(now, t0)
+            out_of_budget = bool(left_now) or self._run is not None
+            self.deferred_buckets = len(left_now) + (self._run is not None) + len(idle)
             left_first = self._within_budget(self._first, t0)
-            if self.deferred_buckets:  # out of budget in the buckets: none of the runner's ran
+            if out_of_budget:  # out of budget in the buckets: none of the runner's ran
                 self.deferred = len(self._first)
             else:
                 self.deferred = len(left_first) + (self._run is not None)
-            self._later = left_buckets + left_first + self._later
+            self._later = left_now + idle + left_first + self._later
         finally:
             mx.clear_cache()
         secs = self._spend(t0)
