@@ -16,6 +16,7 @@ from mlx_server.engine.cache.kv_quant import QuantizedKVModel
 from mlx_server.engine.cache.kv_quant_layers import NoQuantizableLayer, plan_layers
 from mlx_server.engine.core.engine import Engine, EngineConfig
 from mlx_server.engine.core.protocol import GenerationObserver
+from mlx_server.engine.core.slow_steps import SLOW_STEP_S
 from mlx_server.engine.core.tuning import (
     LONE_DECODE_KEYS,
     builds_kernels_on_first_use,
@@ -105,6 +106,7 @@ def load_chat_model(
         wired_bytes=plan.weights + plan.budget,
         prefill_buckets=builds_kernels_on_first_use(),
         lone_decode_keys=_lone_decode_keys(settings, vision, sharded, kv_budget, kv.per_token),
+        slow_step_s=SLOW_STEP_S if builds_kernels_on_first_use() else float("inf"),
         lockstep=sharded.lead() if sharded is not None else None,
     )
     engine = _engine(loaded, settings, model, config, vision, observer)

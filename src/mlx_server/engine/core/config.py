@@ -64,8 +64,10 @@ class EngineConfig:
     # The longest key buffer whose lone decode step the idle-time warm-up runs (0: none;
     # tuning.lone_decode_lengths: CUDA builds a cuDNN graph per buffer length).
     lone_decode_keys: int = 0
-    # A step that takes this long is logged with its parts (slow_steps.py).
-    slow_step_s: float = 2.0
+    # A step that takes this long is logged with its parts (slow_steps.py); start-up sets
+    # it where steps of seconds are anomalies (CUDA: kernels built on first use), not where
+    # a big model's prefill chunk takes that long by itself (a CPU, Metal).
+    slow_step_s: float = float("inf")
     # Rank 0 of several ranks in lockstep: its runner is wrapped to journal for the others.
     lockstep: Lockstep | None = None
     # Tokens between the chunk-boundary checkpoints of a long prefill (cache/checkpoints.py).

@@ -15,6 +15,7 @@ from typing import Any
 
 from mlx_server.logs import log
 
+SLOW_STEP_S = 2.0  # where start-up turns the line on (CUDA): a step this long is logged
 PARTS = ("starting requests", "the runner's step", "the prefix cache", "answers")
 
 
