@@ -159,6 +159,38 @@ def test_the_summary_reads_every_line(results):
         assert word in text
 
 
+def test_the_attention_shapes_script_writes_every_mode(tmp_path):
+    out = tmp_path / "short_attention.jsonl"
+    kit("short_attention.py", "--offsets", "2", "--dims", "64", "--batches", "1",
+        "--lengths", "9", "--padded-lengths", "128", "--keys", "300",
+        "--out", str(out))  # fmt: skip
+    got = {(r["mode"], r["impl"]): r for r in rows(out)}
+    assert set(got) == {
+        ("short", "fused"),
+        ("short", "plain"),
+        ("padded", "fused"),
+        ("padded", "padded"),
+        ("decode", "fused"),
+        ("decode", "copied"),
+    }
+    assert got["decode", "fused"]["length"] == 1 and got["padded", "padded"]["length"] == 128
+    assert all(r["round1_median_ms"] > 0 and r["round2_max_ms"] > 0 for r in got.values())
+
+
+def test_padded_keys_give_the_exact_attention():
+    sys.path.insert(0, str(KIT))
+    try:
+        import mlx.core as mx
+        import short_attention
+    finally:
+        sys.path.remove(str(KIT))
+    q = mx.random.normal((1, 32, 128, 64))
+    k, v = mx.random.normal((1, 8, 430, 64)), mx.random.normal((1, 8, 430, 64))
+    exact = short_attention.FUSED(q, k, v, scale=0.125, mask="causal")
+    padded = short_attention.padded(q, k, v, scale=0.125)
+    assert mx.allclose(exact, padded, atol=1e-5).item()
+
+
 def test_random_models_are_made(tiny_model_dir, tmp_path):
     kit("make_random_model.py", str(tmp_path / "m"), "tiny", "4", str(tiny_model_dir))
     config = json.loads((tmp_path / "m" / "config.json").read_text())
