@@ -11,7 +11,7 @@ from typing import Any
 
 import mlx.core as mx
 import pytest
-from arch_models import build
+from arch_models import FAMILIES, build
 from mlx_lm import load
 
 from mlx_server.boot import chat as boot_chat
@@ -129,3 +129,19 @@ def test_the_tiny_model_generates_the_same_after_the_pieces(models):
 def test_builds_nothing_by_default(tiny_model_dir: Path):
     model = load(str(tiny_model_dir))[0]
     assert WarmUp(model, 2, 256, 30.0).lone_lengths == []
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_every_family_runs_its_pieces_or_has_none(arch_model_dirs, name):
+    """Every architecture: plain KV layers (with recurrent states beside them) get the pieces
+    and run them; any other layer kind (a sliding window) gets none."""
+    model = load(str(arch_model_dirs[name]))[0]
+    lengths = lone_decode_lengths(model, 512)
+    kinds = FAMILIES[name].caches
+    if kinds <= {"KVCache", "ArraysCache", "MambaCache"} and "KVCache" in kinds:
+        assert lengths == [256, 512]
+    else:
+        assert lengths == [], kinds
+    for n in lengths:
+        for _ in _lone_decode(model, n):
+            pass
