@@ -26,11 +26,11 @@ GPU_PREFILL_STEP = 2048
 # Prefill chunk lengths the lone path pads to where kernels are built per shape, so that a
 # warm chat turn (its history cached, a few dozen new tokens) meets a length built before.
 PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048)
-# The longest key buffer whose lone decode step the warm-up runs where kernels are built per
-# shape (see ``lone_decode_lengths``); the ones before it come first in idle time.
 # Prefill chunks up to this many tokens: their attention is computed plainly on CUDA
 # (models/cuda_attention.SHORT_QUERY), so the key length before them builds nothing.
 SHORT_CHUNK = 64
+# The longest key buffer whose lone decode step the warm-up runs where kernels are built per
+# shape (see ``lone_decode_lengths``); those up to LONE_DECODE_EARLY come first in idle time.
 LONE_DECODE_KEYS = 8192
 LONE_DECODE_EARLY = 2048
 
@@ -106,16 +106,17 @@ def warm_up(
 
 class WarmUp:
     """The warm-up in pieces. Before the readiness line, what a first, lone request meets:
-    the lone path's short prefill buckets and batch size 1. Afterwards, one piece at a time while
-    the engine has nothing else to do (``step``): batch sizes 2 to ``max_batch_size``, the
-    small ones first (what a few concurrent requests meet), then a full prefill chunk in
-    the batch; with ``lone_keys``, a lone decode step over each key buffer length up to it
-    (``lone_decode_lengths``; those up to ``LONE_DECODE_EARLY`` before the batch sizes, the
-    rest after). A runner may add shapes of its own (``shapes``: a speculative runner's
-    verify passes). A piece is one step of a generator of the warm-up's own (one prefill
-    chunk or one decode step at one batch size), so a request that arrives meanwhile waits for
-    that step only; a shape it meets before its piece has run is built on first use, as it
-    would have been without a warm-up.
+    the lone path's short prefill buckets and batch size 1. Afterwards, one piece at a time
+    while the engine has nothing else to do (``step``): the long prefill buckets, batch
+    sizes 2 to ``max_batch_size``, the small ones first (what a few concurrent requests
+    meet), then a full prefill chunk in the batch; with ``lone_keys``, a lone decode step
+    over each key buffer length up to it (``lone_decode_lengths``; those up to
+    ``LONE_DECODE_EARLY`` before the batch sizes, the rest after). A runner may add shapes
+    of its own (``shapes``: a speculative runner's verify passes). A piece is one step of a
+    generator of the warm-up's own (one prefill chunk or one decode step at one batch
+    size), so a request that arrives meanwhile waits for that step only; a shape it meets
+    before its piece has run is built on first use, as it would have been without a
+    warm-up.
 
     Before the readiness line the warm-up's own ``budget_s`` holds for the runner's
     ``first`` shapes too: once it is spent, the rest of them (the piece under way, one
@@ -302,11 +303,10 @@ def lone_decode_lengths(model: Any, limit: int) -> list[int]:
     from mlx_lm.models.cache import ArraysCache, KVCache, make_prompt_cache
 
     cache = make_prompt_cache(model)
-    if not cache or not all(type(c) is KVCache or isinstance(c, ArraysCache) for c in cache):
+    kv = [c for c in cache if type(c) is KVCache]
+    if not kv or not all(c in kv or isinstance(c, ArraysCache) for c in cache):
         return []
-    if not any(type(c) is KVCache for c in cache):
-        return []
-    step = next(c.step for c in cache if type(c) is KVCache)
+    step = kv[0].step
     return list(range(step, limit - limit % step + 1, step))
 
 
