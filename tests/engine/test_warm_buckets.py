@@ -51,7 +51,6 @@ def test_buckets_past_the_budget_run_first_while_idle(model, buckets):
     plan.before_ready()
     assert ran == [(16, 64), (32, 64), (64, 64)]  # the fourth would start with the budget spent
     assert plan.deferred_buckets == 4 and plan.pending
-    clock.cost = 1.0  # idle time has a budget of its own: 30 s, here enough for every bucket
     plan.step()
     plan.step()
     assert ran[3:] == [(128, 0), (256, 0)]  # a first prompt's chunks, from an empty cache
@@ -70,8 +69,20 @@ def test_a_bucket_started_within_the_budget_runs_whole_and_the_rest_waits(model,
     assert plan.deferred_buckets == 4
     while plan.pending:
         plan.step()
-    # idle time's own budget (25 s) ends after three of the four pieces left
-    assert [n for n, _ in ran] == [16, 32, 64, 128, 256, 128]
+    assert [n for n, _ in ran] == [16, 32, 64, 128, 256, 128, 256]
+
+
+def test_idle_time_has_a_budget_of_its_own(model, buckets):
+    clock, ran = buckets
+    clock.cost = 15.0
+    plan = WarmUp(model, 1, 256, 20.0, buckets=True, clock=clock)
+    plan.before_ready()
+    assert [n for n, _ in ran] == [16, 32]  # 30 s: the second started within the 20
+    while plan.pending:
+        plan.step()
+    # twice the readiness line's budget (40 s): a piece starts while less than 40 s went
+    # to idle time's pieces (0, 15, 30 s), so the third runs whole and none after it
+    assert ran[2:] == [(64, 64), (128, 0), (256, 0)]
 
 
 def test_the_start_line_counts_the_buckets_left(model, buckets, monkeypatch):

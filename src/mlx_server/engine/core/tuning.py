@@ -33,6 +33,7 @@ SHORT_CHUNK = 64
 # shape (see ``lone_decode_lengths``); those up to LONE_DECODE_EARLY come first in idle time.
 LONE_DECODE_KEYS = 8192
 LONE_DECODE_EARLY = 2048
+IDLE_BUDGETS = 2  # idle time's warm-up budget, in budgets of the readiness line's
 
 
 def bucket(n: int, limit: int) -> int:
@@ -141,7 +142,9 @@ class WarmUp:
         self.max_batch_size = max_batch_size
         self.step_size = prefill_step_size
         shapes = shapes or ShapePieces()
-        self.budget_s = budget_s + shapes.budget_s
+        # idle time's own budget: what the readiness line's would hold twice over (the long
+        # prefill buckets wait for idle time whatever the budget), and the runner's shapes
+        self.budget_s = IDLE_BUDGETS * budget_s + shapes.budget_s
         self._first = shapes.first
         self.buckets = buckets
         self.spent = 0.0  # seconds, over every piece run so far
