@@ -24,8 +24,10 @@ GPU_BATCH = 32
 CPU_PREFILL_STEP = 512
 GPU_PREFILL_STEP = 2048
 # Prefill chunk lengths the lone path pads to where kernels are built per shape, so that a
-# warm chat turn (its history cached, a few dozen new tokens) meets a length built before.
-PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048)
+# warm chat turn (its history cached, a few dozen new tokens) meets a length built before;
+# above 512 in steps of half the last, so that padding adds at most half a chunk's work (a
+# 1,157-token prompt: 1,536, not 2,048).
+PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512, 768, 1024, 1536, 2048)
 # Prefill chunks up to this many tokens: their attention is computed plainly on CUDA
 # (models/cuda_attention.SHORT_QUERY), so the key length before them builds nothing.
 SHORT_CHUNK = 64
