@@ -176,8 +176,8 @@ class WarmUp:
         """The pieces a first request needs; returns their seconds. Batch size 1 always; then,
         while the budget lasts, the lone path's short prefill buckets (a chat's next turn)
         and the runner's shapes; what is left of them goes to the front of the idle-time
-        queue (``deferred`` counts the runner's), after it the long buckets, from an empty
-        cache (a conversation's first prompt) and after a prefix. On a fresh CUDA machine
+        queue (``deferred`` counts the runner's), after it the long buckets from an empty
+        cache (a conversation's first prompt). On a fresh CUDA machine
         each new shape builds kernels (seconds each), so without the budget the buckets
         alone could hold the readiness line for minutes; once the kernels are on disk a
         long bucket costs a cuDNN graph (tens of milliseconds), less than it would hold
@@ -193,9 +193,10 @@ class WarmUp:
                 # kernels are built per query and key length
                 lengths = sorted({min(b, self.step_size) for b in PREFILL_BUCKETS})
                 now = [partial(_prefill_bucket, self.model, n) for n in lengths if n <= SHORT_CHUNK]
+                # a long chunk after a prefix meets a graph for its key length whatever the
+                # warm-up ran; from an empty cache its shapes are the bucket's own
                 long = [n for n in lengths if n > SHORT_CHUNK]
                 idle = [partial(_prefill_bucket, self.model, n, 0) for n in long]
-                idle += [partial(_prefill_bucket, self.model, n) for n in long]
             left_now = self._within_budget(now, t0)
             out_of_budget = bool(left_now) or self._run is not None
             self.deferred_buckets = len(left_now) + (self._run is not None) + len(idle)
