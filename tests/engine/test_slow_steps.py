@@ -66,3 +66,16 @@ def test_the_line_adds_up_the_parts_and_counts_the_prompts_left(lines, monkeypat
         "the prefix cache 0.25s, answers 0.25s); 4 running, 2 prefilling (32 prompt tokens left)"
     )
     assert lines == [line]
+
+
+def test_where_the_line_is_off_the_step_reads_nothing(lines):
+    class Unread:
+        @property
+        def prefill_left(self) -> int:
+            raise AssertionError("read a sequence where the line is off")
+
+    clock = StepClock(float("inf"))
+    clock.start()
+    clock.running([Unread()])
+    clock.mark(PARTS[1])
+    assert clock.report() is None and lines == []

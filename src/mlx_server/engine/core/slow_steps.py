@@ -40,7 +40,10 @@ class StepClock:
         self._t = now
 
     def running(self, active: Iterable[Any]) -> None:
-        """What the step runs: the sequences, and how many of them still prefill."""
+        """What the step runs: the sequences, and how many of them still prefill (nothing
+        to do where the line is off: a CPU, Metal)."""
+        if self.slow_s == float("inf"):
+            return
         seqs = list(active)
         prefilling = [s for s in seqs if (getattr(s, "prefill_left", 0) or 0) > 0]
         left = sum(s.prefill_left for s in prefilling)
