@@ -4,6 +4,7 @@ before a GPU run. Few tokens, small prompts: this checks that the scripts work, 
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -244,3 +245,28 @@ def test_the_twins_are_built_4_bit_and_run_in_mlx_lm(preset, tiny_model_dir, tmp
     step = model(mx.array([[ids[-1]]]), cache=cache)  # one decode step on the filled caches
     assert logits.shape[-1] == step.shape[-1] == 49152
     assert mx.isfinite(logits).all().item() and mx.isfinite(step).all().item()
+
+
+def test_a_variant_the_model_ends_at_once_is_a_run_without_a_rate():
+    """A random-weight model may sample an end of sequence first where EOS is not banned
+    (temperature, greedy): that run has no rate, and the kit goes on; a stream cut short or
+    an error still fails it."""
+    sys.path.insert(0, str(KIT))
+    try:
+        import variants
+    finally:
+        sys.path.remove(str(KIT))
+    assert variants.ended_at_once({"ok": False, "finish_reason": "stop"})
+    assert not variants.ended_at_once({"ok": False, "finish_reason": None})
+    assert not variants.ended_at_once({"ok": False, "finish_reason": "stop", "server_error": "x"})
+    row = variants.variant_row(
+        argparse.Namespace(label="t", max_tokens=4),
+        "greedy",
+        [
+            (0, {"decode_tok_s": 10.0, "tokens": 4, "ttft_s": 0.1},
+             {"decode_tok_s": None, "completion_tokens": 0, "ttft_s": None}),
+            (1, {"decode_tok_s": 10.0, "tokens": 4, "ttft_s": 0.1},
+             {"decode_tok_s": 9.0, "completion_tokens": 4, "ttft_s": 0.2}),
+        ],
+    )  # fmt: skip
+    assert row["ratio_per_round"]["all"] == [0.9] and row["ours_ttft_s"] == 0.2
