@@ -14,6 +14,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import TypeVar
 
+from mlx_server.engine.core import mlx_threads
 from mlx_server.engine.core.calls import Calls
 
 T = TypeVar("T")
@@ -27,13 +28,15 @@ class OwnerThread:
         self._thread_name = name
         self._calls = Calls(wake, stopping)
         self._ready = threading.Event()
+        self._ended = threading.Event()  # the loop returned (the thread itself lives on)
         self._thread: threading.Thread | None = None
 
     # ---- any thread --------------------------------------------------------------------
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name=self._thread_name, daemon=True)
-        self._thread.start()
+        """Run the loop on one of the process's MLX threads (``mlx_threads``: a thread that
+        ran MLX on a GPU must not end while another engine serves)."""
+        self._thread = mlx_threads.run(self._thread_name, self._run_to_end)
 
     def call(self, fn: Callable[[], T]) -> Future[T]:
         """Run ``fn`` on the engine thread (the one thread that may make MLX arrays) between
@@ -46,13 +49,24 @@ class OwnerThread:
         return self._ready.wait(timeout)
 
     def shutdown(self, timeout: float = 3.0) -> None:
-        """Stop (``_stop``: what is queued and running ends) and wait for the thread
+        """Stop (``_stop``: what is queued and running ends) and wait for the loop to end
         (bounded by ``timeout``)."""
         self._stop()
         if self._thread is not None:
-            self._thread.join(timeout)
+            self._ended.wait(timeout)
+
+    @property
+    def ended(self) -> bool:
+        """Whether the loop has returned (the thread went back to ``mlx_threads``)."""
+        return self._ended.is_set()
 
     # ---- the owner thread --------------------------------------------------------------
+
+    def _run_to_end(self) -> None:
+        try:
+            self._run()
+        finally:
+            self._ended.set()
 
     def _run(self) -> None:
         self._prepare()
