@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from clients import wait_until
 from engine_runner import drive, generate, load_varied_model, request, running_engine
 
 from mlx_server.engine.core import slow_steps
@@ -79,3 +80,31 @@ def test_where_the_line_is_off_the_step_reads_nothing(lines):
     clock.running([Unread()])
     clock.mark(PARTS[1])
     assert clock.report() is None and lines == []
+
+
+def test_a_slow_idle_warm_up_piece_is_logged_with_what_it_ran(tmp_path_factory, lines, monkeypatch):
+    """A request that arrives during an idle-time piece waits for it (on a fresh CUDA
+    machine a piece builds kernels for seconds): the line names the piece."""
+    from mlx_server.engine.core import warming
+
+    got: list[str] = []
+    monkeypatch.setattr(warming, "log", got.append)
+    model, tokenizer, _ = load_varied_model(tmp_path_factory)
+    with running_engine(
+        model, tokenizer, slow_step_s=0.0, warm_up=True, warm_idle_s=0.0, max_batch_size=2
+    ) as engine:
+        assert engine.wait_ready(60)
+        assert wait_until(lambda: not engine.warming_up, "the idle-time warm-up", timeout=120)
+    pieces = [x for x in got if x.startswith("Slow warm-up piece: ")]
+    assert pieces, got
+    assert any("(drain: a batch of 2)" in x for x in pieces), pieces
+    assert all(x.endswith("a request that came meanwhile waited for it") for x in pieces)
+
+
+def test_piece_names():
+    from functools import partial
+
+    from mlx_server.engine.core.tuning import _lone_decode, _prefill_bucket, piece_name
+
+    assert piece_name(partial(_prefill_bucket, object(), 768, 0)) == "prefill_bucket 768 0"
+    assert piece_name(partial(_lone_decode, object(), 4096)) == "lone_decode 4096"

@@ -165,6 +165,7 @@ class WarmUp:
         self._later += lone[early:]
         # the drain under way, one piece (generator step) at a time
         self._run: Generator[None, None, None] | None = None
+        self.last = ""  # what the last idle-time piece ran (``piece_name``)
 
     @property
     def pending(self) -> bool:
@@ -233,7 +234,9 @@ class WarmUp:
         t0 = self._clock()
         try:
             if self._run is None:
-                self._run = self._later.pop(0)()
+                piece = self._later.pop(0)
+                self.last = piece_name(piece)
+                self._run = piece()
             if next(self._run, StopIteration) is StopIteration:
                 self._run = None
         except BaseException:
@@ -279,6 +282,18 @@ class WarmUp:
                 yield
         finally:
             gen.close()
+
+
+def piece_name(piece: Any) -> str:
+    """A warm-up piece for the log: its function and its number arguments ("drain: a batch
+    of 8", "prefill_bucket 768 0", "lone_decode 4096")."""
+    fn = getattr(piece, "func", piece)
+    name = getattr(fn, "__name__", type(fn).__name__).strip("_")
+    args = getattr(piece, "args", ())
+    if name == "drain" and args and isinstance(args[0], list):
+        return f"drain: a batch of {len(args[0])}"
+    numbers = [str(a) for a in args if isinstance(a, int) and not isinstance(a, bool)]
+    return " ".join([name, *numbers])
 
 
 def _prompts(n: int) -> list[list[int]]:

@@ -73,7 +73,12 @@ class Warming:
         if plan is None:
             return
         try:
-            plan.step()
+            secs = plan.step()
+            if secs >= self._config.slow_step_s:  # on CUDA: a kernel build a request waits for
+                log(
+                    f"Slow warm-up piece: {secs:.1f}s in idle time ({plan.last}); a request "
+                    "that came meanwhile waited for it"
+                )
         except Exception as e:  # serving goes on; shapes not warmed are built on first use
             log(f"Warm-up failed: {faults.describe(e)}")
             reset_random_state()
