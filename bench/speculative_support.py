@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import random
 import time
+from collections import defaultdict
 from collections.abc import Iterator
 from typing import Any
 
@@ -117,7 +118,8 @@ def streams(
         return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts))))
 
     try:
-        results = asyncio.run(run())
+        with _recording() as ids:
+            results = asyncio.run(run())
     finally:
         engine.shutdown(60)
         if not engine.ended:  # its thread lives on (mlx_threads); its loop must not
@@ -131,9 +133,29 @@ def streams(
         "tps": count / (end - start) if end > start else 0.0,
         "cpu_tps": count / cpu if cpu > 0 else 0.0,
         "texts": [text for text, _, _ in results],
+        "tokens": [ids.get(f"s{i}", []) for i in range(len(prompts))],
         "drafted": sum(f.timings.draft_n for *_, f in results if f.timings),
         "accepted": sum(f.timings.draft_n_accepted for *_, f in results if f.timings),
     }
+
+
+@contextlib.contextmanager
+def _recording() -> Iterator[dict[str, list[int]]]:
+    """The token ids the engine delivers, per request id (the engine's events carry text)."""
+    from mlx_server.engine.core import endings
+
+    ids: dict[str, list[int]] = defaultdict(list)
+    deliver = endings.deliver_token
+
+    def recorded(tokenizer: Any, seq: Any, r: Any) -> Any:
+        ids[seq.req.request_id].append(int(r.token))
+        return deliver(tokenizer, seq, r)
+
+    endings.deliver_token = recorded
+    try:
+        yield ids
+    finally:
+        endings.deliver_token = deliver
 
 
 def no_eos(eos: list[int]) -> Any:
