@@ -24,8 +24,8 @@ from collections import deque
 from pathlib import Path
 
 import numpy as np
-from mlx_lm.models.cache import PromptTrie
 
+from mlx_server.engine.cache.trie import TokenTrie
 from mlx_server.logs import log
 
 REASONS = ("no_entry", "not_trimmable", "evicted", "oversize", "different_model", "failed")
@@ -47,7 +47,7 @@ class MissLog:
 
     def __init__(self) -> None:
         self.counts = dict.fromkeys(REASONS, 0)
-        self._gone = PromptTrie()
+        self._gone = TokenTrie()
         self._order: deque[list[int]] = deque()
 
     def forget_later(self, tokens: list[int], reason: str, trimmable: bool) -> None:

@@ -38,6 +38,7 @@ from mlx_server.engine.cache.prefix_rules import (
     SystemLast,
     choose,
 )
+from mlx_server.engine.cache.trie import TokenTrie
 from mlx_server.logs import log
 
 __all__ = ["CHECKPOINT", "CONVERSATION", "SYSTEM", "PrefixCache"]
@@ -57,6 +58,8 @@ class PrefixCache(LRUPromptCache):
         disk_off_reason: str = "",
     ):
         super().__init__(max_entries, max_bytes)
+        # mlx-lm's interface (tests/engine/test_token_trie.py), a search that walks no subtree
+        self._trie = TokenTrie()  # type: ignore[assignment]
         self._lru: SystemLast = SystemLast()
         self.hits = 0
         self.misses = 0
