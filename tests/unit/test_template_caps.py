@@ -122,3 +122,14 @@ def test_caller_variables_are_given_as_the_reference_code_gives_them():
     with pytest.raises(TemplateError, match="roles must alternate"):
         two = [{"role": "assistant", "content": "a"}, {"role": "assistant", "content": "b"}]
         gemma.render([*user, *two])
+
+
+def test_firefunction_s_system_prompt_is_the_same_all_day():
+    """Its ``datetime`` is the day (UTC midnight, in the reference's format): a prompt that
+    changed every second would never be served from the prefix cache."""
+    from datetime import datetime, timezone
+
+    from mlx_server.models.chat_template import _caller_variables
+
+    got = _caller_variables("{{ datetime }}", None)["datetime"]
+    assert got == datetime.now(timezone.utc).strftime("%b %d %Y") + " 00:00:00 GMT"

@@ -24,7 +24,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterator
-from datetime import datetime
+from datetime import datetime, timezone
 from functools import cache
 from typing import Any
 
@@ -182,13 +182,16 @@ def _uses(source: str, name: str) -> bool:
 def _caller_variables(source: str, tools: list[dict[str, Any]] | None) -> dict[str, Any]:
     """Variables some templates expect their caller to set, given as the models' reference
     code gives them: Llama 3.x's ``date_string`` (its own default is a fixed day in 2024),
-    FireFunction's ``functions`` (the tools as JSON) and ``datetime``."""
+    FireFunction's ``functions`` (the tools as JSON) and ``datetime``. FireFunction's
+    reference gives the time to the second in its system prompt; here it is the day (UTC,
+    at midnight, in the same format): a system prompt that changed every second would
+    never be served from the prefix cache (an agent's every turn re-prefilled)."""
     now = datetime.now()
     out: dict[str, Any] = {}
     if _uses(source, "date_string"):
         out["date_string"] = now.strftime("%d %b %Y")
     if _uses(source, "datetime"):
-        out["datetime"] = now.strftime("%b %d %Y %H:%M:%S GMT")
+        out["datetime"] = datetime.now(timezone.utc).strftime("%b %d %Y 00:00:00 GMT")
     if _uses(source, "functions"):
         out["functions"] = json.dumps(tools, indent=2, ensure_ascii=False) if tools else ""
     return out
