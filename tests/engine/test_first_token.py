@@ -37,3 +37,15 @@ def test_a_model_that_runs_starts_clean(tmp_path_factory) -> None:
     with running_engine(model, tokenizer, first_token=True) as engine:
         assert engine.wait_ready(60)
         assert engine.start_error == ""
+
+
+def test_the_engine_learns_its_logits_dtype_from_the_first_token(tmp_path_factory):
+    """What a sampler's check runs in: the model's own logits (bfloat16 here), not float32."""
+    import mlx.core as mx
+
+    model, tokenizer, _ = load_varied_model(tmp_path_factory)
+    model.set_dtype(mx.bfloat16)
+    mx.eval(model.parameters())  # here: a lazy graph belongs to this thread's stream
+    with running_engine(model, tokenizer, first_token=True) as engine:
+        assert engine.wait_ready(60)
+        assert engine._warming.logits_dtype == mx.bfloat16

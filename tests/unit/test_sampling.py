@@ -81,3 +81,24 @@ def test_ignore_eos_adds_no_logits_processor(seed):
     sampler, processors = sequence_sampling(_Seq(), req, SamplerPool(), VOCAB, list(EOS))
     assert processors == []
     assert not set(sampler(favouring(EOS)).tolist()) & set(EOS)
+
+
+@pytest.mark.parametrize("dtype", [None, "bfloat16", "float16"])
+@pytest.mark.parametrize("seed", [None, 5])
+def test_a_sampler_is_checked_in_the_logits_dtype(monkeypatch, dtype, seed):
+    """The check before a request joins the batch runs in the model's logits dtype (on CUDA a
+    float32 check built kernels no step used, seconds each on a fresh machine)."""
+    from mlx_server.engine.sampling import samplers
+
+    seen: list[object] = []
+    real = samplers.make_sampler
+
+    def recording(params, ban=()):
+        inner = real(params, ban)
+        return lambda logprobs: seen.append(logprobs.dtype) or inner(logprobs)
+
+    monkeypatch.setattr(samplers, "make_sampler", recording)
+    want = getattr(mx, dtype) if dtype else None
+    req = GenerationRequest("r", [1, 2], 8, sampling=SamplingParams(temperature=0.7, seed=seed))
+    sequence_sampling(_Seq(), req, SamplerPool(), VOCAB, list(EOS), want)
+    assert seen == [want or mx.float32]

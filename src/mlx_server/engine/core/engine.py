@@ -247,7 +247,9 @@ class Engine(OwnerThread):
 
     def _start(self, seq: Seq) -> None:
         req, prefixes = seq.req, self._prefixes
-        sampler, processors = sequence_sampling(seq, req, self._samplers, self._vocab, self.eos_ids)
+        sampler, processors = sequence_sampling(
+            seq, req, self._samplers, self._vocab, self.eos_ids, self._warming.logits_dtype
+        )
         prompt = list(req.prompt_tokens)
         cache, rest = prefixes.fetch(req)
         seq.started = Started(len(prompt) - len(rest))

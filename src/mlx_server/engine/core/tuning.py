@@ -300,15 +300,17 @@ def _prompts(n: int) -> list[list[int]]:
     return [[1 + (i + j) % 7 for j in range(16)] for i in range(n)]
 
 
-def first_token(model: Any) -> None:
+def first_token(model: Any) -> Any:
     """Compute one token's logits on a fresh cache: a model that cannot run (a layer kind,
     a dtype or a kernel this build lacks) fails here, before the server says it is ready,
-    and the first request does not pay for building the smallest kernels."""
+    and the first request does not pay for building the smallest kernels. Returns the
+    logits' dtype (what samplers are handed)."""
     from mlx_lm.models.cache import make_prompt_cache
 
     cache = make_prompt_cache(model)
     logits = model(mx.array([[1, 2]]), cache=cache)
     mx.eval(logits[:, -1, :], [c.state for c in cache])
+    return logits.dtype
 
 
 def lone_decode_lengths(model: Any, limit: int) -> list[int]:

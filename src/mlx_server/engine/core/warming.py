@@ -22,6 +22,9 @@ class Warming:
         self._config = config
         self._runner = runner
         self._plan: WarmUp | None = None
+        # the model's logits dtype, once the first token has run (a sampler's check runs in
+        # it: on CUDA each dtype builds its own kernels, seconds each on a fresh machine)
+        self.logits_dtype: Any = None
 
     @property
     def pending(self) -> bool:
@@ -33,7 +36,7 @@ class Warming:
         cfg = self._config
         if cfg.first_token:
             try:
-                first_token(self._model)
+                self.logits_dtype = first_token(self._model)
             except Exception as e:
                 error = f"the model could not compute a token: {faults.describe(e)}"
                 log(f"Warm-up failed: {error}")

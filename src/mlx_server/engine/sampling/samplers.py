@@ -230,17 +230,22 @@ class _Sequence(_Faultable, Protocol):
 
 
 def sequence_sampling(
-    seq: _Sequence, req: GenerationRequest, pool: SamplerPool, vocab: int, eos: list[int]
+    seq: _Sequence,
+    req: GenerationRequest,
+    pool: SamplerPool,
+    vocab: int,
+    eos: list[int],
+    dtype: Any = None,
 ) -> tuple[Sampler, list[LogitsProcessor]]:
     """A request's sampler (which never picks an end-of-sequence id with ``ignore_eos``) and
     its logits processors (penalties, the request's own such as a grammar), each guarded so
-    that its failure ends ``seq`` alone. The sampler is tried once on a row of the model's logits width
-    (``vocab``): one that cannot work fails its own request here, before it joins (and
-    breaks) a batch. Unseeded requests with the same settings share one (``seq.shared``),
+    that its failure ends ``seq`` alone. The sampler is tried once on a row of the model's
+    logits width (``vocab``) and dtype (``dtype``, the model's: float32 when unknown): one
+    that cannot work fails its own request here, before it joins (and breaks) a batch. Unseeded requests with the same settings share one (``seq.shared``),
     so the batch samples in one call."""
 
     def check(sampler: Sampler) -> None:
-        mx.eval(sampler(mx.zeros((1, vocab), dtype=mx.float32)))
+        mx.eval(sampler(mx.zeros((1, vocab), dtype=dtype or mx.float32)))
 
     ban = tuple(eos) if req.ignore_eos else ()
     seq.shared = pool.get(req.sampling, check, ban)
