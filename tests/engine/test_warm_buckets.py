@@ -89,7 +89,9 @@ def test_the_start_line_counts_the_buckets_left(model, buckets, monkeypatch):
     lines: list[str] = []
     monkeypatch.setattr(warming, "WarmUp", partial(WarmUp, clock=clock))
     monkeypatch.setattr(warming, "log", lines.append)
-    cfg = EngineConfig(max_batch_size=3, warm_up=True, prefill_buckets=True, prefill_step_size=256)
+    cfg = EngineConfig(
+        max_batch_size=3, warm_up=True, prefill_buckets=True, prefill_step_size=256, solo=False
+    )  # the batch path: its size 1 first, uncounted by the fake clock
     w = Warming(model, cfg)
     assert w.before_serving(20.0) == ""
     (line,) = [x for x in lines if x.startswith("Warm-up:")]
@@ -134,3 +136,55 @@ def test_the_long_buckets_wait_for_idle_time_whatever_the_budget(model, buckets)
     while plan.pending:
         plan.step()
     assert ran[3:] == [(128, 0), (256, 0)]  # from an empty cache only
+
+
+def test_a_lone_path_engine_warms_its_short_buckets_before_the_batch_s_size_one(model, buckets):
+    """A first request runs alone on the lone path: its buckets come first; the batch's size
+    1 (mlx-lm's batch cache, other kernels) runs after them within the budget, else first
+    in idle time."""
+    clock, ran = buckets
+    drained: list[int] = []
+    real = WarmUp._drain
+
+    def drain(self, prompts, max_tokens):
+        drained.append(len(prompts))
+        clock.now += clock.cost
+        yield from real(self, prompts, max_tokens)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(WarmUp, "_drain", drain)
+        plan = WarmUp(model, 2, 256, 30.0, buckets=True, solo=True, clock=clock)
+        plan.before_ready()
+        assert ran == [(16, 64), (32, 64), (64, 64)] and drained == []  # the budget is spent
+        assert plan.batch1_deferred and plan.deferred_buckets == 2
+        plan.step()
+        assert drained == [1]  # first in idle time
+        while plan.pending:
+            plan.step()
+        # then batch size 2, and one prompt longer than a prefill step
+        assert ran[3:] == [(128, 0), (256, 0)] and drained == [1, 2, 1]
+
+        clock.now, ran[:], drained[:] = 0.0, [], []
+        plan = WarmUp(model, 2, 256, 1000.0, buckets=True, solo=True, clock=clock)
+        plan.before_ready()
+        assert ran == [(16, 64), (32, 64), (64, 64)] and drained == [1]  # then size 1
+        assert not plan.batch1_deferred
+        plan.close()
+
+
+def test_the_start_line_says_when_batch_size_one_waits_for_idle_time(model, buckets, monkeypatch):
+    from functools import partial
+
+    clock, _ = buckets
+    lines: list[str] = []
+    monkeypatch.setattr(warming, "WarmUp", partial(WarmUp, clock=clock))
+    monkeypatch.setattr(warming, "log", lines.append)
+    cfg = EngineConfig(
+        max_batch_size=3, warm_up=True, prefill_buckets=True, prefill_step_size=256, solo=True
+    )
+    w = Warming(model, cfg)
+    assert w.before_serving(20.0) == ""
+    (line,) = [x for x in lines if x.startswith("Warm-up:")]
+    assert line.startswith("Warm-up: the prefill buckets in "), line
+    assert line.endswith("left for idle time: 3 of the prefill buckets, batch sizes 1-3"), line
+    w.close()

@@ -136,9 +136,14 @@ class WarmUp:
         buckets: bool = False,
         shapes: ShapePieces | None = None,
         lone_keys: int = 0,
+        solo: bool = False,
         clock: Callable[[], float] | None = None,
     ):
         self.model = model
+        # a lone request runs on the lone path (``solo``): its short buckets come before the
+        # batch's size 1 (``before_ready``)
+        self.solo = solo
+        self.batch1_deferred = False  # batch size 1 left for idle time (the budget ran out)
         self._clock = clock or time.perf_counter
         self.ready_budget_s = budget_s
         self.max_batch_size = max_batch_size
@@ -174,9 +179,10 @@ class WarmUp:
         return left and self.spent - self._ready_spent < self.budget_s
 
     def before_ready(self) -> float:
-        """The pieces a first request needs; returns their seconds. Batch size 1 always; then,
-        while the budget lasts, the lone path's short prefill buckets (a chat's next turn)
-        and the runner's shapes; what is left of them goes to the front of the idle-time
+        """The pieces a first request needs; returns their seconds. Batch size 1 always (for a
+        ``solo`` engine with buckets: after the lone path's short buckets, within the budget);
+        then, while the budget lasts, the lone path's short prefill buckets (a chat's next
+        turn) and the runner's shapes; what is left of them goes to the front of the idle-time
         queue (``deferred`` counts the runner's), after it the long buckets from an empty
         cache (a conversation's first prompt). On a fresh CUDA machine
         each new shape builds kernels (seconds each), so without the budget the buckets
@@ -185,8 +191,10 @@ class WarmUp:
         the readiness line (a model switch in Jan waits for it)."""
         t0 = self._clock()
         try:
-            for _ in self._drain(_prompts(1), 3):
-                pass
+            batch1: Piece = partial(self._drain, _prompts(1), 3)
+            if not (self.solo and self.buckets):
+                for _ in batch1():
+                    pass
             now: list[Piece] = []
             idle: list[Piece] = []
             if self.buckets:
@@ -199,8 +207,21 @@ class WarmUp:
                 long = [n for n in lengths if n > SHORT_CHUNK]
                 idle = [partial(_prefill_bucket, self.model, n, 0) for n in long]
             left_now = self._within_budget(now, t0)
+            bucket_under_way = self._run is not None
+            if self.solo and self.buckets:
+                # A first request runs alone, on the lone path: its prompt's bucket and its
+                # decode on a plain KV cache. On a fresh CUDA machine the batch's size 1 (other
+                # kernels: mlx-lm's batch cache) took a whole 30 s budget on an 8B 4-bit model,
+                # leaving the first request to build the lone path's for 28 s more.
+                left_b1 = self._within_budget([batch1], t0) if not left_now else [batch1]
+                self.batch1_deferred = bool(left_b1) or (
+                    self._run is not None and not bucket_under_way
+                )
+                left_now += left_b1
             out_of_budget = bool(left_now) or self._run is not None
-            self.deferred_buckets = len(left_now) + (self._run is not None) + len(idle)
+            self.deferred_buckets = (
+                len([p for p in left_now if p is not batch1]) + bucket_under_way + len(idle)
+            )
             left_first = self._within_budget(self._first, t0)
             if out_of_budget:  # out of budget in the buckets: none of the runner's ran
                 self.deferred = len(self._first)

@@ -47,7 +47,14 @@ class Warming:
                 shapes = self._shapes(n)
                 lone = cfg.lone_decode_keys if cfg.solo else 0
                 plan = WarmUp(
-                    self._model, n, step, budget, buckets=buckets, shapes=shapes, lone_keys=lone
+                    self._model,
+                    n,
+                    step,
+                    budget,
+                    buckets=buckets,
+                    shapes=shapes,
+                    lone_keys=lone,
+                    solo=cfg.solo,
                 )
                 secs = plan.before_ready()
                 if budget == float("inf"):  # ranks in lockstep: every rank, every piece, now
@@ -102,10 +109,12 @@ def _line(plan: WarmUp, n: int, buckets: bool, shapes: ShapePieces | None, secs:
         what += f", {shapes.what}"
         if plan.deferred:
             idle.append(f"{plan.deferred} of the {len(shapes.first)} {shapes.what}")
-    if plan.pending and n > 1:
-        idle.append(f"batch sizes 2-{n}")
+    first = 1 if plan.batch1_deferred else 2
+    if plan.pending and n >= first:
+        idle.append(f"batch sizes {first}-{n}")
     if plan.pending and plan.lone_lengths:
         idle.append(f"a lone decode step over {plan.lone_lengths[0]}-{plan.lone_lengths[-1]} keys")
     sizes = "1" if plan.pending else f"1-{n}"
+    head = f"batch sizes {sizes}{what}" if not plan.batch1_deferred else what.lstrip(", ")
     later = f"; left for idle time: {', '.join(idle)}" if idle else ""
-    return f"Warm-up: batch sizes {sizes}{what} in {secs:.1f}s{later}"
+    return f"Warm-up: {head} in {secs:.1f}s{later}"
