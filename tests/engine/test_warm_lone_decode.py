@@ -145,3 +145,23 @@ def test_every_family_runs_its_pieces_or_has_none(arch_model_dirs, name):
     for n in lengths:
         for _ in _lone_decode(model, n):
             pass
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_every_family_computes_its_first_token_and_a_decode_step(arch_model_dirs, name):
+    """Before readiness: a prefill and one decode step on a fresh cache, on every
+    architecture; the logits' dtype is what a request's sampler is checked in."""
+    model = load(str(arch_model_dirs[name]))[0]
+    calls: list[int] = []
+
+    class Counting:
+        def __getattr__(self, attr: str) -> Any:
+            return getattr(model, attr)
+
+        def __call__(self, inputs: mx.array, cache: Any = None) -> mx.array:
+            calls.append(inputs.shape[1])
+            return model(inputs, cache=cache)
+
+    dtype = tuning.first_token(Counting())
+    assert calls == [2, 1]
+    assert dtype == model(mx.array([[1]]))[:, -1, :].dtype

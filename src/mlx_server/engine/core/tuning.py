@@ -322,15 +322,19 @@ def _prompts(n: int) -> list[list[int]]:
 
 
 def first_token(model: Any) -> Any:
-    """Compute one token's logits on a fresh cache: a model that cannot run (a layer kind,
-    a dtype or a kernel this build lacks) fails here, before the server says it is ready,
-    and the first request does not pay for building the smallest kernels. Returns the
-    logits' dtype (what samplers are handed)."""
+    """Compute one token's logits on a fresh cache, then one decode step: a model that
+    cannot run (a layer kind, a dtype or a kernel this build lacks) fails here, before the
+    server says it is ready, and the first request does not pay for building the smallest
+    kernels. Returns the logits' dtype (what samplers are handed)."""
     from mlx_lm.models.cache import make_prompt_cache
 
     cache = make_prompt_cache(model)
     logits = model(mx.array([[1, 2]]), cache=cache)
     mx.eval(logits[:, -1, :], [c.state for c in cache])
+    # and one decode step on it: the kernels every answer's tokens need (on CUDA a lone
+    # sequence's first decode also meets the graph of its 256-key buffer)
+    step = model(mx.array([[3]]), cache=cache)
+    mx.eval(step[:, -1, :], [c.state for c in cache])
     return logits.dtype
 
 
