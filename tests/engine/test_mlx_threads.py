@@ -45,9 +45,7 @@ def test_two_engines_at_once_take_two_threads_and_give_both_back():
     a.shutdown(10)
     b.shutdown(10)
     assert a.ended and b.ended
-    assert wait_until(
-        lambda: {a._thread, b._thread} <= {w.thread for w in mlx_threads._parked}, "both parked"
-    )
+    assert wait_until(lambda: {a._thread, b._thread} <= set(mlx_threads.parked()), "both parked")
     assert a._thread.is_alive() and b._thread.is_alive()
     assert a._thread.name == "mlx-parked"
     c = EmbeddingEngine(lambda seqs, types=None: None, EmbeddingEngineConfig())
@@ -65,7 +63,7 @@ def test_a_job_that_raises_leaves_its_thread_to_the_next(capfd):
         raise RuntimeError("the job failed")
 
     first = mlx_threads.run("mlx-test", boom)
-    assert wait_until(lambda: first in [w.thread for w in mlx_threads._parked], "it parked")
+    assert wait_until(lambda: first in mlx_threads.parked(), "it parked")
     assert first.is_alive()
     assert "RuntimeError: the job failed" in capfd.readouterr().err
     ran = threading.Event()

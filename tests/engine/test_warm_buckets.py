@@ -82,23 +82,30 @@ def test_idle_time_has_a_budget_of_its_own(model, buckets):
     assert ran[2:] == [(64, 64), (128, 0), (256, 0)]
 
 
-def test_the_start_line_counts_the_buckets_left(model, buckets, monkeypatch):
+def _start_line(model: Any, clock: _Clock, monkeypatch: pytest.MonkeyPatch, solo: bool) -> str:
+    """The warm-up's start line for three batch sizes and a 20 s budget."""
     from functools import partial
 
-    clock, ran = buckets
     lines: list[str] = []
     monkeypatch.setattr(warming, "WarmUp", partial(WarmUp, clock=clock))
     monkeypatch.setattr(warming, "log", lines.append)
     cfg = EngineConfig(
-        max_batch_size=3, warm_up=True, prefill_buckets=True, prefill_step_size=256, solo=False
-    )  # the batch path: its size 1 first, uncounted by the fake clock
+        max_batch_size=3, warm_up=True, prefill_buckets=True, prefill_step_size=256, solo=solo
+    )
     w = Warming(model, cfg)
     assert w.before_serving(20.0) == ""
+    w.close()
     (line,) = [x for x in lines if x.startswith("Warm-up:")]
+    return line
+
+
+def test_the_start_line_counts_the_buckets_left(model, buckets, monkeypatch):
+    clock, ran = buckets
+    # the batch path: its size 1 first, uncounted by the fake clock
+    line = _start_line(model, clock, monkeypatch, solo=False)
     assert [n for n, _ in ran] == [16, 32]
     assert line.endswith("left for idle time: 3 of the prefill buckets, batch sizes 2-3"), line
     assert "batch sizes 1," in line
-    w.close()
 
 
 def test_the_short_chunks_are_the_ones_attention_computes_plainly_on_cuda():
@@ -173,18 +180,7 @@ def test_a_lone_path_engine_warms_its_short_buckets_before_the_batch_s_size_one(
 
 
 def test_the_start_line_says_when_batch_size_one_waits_for_idle_time(model, buckets, monkeypatch):
-    from functools import partial
-
     clock, _ = buckets
-    lines: list[str] = []
-    monkeypatch.setattr(warming, "WarmUp", partial(WarmUp, clock=clock))
-    monkeypatch.setattr(warming, "log", lines.append)
-    cfg = EngineConfig(
-        max_batch_size=3, warm_up=True, prefill_buckets=True, prefill_step_size=256, solo=True
-    )
-    w = Warming(model, cfg)
-    assert w.before_serving(20.0) == ""
-    (line,) = [x for x in lines if x.startswith("Warm-up:")]
+    line = _start_line(model, clock, monkeypatch, solo=True)
     assert line.startswith("Warm-up: the prefill buckets in "), line
     assert line.endswith("left for idle time: 3 of the prefill buckets, batch sizes 1-3"), line
-    w.close()

@@ -74,7 +74,7 @@ def made() -> int:
         return _made
 
 
-def parked() -> int:
-    """How many wait for an engine now."""
+def parked() -> list[threading.Thread]:
+    """The threads that wait for an engine now."""
     with _lock:
-        return len(_parked)
+        return [w.thread for w in _parked]

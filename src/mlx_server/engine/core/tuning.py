@@ -208,6 +208,7 @@ class WarmUp:
                 idle = [partial(_prefill_bucket, self.model, n, 0) for n in long]
             left_now = self._within_budget(now, t0)
             bucket_under_way = self._run is not None
+            self.deferred_buckets = len(left_now) + bucket_under_way + len(idle)
             if self.solo and self.buckets:
                 # A first request runs alone, on the lone path: its prompt's bucket and its
                 # decode on a plain KV cache. On a fresh CUDA machine the batch's size 1 (other
@@ -219,9 +220,6 @@ class WarmUp:
                 )
                 left_now += left_b1
             out_of_budget = bool(left_now) or self._run is not None
-            self.deferred_buckets = (
-                len([p for p in left_now if p is not batch1]) + bucket_under_way + len(idle)
-            )
             left_first = self._within_budget(self._first, t0)
             if out_of_budget:  # out of budget in the buckets: none of the runner's ran
                 self.deferred = len(self._first)
