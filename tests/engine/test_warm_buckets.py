@@ -184,3 +184,82 @@ def test_the_start_line_says_when_batch_size_one_waits_for_idle_time(model, buck
     line = _start_line(model, clock, monkeypatch, solo=True)
     assert line.startswith("Warm-up: the prefill buckets in "), line
     assert line.endswith("left for idle time: 3 of the prefill buckets, batch sizes 1-3"), line
+
+
+def _sampler_pieces(clock: _Clock, ran: list[tuple[int, int]], n: int, cost: float) -> list[Any]:
+    """``n`` sampler pieces of ``cost`` seconds each, recorded in ``ran`` as (-i, 0)."""
+
+    def piece(i: int):
+        clock.now += cost
+        ran.append((-i, 0))
+        yield from ()
+
+    return [lambda i=i: piece(i) for i in range(1, n + 1)]
+
+
+def test_the_samplers_run_after_the_short_buckets_and_wait_at_idle_time_s_front(model, buckets):
+    """The samplers' kernels (seconds each on a fresh CUDA machine) come after what a first
+    request's prefill meets, within the budget; those left run first in idle time, after
+    the short buckets left and before the long ones."""
+    clock, ran = buckets
+    plan = WarmUp(
+        model, 1, 256, 45.0, buckets=True, samplers=_sampler_pieces(clock, ran, 3, 5.0), clock=clock
+    )
+    plan.before_ready()
+    # 16, 32, 64 (30 s), then samplers 1 and 2 (40 s), the third starts at 40 s, ends at 45
+    assert ran == [(16, 64), (32, 64), (64, 64), (-1, 0), (-2, 0), (-3, 0)]
+    assert plan.deferred_samplers == 0 and plan.samplers == 3
+    plan.close()
+
+    clock.now, ran[:] = 0.0, []
+    plan = WarmUp(
+        model, 1, 256, 25.0, buckets=True, samplers=_sampler_pieces(clock, ran, 3, 5.0), clock=clock
+    )
+    plan.before_ready()
+    assert ran == [(16, 64), (32, 64), (64, 64)]  # the buckets spent the budget
+    assert plan.deferred_samplers == 3 and plan.deferred_buckets == 2
+    for _ in range(5):
+        plan.step()
+    assert ran[3:] == [(-1, 0), (-2, 0), (-3, 0), (128, 0), (256, 0)]
+    plan.close()
+
+
+def test_the_start_line_says_the_samplers_left_for_idle_time(model, buckets, monkeypatch):
+    """With the logits' width known, the warm-up builds each of ``WARM_SETTINGS``' samplers;
+    those past the budget are named on the start line."""
+    from functools import partial
+
+    clock, ran = buckets
+    settings: list[Any] = []
+
+    def sampler(params, ban, vocab, dtype):
+        settings.append((params, ban, vocab))
+        clock.now += 6.0
+        yield from ()
+
+    lines: list[str] = []
+    monkeypatch.setattr(warming, "warm_sampler", sampler)
+    monkeypatch.setattr(warming, "WarmUp", partial(WarmUp, clock=clock))
+    monkeypatch.setattr(warming, "log", lines.append)
+    cfg = EngineConfig(max_batch_size=1, warm_up=True, prefill_buckets=True, prefill_step_size=256)
+    w = Warming(model, cfg, vocab=300)
+    assert w.before_serving(40.0) == ""
+    (line,) = [x for x in lines if x.startswith("Warm-up:")]
+    # 30 s of buckets, then two samplers (6 s each) start within the 40
+    n = len(warming.WARM_SETTINGS)
+    assert [s for s, _, _ in settings] == [s for s, _ in warming.WARM_SETTINGS[:2]]
+    assert line.endswith(
+        f"left for idle time: 2 of the prefill buckets, {n - 2} of the {n} samplers"
+    )
+    assert ", the samplers in " in line and all(v == 300 for _, _, v in settings)
+    w.close()
+
+
+def test_every_warm_setting_s_sampler_runs_on_the_model_s_logits_dtype():
+    import mlx.core as mx
+
+    from mlx_server.engine.sampling.samplers import WARM_SETTINGS, warm_sampler
+
+    for params, ban in WARM_SETTINGS:
+        for dtype in (mx.float32, mx.bfloat16):
+            assert list(warm_sampler(params, ban, 50, dtype)) == []

@@ -4,6 +4,8 @@ row of a batch, greedy or sampled, seeded or not."""
 
 from __future__ import annotations
 
+import math
+
 import mlx.core as mx
 import pytest
 
@@ -102,3 +104,45 @@ def test_a_sampler_is_checked_in_the_logits_dtype(monkeypatch, dtype, seed):
     req = GenerationRequest("r", [1, 2], 8, sampling=SamplingParams(temperature=0.7, seed=seed))
     sequence_sampling(_Seq(), req, SamplerPool(), VOCAB, list(EOS), want)
     assert seen == [want or mx.float32]
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_the_truncations_and_the_draw_give_mlx_lms_results_with_settings_as_arrays(dtype):
+    """Top-p, min-p and the temperature enter the compiled kernels as arrays (one kernel for
+    every value, where a number baked in builds kernels per value: seconds each on CUDA);
+    the results are mlx-lm's, value for value and draw for draw."""
+    from mlx_lm.sample_utils import apply_min_p, apply_top_p, categorical_sampling
+
+    from mlx_server.engine.sampling import samplers
+
+    mx.random.seed(3)
+    logits = (mx.random.normal((4, 500)) * 3).astype(dtype)
+    lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    for top_p in (0.05, 0.5, 0.9, 0.999):
+        ours = samplers._top_p(lp, samplers._Scalar(top_p, mx.float32).get())
+        assert mx.array_equal(ours, apply_top_p(lp, top_p)).item(), top_p
+    for min_p in (0.01, 0.2, 0.9):
+        ours = samplers._min_p(lp, samplers._Scalar(math.log(min_p)).get(dtype))
+        assert mx.array_equal(ours, apply_min_p(lp, min_p)).item(), min_p
+    for temp in (0.3, 0.7, 1.5):
+        mx.random.seed(9)
+        theirs = categorical_sampling(lp, temp)
+        mx.random.seed(9)
+        ours = samplers._draw(lp, samplers._Scalar(1 / temp).get(dtype))
+        assert ours.tolist() == theirs.tolist(), temp
+
+
+def test_a_sampler_builds_its_setting_arrays_once_per_dtype():
+    """The setting arrays are made on first use in each dtype and reused after (no array,
+    no graph per step)."""
+    from mlx_server.engine.sampling import samplers
+
+    s = samplers._Scalar(0.5)
+    a, b, c = s.get(mx.float16), s.get(mx.float16), s.get(mx.float32)
+    assert a is b and a is not c and a.dtype == mx.float16 and c.dtype == mx.float32
+    assert samplers._Scalar(0.9, mx.float32).get(mx.bfloat16).dtype == mx.float32
+
+
+def test_a_min_p_above_one_fails_the_sampler_not_the_server():
+    with pytest.raises(ValueError, match="min_p"):
+        make_sampler(SamplingParams(temperature=0.7, min_p=1.5))

@@ -109,7 +109,8 @@ def warm_up(
 
 class WarmUp:
     """The warm-up in pieces. Before the readiness line, what a first, lone request meets:
-    the lone path's short prefill buckets and batch size 1. Afterwards, one piece at a time
+    the lone path's short prefill buckets, batch size 1 and the samplers' kernels
+    (``samplers``: pieces of their own, the likeliest settings first). Afterwards, one piece at a time
     while the engine has nothing else to do (``step``): the long prefill buckets, batch
     sizes 2 to ``max_batch_size``, the small ones first (what a few concurrent requests
     meet), then a full prefill chunk in the batch; with ``lone_keys``, a lone decode step
@@ -137,6 +138,7 @@ class WarmUp:
         shapes: ShapePieces | None = None,
         lone_keys: int = 0,
         solo: bool = False,
+        samplers: list[Piece] | None = None,
         clock: Callable[[], float] | None = None,
     ):
         self.model = model
@@ -153,6 +155,9 @@ class WarmUp:
         # prefill buckets wait for idle time whatever the budget), and the runner's shapes
         self.budget_s = IDLE_BUDGETS * budget_s + shapes.budget_s
         self._first = shapes.first
+        self._samplers = list(samplers or [])
+        self.samplers = len(self._samplers)
+        self.deferred_samplers = 0  # sampler pieces left for idle time by before_ready
         self.buckets = buckets
         self.spent = 0.0  # seconds, over every piece run so far
         self.pieces = 0  # pieces run after the readiness line
@@ -220,12 +225,17 @@ class WarmUp:
                 )
                 left_now += left_b1
             out_of_budget = bool(left_now) or self._run is not None
+            # the samplers' kernels (seconds each on a fresh CUDA machine), then the runner's
+            left_samplers = self._within_budget(self._samplers, t0)
+            sampler_under_way = self._run is not None and not out_of_budget
+            self.deferred_samplers = len(left_samplers) + sampler_under_way
+            out_of_budget = out_of_budget or self.deferred_samplers > 0
             left_first = self._within_budget(self._first, t0)
-            if out_of_budget:  # out of budget in the buckets: none of the runner's ran
+            if out_of_budget:  # out of budget before the runner's shapes: none of them ran
                 self.deferred = len(self._first)
             else:
                 self.deferred = len(left_first) + (self._run is not None)
-            self._later = left_now + idle + left_first + self._later
+            self._later = left_now + left_samplers + idle + left_first + self._later
         finally:
             mx.clear_cache()
         secs = self._spend(t0)

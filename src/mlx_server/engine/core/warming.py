@@ -1,24 +1,29 @@
 """The engine's warm-up: one token before serving, every batch size's shapes (a lone
-request's before serving, the rest in idle time; see ``tuning.WarmUp``), a lone sequence's
+request's before serving, the rest in idle time; see ``tuning.WarmUp``), the samplers'
+kernels (``samplers.WARM_SETTINGS``), a lone sequence's
 decode step over longer key buffers (idle time, where kernels are built per shape), and
 the shapes the runner adds (``warm_shapes``: a speculative runner's verify passes)."""
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
+
+import mlx.core as mx
 
 from mlx_server.engine.core import faults
 from mlx_server.engine.core.config import EngineConfig
-from mlx_server.engine.core.tuning import ShapePieces, WarmUp, first_token
-from mlx_server.engine.sampling.samplers import reset_random_state
+from mlx_server.engine.core.tuning import Piece, ShapePieces, WarmUp, first_token
+from mlx_server.engine.sampling.samplers import WARM_SETTINGS, reset_random_state, warm_sampler
 from mlx_server.logs import log
 
 
 class Warming:
     """What is left of the warm-up; ``pending`` while pieces wait for idle time."""
 
-    def __init__(self, model: Any, config: EngineConfig, runner: Any = None):
+    def __init__(self, model: Any, config: EngineConfig, runner: Any = None, vocab: int = 0):
         self._model = model
+        self._vocab = vocab  # the logits' width (the samplers' pieces; 0: none)
         self._config = config
         self._runner = runner
         self._plan: WarmUp | None = None
@@ -55,6 +60,7 @@ class Warming:
                     shapes=shapes,
                     lone_keys=lone,
                     solo=cfg.solo,
+                    samplers=self._samplers(),
                 )
                 secs = plan.before_ready()
                 if budget == float("inf"):  # ranks in lockstep: every rank, every piece, now
@@ -65,6 +71,13 @@ class Warming:
             except Exception as e:  # serving without it is slower at first, not wrong
                 log(f"Warm-up failed: {faults.describe(e)}")
         return ""
+
+    def _samplers(self) -> list[Piece]:
+        """The samplers' pieces (``WARM_SETTINGS``), in the logits' dtype."""
+        if not self._vocab:
+            return []
+        dtype = self.logits_dtype or mx.float32
+        return [partial(warm_sampler, p, ban, self._vocab, dtype) for p, ban in WARM_SETTINGS]
 
     def _shapes(self, max_batch_size: int) -> ShapePieces | None:
         """What the runner adds to the warm-up (a runner without ``warm_shapes``: nothing)."""
@@ -105,6 +118,10 @@ def _line(plan: WarmUp, n: int, buckets: bool, shapes: ShapePieces | None, secs:
     idle: list[str] = []
     if plan.deferred_buckets and plan.pending:
         idle.append(f"{plan.deferred_buckets} of the prefill buckets")
+    if plan.samplers:
+        what += ", the samplers"
+        if plan.deferred_samplers and plan.pending:
+            idle.append(f"{plan.deferred_samplers} of the {plan.samplers} samplers")
     if shapes is not None and shapes.what:
         what += f", {shapes.what}"
         if plan.deferred:

@@ -17,20 +17,16 @@ tokens sampled are those a mask before the normalisation would give.
 
 from __future__ import annotations
 
+import math
 import os
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from dataclasses import replace
+from functools import partial
 from typing import Any, Protocol, cast
 
 import mlx.core as mx
-from mlx_lm.sample_utils import (
-    apply_min_p,
-    apply_top_k,
-    apply_top_p,
-    categorical_sampling,
-    make_logits_processors,
-)
+from mlx_lm.sample_utils import apply_top_k, make_logits_processors
 
 from mlx_server.types import GenerationRequest, SamplingParams
 
@@ -43,27 +39,78 @@ def _greedy(logprobs: mx.array) -> mx.array:
 
 
 def _filters(params: SamplingParams) -> list[Callable[[mx.array], mx.array]]:
-    """The truncations (top-p, min-p, top-k) applied to log-probabilities before sampling."""
+    """The truncations (top-p, min-p, top-k) applied to log-probabilities before sampling.
+    Top-p and min-p take their setting as an array (``_Scalar``): one compiled kernel for
+    every value, where a number baked into the kernel builds kernels per value (on CUDA
+    seconds each on a fresh machine). Top-k's is a shape (mlx-lm's ``apply_top_k``)."""
     filters: list[Callable[[mx.array], mx.array]] = []
     if 0 < params.top_p < 1.0:
-        filters.append(lambda x: apply_top_p(x, params.top_p))
+        top_p = _Scalar(params.top_p, mx.float32)
+        filters.append(lambda x: _top_p(x, top_p.get()))
     if params.min_p > 0:
-        filters.append(lambda x: apply_min_p(x, params.min_p))
+        if params.min_p > 1.0:
+            raise ValueError(f"min_p must be within [0, 1], got {params.min_p}")
+        log_min_p = _Scalar(math.log(params.min_p))
+        filters.append(lambda x: _min_p(x, log_min_p.get(x.dtype)))
     if params.top_k > 0:
         filters.append(lambda x: apply_top_k(x, params.top_k))
     return filters
+
+
+class _Scalar:
+    """A number as a 0-d array, made once per dtype asked for (``dtype``: fixed, else the
+    caller's): an input of a compiled kernel, not a constant inside it."""
+
+    def __init__(self, value: float, dtype: Any = None):
+        self.value, self.dtype = value, dtype
+        self._arrays: dict[Any, mx.array] = {}
+
+    def get(self, dtype: Any = None) -> mx.array:
+        dtype = self.dtype or dtype or mx.float32
+        a = self._arrays.get(dtype)
+        if a is None:
+            a = self._arrays[dtype] = mx.array(self.value, dtype=dtype)
+        return a
+
+
+@partial(mx.compile, inputs=mx.random.state, outputs=mx.random.state)
+def _draw(logprobs: mx.array, inv_temp: mx.array) -> mx.array:
+    """A token per row at temperature ``1 / inv_temp`` (a 0-d array in the rows' dtype),
+    from the global generator."""
+    return mx.random.categorical(logprobs * inv_temp)
+
+
+@mx.compile
+def _top_p(logprobs: mx.array, top_p: mx.array) -> mx.array:
+    """The rows' smallest set of tokens whose probability reaches ``top_p`` (float32 0-d)
+    kept, the rest at -inf (the tokens tied with the last one kept stay)."""
+    ascending = mx.sort(logprobs, axis=-1)
+    probs = mx.exp(ascending.astype(mx.float32))
+    above = mx.cumsum(probs, axis=-1, reverse=True, inclusive=False)
+    total = above[..., :1] + probs[..., :1]
+    dropped = (above >= top_p * total).sum(axis=-1, keepdims=True)
+    floor = mx.take_along_axis(ascending, dropped, axis=-1)
+    return mx.where(logprobs < floor, -mx.inf, logprobs)
+
+
+@mx.compile
+def _min_p(logprobs: mx.array, log_min_p: mx.array) -> mx.array:
+    """Tokens less likely than ``min_p`` times the row's likeliest at -inf (``log_min_p``:
+    its logarithm, a 0-d array in the rows' dtype)."""
+    floor = logprobs.max(axis=-1, keepdims=True) + log_min_p
+    return mx.where(logprobs < floor, -mx.inf, logprobs)
 
 
 def make_distribution(params: SamplingParams) -> Callable[[mx.array], mx.array]:
     """The probabilities ``make_sampler(params)`` draws from, for log-probabilities of shape
     (n, vocab): truncated, then at the temperature (speculative rejection sampling needs
     them explicitly). Temperature must be above zero."""
-    filters, inv_temp = _filters(params), 1.0 / params.temperature
+    filters, inv_temp = _filters(params), _Scalar(1.0 / params.temperature)
 
     def distribution(logprobs: mx.array) -> mx.array:
         for f in filters:
             logprobs = f(logprobs)
-        return mx.softmax(logprobs * inv_temp, axis=-1)
+        return mx.softmax(logprobs * inv_temp.get(logprobs.dtype), axis=-1)
 
     return distribution
 
@@ -77,8 +124,8 @@ def seed_key(seed: int | None) -> mx.array | None:
 
 
 @mx.compile
-def _categorical_keyed(logprobs: mx.array, inv_temp: float, key: mx.array) -> mx.array:
-    """``categorical_sampling`` with a PRNG key of the request's own (one fused kernel)."""
+def _categorical_keyed(logprobs: mx.array, inv_temp: mx.array, key: mx.array) -> mx.array:
+    """``_draw`` with a PRNG key of the request's own (one fused kernel)."""
     return mx.random.categorical(logprobs * inv_temp, key=key)
 
 
@@ -113,19 +160,44 @@ def make_sampler(params: SamplingParams, ban: tuple[int, ...] = ()) -> Sampler:
         return lambda logprobs: _greedy(banned(logprobs))
     filters: list[Callable[[mx.array], mx.array]] = [banned] if banned is not None else []
     filters += _filters(params)
-    temp, inv_temp = params.temperature, 1.0 / params.temperature
+    # the temperature as an input of the compiled draw: one kernel for every temperature
+    inv_temp = _Scalar(1.0 / params.temperature)
     seeded = seed_key(params.seed)
     key = [seeded] if seeded is not None else None
 
     def sample(logprobs: mx.array) -> mx.array:
         for f in filters:
             logprobs = f(logprobs)
-        if key is None:  # mlx-lm's compiled draw from the global generator
-            return categorical_sampling(logprobs, temp)
+        if key is None:  # from the global generator
+            return _draw(logprobs, inv_temp.get(logprobs.dtype))
         key[0], sub = mx.random.split(key[0])
-        return _categorical_keyed(logprobs, inv_temp, sub)
+        return _categorical_keyed(logprobs, inv_temp.get(logprobs.dtype), sub)
 
     return sample
+
+
+# The sampling settings whose kernels the warm-up builds, the likeliest first (values share
+# their kernels, ``_Scalar``; top-k's value is a shape): a temperature alone, with top-p,
+# greedy with an id banned (``ignore_eos``), min-p, a seed, top-k 40. Greedy alone is the
+# first token's argmax. On a fresh CUDA machine each costs seconds of kernel builds that the
+# first request with those settings would otherwise wait for.
+WARM_SETTINGS: tuple[tuple[SamplingParams, tuple[int, ...]], ...] = (
+    (SamplingParams(temperature=0.7), ()),
+    (SamplingParams(temperature=0.7, top_p=0.95), ()),
+    (SamplingParams(temperature=0.0), (0,)),
+    (SamplingParams(temperature=0.7, min_p=0.05), ()),
+    (SamplingParams(temperature=0.7, seed=0), ()),
+    (SamplingParams(temperature=0.7, top_k=40), ()),
+)
+
+
+def warm_sampler(
+    params: SamplingParams, ban: tuple[int, ...], vocab: int, dtype: Any
+) -> Generator[None, None, None]:
+    """A warm-up piece: ``params``' sampler run once on a row of ``vocab`` logits in
+    ``dtype`` (the model's); its one step is its whole work."""
+    mx.eval(make_sampler(params, ban)(mx.zeros((1, vocab), dtype=dtype)))
+    yield from ()
 
 
 class SharedSampler:
