@@ -23,7 +23,8 @@
 #      that readiness and the first answer compare cold against cold (about a minute more per model on 8B).
 set -u
 K=/tmp/kit/a; S=/tmp/site; OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; R=$OUT/results.jsonl; L=$OUT/log.txt
-T=/tmp/benchlogs; mkdir -p $T
+# the logs go straight under $OUT: a run cut off at its time limit still brings them back
+T=$OUT/logs; mkdir -p $T
 MODELS=${MODELS:-"1b:4 1b:0 8b:4"}; LEVELS=${LEVELS:-1,8,32}; SERVERS=${SERVERS-"ours mlxlm"}
 SRC=${SRC:-$([ -d $K/src/mlx_server ] && echo $K/src || echo $PWD/src)}; OURS_ARGS=${OURS_ARGS:-}; BENCH=${BENCH:-$K}; PROFILE=${PROFILE:-1b-0}; LAYERS=${LAYERS:-1}
 LAYERS_ARGS=${LAYERS_ARGS:-}; LAYERS_ONLY=${LAYERS_ONLY:-}; SCEN=${SCEN:-burst,single,concurrency,prefix}
@@ -125,6 +126,6 @@ for spec in $MODELS; do
     # Our start's phases, the warm-up, and the first generations (rates, waits) in the output itself.
     [ $srv != mlxlm ] && grep -hE "Start:|Warm-up|Attention:|Linear attention:|Generation:|Slow engine step" $T/$srv-$preset-$bits.log | head -12
   done
-  tar czf $OUT/logs.tgz -C $T .
+  :  # the logs are under $OUT/logs already
 done
 python3 $BENCH/summary.py "$R"
