@@ -85,8 +85,8 @@ def test_a_shadow_scores_the_run_of_matching_tokens() -> None:
         s.score(t, acc, None)
     assert not s.open and acc.rate == pytest.approx(0.8 * 0.36)  # 0.2, 0.36, then a miss
     assert s.due()  # a run with hits: the next shadow draft at once
-    s.start([], acc)  # the drafter had nothing: a failed try
-    assert acc.rate == pytest.approx(0.8 * 0.8 * 0.36)
+    s.start([], acc)  # the drafter had nothing: no rejection, a wait as after a miss
+    assert acc.rate == pytest.approx(0.8 * 0.36)
     rests = []
     for _ in range(4):  # misses in a row: the drafter is asked less and less often
         rests.append(sum(1 for _ in range(8) if not s.due()))
@@ -224,3 +224,33 @@ def test_eight_rows_stop_drafting_within_two_steps_and_decode_plainly(tiny: Any)
     assert all(all(p in e for p in ("forward", "decide", "roll back", "other")) for e in ends)
     assert len([m for m in verified_at if m >= turn]) <= 2  # after the turn: two failed tries
     assert log.steps[why.RATE] > 10 and log.shadow_drafted > 0
+
+
+def test_a_try_with_nothing_to_propose_pauses_without_lowering_the_rate() -> None:
+    """A shadowed drafter with nothing to propose at a drafting step (a code edit's new
+    name): the rate stays, the sequence decodes plainly 1, then 2, 4, 8 steps (asking costs
+    a step its pipelining), and a verified draft starts the pauses over. A draft model's
+    empty try is still a failure (it backs off)."""
+    from mlx_server.engine.speculative.controller import Acceptance
+
+    acc = Acceptance(0.9, backs_off=False)
+    waits = []
+    for _ in range(5):
+        acc.nothing()
+        waits.append(acc.wait)
+        while not acc.ready:
+            acc.tick()
+            assert not acc.due  # a shadowed drafter never probes
+    assert waits == [1, 2, 4, 8, 8] and acc.rate == 0.9 and acc.fails == 0
+    acc.record(4, 4)
+    acc.nothing()
+    assert acc.wait == 1
+
+    c = DraftLength(8, shadowed=True)
+    c.acceptance.rate = 0.9
+    c.record(0, 0, 0.0)
+    assert c.rate == 0.9 and not c.acceptance.ready
+    model = DraftLength(8, shadowed=False)
+    model.record(0, 0, 0.0)
+    model.record(0, 0, 0.0)
+    assert model.acceptance.wait == 4 and model.rate < 0.6  # backed off, as before

@@ -14,7 +14,8 @@ plain steps, and its proposal is scored against the tokens plain decoding then e
 only once its drafts have matched, and two verified tries in a row with nothing accepted
 set it back to 0. So with nothing to accept drafting stops within two steps and stays
 stopped, and it starts again as soon as the drafts match (after a predicted output's
-edit, when an answer turns to quoting).
+edit, when an answer turns to quoting). A try where it has nothing to propose is no
+rejection: the rate stays and the sequence pauses a few plain steps (``Acceptance.nothing``).
 A draft model costs a forward pass per token: it is not shadowed, and instead backs off
 (``Acceptance``): after two failed tries it stops for 4 steps, then 8, ... up to
 ``MAX_WAIT``, and probes with one token when the wait ends; one accepted token resets it.
@@ -45,6 +46,7 @@ MAX_WAIT = 256
 FAILS_BEFORE_WAIT = 2
 EMA = 0.2  # per scored position: a run of 8 accepted tokens lifts a rate of 0 to 0.83
 PRIOR = 0.6  # the rate of a drafter not shadowed, before its first try
+NOTHING_WAIT = 8  # the longest pause after tries with nothing to propose (``nothing``)
 PROBE_SHARE = 0.03  # of plain decoding's time, the most that probing steps may add
 
 
@@ -68,6 +70,7 @@ class Acceptance:
         self.wait = 0  # steps left before the next try
         self.due = False  # a wait just ended: the next step tries, whatever the costs say
         self._next_wait = FIRST_WAIT
+        self._nothing_wait = 1  # plain steps after a try with nothing to propose (``nothing``)
 
     @property
     def ready(self) -> bool:
@@ -78,7 +81,7 @@ class Acceptance:
         """A step passed without this sequence trying."""
         if self.wait > 0:
             self.wait -= 1
-            self.due = self.wait == 0
+            self.due = self.wait == 0 and self.backs_off  # a shadowed drafter never probes
 
     def observe(self, drafted: int, accepted: int) -> None:
         """Move the rate: of a draft of ``drafted`` (0: the drafter had nothing, which
@@ -93,6 +96,8 @@ class Acceptance:
         """A real try: the rate moves, and a failure counts towards backing off."""
         self.due = False
         self.observe(drafted, accepted)
+        if drafted > 0:
+            self._nothing_wait = 1
         if accepted > 0:
             self.fails = 0
             self._next_wait = FIRST_WAIT
@@ -103,6 +108,18 @@ class Acceptance:
                     self.back_off()
                 else:  # stop at once: the shadow drafts earn the rate back
                     self.rate = 0.0
+
+    def nothing(self) -> None:
+        """A try at which a shadowed drafter had nothing to propose (a code edit's new
+        name: no n-gram of it in the prompt yet). Nothing was verified, so the rate, the
+        acceptance of its drafts, stays; asking again costs the next step its pipelining
+        (the drafter needs the token in flight), so the sequence decodes plainly for 1, then
+        2, 4, up to ``NOTHING_WAIT`` steps, its shadow drafts scored meanwhile. Counting it
+        as a rejection set the rate to 0 after two such steps: on the H100 the demo model's
+        code edit then drafted 90 of 200 tokens, 99 % of them accepted."""
+        self.due = False
+        self.wait = self._nothing_wait
+        self._nothing_wait = min(2 * self._nothing_wait, NOTHING_WAIT)
 
     def back_off(self) -> None:
         """Stop trying for a while; each back-off in a row waits twice as long."""
@@ -193,7 +210,10 @@ class DraftLength:
     def record(self, drafted: int, accepted: int, seconds: float, width: int = 0) -> None:
         """A step that tried to draft: ``drafted`` proposed (0: none), ``accepted`` kept,
         and (``seconds``, counted only when there was a draft) its pass of ``width``."""
-        self.acceptance.record(drafted, accepted)
+        if drafted or self.acceptance.backs_off:
+            self.acceptance.record(drafted, accepted)
+        else:  # a shadowed drafter with nothing to propose: no rejection, a pause
+            self.acceptance.nothing()
         if drafted:
             self._drafted_at = self._steps
             self.costs.record_verify(1, width or drafted, seconds)

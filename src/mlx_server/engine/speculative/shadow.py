@@ -32,10 +32,10 @@ class Shadow:
         return True
 
     def start(self, draft: list[int], acc: Acceptance) -> None:
-        """Score ``draft`` from the next emitted token on (an empty one is a failed try)."""
+        """Score ``draft`` from the next emitted token on. An empty one leaves the rate as
+        it is (nothing was proposed, so nothing was wrong) and waits as a miss does."""
         self.draft, self.hits = list(draft), 0
         if not draft:
-            acc.observe(0, 0)
             self._missed()
 
     def _missed(self) -> None:
