@@ -1,9 +1,13 @@
 """The vision families people run, as tiny random-weight models (``tiny_vlm_families``), in
 the continuous batch: each request with an image gives, batched with another image request
 and a text-only one, what mlx-vlm's own ``generate_step`` gives it alone (the one-at-a-time
-runner) on the same weights. LLaVA-NeXT's image features outnumber its image tokens
-(anyres): it runs one at a time, and a prompt whose embeddings are longer than its tokens
-fails alone if it ever reaches the batch."""
+runner) on the same weights; Gemma 4 also after a cached system prompt, and with an image's
+tokens seeing each other (26B, 31B: prefilled in one piece, as mlx-vlm does). Two families
+run one at a time (``vision_prefill.REFUSED_FAMILIES``): LLaVA-NeXT, whose image features
+outnumber its image tokens (a prompt whose embeddings are longer than its tokens fails alone
+if it ever reaches the batch), and Gemma 3n, whose prompt embeddings mlx-vlm scales unlike
+the tokens its language model is fed (checked here, so that the day mlx-vlm changes it
+shows)."""
 
 from __future__ import annotations
 
@@ -18,8 +22,17 @@ from tiny_vlm_families import build
 from mlx_server.engine.core.engine import Engine, EngineConfig
 from mlx_server.engine.runners.vision import VisionRunner, vision_runner
 from mlx_server.engine.runners.vision_batch import VisionBatchRunner
+from mlx_server.engine.runners.vision_prefill import VisionPrefill
 
-BATCHED = ["llava", "pixtral", "mistral3", "qwen2_5_vl", "qwen3_vl"]
+BATCHED = [
+    "llava",
+    "pixtral",
+    "mistral3",
+    "qwen2_5_vl",
+    "qwen3_vl",
+    "gemma4",
+    "gemma4_bidirectional",
+]
 
 
 def _config(**kw: Any) -> EngineConfig:
@@ -70,9 +83,44 @@ def test_batched_as_mlx_vlm_gives_alone(family, tmp_path):
     assert logprobs(again) == pytest.approx(logprobs(alone[0]), abs=1e-3)
 
 
-def test_llava_next_runs_one_at_a_time_as_mlx_vlm(tmp_path):
-    tiny = build("llava_next", tmp_path)
-    assert "llava_next" in vision_runner(tiny.model, tiny.tokenizer, _config()).serial_reason
+@pytest.mark.parametrize("family", ["gemma4", "gemma4_bidirectional"])
+def test_an_image_after_a_cached_system_prompt_as_mlx_vlm_gives_alone(
+    family, tmp_path, monkeypatch
+):
+    """A text request leaves the system prompt's state in the prefix cache; a request with an
+    image after that system prompt then gives what mlx-vlm gives it alone. Gemma 4 goes on
+    from the cached state (the image's per-layer inputs, a chunk's share each); where an
+    image's tokens see each other (26B, 31B), mlx-vlm prefills a prompt with images in one
+    piece, and so does the batch: from the prompt's start, the cached prefix set aside (the
+    mask lets the image's tokens see each other only in a piece that starts at 0)."""
+    tiny = build(family, tmp_path)
+    (alone,) = mlx_vlm_alone(tiny, [tiny.req(0, with_system=True)])
+    engine = vision_engine(tiny.model, tiny.tokenizer, _config())
+    starts: list[int] = []  # where the vision prefill starts feeding the prompt
+    init = VisionPrefill.__init__
+
+    def noting(self: VisionPrefill, *args: Any, **kw: Any) -> None:
+        init(self, *args, **kw)
+        starts.append(len(self.fed))
+
+    monkeypatch.setattr(VisionPrefill, "__init__", noting)
+    engine.start()
+    try:
+        system = request(tiny.system + tiny.text_prompt, 3, system_prefix_tokens=len(tiny.system))
+        drive(engine, generate(engine, system))
+        ours = drive(engine, generate(engine, tiny.req(0, with_system=True)))
+    finally:
+        engine.shutdown(timeout=10)
+    assert ours.cached == len(tiny.system) > 8  # past the sliding window of 8 tokens
+    assert starts == [0 if family == "gemma4_bidirectional" else len(tiny.system)]
+    assert logprobs(ours) == pytest.approx(logprobs(alone), abs=1e-3)
+
+
+@pytest.mark.parametrize("family", ["llava_next", "gemma3n"])
+def test_a_refused_family_runs_one_at_a_time_as_mlx_vlm(family, tmp_path):
+    tiny = build(family, tmp_path)
+    reason = vision_runner(tiny.model, tiny.tokenizer, _config()).serial_reason
+    assert reason.startswith(f"{family} models are not batched: ")
     engine = vision_engine(tiny.model, tiny.tokenizer, _config())
     engine.start()
     try:
@@ -81,6 +129,23 @@ def test_llava_next_runs_one_at_a_time_as_mlx_vlm(tmp_path):
         engine.shutdown(timeout=10)
     (theirs,) = mlx_vlm_alone(tiny, [tiny.req(0)])
     assert ours.reason == "length" and logprobs(ours) == logprobs(theirs)
+
+
+def test_gemma3n_prompts_are_embedded_unlike_the_tokens_its_language_model_is_fed(tmp_path):
+    """Why Gemma 3n is not batched: mlx-vlm's ``get_input_embeddings`` embeds a prompt's text
+    tokens without the sqrt(hidden_size) scale its language model gives tokens fed as ids,
+    as decode steps are and as the batch feeds a prompt's last token (Hugging Face's
+    Gemma 3n scales both). Should mlx-vlm make them agree, this fails: batch it then."""
+    import mlx.core as mx
+
+    tiny = build("gemma3n", tmp_path)
+    lm = tiny.model.language_model
+    ids = mx.array([tiny.text_prompt])
+    prompt = tiny.model.get_input_embeddings(ids, None).inputs_embeds
+    as_ids = lm(ids).logits
+    assert not mx.allclose(lm(ids, inputs_embeds=prompt).logits, as_ids, atol=1e-3).item()
+    scaled = prompt * lm.model.hidden_size**0.5
+    assert mx.allclose(lm(ids, inputs_embeds=scaled).logits, as_ids, atol=1e-4).item()
 
 
 def test_embeddings_longer_than_the_prompt_fail_their_request_only(tmp_path):

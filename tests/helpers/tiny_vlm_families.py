@@ -1,7 +1,10 @@
 """Tiny random-weight vision-language models of the families people run, built in memory
-with mlx-vlm's own classes (LLaVA, LLaVA-NeXT, Pixtral, Mistral 3, Qwen2.5-VL, Qwen3-VL),
-each with the tests' tokenizer and hand-made inputs: a prompt with one image's tokens and
-pixels of the shape the family's processor would give (no processor, no hub)."""
+with mlx-vlm's own classes (LLaVA, LLaVA-NeXT, Pixtral, Mistral 3, Qwen2.5-VL, Qwen3-VL,
+Gemma 4 as E2B/E4B are made and as 26B/31B let an image's tokens see each other, Gemma 3n
+with a stand-in for its fixed-size tower), each with the tests' tokenizer and hand-made
+inputs: a prompt with one image's tokens (after a system prompt or not), pixels of the
+shape the family's processor would give, and its token types where its processor gives
+them (no processor, no hub)."""
 
 from __future__ import annotations
 
@@ -43,13 +46,15 @@ CLIP = {
 
 @dataclass
 class TinyVLM:
-    """A tiny model, its tokenizer, and ``req(i)``: a request with picture ``i`` (0 or 1)."""
+    """A tiny model, its tokenizer, and ``req(i)``: a request with picture ``i`` (0 or 1);
+    ``system``: a system prompt's tokens (``req(i, with_system=True)`` opens with it)."""
 
     family: str
     model: Any
     tokenizer: Any
     req: Callable[..., Any]
     text_prompt: list[int]
+    system: list[int]
 
 
 def _llava_like(mod: Any, vocab: int, image: int) -> Any:
@@ -103,7 +108,143 @@ def _qwen(mod: Any, vocab: int, image: int, ids: dict[str, int]) -> Any:
     return mod.Model(config)
 
 
-FAMILIES = ["llava", "llava_next", "pixtral", "mistral3", "qwen2_5_vl", "qwen3_vl"]
+def _gemma4(mod: Any, vocab: int, ids: dict[str, int], bidirectional: bool) -> Any:
+    """Gemma 4 as its E2B/E4B checkpoints are made: per-layer inputs, sliding-window and full
+    layers (the full ones with partial RoPE), the last two layers sharing the KV of the
+    first two; its own vision tower (4-pixel patches, pooled 2x2 into one token). The
+    26B-A4B and 31B let an image's tokens see each other (``bidirectional``)."""
+    text = mod.TextConfig(
+        model_type="gemma4_text",
+        hidden_size=HIDDEN,
+        num_hidden_layers=4,
+        intermediate_size=128,
+        num_attention_heads=4,
+        head_dim=16,
+        global_head_dim=32,
+        num_key_value_heads=2,
+        vocab_size=vocab,
+        vocab_size_per_layer_input=vocab,
+        num_kv_shared_layers=2,
+        hidden_size_per_layer_input=8,
+        sliding_window=8,
+        sliding_window_pattern=2,
+        max_position_embeddings=4096,
+        use_bidirectional_attention="vision" if bidirectional else None,
+        rope_parameters={
+            "full_attention": {
+                "partial_rotary_factor": 0.25,
+                "rope_theta": 1000000.0,
+                "rope_type": "proportional",
+            },
+            "sliding_attention": {"rope_theta": 10000.0, "rope_type": "default"},
+        },
+    )
+    vision = mod.VisionConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=16,
+        global_head_dim=16,
+        patch_size=4,
+        position_embedding_size=16,
+        pooling_kernel_size=2,
+        default_output_length=9,
+    )
+    config = mod.ModelConfig(
+        text_config=text,
+        vision_config=vision,
+        model_type="gemma4",
+        vocab_size=vocab,
+        image_token_id=ids[IMAGE],
+        boi_token_id=ids["<image_break>"],
+        eoi_token_id=ids["<image_end>"],
+        hidden_size=HIDDEN,
+    )
+    return mod.Model(config)
+
+
+# Gemma 3n's hard multimodal tokens: 16 ids past the tokenizer's (whose tokens alone have
+# per-layer inputs), 8 for the vision embedder (the end of an image, the image token, ...)
+# and 8 for audio's, as its checkpoints put them past the text's.
+G3N_MEDIA = 16
+
+
+def _gemma3n(mod: Any, text_vocab: int) -> Any:
+    """Gemma 3n: per-layer inputs, AltUp and Laurel blocks, sliding-window and full layers,
+    the last two sharing the KV of the first two, activation sparsity on the first. mlx-vlm
+    builds its vision tower (MobileNet-v5) at one size only, 294 M parameters, too slow for
+    the CPU: a 4-pixel-patch convolution stands in for it, with its output's layout (the
+    tower runs the same alone and batched; the embedder after it is mlx-vlm's)."""
+    import mlx.nn as nn
+
+    vocab = text_vocab + G3N_MEDIA
+    text = mod.TextConfig(
+        model_type="gemma3n_text",
+        hidden_size=HIDDEN,
+        num_hidden_layers=4,
+        intermediate_size=[128] * 4,
+        num_attention_heads=4,
+        head_dim=16,
+        num_key_value_heads=2,
+        vocab_size=vocab,
+        vocab_size_per_layer_input=text_vocab,
+        laurel_rank=8,
+        hidden_size_per_layer_input=8,
+        sliding_window=8,
+        num_kv_shared_layers=2,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+        activation_sparsity_pattern=[0.95, 0.0, 0.0, 0.0],
+    )
+    vision = mod.VisionConfig(hidden_size=32, vocab_size=8, vocab_offset=text_vocab)
+    audio = mod.AudioConfig(
+        hidden_size=32,
+        vocab_size=8,
+        vocab_offset=text_vocab + 8,
+        conf_num_hidden_layers=1,
+        conf_num_attention_heads=2,
+        sscp_conv_channel_size=(8, 4),
+        input_feat_size=16,
+    )
+    config = mod.ModelConfig(
+        text_config=text,
+        vision_config=vision,
+        audio_config=audio,
+        model_type="gemma3n",
+        vocab_size=vocab,
+        image_token_id=text_vocab + 1,
+        image_token_index=text_vocab + 1,
+        audio_token_id=text_vocab + 9,
+        hidden_size=HIDDEN,
+        vision_soft_tokens_per_image=4,
+    )
+    model = mod.Model(config)
+
+    class Tower(nn.Module):  # pixels (B, 3, 8, 8) -> (B, 2, 2, 32), as the tower's layout
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = nn.Conv2d(3, 32, kernel_size=4, stride=4)
+
+        def __call__(self, x: Any, output_hidden_states: Any = None) -> Any:
+            return self.conv(x.transpose(0, 2, 3, 1))
+
+    model.vision_tower = Tower()
+    return model
+
+
+FAMILIES = [
+    "llava",
+    "llava_next",
+    "pixtral",
+    "mistral3",
+    "qwen2_5_vl",
+    "qwen3_vl",
+    "gemma4",
+    "gemma3n",
+]
+# Variants of a family: (the family's module, whether an image's tokens see each other).
+VARIANTS = {"gemma4_bidirectional": ("gemma4", True)}
 
 
 def build(family: str, path: Path, seed: int = 0) -> TinyVLM:
@@ -118,36 +259,62 @@ def build(family: str, path: Path, seed: int = 0) -> TinyVLM:
     vocab = _tokenizer(path, [*SPECIALS, *EXTRA])
     tok = load_tokenizer(path, eos_token_ids=[vocab["<|im_end|>"]])
     size = max(len(vocab), 64)
-    mod = importlib.import_module(f"mlx_vlm.models.{family}")
+    module, bidirectional = VARIANTS.get(family, (family, False))
+    mod = importlib.import_module(f"mlx_vlm.models.{module}")
     mx.random.seed(seed)
     image = vocab[IMAGE]
     qwen = family.startswith("qwen")
+    gemma4 = module == "gemma4"
     if qwen:
         model = _qwen(mod, size, image, vocab)
+    elif gemma4:  # tied embeddings, logits soft-capped: spread enough as they are
+        model = _gemma4(mod, size, vocab, bidirectional)
+    elif module == "gemma3n":  # the same; its image token is a hard multimodal one
+        model = _gemma3n(mod, size)
+        image = size + 1
     else:
         model = _llava_like(mod, size, image)
-    head = model.language_model.lm_head
-    head.weight = head.weight * 4  # sharper than random: the outputs depend on the input
+    if not (gemma4 or module == "gemma3n"):
+        head = model.language_model.lm_head
+        head.weight = head.weight * 4  # sharper than random: the outputs depend on the input
     settle_arrays(model)  # as the loader does: the engine thread runs it
 
-    n, pixels, extra = _pixels(family)
+    n, pixels, extra = _pixels(module)
     ids = tok.encode("<|im_start|>user\n", add_special_tokens=False)
     if qwen:
         ids += [vocab["<|vision_start|>"], *[image] * n, vocab["<|vision_end|>"]]
+    elif gemma4:  # the start of an image, its soft tokens, its end (as its processor writes)
+        ids += [vocab["<image_break>"], *[image] * n, vocab["<image_end>"]]
+    elif module == "gemma3n":  # its end of image is the vision embedder's first hard token
+        ids += [vocab["<image_break>"], *[image] * n, size]
     else:
         ids += [image] * n
     ids += tok.encode("What is this?<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
-    mask = mx.ones((1, len(ids)), dtype=mx.int32)
-    mx.eval(pixels, mask, extra)  # made here, used on the engine threads
+    system = tok.encode(
+        "<|im_start|>system\nYou describe pictures.<|im_end|>\n", add_special_tokens=False
+    )
+    prompts = {False: ids, True: system + ids}  # without and with the system prompt
+    inputs: dict[bool, dict[str, Any]] = {}
+    for with_system, prompt in prompts.items():
+        inputs[with_system] = {"attention_mask": mx.ones((1, len(prompt)), dtype=mx.int32), **extra}
+        if module.startswith("gemma"):  # as their processors give them: 1 at each image token
+            types = (mx.array([prompt]) == image).astype(mx.int32)
+            name = "mm_token_type_ids" if gemma4 else "token_type_ids"
+            inputs[with_system][name] = types
+    mx.eval(pixels, inputs)  # made here, used on the engine threads
 
-    def req(i: int, n_tokens: int = 5, **kw: Any) -> Any:
-        key = [-1 - i if t == image else t for t in ids]  # as media_key would, per picture
-        inputs = {"pixel_values": pixels[i], "attention_mask": mask, **extra}
+    def req(i: int, n_tokens: int = 5, *, with_system: bool = False, **kw: Any) -> Any:
+        """A request with picture ``i``, after the system prompt ``with_system``."""
+        prompt = prompts[with_system]
+        key = [-1 - i if t == image else t for t in prompt]  # as media_key would, per picture
         kw = {"ignore_eos": True, "logprobs": True, **kw}
-        return request(ids, n_tokens, vision_inputs=inputs, cache_tokens=key, **kw)
+        if with_system:
+            kw.setdefault("system_prefix_tokens", len(system))
+        vision = {"pixel_values": pixels[i], **inputs[with_system]}
+        return request(prompt, n_tokens, vision_inputs=vision, cache_tokens=key, **kw)
 
     text = tok.encode("<|im_start|>user\nHi<|im_end|>\n", add_special_tokens=False)
-    return TinyVLM(family, model, tok, req, text)
+    return TinyVLM(family, model, tok, req, text, system)
 
 
 def _pixels(family: str) -> tuple[int, list[Any], dict[str, Any]]:
@@ -165,6 +332,10 @@ def _pixels(family: str) -> tuple[int, list[Any], dict[str, Any]]:
         sizes = mx.array([[2 * SIDE, 2 * SIDE]])
         side = 2 * SIDE
         return 4, [mx.random.normal((1, 3, side, side)) for _ in range(2)], {"image_sizes": sizes}
+    if family == "gemma3n":  # the stand-in tower: 2x2 patches of 4 pixels
+        return 4, [mx.random.normal((1, 3, 8, 8)) for _ in range(2)], {}
+    if family == "gemma4":  # 6x6 patches of 4 pixels, pooled 2x2 into 9 tokens
+        return 9, [mx.random.normal((1, 3, 24, 24)) for _ in range(2)], {}
     # Qwen-VL: 4x4 patches of 2 frames x 14 x 14 x 3, merged 2x2 into 4 tokens
     grid = mx.array([[1, 4, 4]])
     return 4, [mx.random.normal((16, 3 * 2 * 14 * 14)) for _ in range(2)], {"image_grid_thw": grid}

@@ -3,8 +3,9 @@
 Where the model allows it, vision requests share the continuous batch and the prefix cache
 with text-only ones (``vision_batch.VisionBatchRunner``: the prompt with media is prefilled
 through the vision tower, the language model decodes in the batch). A family not checked
-to decode from tokens and a KV cache alone (Gemma 3n's per-layer inputs, LLaVA-NeXT's
-anyres features, Llama 3.2 Vision's cross-attention, ...) runs on ``VisionRunner``:
+to decode from tokens and a KV cache alone (Llama 3.2 Vision's cross-attention, ...), or
+checked and found not to (LLaVA-NeXT's anyres features, Gemma 3n's prompt embeddings:
+``vision_prefill.REFUSED_FAMILIES``), runs on ``VisionRunner``:
 mlx-vlm's ``generate_step``, one request at a time, FIFO, without the prefix cache.
 Everything else — the public API, queue limits, KV-budget admission, cancellation, stop
 strings, logprobs, ``ignore_eos``, and the Usage/Timings in ``Finished`` — is the text

@@ -14,9 +14,17 @@ makes (``model(tokens, cache=...)`` answering logits), on mlx-lm's cache classes
 prefix cache, its disk tier and the batch's merging know.
 
 Qwen-VL's multimodal rotary positions ride on each sequence's cache (``cache/mrope.py``).
-Families not checked to decode from tokens and a cache alone (cross-attention to the image
-in Llama 3.2 Vision, Gemma 3n's per-layer inputs, LLaVA-NeXT's image features longer than
-its image tokens) run one request at a time (``batch_refusal`` says why).
+Gemma 4's per-layer inputs (E2B/E4B) come with the prompt's embeddings, the image's
+computed with its tokens masked: each chunk takes its rows, and decode steps compute them
+from the tokens, as mlx-vlm's do; its KV-shared layers keep no cache of their own (the
+cache list is shorter than the layers, as mlx-lm's batch takes it). Where mlx-vlm's
+generate prefills a prompt in one piece (its model's ``chunked_prefill_policy``: Gemma 4
+26B-A4B and 31B with images, whose tokens see each other through a mask made for a piece
+that starts at 0), so does the prefill here, from the prompt's start. Families not checked
+to decode from tokens and a cache alone (cross-attention to the image in Llama 3.2 Vision,
+...), and those checked and found not to (``REFUSED_FAMILIES``: LLaVA-NeXT's image
+features longer than its image tokens, Gemma 3n's prompt embeddings scaled unlike its
+decode steps') run one request at a time (``batch_refusal`` says why).
 """
 
 from __future__ import annotations
@@ -47,10 +55,15 @@ _PREFILL_ONLY = {"inputs_embeds", "attention_mask_4d", "position_ids", "rope_del
 # hidden states at the image tokens; mlx-vlm's language model finds a chunk's share of them
 # from the cache's offset.
 _PREFILL_ONLY |= {"visual_pos_masks", "deepstack_visual_embeds"}
+# Outputs with a row per prompt position, which a chunk takes its rows of: Gemma 4's
+# per-layer inputs (E2B/E4B; decode steps compute them from the tokens).
+_PER_TOKEN = {"per_layer_inputs"}
+# The processor's token types (Gemma 4: which tokens are an image's), for the attention
+# mask of a prompt prefilled in one piece (``VisionPrefill._chunked``), as mlx-vlm passes them.
+_TOKEN_TYPES = ("mm_token_type_ids", "token_type_ids")
 # The families whose language model decodes from tokens and a KV cache alone (checked with
-# tiny models, or the same language model as one that is): others run one at a time.
-# LLaVA-NeXT is not among them: its image features (tiles and newline rows) replace a
-# single placeholder, so its embeddings are longer than its tokens.
+# tiny models, or the same language model as one that is): others run one at a time
+# (``REFUSED_FAMILIES``: those checked and found not to).
 BATCHED_FAMILIES = {
     "idefics3",
     "smolvlm",
@@ -58,6 +71,7 @@ BATCHED_FAMILIES = {
     "mistral3",
     "pixtral",
     "gemma3",
+    "gemma4",
     *MROPE_FAMILIES,
 }
 
@@ -126,13 +140,34 @@ def family(vlm: Any) -> str:
     return str(getattr(getattr(vlm, "config", None), "model_type", "") or "")
 
 
+# Families checked and found not to batch as mlx-vlm runs them alone, and why.
+REFUSED_FAMILIES = {
+    # mlx_vlm/models/llava_next/processing_llava_next.py:157-175 expands "<image>" into the
+    # anyres feature count (13 tokens for a 40x60 image in 28-pixel tiles, measured), and
+    # llava_next.py:86-123 puts a whole tile's features (or a newline block) at each of
+    # them: 58 embeddings for a prompt of 31 tokens.
+    "llava_next": "mlx-vlm gives its prompts more image embeddings than image tokens (a "
+    "tile's features at each), and the batch feeds one embedding per token",
+    # mlx_vlm/models/gemma3n/gemma3n.py:122 embeds a prompt's tokens without the
+    # sqrt(hidden_size) scale that language.py:479 gives tokens fed as ids (decode steps,
+    # and in the batch a prompt's last token, text-only prompts, the text after a cached
+    # image); Hugging Face's scales both. Its KV-shared layers also read ``cache.state``
+    # (language.py:136), the whole buffer on mlx-lm's caches.
+    "gemma3n": "mlx-vlm embeds its prompts without the scale its language model gives "
+    "tokens fed as ids, which the batch feeds a prompt's last token as",
+}
+
+
 def batch_refusal(vlm: Any) -> str:
     """Why this vision model's requests cannot share the batch ("" when they can)."""
     lm = getattr(vlm, "language_model", None)
     if lm is None:
         return "it has no separate language model"
-    if family(vlm) not in BATCHED_FAMILIES:
-        return f"{family(vlm) or 'this'} models are not batched yet"
+    name = family(vlm)
+    if name in REFUSED_FAMILIES:
+        return f"{name} models are not batched: {REFUSED_FAMILIES[name]}"
+    if name not in BATCHED_FAMILIES:
+        return f"{name or 'this'} models are not batched yet"
     try:
         LanguageModel(vlm).make_cache()
     except ValueError as e:
@@ -158,10 +193,20 @@ class VisionPrefill:
         self._pauses = [p for p in job.pauses if p < self._end]
         self._embeds: mx.array | None = None
         self._extra: dict[str, Any] = {}
+        self._per_token: dict[str, mx.array] = {}
         self._positions: mx.array | None = None
         self.delta = 0
         with mx.stream(generation_stream):
             self._embed()  # here, so that a failure is this request's (at its start)
+            if not self._chunked():
+                # As mlx-vlm's generate: the prompt in one piece, without pauses, from its
+                # start. A cached prefix is set aside: after it, Gemma 4's mask would not let
+                # an image's tokens see each other (it does so for a piece from 0 alone).
+                self.cache = lm.make_cache() if self.fed else self.cache
+                self.fed, self._pauses, self._step_size = [], [], max(self._end, 1)
+                given = self.job.request.vision_inputs or {}
+                types = {k: mx.array(given[k]) for k in _TOKEN_TYPES if k in given}
+                self._per_token.update(types)
 
     @property
     def done(self) -> bool:
@@ -177,6 +222,7 @@ class VisionPrefill:
             extra = dict(self._extra)
             if self._positions is not None:
                 extra["position_ids"] = self._positions[..., start:stop]
+            extra.update({k: v[:, start:stop] for k, v in self._per_token.items()})
             self._vlm.language_model(  # (never empty: media lie before the last token)
                 inputs=mx.array([self._prompt[start:stop]]),
                 inputs_embeds=self._embeds[:, start:stop],
@@ -188,6 +234,7 @@ class VisionPrefill:
         self.fed = list(self._prompt[:stop])
         if self.done:
             self._embeds, self._extra, self._positions = None, {}, None
+            self._per_token = {}
             set_delta(self.cache, self.delta)  # where the text after the media goes on
         mx.clear_cache()
         total = self._end + 1 - self.job.cached
@@ -211,16 +258,42 @@ class VisionPrefill:
                 f"this model's image features give {length} embeddings for a prompt of "
                 f"{len(self._prompt)} tokens; its requests cannot share the batch"
             )
-        needs = sorted(set(extra) - _PREFILL_ONLY)
+        needs = sorted(set(extra) - _PREFILL_ONLY - _PER_TOKEN)
         if needs:
             raise ValueError(f"this model's images need {', '.join(needs)} at every step")
         extra.pop("inputs_embeds")
         self._positions = extra.pop("position_ids", None)  # Qwen-VL: (3, 1, length)
         delta = extra.pop("rope_deltas", None)
         self.delta = 0 if delta is None else first_int(delta)
+        self._per_token = {k: extra.pop(k) for k in _PER_TOKEN if k in extra}
         self._embeds = out.inputs_embeds
         self._extra = extra
-        mx.eval(self._embeds)
+        mx.eval(self._embeds, self._per_token)
+
+    def _chunked(self) -> bool:
+        """Whether mlx-vlm's generate prefills this prompt in chunks, as its model's
+        ``chunked_prefill_policy`` (or ``no_chunked_prefill``) says. Gemma 4 with
+        ``use_bidirectional_attention="vision"`` (26B-A4B, 31B) says no to a prompt with images:
+        an image's tokens see each other, which its mask lets them do only in a piece that
+        starts at 0 (mlx_vlm/models/gemma4/language.py, ``chunked_prefill_policy`` and
+        ``_apply_blockwise_bidirectional_overlay``, which leaves a mask that is not square
+        as it is)."""
+        assert self._embeds is not None
+        inputs = self.job.request.vision_inputs or {}
+        models = [self._vlm, self._vlm.language_model]
+        for m in models:
+            policy = getattr(m, "chunked_prefill_policy", None)
+            if callable(policy):
+                answer = policy(
+                    input_ids=mx.array([self._prompt]),
+                    inputs_embeds=self._embeds,
+                    prompt_cache=self.cache,
+                    draft_model=None,
+                    draft_kind=None,
+                    prefill_kwargs={**inputs, **self._extra, **self._per_token},
+                )
+                return bool(getattr(answer, "enabled", answer))
+        return not any(getattr(m, "no_chunked_prefill", False) for m in models)
 
     def state(self, copied: bool) -> tuple[Any, list[int]]:
         """The KV state so far and the tokens in it."""
