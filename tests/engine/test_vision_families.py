@@ -2,7 +2,8 @@
 the continuous batch: each request with an image gives, batched with another image request
 and a text-only one, what mlx-vlm's own ``generate_step`` gives it alone (the one-at-a-time
 runner) on the same weights; Gemma 4 also after a cached system prompt, and with an image's
-tokens seeing each other (26B, 31B: prefilled in one piece, as mlx-vlm does). Two families
+tokens seeing each other (26B, 31B: prefilled in one piece, as mlx-vlm does); and a prompt
+with two images, text between them, as one with one. Two families
 run one at a time (``vision_prefill.REFUSED_FAMILIES``): LLaVA-NeXT, whose image features
 outnumber its image tokens (a prompt whose embeddings are longer than its tokens fails alone
 if it ever reaches the batch), and Gemma 3n, whose prompt embeddings mlx-vlm scales unlike
@@ -81,6 +82,51 @@ def test_batched_as_mlx_vlm_gives_alone(family, tmp_path):
     assert logprobs(alone[0]) != pytest.approx(logprobs(alone[1]), abs=1e-3)  # pixels matter
     assert again.cached == len(tiny.req(0).prompt_tokens) - 1
     assert logprobs(again) == pytest.approx(logprobs(alone[0]), abs=1e-3)
+
+
+@pytest.mark.parametrize("family", BATCHED)  # every batched family takes two in mlx-vlm
+def test_two_images_in_one_prompt_batched_as_mlx_vlm_gives_alone(family, tmp_path):
+    """A prompt with two pictures, text between them, their pixels as the family's processor
+    gives two images (a batch of images with a row of ``image_sizes`` each for Pixtral and
+    Mistral 3, Qwen-VL's patches one after the other with a row of ``image_grid_thw`` each,
+    a batch of images for LLaVA and Gemma 4, whose tokens see only their own image's where
+    they see each other), batched beside a one-image request and a text-only one, gives
+    what mlx-vlm gives it alone; so does the same two pictures swapped, which gives another
+    answer. Sent again, its prompt comes from the prefix cache, with the same answer; with
+    another second picture, the prompt up to that picture comes from the cache (families
+    whose caches can be cut back there) and the answer is mlx-vlm's, another one (the
+    second picture counts)."""
+    tiny = build(family, tmp_path)
+    both, swapped, same, one = tiny.req2(0, 1), tiny.req2(1, 0), tiny.req2(0, 0), tiny.req(0)
+    alone = mlx_vlm_alone(tiny, [both, swapped, one, same])
+    engine = vision_engine(tiny.model, tiny.tokenizer, _config())
+    engine.start()
+    try:
+        # (long enough to decode beside the three prompts' prefills, a chunk at a time)
+        text = request(tiny.text_prompt, 24, ignore_eos=True)
+        together = batched(engine, [tiny.req2(0, 1), tiny.req2(1, 0), tiny.req(0), text])
+        assert engine.stats()["peak_batch"] == 4
+        assert engine.stats()["vision_prefills"] == 3
+        again = drive(engine, generate(engine, tiny.req2(0, 1)))
+        other_second = drive(engine, generate(engine, tiny.req2(0, 0)))
+    finally:
+        engine.shutdown(timeout=10)
+    assert [r.reason for r in together] == ["length"] * 4
+    for ours, theirs in zip(together[:3], alone[:3], strict=True):
+        assert logprobs(ours) == pytest.approx(logprobs(theirs), abs=1e-3)
+    assert logprobs(alone[0]) != pytest.approx(logprobs(alone[1]), abs=1e-3)  # order matters
+    assert logprobs(alone[0]) != pytest.approx(logprobs(alone[2]), abs=1e-3)
+    assert again.cached == len(both.prompt_tokens) - 1
+    assert logprobs(again) == pytest.approx(logprobs(alone[0]), abs=1e-3)
+    # The same first picture and text, another second one: the keys part at its tokens.
+    keys = zip(both.cache_tokens, same.cache_tokens, strict=True)
+    second = next(k for k, (a, b) in enumerate(keys) if a != b)
+    if family.startswith("gemma4"):  # sliding-window layers: not cut back into a prompt
+        assert other_second.cached <= second
+    else:
+        assert other_second.cached == second
+    assert logprobs(other_second) == pytest.approx(logprobs(alone[3]), abs=1e-3)
+    assert logprobs(alone[3]) != pytest.approx(logprobs(alone[0]), abs=1e-3)  # it counts
 
 
 @pytest.mark.parametrize("family", ["gemma4", "gemma4_bidirectional"])

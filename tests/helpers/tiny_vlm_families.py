@@ -2,9 +2,9 @@
 with mlx-vlm's own classes (LLaVA, LLaVA-NeXT, Pixtral, Mistral 3, Qwen2.5-VL, Qwen3-VL,
 Gemma 4 as E2B/E4B are made and as 26B/31B let an image's tokens see each other, Gemma 3n
 with a stand-in for its fixed-size tower), each with the tests' tokenizer and hand-made
-inputs: a prompt with one image's tokens (after a system prompt or not), pixels of the
-shape the family's processor would give, and its token types where its processor gives
-them (no processor, no hub)."""
+inputs: a prompt with one image's tokens (after a system prompt or not) or with two images'
+(text between them), pixels of the shape the family's processor would give, and its token
+types where its processor gives them (no processor, no hub)."""
 
 from __future__ import annotations
 
@@ -46,13 +46,15 @@ CLIP = {
 
 @dataclass
 class TinyVLM:
-    """A tiny model, its tokenizer, and ``req(i)``: a request with picture ``i`` (0 or 1);
+    """A tiny model, its tokenizer, ``req(i)``: a request with picture ``i`` (0 or 1), and
+    ``req2(i, j)``: one with pictures ``i`` and ``j`` in that order, text between them;
     ``system``: a system prompt's tokens (``req(i, with_system=True)`` opens with it)."""
 
     family: str
     model: Any
     tokenizer: Any
     req: Callable[..., Any]
+    req2: Callable[..., Any]
     text_prompt: list[int]
     system: list[int]
 
@@ -280,41 +282,79 @@ def build(family: str, path: Path, seed: int = 0) -> TinyVLM:
     settle_arrays(model)  # as the loader does: the engine thread runs it
 
     n, pixels, extra = _pixels(module)
-    ids = tok.encode("<|im_start|>user\n", add_special_tokens=False)
     if qwen:
-        ids += [vocab["<|vision_start|>"], *[image] * n, vocab["<|vision_end|>"]]
+        picture = [vocab["<|vision_start|>"], *[image] * n, vocab["<|vision_end|>"]]
     elif gemma4:  # the start of an image, its soft tokens, its end (as its processor writes)
-        ids += [vocab["<image_break>"], *[image] * n, vocab["<image_end>"]]
+        picture = [vocab["<image_break>"], *[image] * n, vocab["<image_end>"]]
     elif module == "gemma3n":  # its end of image is the vision embedder's first hard token
-        ids += [vocab["<image_break>"], *[image] * n, size]
+        picture = [vocab["<image_break>"], *[image] * n, size]
     else:
-        ids += [image] * n
-    ids += tok.encode("What is this?<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
-    system = tok.encode(
-        "<|im_start|>system\nYou describe pictures.<|im_end|>\n", add_special_tokens=False
-    )
-    prompts = {False: ids, True: system + ids}  # without and with the system prompt
-    inputs: dict[bool, dict[str, Any]] = {}
-    for with_system, prompt in prompts.items():
-        inputs[with_system] = {"attention_mask": mx.ones((1, len(prompt)), dtype=mx.int32), **extra}
+        picture = [image] * n
+
+    def text(s: str) -> list[int]:
+        return list(tok.encode(s, add_special_tokens=False))
+
+    user, answer = text("<|im_start|>user\n"), text("<|im_end|>\n<|im_start|>assistant\n")
+    ids = user + picture + text("What is this?") + answer
+    ids2 = user + picture + text("Then this:") + picture + text("What differs?") + answer
+    system = text("<|im_start|>system\nYou describe pictures.<|im_end|>\n")
+    # Without and with the system prompt, one picture or two.
+    prompts = {
+        (images, with_system): (system if with_system else []) + prompt
+        for images, prompt in ((1, ids), (2, ids2))
+        for with_system in (False, True)
+    }
+    # Two pictures as the family's processor gives them: a batch of images (LLaVA, Pixtral,
+    # Mistral 3, Gemma 4) or Qwen-VL's patches one after the other, and a row each of
+    # ``image_sizes`` / ``image_grid_thw`` (every picture here the same size).
+    extra2 = {k: mx.concatenate([v, v]) for k, v in extra.items()}
+    inputs: dict[tuple[int, bool], dict[str, Any]] = {}
+    for (images, with_system), prompt in prompts.items():
+        mask = mx.ones((1, len(prompt)), dtype=mx.int32)
+        inputs[images, with_system] = {"attention_mask": mask, **(extra2 if images == 2 else extra)}
         if module.startswith("gemma"):  # as their processors give them: 1 at each image token
             types = (mx.array([prompt]) == image).astype(mx.int32)
             name = "mm_token_type_ids" if gemma4 else "token_type_ids"
-            inputs[with_system][name] = types
+            inputs[images, with_system][name] = types
     mx.eval(pixels, inputs)  # made here, used on the engine threads
+
+    def keyed(prompt: list[int], marks: list[int]) -> list[int]:
+        """The prompt with its r-th run of image tokens as ``marks[r]`` (as ``media_key``
+        keys them: the r-th run by the first r + 1 pictures)."""
+        key, run = list(prompt), -1
+        for k, t in enumerate(prompt):
+            if t == image:
+                if k == 0 or prompt[k - 1] != image:
+                    run += 1
+                key[k] = marks[run]
+        return key
 
     def req(i: int, n_tokens: int = 5, *, with_system: bool = False, **kw: Any) -> Any:
         """A request with picture ``i``, after the system prompt ``with_system``."""
-        prompt = prompts[with_system]
-        key = [-1 - i if t == image else t for t in prompt]  # as media_key would, per picture
+        prompt = prompts[1, with_system]
+        key = keyed(prompt, [-1 - i])  # as media_key would, per picture
         kw = {"ignore_eos": True, "logprobs": True, **kw}
         if with_system:
             kw.setdefault("system_prefix_tokens", len(system))
-        vision = {"pixel_values": pixels[i], **inputs[with_system]}
+        vision = {"pixel_values": pixels[i], **inputs[1, with_system]}
         return request(prompt, n_tokens, vision_inputs=vision, cache_tokens=key, **kw)
 
-    text = tok.encode("<|im_start|>user\nHi<|im_end|>\n", add_special_tokens=False)
-    return TinyVLM(family, model, tok, req, text, system)
+    def req2(i: int, j: int, n_tokens: int = 5, *, with_system: bool = False, **kw: Any) -> Any:
+        """A request with pictures ``i`` then ``j``, text between them, after the system
+        prompt ``with_system``. The first picture's tokens are keyed as ``req(i)`` keys them
+        (the same first image, the same prefix), the second's by both pictures."""
+        prompt = prompts[2, with_system]
+        key = keyed(prompt, [-1 - i, -3 - 2 * i - j])
+        kw = {"ignore_eos": True, "logprobs": True, **kw}
+        if with_system:
+            kw.setdefault("system_prefix_tokens", len(system))
+        both = mx.concatenate([pixels[i], pixels[j]])
+        mx.eval(both)  # made here, used on the engine threads
+        vision = {"pixel_values": both, **inputs[2, with_system]}
+        return request(prompt, n_tokens, vision_inputs=vision, cache_tokens=key, **kw)
+
+    hi = text("<|im_start|>user\nHi<|im_end|>\n")
+    return TinyVLM(family, model, tok, req, req2, hi, system)
 
 
 def _pixels(family: str) -> tuple[int, list[Any], dict[str, Any]]:
