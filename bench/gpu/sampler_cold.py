@@ -32,4 +32,6 @@ for name, params, ban in cases:
         x = mx.zeros((1, vocab), dtype=dtype)
         mx.eval(x if params is None else make_sampler(params, ban)(x))
         times.append(time.perf_counter() - t)
-    print(f"{name:44s} first {times[0] * 1000:8.1f} ms, again {times[1] * 1000:6.1f} ms", flush=True)
+    print(
+        f"{name:44s} first {times[0] * 1000:8.1f} ms, again {times[1] * 1000:6.1f} ms", flush=True
+    )
