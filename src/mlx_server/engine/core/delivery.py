@@ -90,7 +90,8 @@ def deliver_token(tokenizer: Any, seq: Seq, r: Response) -> str | None:
     text = seq.detok.last_segment
     entries: tuple[LogprobEntry, ...] = ()
     if seq.req.logprobs:
-        entries = (logprob_entry(tokenizer, r.token, r.logprobs, seq.req.top_logprobs),)
+        k = seq.req.top_logprobs
+        entries = (logprob_entry(tokenizer, r.token, r.logprobs, k, r.picked),)
     stops = seq.stops
     out = stops.feed(text) if stops else text
     if stops is not None and stops.matched is None and r.finish_reason is not None:

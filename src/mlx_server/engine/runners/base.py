@@ -106,6 +106,9 @@ class Response:
     # (counted on the step's first response only).
     drafted: int = 0
     draft_accepted: int = 0
+    # The request's log-probability figures made in the step's graph (the lone path, for a
+    # request with ``logprobs``); None: read from ``logprobs`` when delivered.
+    picked: Any = None
 
 
 class Runner(Protocol):

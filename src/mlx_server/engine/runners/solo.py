@@ -27,6 +27,7 @@ from mlx_lm.models.cache import TokenBuffer
 from mlx_server.engine.runners.base import Insert, KVState, Progress, Response, Runner
 from mlx_server.engine.runners.batch import BatchRunner
 from mlx_server.engine.runners.chunked_prefill import ChunkedPrefill
+from mlx_server.engine.sampling.logprobs import Picked, pick
 from mlx_server.engine.sampling.samplers import LogitsProcessor, Sampler
 
 # What BatchRunner.join takes: uid, segments to feed, cache, tokens in it, tokens left to
@@ -60,7 +61,11 @@ class SoloSequence(ChunkedPrefill):
         self._max_tokens = job.request.max_tokens
         self._eos = set(eos)
         self._context: TokenBuffer | None = None  # the processors' view: prompt + generated
-        self._next: tuple[mx.array, mx.array] | None = None  # sampled, not yet read
+        # sampled, not yet read: the token, the row's log-probabilities, and for a request
+        # with ``logprobs`` their figures, made in the same graph (``logprobs.pick``)
+        self._next: tuple[mx.array, mx.array, Picked | None] | None = None
+        request = job.request
+        self._top_k = request.top_logprobs if request.logprobs else -1
         self.emitted = 0
 
     def next(self) -> tuple[list[Progress], list[Response]]:
@@ -75,23 +80,23 @@ class SoloSequence(ChunkedPrefill):
             self._next = self._forward(mx.array(self._todo))
             # Queued whole before the next step is built on it, as every later sample is:
             # ranks sharing a model then meet its collectives in the same order.
-            mx.async_eval(*self._next)
+            mx.async_eval(*_arrays(self._next))
             self.fed += self._todo
             self._todo = []
-        token, logprobs = self._next
+        token, logprobs, picked = self._next
         self._next = self._forward(token)  # queued before this token is read
-        mx.async_eval(*self._next)
-        return self._emit(token, logprobs, fed=True)
+        mx.async_eval(*_arrays(self._next))
+        return self._emit(token, logprobs, fed=True, picked=picked)
 
     def take_pending(self) -> Response | None:
         """The token sampled but not yet read (None while prefilling), as a response; the
         sequence then continues from it (``handover``)."""
         if self._next is None:
             return None
-        token, logprobs = self._next
+        token, logprobs, picked = self._next
         self._next = None
         self._todo = []
-        r = self._emit(token, logprobs, fed=False)
+        r = self._emit(token, logprobs, fed=False, picked=picked)
         self._todo = [r.token]
         return r
 
@@ -99,7 +104,7 @@ class SoloSequence(ChunkedPrefill):
         """(tokens still to feed, cache, tokens in the cache, tokens left to generate)."""
         return self._todo, self.cache, self.fed, self._max_tokens - self.emitted
 
-    def _forward(self, tokens: mx.array) -> tuple[mx.array, mx.array]:
+    def _forward(self, tokens: mx.array) -> tuple[mx.array, mx.array, Picked | None]:
         logits = self.model(tokens[None], cache=self.cache)[:, -1, :]
         if self.processors:  # as GenerationBatch._step: the context ends with the input
             if self._context is None:
@@ -108,9 +113,14 @@ class SoloSequence(ChunkedPrefill):
             for processor in self.processors:
                 logits = processor(context, logits)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        return self.sampler(logprobs), logprobs.squeeze(0)
+        token = self.sampler(logprobs)
+        row = logprobs.squeeze(0)
+        picked = pick(row, token, self._top_k) if self._top_k >= 0 else None
+        return token, row, picked
 
-    def _emit(self, token: mx.array, logprobs: mx.array, fed: bool) -> Response:
+    def _emit(
+        self, token: mx.array, logprobs: mx.array, fed: bool, picked: Picked | None = None
+    ) -> Response:
         tok = int(token.item())  # type: ignore[arg-type]
         if fed:
             self.fed.append(tok)
@@ -121,8 +131,14 @@ class SoloSequence(ChunkedPrefill):
         elif self.emitted >= self._max_tokens:
             reason = "length"
         if reason is None:
-            return Response(self.uid, tok, logprobs, None)
-        return Response(self.uid, tok, logprobs, reason, self.cache, list(self.fed))
+            return Response(self.uid, tok, logprobs, None, picked=picked)
+        return Response(self.uid, tok, logprobs, reason, self.cache, list(self.fed), picked=picked)
+
+
+def _arrays(step: tuple[mx.array, mx.array, Picked | None]) -> list[mx.array]:
+    """A step's arrays to evaluate: the token, the row, and its picked figures."""
+    token, row, picked = step
+    return [token, row, *(picked.arrays() if picked is not None else [])]
 
 
 class SoloRunner:
