@@ -2,9 +2,9 @@
 the continuous batch: each request with an image gives, batched with another image request
 and a text-only one, what mlx-vlm's own ``generate_step`` gives it alone (the one-at-a-time
 runner) on the same weights; Gemma 4 also after a cached system prompt, and with an image's
-tokens seeing each other (26B, 31B: prefilled in one piece, as mlx-vlm does); and a prompt
-with two images, text between them, as one with one. Two families
-run one at a time (``vision_prefill.REFUSED_FAMILIES``): LLaVA-NeXT, whose image features
+tokens seeing each other (26B, 31B, and Gemma 4 unified: prefilled in one piece, as mlx-vlm
+does); and a prompt with two images, text between them, as one with one. Two families run
+one at a time (``vision_prefill.REFUSED_FAMILIES``): LLaVA-NeXT, whose image features
 outnumber its image tokens (a prompt whose embeddings are longer than its tokens fails alone
 if it ever reaches the batch), and Gemma 3n, whose prompt embeddings mlx-vlm scales unlike
 the tokens its language model is fed (checked here, so that the day mlx-vlm changes it
@@ -33,7 +33,11 @@ BATCHED = [
     "qwen3_vl",
     "gemma4",
     "gemma4_bidirectional",
+    "gemma4_unified",
 ]
+# Those whose image tokens see each other: mlx-vlm prefills their prompts with images in one
+# piece (Gemma 4 26B-A4B and 31B, Gemma 4 unified).
+BIDIRECTIONAL = ["gemma4_bidirectional", "gemma4_unified"]
 
 
 def _config(**kw: Any) -> EngineConfig:
@@ -129,7 +133,7 @@ def test_two_images_in_one_prompt_batched_as_mlx_vlm_gives_alone(family, tmp_pat
     assert logprobs(alone[3]) != pytest.approx(logprobs(alone[0]), abs=1e-3)  # it counts
 
 
-@pytest.mark.parametrize("family", ["gemma4", "gemma4_bidirectional"])
+@pytest.mark.parametrize("family", ["gemma4", *BIDIRECTIONAL])
 def test_an_image_after_a_cached_system_prompt_as_mlx_vlm_gives_alone(
     family, tmp_path, monkeypatch
 ):
@@ -158,7 +162,7 @@ def test_an_image_after_a_cached_system_prompt_as_mlx_vlm_gives_alone(
     finally:
         engine.shutdown(timeout=10)
     assert ours.cached == len(tiny.system) > 8  # past the sliding window of 8 tokens
-    assert starts == [0 if family == "gemma4_bidirectional" else len(tiny.system)]
+    assert starts == [0 if family in BIDIRECTIONAL else len(tiny.system)]
     assert logprobs(ours) == pytest.approx(logprobs(alone), abs=1e-3)
 
 

@@ -1,7 +1,8 @@
 """Tiny random-weight vision-language models of the families people run, built in memory
 with mlx-vlm's own classes (LLaVA, LLaVA-NeXT, Pixtral, Mistral 3, Qwen2.5-VL, Qwen3-VL,
-Gemma 4 as E2B/E4B are made and as 26B/31B let an image's tokens see each other, Gemma 3n
-with a stand-in for its fixed-size tower), each with the tests' tokenizer and hand-made
+Gemma 4 as E2B/E4B are made and as 26B/31B let an image's tokens see each other, Gemma 4
+unified with its encoder-free patch embedder, Gemma 3n with a stand-in for its fixed-size
+tower), each with the tests' tokenizer and hand-made
 inputs: a prompt with one image's tokens (after a system prompt or not) or with two images'
 (text between them), pixels of the shape the family's processor would give, and its token
 types where its processor gives them (no processor, no hub)."""
@@ -167,6 +168,61 @@ def _gemma4(mod: Any, vocab: int, ids: dict[str, int], bidirectional: bool) -> A
     return mod.Model(config)
 
 
+# Gemma 4 unified's patches (pixels on a side) and rows per image (its soft tokens: the
+# processor pads every image's patches to as many, the positions of the padding -1).
+G4U_PATCH = 4
+G4U_ROWS = 6
+
+
+def _gemma4_unified(mod: Any, vocab: int, ids: dict[str, int]) -> Any:
+    """Gemma 4 unified (the 12B's family): Gemma 4's language model with its config's
+    defaults, no per-layer inputs nor KV-shared layers, keys as values on its full layers
+    (one KV head there), an image's tokens seeing each other; no vision tower, but an
+    embedder of the processor's patches (one soft token each) and their positions (rows of
+    -1 past an image's patches, as the processor pads them)."""
+    import mlx.core as mx
+
+    text = mod.TextConfig(
+        hidden_size=HIDDEN,
+        num_hidden_layers=4,
+        intermediate_size=128,
+        num_attention_heads=4,
+        head_dim=16,
+        global_head_dim=32,
+        num_key_value_heads=2,
+        num_global_key_value_heads=1,
+        vocab_size=vocab,
+        vocab_size_per_layer_input=vocab,
+        sliding_window=8,
+        sliding_window_pattern=2,
+        max_position_embeddings=4096,
+    )
+    vision = mod.VisionConfig(
+        patch_size=4,
+        pooling_kernel_size=3,
+        model_patch_size=G4U_PATCH,
+        mm_embed_dim=32,
+        output_proj_dims=32,
+        mm_posemb_size=16,
+        num_soft_tokens=G4U_ROWS,
+    )
+    config = mod.ModelConfig(
+        text_config=text,
+        vision_config=vision,
+        audio_config=None,
+        vocab_size=vocab,
+        image_token_id=ids[IMAGE],
+        boi_token_id=ids["<image_break>"],
+        eoi_token_id=ids["<image_end>"],
+        hidden_size=HIDDEN,
+    )
+    model = mod.Model(config)
+    # The checkpoints' patch positions are learned; mlx-vlm's zeros would leave them unused.
+    embedder = model.vision_embedder
+    embedder.pos_embedding = mx.random.normal(embedder.pos_embedding.shape)
+    return model
+
+
 # Gemma 3n's hard multimodal tokens: 16 ids past the tokenizer's (whose tokens alone have
 # per-layer inputs), 8 for the vision embedder (the end of an image, the image token, ...)
 # and 8 for audio's, as its checkpoints put them past the text's.
@@ -243,6 +299,7 @@ FAMILIES = [
     "qwen2_5_vl",
     "qwen3_vl",
     "gemma4",
+    "gemma4_unified",
     "gemma3n",
 ]
 # Variants of a family: (the family's module, whether an image's tokens see each other).
@@ -266,9 +323,11 @@ def build(family: str, path: Path, seed: int = 0) -> TinyVLM:
     mx.random.seed(seed)
     image = vocab[IMAGE]
     qwen = family.startswith("qwen")
-    gemma4 = module == "gemma4"
+    gemma4 = module.startswith("gemma4")  # Gemma 4 and Gemma 4 unified
     if qwen:
         model = _qwen(mod, size, image, vocab)
+    elif module == "gemma4_unified":
+        model = _gemma4_unified(mod, size, vocab)
     elif gemma4:  # tied embeddings, logits soft-capped: spread enough as they are
         model = _gemma4(mod, size, vocab, bidirectional)
     elif module == "gemma3n":  # the same; its image token is a hard multimodal one
@@ -376,6 +435,14 @@ def _pixels(family: str) -> tuple[int, list[Any], dict[str, Any]]:
         return 4, [mx.random.normal((1, 3, 8, 8)) for _ in range(2)], {}
     if family == "gemma4":  # 6x6 patches of 4 pixels, pooled 2x2 into 9 tokens
         return 9, [mx.random.normal((1, 3, 24, 24)) for _ in range(2)], {}
+    if family == "gemma4_unified":  # 2x2 patches, a token each, padded to G4U_ROWS rows
+        side, dim = 2, 3 * G4U_PATCH * G4U_PATCH
+        n = side * side
+        pad = mx.zeros((1, G4U_ROWS - n, dim))
+        pixels = [mx.concatenate([mx.random.normal((1, n, dim)), pad], axis=1) for _ in range(2)]
+        grid = [[x, y] for y in range(side) for x in range(side)]  # (x, y), x fastest
+        where = mx.array([grid + [[-1, -1]] * (G4U_ROWS - n)])
+        return n, pixels, {"image_position_ids": where}
     # Qwen-VL: 4x4 patches of 2 frames x 14 x 14 x 3, merged 2x2 into 4 tokens
     grid = mx.array([[1, 4, 4]])
     return 4, [mx.random.normal((16, 3 * 2 * 14 * 14)) for _ in range(2)], {"image_grid_thw": grid}

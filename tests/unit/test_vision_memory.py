@@ -192,3 +192,21 @@ def test_making_room_that_evicts_the_prefix_counts_the_tower_again(handle):
     sched.queue(turn(1, 56), handle("r1"))
     assert sched.next_admissible(lambda s: None) is None
     assert prefixes.held == 0  # evicted while making room
+
+
+def test_an_embedder_without_layers_counts_a_projection_not_a_tower():
+    """Gemma 4 unified's vision "tower" projects each row of pixel values (a 48-pixel model
+    patch) to one embedding (mlx-vlm's ``vision_embedder``; no depth in its config): the
+    estimate counts a projection per row. A model with a tower module and the same config
+    is still counted as a tower of the default depth (high rather than low)."""
+    from mlx_vlm.models.gemma4_unified.config import VisionConfig
+
+    tower = VisionConfig()  # the 12B's: 280 soft tokens of 48 x 48 x 3 pixels
+    pixels = mx.zeros((1, 280, 3 * 48 * 48))
+    embedder = SimpleNamespace(config=SimpleNamespace(vision_config=tower), vision_embedder=1)
+    got = tower_bytes(embedder, {"pixel_values": pixels})
+    hidden = tower.hidden_size
+    assert got == 280 * (hidden * 16 + 2 * hidden) * 4 + pixels.size * 4
+    assert got < 100 * 2**20  # it was 2.8 GiB
+    with_tower = SimpleNamespace(config=embedder.config, vision_tower=1)
+    assert tower_bytes(with_tower, {"pixel_values": pixels}) > 10 * got

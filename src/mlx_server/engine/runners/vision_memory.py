@@ -73,13 +73,27 @@ def tower_bytes(vlm: Any, inputs: dict[str, Any] | None) -> int:
     channels = _get(tower, "num_channels", "in_channels", "in_chans", default=3)
     patch = _get(tower, "patch_size", "spatial_patch_size", default=14)
     temporal = _get(tower, "temporal_patch_size", default=1)
-    patches = max(1.0, size / (channels * patch * patch * temporal))
     hidden = _get(tower, "embed_dim", "hidden_size", default=1024)  # Qwen2-VL: embed_dim
     layers = _get(tower, "num_hidden_layers", "depth", default=32)
     mlp = _get(tower, "intermediate_size", default=_get(tower, "mlp_ratio", default=4) * hidden)
     heads = _get(tower, "num_attention_heads", "num_heads", default=16)
+    if _embedder_only(vlm, tower):
+        # Gemma 4 unified: each row of pixel values (a model patch) projected to one
+        # embedding, no layers, no attention (its config has no depth; mlx-vlm's
+        # ``vision_embedder``): counted as a tower of 32 layers it came to 2.8 GiB an image
+        patch = _get(tower, "model_patch_size", default=patch)
+        layers, heads, mlp = 0.0, 0.0, hidden
+    patches = max(1.0, size / (channels * patch * patch * temporal))
     per_patch = hidden * (layers + _EXTRA_STATES) + 2 * mlp + 2 * heads * patches / images
     return int(patches * per_patch * _ACTIVATION_BYTES) + size * _ACTIVATION_BYTES
+
+
+def _embedder_only(vlm: Any, tower: Any) -> bool:
+    """Whether the model's "tower" is a projection of patches without layers: no depth in
+    its config and no tower module (``vision_tower``, ``vision_model``) on the model."""
+    if _get(tower, "num_hidden_layers", "depth"):
+        return False
+    return all(getattr(vlm, name, None) is None for name in ("vision_tower", "vision_model"))
 
 
 def media_bytes(vlm: Any) -> Callable[[GenerationRequest], int]:

@@ -20,11 +20,15 @@ from the tokens, as mlx-vlm's do; its KV-shared layers keep no cache of their ow
 cache list is shorter than the layers, as mlx-lm's batch takes it). Where mlx-vlm's
 generate prefills a prompt in one piece (its model's ``chunked_prefill_policy``: Gemma 4
 26B-A4B and 31B with images, whose tokens see each other through a mask made for a piece
-that starts at 0), so does the prefill here, from the prompt's start. Families not checked
-to decode from tokens and a cache alone (cross-attention to the image in Llama 3.2 Vision,
-...), and those checked and found not to (``REFUSED_FAMILIES``: LLaVA-NeXT's image
-features longer than its image tokens, Gemma 3n's prompt embeddings scaled unlike its
-decode steps') run one request at a time (``batch_refusal`` says why).
+that starts at 0), so does the prefill here, from the prompt's start. Gemma 4 unified (the
+12B) is Gemma 4's language model behind an encoder-free patch embedder, its image tokens
+seeing each other: the same path (its model's policy answers from the prompt's token types,
+here as in mlx-vlm's generate, before the language model's, which would read the
+``no_chunked_prefill`` its ``get_input_embeddings`` leaves on it for the last prompt).
+Families not checked to decode from tokens and a cache alone (cross-attention to the image
+in Llama 3.2 Vision, ...), and those checked and found not to (``REFUSED_FAMILIES``:
+LLaVA-NeXT's image features longer than its image tokens, Gemma 3n's prompt embeddings
+scaled unlike its decode steps') run one request at a time (``batch_refusal`` says why).
 """
 
 from __future__ import annotations
@@ -72,6 +76,7 @@ BATCHED_FAMILIES = {
     "pixtral",
     "gemma3",
     "gemma4",
+    "gemma4_unified",
     *MROPE_FAMILIES,
 }
 
