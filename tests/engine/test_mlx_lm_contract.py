@@ -66,7 +66,9 @@ def test_batch_generator_surface_the_engine_drives():
     assert prompt_fields >= {"uid", "progress", "end_of_segment", "end_of_prompt"}
 
 
-@pytest.mark.parametrize("name", ["apply_top_k", "apply_top_p", "apply_min_p"])
+# Top-p, min-p and the draw are the server's own (their settings as arrays: samplers.py);
+# top-k and the penalties' processors are mlx-lm's.
+@pytest.mark.parametrize("name", ["apply_top_k", "make_logits_processors"])
 def test_sampling_helpers(name):
     from mlx_lm import sample_utils
 
