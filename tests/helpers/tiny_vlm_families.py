@@ -111,6 +111,25 @@ def _qwen(mod: Any, vocab: int, image: int, ids: dict[str, int]) -> Any:
     return mod.Model(config)
 
 
+def _gemma4_text(vocab: int) -> dict[str, Any]:
+    """The tiny Gemma 4 language model both Gemma 4 families here share: four layers,
+    sliding-window (8) and full ones in turn, the full ones with heads twice as wide."""
+    return {
+        "hidden_size": HIDDEN,
+        "num_hidden_layers": 4,
+        "intermediate_size": 128,
+        "num_attention_heads": 4,
+        "head_dim": 16,
+        "global_head_dim": 32,
+        "num_key_value_heads": 2,
+        "vocab_size": vocab,
+        "vocab_size_per_layer_input": vocab,
+        "sliding_window": 8,
+        "sliding_window_pattern": 2,
+        "max_position_embeddings": 4096,
+    }
+
+
 def _gemma4(mod: Any, vocab: int, ids: dict[str, int], bidirectional: bool) -> Any:
     """Gemma 4 as its E2B/E4B checkpoints are made: per-layer inputs, sliding-window and full
     layers (the full ones with partial RoPE), the last two layers sharing the KV of the
@@ -118,20 +137,9 @@ def _gemma4(mod: Any, vocab: int, ids: dict[str, int], bidirectional: bool) -> A
     26B-A4B and 31B let an image's tokens see each other (``bidirectional``)."""
     text = mod.TextConfig(
         model_type="gemma4_text",
-        hidden_size=HIDDEN,
-        num_hidden_layers=4,
-        intermediate_size=128,
-        num_attention_heads=4,
-        head_dim=16,
-        global_head_dim=32,
-        num_key_value_heads=2,
-        vocab_size=vocab,
-        vocab_size_per_layer_input=vocab,
+        **_gemma4_text(vocab),
         num_kv_shared_layers=2,
         hidden_size_per_layer_input=8,
-        sliding_window=8,
-        sliding_window_pattern=2,
-        max_position_embeddings=4096,
         use_bidirectional_attention="vision" if bidirectional else None,
         rope_parameters={
             "full_attention": {
@@ -182,21 +190,7 @@ def _gemma4_unified(mod: Any, vocab: int, ids: dict[str, int]) -> Any:
     -1 past an image's patches, as the processor pads them)."""
     import mlx.core as mx
 
-    text = mod.TextConfig(
-        hidden_size=HIDDEN,
-        num_hidden_layers=4,
-        intermediate_size=128,
-        num_attention_heads=4,
-        head_dim=16,
-        global_head_dim=32,
-        num_key_value_heads=2,
-        num_global_key_value_heads=1,
-        vocab_size=vocab,
-        vocab_size_per_layer_input=vocab,
-        sliding_window=8,
-        sliding_window_pattern=2,
-        max_position_embeddings=4096,
-    )
+    text = mod.TextConfig(**_gemma4_text(vocab), num_global_key_value_heads=1)
     vision = mod.VisionConfig(
         patch_size=4,
         pooling_kernel_size=3,
