@@ -83,9 +83,8 @@ class Engine(OwnerThread):
         OwnerThread.__init__(self, "mlx-engine", self._sched.wake, lambda: self._sched.stopping)
         self.start_error = ""  # why the model cannot serve (set before wait_ready returns)
         self._end = Endings(tokenizer, self._sched, self._runner, self._prefixes, self._outbox)
-        self._warming = Warming(
-            model, cfg, runner, self._vocab
-        )  # warm-up pieces left for idle time
+        # the warm-up, and its pieces left for idle time
+        self._warming = Warming(model, cfg, runner, self._vocab)
         self._busy_at = float("-inf")  # when the engine thread last saw work (monotonic)
         self._wired = 0  # bytes claimed of the process's wired limit (wired.py)
         self._clock = StepClock(cfg.slow_step_s)  # a slow step's parts, for the log

@@ -110,8 +110,8 @@ def warm_up(
 class WarmUp:
     """The warm-up in pieces. Before the readiness line, what a first, lone request meets:
     the lone path's short prefill buckets, batch size 1 and the samplers' kernels
-    (``samplers``: pieces of their own, the likeliest settings first). Afterwards, one piece at a time
-    while the engine has nothing else to do (``step``): the long prefill buckets, batch
+    (``samplers``: pieces of their own, the likeliest settings first). Afterwards, one piece
+    at a time while the engine has nothing else to do (``step``): the long prefill buckets, batch
     sizes 2 to ``max_batch_size``, the small ones first (what a few concurrent requests
     meet), then a full prefill chunk in the batch; with ``lone_keys``, a lone decode step
     over each key buffer length up to it (``lone_decode_lengths``; those up to

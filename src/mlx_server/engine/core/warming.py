@@ -1,8 +1,8 @@
 """The engine's warm-up: one token before serving, every batch size's shapes (a lone
 request's before serving, the rest in idle time; see ``tuning.WarmUp``), the samplers'
-kernels (``samplers.WARM_SETTINGS``), a lone sequence's
-decode step over longer key buffers (idle time, where kernels are built per shape), and
-the shapes the runner adds (``warm_shapes``: a speculative runner's verify passes)."""
+kernels (``samplers.WARM_SETTINGS``), a lone sequence's decode step over longer key buffers
+(idle time, where kernels are built per shape), and the shapes the runner adds
+(``warm_shapes``: a speculative runner's verify passes)."""
 
 from __future__ import annotations
 
