@@ -76,14 +76,20 @@ def run_codex(args: list[str], work: Path, env: dict[str, str]) -> list[dict]:
     return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
 
 
-def assert_turn_completed(events: list[dict]) -> None:
+def assert_turn_completed(events: list[dict]) -> bool:
+    """The turn completed without an error, and whatever text the model made reached Codex
+    as an agent message; returns whether there was one. The tiny random-weight model samples
+    at temperature 1 (Codex's requests leave it to the server), so now and then its first
+    token is the end of its turn (an empty answer, one output token): no message then."""
     kinds = [e["type"] for e in events]
     assert "turn.completed" in kinds and "turn.failed" not in kinds and "error" not in kinds, kinds
-    assert any(
+    said = any(
         e["type"] == "item.completed" and e["item"]["type"] == "agent_message" for e in events
-    ), kinds
+    )
     usage = next(e["usage"] for e in events if e["type"] == "turn.completed")
     assert usage["input_tokens"] > 0 and usage["output_tokens"] > 0
+    assert said or usage["output_tokens"] == 1, (kinds, usage)
+    return said
 
 
 def item_counts(lines: list[str]) -> list[int]:
@@ -123,7 +129,7 @@ def test_codex_exec_completes_two_turns(tiny_model_dir: Path, tmp_path: Path):
             "MLX_SERVER_KEY": API_KEY,
         }
         first = run_codex(["--json", "--skip-git-repo-check", "Say hello."], work, env)
-        assert_turn_completed(first)
+        said = assert_turn_completed(first)
         thread = next(e["thread_id"] for e in first if e["type"] == "thread.started")
         # The second turn sends the whole conversation back, the first answer included.
         second = run_codex(
@@ -133,4 +139,5 @@ def test_codex_exec_completes_two_turns(tiny_model_dir: Path, tmp_path: Path):
     finally:
         server.stop()
     counts = item_counts(server.lines)
-    assert len(counts) == 2 and counts[1] >= counts[0] + 2, server.lines
+    # the new user message, and the first answer when there was one
+    assert len(counts) == 2 and counts[1] >= counts[0] + 1 + said, server.lines
