@@ -239,6 +239,17 @@ def test_model_management_says_what_to_do_instead(scripted, path):
 # ---- errors, auth, cancellation ------------------------------------------------------------
 
 
+def test_a_min_p_outside_zero_to_one_is_refused_in_ollamas_shape(scripted):
+    """min_p is a fraction of the likeliest token's probability: 1.5 would fail the sampler
+    (a 500 from a request's own setting); it is refused as /v1 refuses it, naming it."""
+    body = {"model": "m", "messages": USER, "options": {"min_p": 1.5}}
+    r = post(scripted, "/api/chat", body)
+    assert r.status_code == 400 and "min_p" in r.json()["error"], r.text
+    ERROR.validate(r.json())
+    body["options"] = {"min_p": 0.05}
+    assert post(scripted, "/api/chat", {**body, "stream": False}).status_code == 200
+
+
 def test_errors_are_ollamas_shape(scripted):
     for body in ({"messages": USER}, {"model": "m", "messages": [{"role": "x", "content": ""}]}):
         r = post(scripted, "/api/chat", body)

@@ -27,7 +27,7 @@ class Options(BaseModel):
     temperature: float | None = None
     top_p: float | None = None
     top_k: StrictInt | None = None
-    min_p: float | None = None
+    min_p: float | None = Field(default=None, ge=0, le=1)  # a fraction of the likeliest's
     repeat_penalty: float | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
