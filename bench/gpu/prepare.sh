@@ -15,9 +15,11 @@ MLX=${MLX_VERSION:-$(.venv/bin/python -c 'import importlib.metadata as m; print(
 MLXLM=${MLXLM_VERSION:-$(.venv/bin/python -c 'import importlib.metadata as m; print(m.version("mlx-lm"))')}
 # Runtime dependencies the device image lacks (it has numpy, transformers, tokenizers, jinja2,
 # httpx, huggingface_hub, tqdm, pyyaml, safetensors, anyio, h11, click). Add new ones here.
-# py-spy samples the server's threads during the profiled burst.
+# PYSPY=1 adds py-spy (device_bench.sh's PROFILE burst samples the server's threads with it); without
+# it the kit and the checkout fit one run's 64 MiB with room for the tree to grow.
 WHEELS=${WHEELS:-"fastapi starlette pydantic pydantic-core annotated-types typing-inspection typing-extensions
-  annotated-doc opentelemetry-api uvicorn httptools llguidance jsonschema jsonschema-specifications referencing rpds-py gguf py-spy"}
+  annotated-doc opentelemetry-api uvicorn httptools llguidance jsonschema jsonschema-specifications referencing rpds-py gguf"}
+[ "${PYSPY:-0}" = 1 ] && WHEELS="$WHEELS py-spy"
 rm -rf .gpu && mkdir -p .gpu/a/wheels .gpu/b .gpu/dl
 PLAT="--only-binary=:all: --python-version 3.12 --implementation cp --platform any"
 for n in 5 17 24 27 28 31 34 35; do PLAT="$PLAT --platform manylinux_2_${n}_x86_64"; done
