@@ -104,7 +104,12 @@ for spec in $MODELS; do
       echo "$srv ready after $(python3 -c "print(round($(date +%s.%N)-$t0,1))") s"
       # A server's /health may answer before its model is loaded (mlx_lm.server's does):
       # the time to a first answer is the comparable figure.
+      t_ready=$(date +%s.%N)
       [ "${FIRST_ANSWER:-0}" = 1 ] && first_answer $P $name && echo "$srv first answer after $(python3 -c "print(round($(date +%s.%N)-$t0,1))") s"
+      # With an empty kernel cache: which kernels were built before the readiness line and which
+      # the first answer waited for (MLX writes each JIT-built module to the cache as it is built).
+      [ "$FRESH_KERNELS" = 1 ] && python3 $BENCH/ptx_times.py "$MLX_PTX_CACHE_DIR" $t0 $t_ready $(date +%s.%N) > $T/ptx-$srv-$preset-$bits.txt 2>&1 \
+        && head -30 $T/ptx-$srv-$preset-$bits.txt
       B $P $name "$srv $preset-$bits" $SP  # the server's CPU per 1,000 tokens too
       if [ $srv = ours ] && [ "$VARIANTS" = 1 ]; then
         timeout 300 python3 $BENCH/variants.py --model $M --base-url "http://127.0.0.1:$P/v1" \
