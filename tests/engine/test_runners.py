@@ -219,4 +219,5 @@ def test_bucketed_prefill_chunks_give_the_same_output(lm):
                 same(a, b)
             assert got[1].cached > 0  # the warm turn was served from the prefix cache
             chunks = [n for n in spy.lengths if n > 1]
-            assert chunks and set(chunks) <= {16, 32, 64}, spy.lengths
+            # every short chunk (30 tokens, then 7) meets the one length (``PREFILL_BUCKETS``)
+            assert chunks and set(chunks) == {64}, spy.lengths

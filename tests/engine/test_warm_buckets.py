@@ -31,10 +31,16 @@ class _Clock:
         return self.now
 
 
+# The budget's logic is checked on three short buckets; the table itself has one (64, see
+# ``test_every_short_chunk_meets_one_length``).
+THREE_SHORT = (16, 32, 64, 128, 256, 512, 768, 1024, 1536, 2048)
+
+
 @pytest.fixture
 def buckets(monkeypatch: pytest.MonkeyPatch) -> tuple[_Clock, list[tuple[int, int]]]:
     """Each bucket piece costs 10 s on the clock and records its length and its prefix."""
     clock, ran = _Clock(), []
+    monkeypatch.setattr(tuning, "PREFILL_BUCKETS", THREE_SHORT)
 
     def piece(model: Any, n: int, prefix: int = 64):
         clock.now += clock.cost
@@ -263,3 +269,109 @@ def test_every_warm_setting_s_sampler_runs_on_the_model_s_logits_dtype():
     for params, ban in WARM_SETTINGS:
         for dtype in (mx.float32, mx.bfloat16):
             assert list(warm_sampler(params, ban, 50, dtype)) == []
+
+
+def test_every_short_chunk_meets_one_length():
+    """MLX's CUDA backend builds a 4-bit matmul's kernel per tile of rows (8-16, 17-32, 33
+    or more; half a minute each for an 8B model on a fresh H100): every chunk of up to 64
+    tokens is padded to 64, so a first prompt of any short length meets the kernel the
+    warm-up builds (a 31-token prompt waited 26.8 s for the 17-32 one)."""
+    assert {tuning.bucket(n, 2048) for n in range(1, 65)} == {64}
+    assert tuning.bucket(65, 2048) == 128 and tuning.bucket(40, 48) == 48
+    assert tuning.bucket(3000, 2048) == 3000  # never below the chunk
+
+
+def test_the_warm_up_s_short_bucket_is_the_one_length(model, monkeypatch):
+    ran: list[tuple[int, int]] = []
+
+    def piece(model: Any, n: int, prefix: int = 64):
+        ran.append((n, prefix))
+        yield from ()
+
+    monkeypatch.setattr(tuning, "_prefill_bucket", piece)
+    plan = WarmUp(model, 1, 256, 1000.0, buckets=True, solo=True)
+    plan.before_ready()
+    assert ran == [(64, 64)]  # its prefix: a first prompt's 64 from an empty cache
+    plan.close()
+
+
+def _cold_plan(
+    model: Any, clock: _Clock, ran: list[tuple[int, int]], solo: bool, mp: pytest.MonkeyPatch
+) -> WarmUp:
+    """A cold plan for batch sizes 1-2 with two samplers; drains recorded as (0, prompts)."""
+
+    def drain(self, prompts, max_tokens):
+        ran.append((0, len(prompts)))
+        yield from ()
+
+    mp.setattr(WarmUp, "_drain", drain)
+    samplers = _sampler_pieces(clock, ran, 2, 5.0)
+    return WarmUp(
+        model, 2, 256, 100.0, buckets=True, solo=solo, samplers=samplers, cold=True, clock=clock
+    )
+
+
+@pytest.mark.parametrize("solo", [True, False])
+def test_cold_nothing_runs_before_readiness_and_a_first_request_s_pieces_come_first(
+    model, buckets, solo, monkeypatch
+):
+    """Kernels being built now (an empty kernel cache): the readiness line waits for the
+    first token only; idle time starts with what a first request meets: on the lone path
+    its prompt's bucket and the likeliest samplers, then the batch's size 1; on the batch
+    path its size 1 first."""
+    clock, ran = buckets
+    plan = _cold_plan(model, clock, ran, solo, monkeypatch)
+    try:
+        assert plan.before_ready() == 0.0 and ran == []
+        assert plan.pending and plan.batch1_deferred
+        assert plan.deferred_buckets == 5 and plan.deferred_samplers == 2
+        while plan.pending:
+            plan.step()
+        first = [(16, 64), (32, 64), (64, 64), (-1, 0), (-2, 0)]
+        if solo:
+            assert ran[:6] == [*first, (0, 1)]
+        else:
+            assert ran[:6] == [(0, 1), *first]
+        assert ran[6:] == [(128, 0), (256, 0), (0, 2), (0, 1)]  # then size 2, a full chunk
+    finally:
+        plan.close()
+
+
+def test_the_start_says_when_kernels_are_being_built_and_waits_for_the_first_token_only(
+    model, buckets, monkeypatch
+):
+    """Where kernels are built on first use, a first token slower than
+    ``COLD_FIRST_TOKEN_S`` means an empty kernel cache: the start line says so and leaves
+    every piece for idle time; a fast one warms up as before."""
+    from functools import partial
+
+    clock, ran = buckets
+    lines: list[str] = []
+    monkeypatch.setattr(warming, "WarmUp", partial(WarmUp, clock=clock))
+    monkeypatch.setattr(warming, "log", lines.append)
+    monkeypatch.setattr(warming, "builds_kernels_on_first_use", lambda: True)
+    cfg = EngineConfig(
+        max_batch_size=2, warm_up=True, prefill_buckets=True, prefill_step_size=256, solo=True
+    )
+    for threshold, cold in ((0.0, True), (1e9, False)):
+        monkeypatch.setattr(warming, "COLD_FIRST_TOKEN_S", threshold)
+        lines.clear()
+        ran.clear()
+        w = Warming(model, cfg)
+        assert w.before_serving(1000.0) == ""
+        (line,) = [x for x in lines if x.startswith("Warm-up:")]
+        if cold:
+            assert line.startswith("Warm-up: the first token in "), line
+            assert (
+                "kernels built on first use" in line and "what a first request meets first" in line
+            )
+            assert ran == [] and w.pending
+        else:
+            assert ran == [(16, 64), (32, 64), (64, 64)], line
+        w.close()
+    # ranks in lockstep run every piece before serving, whatever the first token took
+    monkeypatch.setattr(warming, "COLD_FIRST_TOKEN_S", 0.0)
+    ran.clear()
+    w = Warming(model, cfg)
+    assert w.before_serving(float("inf")) == ""
+    assert (128, 0) in ran and not w.pending

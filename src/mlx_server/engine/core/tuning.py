@@ -26,8 +26,12 @@ GPU_PREFILL_STEP = 2048
 # Prefill chunk lengths the lone path pads to where kernels are built per shape, so that a
 # warm chat turn (its history cached, a few dozen new tokens) meets a length built before;
 # above 512 in steps of half the last, so that padding adds at most half a chunk's work (a
-# 1,157-token prompt: 1,536, not 2,048).
-PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512, 768, 1024, 1536, 2048)
+# 1,157-token prompt: 1,536, not 2,048). None below 64: MLX's CUDA backend builds a 4-bit
+# matmul's kernel per tile of rows (``qmm_sm80``: 8-16, 17-32 and 33 or more rows; 25-30 s
+# each on a fresh H100 for an 8B model), so with 16 and 32 a first short prompt waited for
+# a kernel the warm-up had not reached (a 31-token prompt: 26.8 s); padded to 64, every
+# short chunk meets the one kernel of 33 rows or more, at the cost of a few milliseconds.
+PREFILL_BUCKETS = (64, 128, 256, 512, 768, 1024, 1536, 2048)
 # Prefill chunks up to this many tokens: their attention is computed plainly on CUDA
 # (models/cuda_attention.SHORT_QUERY), so the key length before them builds nothing.
 SHORT_CHUNK = 64
@@ -36,6 +40,10 @@ SHORT_CHUNK = 64
 LONE_DECODE_KEYS = 8192
 LONE_DECODE_EARLY = 2048
 IDLE_BUDGETS = 2  # idle time's warm-up budget, in budgets of the readiness line's
+# Where kernels are built per shape, a first token slower than this means they are being
+# built now (an empty kernel cache: seconds per kernel), not read from disk (milliseconds):
+# the rest of the warm-up then waits for idle time (``WarmUp``, ``cold``).
+COLD_FIRST_TOKEN_S = 3.0
 
 
 def bucket(n: int, limit: int) -> int:
@@ -139,9 +147,13 @@ class WarmUp:
         lone_keys: int = 0,
         solo: bool = False,
         samplers: list[Piece] | None = None,
+        cold: bool = False,
         clock: Callable[[], float] | None = None,
     ):
         self.model = model
+        # kernels are being built on first use (``COLD_FIRST_TOKEN_S``): nothing before the
+        # readiness line, what a first request meets first in idle time (``before_ready``)
+        self.cold = cold
         # a lone request runs on the lone path (``solo``): its short buckets come before the
         # batch's size 1 (``before_ready``)
         self.solo = solo
@@ -178,6 +190,11 @@ class WarmUp:
         self.last = ""  # what the last idle-time piece ran (``piece_name``)
 
     @property
+    def queued(self) -> int:
+        """Pieces waiting for idle time."""
+        return len(self._later)
+
+    @property
     def pending(self) -> bool:
         """Whether pieces are left (none once the budget is spent)."""
         left = bool(self._later) or self._run is not None
@@ -193,54 +210,85 @@ class WarmUp:
         each new shape builds kernels (seconds each), so without the budget the buckets
         alone could hold the readiness line for minutes; once the kernels are on disk a
         long bucket costs a cuDNN graph (tens of milliseconds), less than it would hold
-        the readiness line (a model switch in Jan waits for it)."""
+        the readiness line (a model switch in Jan waits for it). ``cold`` (kernels being
+        built now): none of it, all for idle time (``_all_for_idle``)."""
         t0 = self._clock()
         try:
             batch1: Piece = partial(self._drain, _prompts(1), 3)
-            if not (self.solo and self.buckets):
-                for _ in batch1():
-                    pass
-            now: list[Piece] = []
-            idle: list[Piece] = []
-            if self.buckets:
-                # the lengths bucket(n, step) gives for a chunk (n <= step); attention's
-                # kernels are built per query and key length
-                lengths = sorted({min(b, self.step_size) for b in PREFILL_BUCKETS})
-                now = [partial(_prefill_bucket, self.model, n) for n in lengths if n <= SHORT_CHUNK]
-                # a long chunk after a prefix meets a graph for its key length whatever the
-                # warm-up ran; from an empty cache its shapes are the bucket's own
-                long = [n for n in lengths if n > SHORT_CHUNK]
-                idle = [partial(_prefill_bucket, self.model, n, 0) for n in long]
-            left_now = self._within_budget(now, t0)
-            bucket_under_way = self._run is not None
-            self.deferred_buckets = len(left_now) + bucket_under_way + len(idle)
-            if self.solo and self.buckets:
-                # A first request runs alone, on the lone path: its prompt's bucket and its
-                # decode on a plain KV cache. On a fresh CUDA machine the batch's size 1 (other
-                # kernels: mlx-lm's batch cache) took a whole 30 s budget on an 8B 4-bit model,
-                # leaving the first request to build the lone path's for 28 s more.
-                left_b1 = self._within_budget([batch1], t0) if not left_now else [batch1]
-                self.batch1_deferred = bool(left_b1) or (
-                    self._run is not None and not bucket_under_way
-                )
-                left_now += left_b1
-            out_of_budget = bool(left_now) or self._run is not None
-            # the samplers' kernels (seconds each on a fresh CUDA machine), then the runner's
-            left_samplers = self._within_budget(self._samplers, t0)
-            sampler_under_way = self._run is not None and not out_of_budget
-            self.deferred_samplers = len(left_samplers) + sampler_under_way
-            out_of_budget = out_of_budget or self.deferred_samplers > 0
-            left_first = self._within_budget(self._first, t0)
-            if out_of_budget:  # out of budget before the runner's shapes: none of them ran
-                self.deferred = len(self._first)
+            now, idle = self._bucket_pieces()
+            if self.cold:
+                self._all_for_idle(batch1, now, idle)
             else:
-                self.deferred = len(left_first) + (self._run is not None)
-            self._later = left_now + left_samplers + idle + left_first + self._later
+                self._ready_pieces(t0, batch1, now, idle)
         finally:
             mx.clear_cache()
         secs = self._spend(t0)
         self._ready_spent = self.spent
         return secs
+
+    def _ready_pieces(self, t0: float, batch1: Piece, now: list[Piece], idle: list[Piece]) -> None:
+        """``before_ready``'s pieces within the budget (see there)."""
+        if not (self.solo and self.buckets):
+            for _ in batch1():
+                pass
+        left_now = self._within_budget(now, t0)
+        bucket_under_way = self._run is not None
+        self.deferred_buckets = len(left_now) + bucket_under_way + len(idle)
+        if self.solo and self.buckets:
+            # A first request runs alone, on the lone path: its prompt's bucket and its
+            # decode on a plain KV cache. On a fresh CUDA machine the batch's size 1 (other
+            # kernels: mlx-lm's batch cache) took a whole 30 s budget on an 8B 4-bit model,
+            # leaving the first request to build the lone path's for 28 s more.
+            left_b1 = self._within_budget([batch1], t0) if not left_now else [batch1]
+            self.batch1_deferred = bool(left_b1) or (self._run is not None and not bucket_under_way)
+            left_now += left_b1
+        out_of_budget = bool(left_now) or self._run is not None
+        # the samplers' kernels (seconds each on a fresh CUDA machine), then the runner's
+        left_samplers = self._within_budget(self._samplers, t0)
+        sampler_under_way = self._run is not None and not out_of_budget
+        self.deferred_samplers = len(left_samplers) + sampler_under_way
+        out_of_budget = out_of_budget or self.deferred_samplers > 0
+        left_first = self._within_budget(self._first, t0)
+        if out_of_budget:  # out of budget before the runner's shapes: none of them ran
+            self.deferred = len(self._first)
+        else:
+            self.deferred = len(left_first) + (self._run is not None)
+        self._later = left_now + left_samplers + idle + left_first + self._later
+
+    def _bucket_pieces(self) -> tuple[list[Piece], list[Piece]]:
+        """The prefill buckets' pieces: the short ones (after a prefix: a chat's next turn;
+        the prefix itself is a first prompt's chunk from an empty cache) and the long ones
+        (from an empty cache). None without ``buckets``."""
+        if not self.buckets:
+            return [], []
+        # the lengths bucket(n, step) gives for a chunk (n <= step); attention's kernels are
+        # built per query and key length
+        lengths = sorted({min(b, self.step_size) for b in PREFILL_BUCKETS})
+        now: list[Piece] = [
+            partial(_prefill_bucket, self.model, n) for n in lengths if n <= SHORT_CHUNK
+        ]
+        # a long chunk after a prefix meets a graph for its key length whatever the warm-up
+        # ran; from an empty cache its shapes are the bucket's own
+        long = [n for n in lengths if n > SHORT_CHUNK]
+        return now, [partial(_prefill_bucket, self.model, n, 0) for n in long]
+
+    def _all_for_idle(self, batch1: Piece, short: list[Piece], long: list[Piece]) -> None:
+        """``cold``: every piece waits for idle time, what a first request meets first: on
+        the lone path its prompt's chunk (the short buckets) and the likeliest samplers,
+        then the batch's size 1; without it the batch's size 1 first. On a fresh H100 the
+        pieces before the readiness line took 62 s for an 8B 4-bit model (each new kernel
+        seconds to half a minute), and the first request still built the kernels of its
+        own prompt length for 27 s; now the server says it is ready once the model has
+        computed a token, and a request sent at once builds only what it meets (idle time
+        starts ``warm_idle_s`` after it)."""
+        first = (
+            [*short, *self._samplers, batch1] if self.solo else [batch1, *short, *self._samplers]
+        )
+        self._later = first + long + self._first + self._later
+        self.batch1_deferred = True
+        self.deferred_buckets = len(short) + len(long)
+        self.deferred_samplers = len(self._samplers)
+        self.deferred = len(self._first)
 
     def _within_budget(self, pieces: list[Piece], t0: float) -> list[Piece]:
         """Run ``pieces`` in order until the readiness budget is spent; returns those not

@@ -6,6 +6,7 @@ kernels (``samplers.WARM_SETTINGS``), a lone sequence's decode step over longer 
 
 from __future__ import annotations
 
+import time
 from functools import partial
 from typing import Any
 
@@ -13,7 +14,14 @@ import mlx.core as mx
 
 from mlx_server.engine.core import faults
 from mlx_server.engine.core.config import EngineConfig
-from mlx_server.engine.core.tuning import Piece, ShapePieces, WarmUp, first_token
+from mlx_server.engine.core.tuning import (
+    COLD_FIRST_TOKEN_S,
+    Piece,
+    ShapePieces,
+    WarmUp,
+    builds_kernels_on_first_use,
+    first_token,
+)
 from mlx_server.engine.sampling.samplers import WARM_SETTINGS, reset_random_state, warm_sampler
 from mlx_server.logs import log
 
@@ -39,13 +47,20 @@ class Warming:
         """Warm up as far as ``budget`` seconds allow (unbounded: all of it); returns why
         the model cannot serve ("" when it can)."""
         cfg = self._config
+        first_s = 0.0
         if cfg.first_token:
+            t0 = time.perf_counter()
             try:
                 self.logits_dtype = first_token(self._model)
             except Exception as e:
                 error = f"the model could not compute a token: {faults.describe(e)}"
                 log(f"Warm-up failed: {error}")
                 return error
+            first_s = time.perf_counter() - t0
+        # kernels being built now (an empty kernel cache): the readiness line does not wait
+        # for the rest (unless every rank must run it all before serving)
+        cold = builds_kernels_on_first_use() and first_s >= COLD_FIRST_TOKEN_S
+        cold = cold and budget != float("inf")
         if cfg.warm_up:
             try:
                 n, step, buckets = cfg.max_batch_size, cfg.prefill_step_size, cfg.prefill_buckets
@@ -61,12 +76,13 @@ class Warming:
                     lone_keys=lone,
                     solo=cfg.solo,
                     samplers=self._samplers(),
+                    cold=cold,
                 )
                 secs = plan.before_ready()
                 if budget == float("inf"):  # ranks in lockstep: every rank, every piece, now
                     while plan.pending:
                         secs += plan.step()
-                log(_line(plan, n, buckets, shapes, secs))
+                log(_cold_line(plan, first_s) if cold else _line(plan, n, buckets, shapes, secs))
                 self._plan = plan if plan.pending else None
             except Exception as e:  # serving without it is slower at first, not wrong
                 log(f"Warm-up failed: {faults.describe(e)}")
@@ -110,6 +126,15 @@ class Warming:
         if not plan.pending:
             self._plan = None
             log(f"Warm-up: done while idle ({plan.spent:.1f}s in all)")
+
+
+def _cold_line(plan: WarmUp, first_s: float) -> str:
+    """The start-up's warm-up line when kernels are being built (``COLD_FIRST_TOKEN_S``)."""
+    return (
+        f"Warm-up: the first token in {first_s:.1f}s (kernels built on first use: an empty "
+        f"kernel cache); left for idle time: all {plan.queued} pieces, what a first "
+        "request meets first"
+    )
 
 
 def _line(plan: WarmUp, n: int, buckets: bool, shapes: ShapePieces | None, secs: float) -> str:
