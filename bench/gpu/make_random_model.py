@@ -11,6 +11,9 @@ Usage: make_random_model.py OUT_DIR PRESET BITS TOKENIZER_DIR [--count]
   BITS: 0 = bfloat16, 4 = 4-bit affine (group 64; the model's own rule where it has one: gpt-oss's
   router at 8 bits).
   --count: print the parameter count and the cache kinds from the shapes; build nothing.
+  --decisive: greedy decoding with wide margins (``decisive``), for speculation's ceiling: the
+  plain answer is then the same whatever kernels run (a random 8B's top two logits differed by
+  0.005 at almost every token, so a pass over 9 tokens chose otherwise than a decode step).
 Speed does not depend on weight values; answers are noise, so benchmarks must not stop on EOS early
 (use fixed max_tokens and check completion_tokens).
 """
@@ -45,6 +48,30 @@ def build(config: dict):
     return model
 
 
+def decisive(model) -> None:
+    """Make greedy decoding decisive, shapes and kernels unchanged: every norm's weight 1, the
+    layers' outputs into the residual stream (``o_proj``, ``down_proj``) 100 times smaller, so
+    the last hidden state is about the current token's embedding; an untied output layer is
+    the embedding table in a fixed random order, so the next token is a fixed permutation of
+    the current one (a tied one repeats it). The winning logit is then about 0.02 x hidden
+    size above the others' spread of 0.02 x its square root (82 against 1.3 for 4,096)."""
+
+    def fix(path: str, p: mx.array) -> mx.array:
+        leaf = path.split(".")
+        if any("norm" in part for part in leaf) and leaf[-1] == "weight":
+            return mx.ones_like(p)
+        if leaf[-2:-1] and leaf[-2] in ("o_proj", "down_proj") and leaf[-1] == "weight":
+            return p * 0.01
+        return p
+
+    model.update(tree_map_with_path(fix, model.parameters()))
+    head = getattr(model, "lm_head", None)
+    if head is not None:
+        table = model.model.embed_tokens.weight
+        order = mx.random.permutation(table.shape[0])
+        head.weight = table[order]
+
+
 def shape_facts(model) -> dict:
     """Parameter count and cache kinds per layer, read from shapes alone (nothing is computed)."""
     kinds = Counter(type(c).__name__ for c in make_prompt_cache(model))
@@ -68,6 +95,8 @@ def main(argv: list[str]) -> None:
     config = config_for(preset)
     mx.random.seed(0)
     model = build(config)
+    if "--decisive" in argv[4:]:
+        decisive(model)
     if "--count" in argv[4:]:
         print(json.dumps({"preset": preset, **shape_facts(model)}))
         return

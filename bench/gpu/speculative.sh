@@ -29,7 +29,8 @@
 # that model's trace (the shape of the last verify pass: batch size, width, each row's draft length). See
 # docs/speculative-decoding.md, "Robustness on CUDA", for what was changed and why.
 #
-# Env: MODELS="demo 1b:0 8b:4" (demo: the parked demo model; preset:bits: a random-weight model made here; a folder:
+# Env: MODELS="demo 1b:0 8b:4" (demo: the parked demo model; preset:bits: a random-weight model made here, preset:bits:d
+#      a decisive one, whose greedy answer has no near-ties (make_random_model.py --decisive); a folder:
 #      that model), TOKENS=200, KS=8 (draft lengths, each run at every level), REPEAT=1, STREAMS=8, LEVELS (default
 #      1,STREAMS), WORKLOADS=code,prose,predicted, PER_MODEL_S=540, PARK=/tmp/kit/demo, MODELS_DIR=/tmp/models,
 #      DTYPE=float16 (the demo model's), PYTHON=python3, S=/tmp/site, K=/tmp/kit/a, SRC=$PWD/src.
@@ -57,8 +58,10 @@ for spec in $MODELS; do
       (cd $M && sha256sum -c $D/model.sha256) || { status=1; continue; }
     fi
   else
-    preset=${spec%%:*}; bits=${spec##*:}; M=$MODELS_DIR/$preset-$bits; label="random $preset-$bits"; extra=""
-    [ -f $M/config.json ] || "$PYTHON" "$HERE/make_random_model.py" $M $preset $bits $K/tok || { status=1; continue; }
+    # preset:bits, or preset:bits:d for a decisive one (make_random_model.py --decisive)
+    IFS=: read -r preset bits dec <<< "$spec"; flag=""; [ "$dec" = d ] && flag=--decisive
+    M=$MODELS_DIR/$preset-$bits${dec:+-$dec}; label="random $preset-$bits${dec:+-$dec}"; extra=""
+    [ -f $M/config.json ] || "$PYTHON" "$HERE/make_random_model.py" $M $preset $bits $K/tok $flag || { status=1; continue; }
   fi
   trace=$OUT/trace-${label// /-}.log
   echo "== $label $(date +%T)"
