@@ -18,7 +18,8 @@
 #      SmolLM2's tokenizer).
 #      FIRST_ANSWER=1: after readiness, time each server to its first 1-token chat answer (the comparable start
 #      figure: mlx_lm.server's /health answers before its model is loaded); it warms the server before the burst.
-#      A server named ours512 is ours with --prefill-step-size 512, ourspl ours with --prompt-lookup.
+#      A server named ours512 is ours with --prefill-step-size 512, ourspl ours with --prompt-lookup, oursrows ours with
+#      4-bit matmuls over 8-32 rows in pieces of 7 (serve_split_rows.py: a measurement).
 #      FRESH_KERNELS=1: each server starts on an empty MLX kernel cache (PTX=/tmp/ptx/<server>-<model>), so
 #      that readiness and the first answer compare cold against cold (about a minute more per model on 8B).
 set -u
@@ -91,10 +92,11 @@ for spec in $MODELS; do
     if [ "$FRESH_KERNELS" = 1 ]; then
       export MLX_PTX_CACHE_DIR=$PTX/$srv-$preset-$bits; rm -rf "$MLX_PTX_CACHE_DIR"
     fi
-    if [ $srv = ours ] || [ $srv = ours512 ] || [ $srv = ourspl ]; then
+    if [ $srv = ours ] || [ $srv = ours512 ] || [ $srv = ourspl ] || [ $srv = oursrows ]; then
       extra=""; [ $srv = ours512 ] && extra="--prefill-step-size 512"
       [ $srv = ourspl ] && extra="--prompt-lookup"
-      setsid python3 -m mlx_server -m $M --port $P --model-id m --ctx-size 8192 $OURS_ARGS $extra > $T/$srv-$preset-$bits.log 2>&1 &
+      main="-m mlx_server"; [ $srv = oursrows ] && main="$BENCH/serve_split_rows.py"
+      setsid python3 $main -m $M --port $P --model-id m --ctx-size 8192 $OURS_ARGS $extra > $T/$srv-$preset-$bits.log 2>&1 &
     else
       name=default_model  # mlx_lm.server loads the model named in the request; this is its loaded one
       setsid python3 -m mlx_lm server --model $M --port $P > $T/mlxlm-$preset-$bits.log 2>&1 &
