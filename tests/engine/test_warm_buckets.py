@@ -375,3 +375,35 @@ def test_the_start_says_when_kernels_are_being_built_and_waits_for_the_first_tok
     w = Warming(model, cfg)
     assert w.before_serving(float("inf")) == ""
     assert (128, 0) in ran and not w.pending
+
+
+def test_a_cold_engine_says_it_is_ready_serves_and_warms_up_while_idle(
+    tmp_path_factory, monkeypatch
+):
+    """A real engine on the lone path with the cold rule on (as on a fresh CUDA machine):
+    ready after the first token, its first request answered as a plain engine answers it,
+    and the pieces run in idle time afterwards."""
+    import time
+
+    from engine_runner import load_varied_model, request, running_engine, solo
+
+    model, tokenizer, _ = load_varied_model(tmp_path_factory)
+    lines: list[str] = []
+    monkeypatch.setattr(warming, "log", lines.append)
+    monkeypatch.setattr(warming, "builds_kernels_on_first_use", lambda: True)
+    monkeypatch.setattr(warming, "COLD_FIRST_TOKEN_S", 0.0)
+    tokens = tokenizer.encode("the quick brown fox jumps over the lazy dog " * 3)
+    cfg = {"max_batch_size": 2, "prefill_step_size": 256, "solo": True}
+    with running_engine(
+        model, tokenizer, warm_up=True, prefill_buckets=True, warm_idle_s=0.05, **cfg
+    ) as cold:
+        (got,) = solo(cold, [request(tokens, 12, ignore_eos=True)])
+        deadline = time.monotonic() + 60
+        while not any(x.startswith("Warm-up: done while idle") for x in lines):
+            assert time.monotonic() < deadline, lines
+            time.sleep(0.05)
+    with running_engine(model, tokenizer, **cfg) as plain:
+        (want,) = solo(plain, [request(tokens, 12, ignore_eos=True)])
+    assert got.text == want.text and got.finished.usage.completion_tokens == 12
+    first = next(x for x in lines if x.startswith("Warm-up:"))
+    assert first.startswith("Warm-up: the first token in "), lines
