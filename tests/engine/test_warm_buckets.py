@@ -325,6 +325,7 @@ def test_cold_nothing_runs_before_readiness_and_a_first_request_s_pieces_come_fi
         assert plan.before_ready() == 0.0 and ran == []
         assert plan.pending and plan.batch1_deferred
         assert plan.deferred_buckets == 5 and plan.deferred_samplers == 2
+        assert plan.budget_s == 300.0  # idle time's own twice 100 s, and the readiness line's
         while plan.pending:
             plan.step()
         first = [(16, 64), (32, 64), (64, 64), (-1, 0), (-2, 0)]

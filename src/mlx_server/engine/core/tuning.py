@@ -280,11 +280,13 @@ class WarmUp:
         seconds to half a minute), and the first request still built the kernels of its
         own prompt length for 27 s; now the server says it is ready once the model has
         computed a token, and a request sent at once builds only what it meets (idle time
-        starts ``warm_idle_s`` after it)."""
+        starts ``warm_idle_s`` after it). The readiness line's budget, unspent, goes to idle
+        time's: the warm-up may do as much in all as it would have."""
         first = (
             [*short, *self._samplers, batch1] if self.solo else [batch1, *short, *self._samplers]
         )
         self._later = first + long + self._first + self._later
+        self.budget_s += self.ready_budget_s
         self.batch1_deferred = True
         self.deferred_buckets = len(short) + len(long)
         self.deferred_samplers = len(self._samplers)
