@@ -1,10 +1,12 @@
 """Constrained against free decoding through the engine (no HTTP), N streams at a time.
 
-For each N (``--streams``) and round, three runs of N concurrent requests on one model, in
-an order that rotates each round: ``free`` (``ignore_eos``, so it runs to ``--max-tokens``),
-``batched`` (a ``response_format``-style JSON schema, grammars masked for the whole batch:
-the default ``BatchRunner``) and ``per_row`` (the same schema through mlx-lm's per-row
-processor calls: ``BatchRunner(batch_grammars=False)``). The schema asks for a string longer
+For each N (``--streams``) and round, one run per mode (``--modes``) of N concurrent
+requests on one model, in an order that rotates each round: ``free`` (``ignore_eos``, so it
+runs to ``--max-tokens``), ``batched`` (a ``response_format``-style JSON schema, grammars
+masked for the whole batch, the masks filled on a worker thread while the forward pass is
+launched: ``BatchRunner(launch_first=False)``), ``launched`` (the same, the pass queued
+before the fed tokens are read: ``launch_first=True``) and ``per_row`` (the same schema
+through mlx-lm's per-row processor calls: ``BatchRunner(batch_grammars=False)``). The schema asks for a string longer
 than ``--max-tokens`` can hold, so a constrained answer runs to the limit too. One stream
 takes the lone-request path in every mode (its grammar is one per-row processor either way).
 
@@ -13,7 +15,7 @@ stream's first token to the last stream's last one. Prints one JSON line per run
 summary per N with the median ratios constrained / free.
 
     PYTHONPATH=src .venv/bin/python bench/constrained_engine.py [--model DIR]
-        [--streams 1,8] [--rounds 3] [--max-tokens 64]
+        [--streams 1,8] [--rounds 3] [--max-tokens 64] [--modes free,batched,launched,per_row]
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from mlx_server.engine.runners.solo import LoneFirstRunner, SoloRunner
 from mlx_server.events import Finished
 from mlx_server.types import GenerationRequest, SamplingParams
 
-MODES = ("free", "batched", "per_row")
+MODES = ("free", "batched", "launched", "per_row")
 
 
 def essay_schema(max_tokens: int) -> dict[str, Any]:
@@ -51,7 +53,9 @@ def essay_schema(max_tokens: int) -> dict[str, Any]:
     }
 
 
-def make_engine(model: Any, tokenizer: Any, batch_grammars: bool, streams: int) -> Engine:
+def make_engine(
+    model: Any, tokenizer: Any, batch_grammars: bool, streams: int, launch_first: bool = False
+) -> Engine:
     eos = sorted(int(t) for t in tokenizer.eos_token_ids)
     step = 512
     batch = BatchRunner(
@@ -61,6 +65,7 @@ def make_engine(model: Any, tokenizer: Any, batch_grammars: bool, streams: int) 
         prefill_step_size=step,
         keep_caches=False,
         batch_grammars=batch_grammars,
+        launch_first=launch_first,
     )
     runner = LoneFirstRunner(SoloRunner(model, eos, prefill_step_size=step), batch)
     config = EngineConfig(
@@ -129,20 +134,25 @@ def main() -> None:
     p.add_argument("--streams", default="1,8")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--modes", default=",".join(MODES))
     a = p.parse_args()
+    modes = tuple(m for m in MODES if m in a.modes.split(","))
+    assert modes[0] == "free", "the ratios are against free decoding"
+
     model, tokenizer = load(a.model)[:2]
     compiler = ConstraintCompiler(tokenizer)
     for n in [int(x) for x in a.streams.split(",")]:
         batched = make_engine(model, tokenizer, True, n)
-        engines = {
-            "free": batched,
-            "batched": batched,
-            "per_row": make_engine(model, tokenizer, False, n),
-        }
-        ratios: dict[str, list[float]] = {"batched": [], "per_row": []}
+        engines = {"free": batched, "batched": batched}
+        if "launched" in modes:
+            engines["launched"] = make_engine(model, tokenizer, True, n, launch_first=True)
+        if "per_row" in modes:
+            engines["per_row"] = make_engine(model, tokenizer, False, n)
+        ratios: dict[str, list[float]] = {m: [] for m in modes if m != "free"}
         try:
             for r in range(a.rounds + 1):  # round 0 warms up, untimed
-                order = MODES[r % 3 :] + MODES[: r % 3]
+                k = r % len(modes)
+                order = modes[k:] + modes[:k]
                 rates = {}
                 for mode in order:
                     reqs = requests(tokenizer, compiler, mode, n, a.max_tokens)
@@ -159,9 +169,12 @@ def main() -> None:
                     for mode in ratios:
                         ratios[mode].append(rates[mode] / rates["free"])
         finally:
-            engines["free"].shutdown(timeout=10)
-            engines["per_row"].shutdown(timeout=10)
+            for m, engine in engines.items():
+                if m != "batched":  # the same engine as free's
+                    engine.shutdown(timeout=10)
         summary = {f"{m}_over_free": round(statistics.median(v), 3) for m, v in ratios.items()}
+        spread = {f"{m}_range": [round(min(v), 3), round(max(v), 3)] for m, v in ratios.items()}
+        summary.update(spread)
         print(json.dumps({"summary": a.model, "streams": n, **summary}), flush=True)
 
 

@@ -226,6 +226,57 @@ def test_eight_rows_stop_drafting_within_two_steps_and_decode_plainly(tiny: Any)
     assert log.steps[why.RATE] > 10 and log.shadow_drafted > 0
 
 
+class Gappy:
+    """Drafts what the model will say, except at ``gaps`` (positions of the answer where
+    it has nothing to propose: a code edit's new names)."""
+
+    def __init__(self, prompt_len: int, answer: list[int], gaps: set[int]):
+        self.start, self.answer, self.gaps = prompt_len, answer, gaps
+
+    def propose(self, context: list[int], k: int) -> list[int]:
+        at = len(context) - self.start
+        return [] if at in self.gaps else self.answer[at : at + k]
+
+
+def test_rows_with_nothing_to_propose_at_a_drafting_step_keep_their_rates(tiny: Any) -> None:
+    """In a batch, a row whose drafter has nothing at a drafting step pauses and keeps its
+    rate, as a lone sequence does (rejections set it to 0): drafting goes on after each
+    gap, and the output is plain greedy decoding's."""
+    model, tok = tiny
+    texts = ["def add(a, b):", "The quick brown fox.", "Hello world!", "Paris is"]
+    prompts = [_prompt(tok, t) for t in texts]
+    n = 64
+    greedy = [make_sampler(SamplingParams(temperature=0.0))] * len(prompts)
+    gaps = {g + d for g in range(12, n, 12) for d in range(4)}  # 4 of every 12 positions
+
+    def run(gappy: bool) -> tuple[list[list[int]], PlanLog, list[float]]:
+        gen = BatchGenerator(model, completion_batch_size=8, prefill_batch_size=8)
+        log = PlanLog()
+        spec = BatchSpeculator(8, log=log, costs=GpuLikeCosts(8))
+        install(gen, spec)
+        uids = gen.insert(prompts, max_tokens=[n] * len(prompts), samplers=greedy)
+        for u, p, w in zip(uids, prompts, want or [], strict=False):
+            spec.rows[u] = RowSpec(Gappy(len(p), w, gaps if gappy else set()))
+        out: dict[int, list[int]] = {u: [] for u in uids}
+        lowest: list[float] = []  # the lowest rate among the rows, after each step
+        for _ in range(10 * n):  # bounded: each step answers every row
+            for r in gen.next_generated():
+                out[r.uid].append(r.token)
+            if spec.rows and log.verify_steps:
+                lowest.append(min(s.record.rate for s in spec.rows.values()))
+            if all(len(v) == n for v in out.values()):
+                break
+        gen.close()
+        return [out[u] for u in uids], log, lowest
+
+    want: list[list[int]] = []
+    want, _, _ = run(False)
+    got, log, lowest = run(True)
+    assert got == want
+    assert log.accepted >= n * len(prompts) // 2  # drafting went on past every gap
+    assert all(b >= a for a, b in zip(lowest, lowest[1:], strict=False))  # no rate ever fell
+
+
 def test_a_try_with_nothing_to_propose_pauses_without_lowering_the_rate() -> None:
     """A shadowed drafter with nothing to propose at a drafting step (a code edit's new
     name): the rate stays, the sequence decodes plainly 1, then 2, 4, 8 steps (asking costs

@@ -44,6 +44,14 @@ IDLE_BUDGETS = 2  # idle time's warm-up budget, in budgets of the readiness line
 # built now (an empty kernel cache: seconds per kernel), not read from disk (milliseconds):
 # the rest of the warm-up then waits for idle time (``WarmUp``, ``cold``).
 COLD_FIRST_TOKEN_S = 3.0
+# A decode step with grammars (``runners.batch_step.DecodeStep``): False reads the fed
+# tokens, then fills the masks on a worker thread while this one launches the forward pass
+# (the host's two jobs overlap; the device waits for the read and the launch); True queues
+# the pass behind the previous step first, as free decoding does, then reads and fills
+# (the device never waits for the host; the host's jobs run one after the other). Which is
+# faster depends on whether the step is bound by the host or the device
+# (``bench/constrained_engine.py``, modes ``batched`` and ``launched``).
+GRAMMAR_LAUNCH_FIRST = False
 
 
 def bucket(n: int, limit: int) -> int:

@@ -39,10 +39,14 @@ class BatchRunner:
         grammar_masks: GrammarMasks | None = None,
         batch_grammars: bool = True,
         by_group: bool = True,
+        launch_first: bool | None = None,
     ):
         """``batch_grammars=False`` leaves grammars to mlx-lm's per-row processor calls
         (the way before the batched masks; kept to compare against); ``by_group=False``
-        leaves processors and sampling to mlx-lm's step (row by row when rows differ)."""
+        leaves processors and sampling to mlx-lm's step (row by row when rows differ);
+        ``launch_first``: the masked step's order (``tuning.GRAMMAR_LAUNCH_FIRST`` when
+        None)."""
+        self._launch_first = launch_first
         self.model = model
         self._eos = eos
         self._max_batch = max_batch_size
@@ -79,6 +83,7 @@ class BatchRunner:
                 self._grammars,
                 self._grammar_masks,
                 by_group=self._by_group,
+                launch_first=self._launch_first,
             )
         return gen
 

@@ -30,6 +30,7 @@ from typing import Any, cast
 
 import mlx.core as mx
 
+from mlx_server.engine.core import tuning
 from mlx_server.engine.grammar.masks import BatchGrammar, GrammarMasks
 from mlx_server.engine.grammar.processor import GrammarLogitsProcessor
 from mlx_server.engine.sampling.rows import process_rows, sample_by_group
@@ -65,8 +66,12 @@ class DecodeStep:
         masks: Callable[[], GrammarMasks],
         *,
         by_group: bool = True,
+        launch_first: bool | None = None,
     ):
-        """``by_group=False``: leave processors and sampling to mlx-lm (grammars only)."""
+        """``by_group=False``: leave processors and sampling to mlx-lm (grammars only);
+        ``launch_first``: queue a masked step's forward pass before reading the tokens its
+        masks need (None: ``tuning.GRAMMAR_LAUNCH_FIRST``)."""
+        self._launch_first = tuning.GRAMMAR_LAUNCH_FIRST if launch_first is None else launch_first
         self.model = model
         self._batch = batch
         self._grammars = grammars
@@ -133,18 +138,23 @@ class DecodeStep:
 
     def _masked(self, inputs: mx.array, cache: Any, rows: list[BatchGrammar | None]) -> mx.array:
         # The fed tokens are scheduled apart, so reading them waits for the previous step
-        # only (a read of anything queued after the forward pass would wait for all of
-        # it). The grammars consume them and fill their masks on the masks' worker thread
-        # while this one launches the pass (with one core to spare, here after the launch,
-        # while the device runs it); the masks are applied before sampling.
+        # only (a read of anything queued after the forward pass would wait for all of it).
         mx.async_eval(inputs)
         logits = cast(mx.array, self.model(inputs, cache=cache))[:, -1, :]
+        if self._launch_first:
+            # The pass is queued behind the previous step before its tokens are read, as
+            # free decoding's is: the device never waits for the host's read and fill.
+            mx.async_eval(logits)
         tokens = [row[-1] for row in cast(list[list[int]], inputs.tolist())]
         masks = self._masks()
         plan = masks.plan(rows, tokens)
         if plan is None:
             return logits
         vocab = logits.shape[-1]
+        if self._launch_first:  # the fill runs here, while the device runs the pass
+            return masks.mask(masks.compute(plan, vocab), logits)
+        # Otherwise the grammars consume and fill on the masks' worker thread while this
+        # one launches the pass (with one core to spare, here after the launch).
         pending = masks.submit(plan, vocab) if masks.overlap else None
         mx.async_eval(logits)
         plan = pending.result() if pending is not None else masks.compute(plan, vocab)

@@ -265,7 +265,9 @@ class BatchPlan:
         rates = [r.rate if r is not None else 0.0 for r in rows]
         self._step = (b, rates)
         # Shadowed rows' rates are current: they draft as soon as it pays.
-        shadowed = [self.max_k if r is not None and not r.backs_off else 0 for r in rows]
+        shadowed = [
+            self.max_k if r is not None and not r.backs_off and r.ready else 0 for r in rows
+        ]
         if any(shadowed) and self.costs.best(b, rates, shadowed) > 0:
             return self._say(True, why.DRAFTS)
         if all(r is None or not r.backs_off for r in rows):  # no row probes: rates decide
