@@ -162,21 +162,35 @@ def mixed_requests(tokenizer: Any, compiler: ConstraintCompiler) -> list[Any]:
 
 def test_a_mixed_batch_gives_valid_json_and_the_per_row_path_s_tokens(model, tokenizer, compiler):
     """The batch path (masks computed inline after the launch with one thread, on the
-    worker thread with two) and the per-row path give the same tokens, the constrained
-    ones valid JSON that ends at the grammar's end."""
+    worker thread with two, or after queueing the pass before reading the fed tokens:
+    ``launch_first``) and the per-row path give the same tokens, the constrained ones
+    valid JSON that ends at the grammar's end."""
     schemas = SCHEMAS[:2] + [None] + SCHEMAS[2:] + [None]
-    runs = {"per_row": (False, 1), "inline": (True, 1), "worker": (True, 2)}
+    runs = {
+        "per_row": (False, 1, False),
+        "inline": (True, 1, False),
+        "worker": (True, 2, False),
+        "launched": (True, 2, True),
+    }
     outputs, masks = {}, {}
-    for name, (batched, threads) in runs.items():
+    for name, (batched, threads, first) in runs.items():
         masks[name] = GrammarMasks(threads=threads)
         assert masks[name].overlap == (threads > 1)
-        engine = engine_with(model, tokenizer, batch_grammars=batched, grammar_masks=masks[name])
+        engine = engine_with(
+            model,
+            tokenizer,
+            batch_grammars=batched,
+            grammar_masks=masks[name],
+            launch_first=first,
+        )
         try:
             outputs[name] = drive(engine, generate_all(engine, mixed_requests(tokenizer, compiler)))
         finally:
             engine.shutdown(timeout=10)
     assert masks["per_row"].steps == 0  # mlx-lm's per-row calls did all the masking
-    for name in ("inline", "worker"):
+    # The worker thread fills while the pass is launched; launched first, the fill is inline.
+    assert masks["worker"].submitted > 10 and masks["launched"].submitted == 0
+    for name in ("inline", "worker", "launched"):
         assert masks[name].steps > 10 and masks[name].rows > 2 * masks[name].steps
         for new, old, schema in zip(outputs[name], outputs["per_row"], schemas, strict=True):
             assert (new.text, new.reason) == (old.text, old.reason), name

@@ -198,3 +198,27 @@ def test_a_lone_sequence_whose_pass_was_measured_too_dear_measures_it_again() ->
     assert log.steps[why.EXPLORE] >= 1  # it measured again...
     assert log.steps[why.DRAFTS] > 100  # ...and drafts since
     assert steps < 1000  # the first explore waits out the spacing of a 20-step pass: 634
+
+
+def test_a_batch_of_lookups_whose_pass_was_measured_too_dear_measures_it_again() -> None:
+    """Shadowed rows only (prompt lookup): their rates decide, and a pass measured too dear
+    (its first samples on a busy machine, or still building) is measured again now and
+    then, as a lone sequence's is; drafting then goes on at the pass's true cost."""
+    log = PlanLog()
+    plan = BatchPlan(8, log=log)
+    rows = [Acceptance(0.9, backs_off=False) for _ in range(4)]
+    dear, cheap = 0.200, 0.015
+    drafted = steps = 0
+    while steps < 3000:
+        steps += 1
+        if plan.worth_trying(rows) and plan.choose(rows, [8] * 4):
+            plan.record_draft(4, 8, dear if drafted < 2 else cheap)
+            plan.record_try(32, 32)
+            drafted += 1
+        else:
+            plan.record_plain(4, T0)
+        if drafted > 2 and log.steps[why.DRAFTS] > 100:
+            break
+    assert log.steps[why.EXPLORE] >= 1  # it measured again...
+    assert log.steps[why.DRAFTS] > 100  # ...and drafts since
+    assert steps < 1000  # the first explore waits out the spacing of a 20-step pass: 634

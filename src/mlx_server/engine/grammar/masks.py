@@ -84,6 +84,7 @@ class GrammarMasks:
         self._buffers: dict[tuple[int, int], np.ndarray] = {}
         self.steps = 0  # steps that masked at least one row
         self.rows = 0  # rows masked, over all steps
+        self.submitted = 0  # steps whose masks were filled on the worker thread
 
     def apply(
         self, grammars: Sequence[BatchGrammar | None], tokens: Sequence[int], logits: mx.array
@@ -120,6 +121,7 @@ class GrammarMasks:
         """``compute`` on this object's worker thread."""
         if self._worker is None:
             self._worker = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
+        self.submitted += 1
         return self._worker.submit(self.compute, plan, vocab)
 
     def mask(self, plan: MaskPlan, logits: mx.array) -> mx.array:

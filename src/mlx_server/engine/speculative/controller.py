@@ -236,10 +236,11 @@ class BatchPlan:
     accepted, wait 4, 8, ... steps), so the unaligned probes of rows that back off (a
     draft model's) do not each cost it a step. Now and
     then (``EXPLORE_EVERY`` steps at a batch size that does not draft, while some row's
-    drafts are accepted at all) one step drafts anyway, to measure its cost afresh. Those
+    drafts are accepted at all; for shadowed rows, while their rates say a free pass would
+    pay) one step drafts anyway, to measure its cost afresh. Those
     two, and a try after backing off, come at most once in ``spacing`` steps."""
 
-    EXPLORE_EVERY = 256
+    EXPLORE_EVERY = 64  # at least; and never more often than ``spacing`` (PROBE_SHARE)
     EXPLORE_RATE = 0.1
 
     def __init__(self, max_k: int, costs: StepCosts | None = None, log: PlanLog | None = None):
@@ -272,6 +273,8 @@ class BatchPlan:
             return self._say(True, why.DRAFTS)
         if all(r is None or not r.backs_off for r in rows):  # no row probes: rates decide
             paid = self.costs.best(b, rates, shadowed, free=True)
+            if paid and self._explore(b, since, rates):  # is the measured cost still right?
+                return self._say(True, why.EXPLORE)
             return self._say(False, why.COST if paid else why.RATE)
         if not self.tries.ready:
             self.tries.tick()
@@ -284,13 +287,20 @@ class BatchPlan:
             if self.tries.fails and since < spacing(self.costs, b, k):
                 return self._say(False, why.BACKING_OFF)  # a try after failures: too soon
             return self._say(True, why.DRAFTS)
-        explore = max(self.EXPLORE_EVERY, spacing(self.costs, b, self.max_k))
-        if since >= explore and max(rates) >= self.EXPLORE_RATE:
-            self._forced = True
-            self._undrafted[b] = 0  # counted from here, whether or not rows had drafts
+        if self._explore(b, since, rates):
             return self._say(True, why.EXPLORE)
         paid = self.costs.best(b, rates, lengths, free=True)
         return self._say(False, why.COST if paid else why.RATE)
+
+    def _explore(self, b: int, since: int, rates: list[float]) -> bool:
+        """Whether this step drafts anyway, to measure the pass's cost afresh: once in
+        ``EXPLORE_EVERY`` steps at this batch size, and no more often than ``spacing``."""
+        explore = max(self.EXPLORE_EVERY, spacing(self.costs, b, self.max_k))
+        if since < explore or max(rates) < self.EXPLORE_RATE:
+            return False
+        self._forced = True
+        self._undrafted[b] = 0  # counted from here, whether or not rows had drafts
+        return True
 
     def _say(self, drafts: bool, reason: str) -> bool:
         if self.log is not None:
