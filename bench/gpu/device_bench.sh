@@ -11,7 +11,8 @@
 #      LAYERS=1 (0: skip layers.py), LAYERS_ARGS (e.g. "--skip batch,engine"), LAYERS_ONLY (model names, e.g. "1b-0").
 #      SCEN (bench_openai.py scenarios per server; default burst,single,concurrency,prefix),
 #      VARIANTS=1 (variants.py against ours: one stream per request variant vs the raw engine doing the same),
-#      CONSTRAINED=1 (json_schema vs free at LEVELS, ours), LONG_CTX (model names, e.g. "8b-4": the agent session,
+#      CONSTRAINED=1 (json_schema vs free at LEVELS, ours), CONSTRAINED_ENGINE=1 (constrained_engine.py, no HTTP: the
+#      masked step's two orders, batched and launched, against free decoding at 8 and 32 streams), LONG_CTX (model names, e.g. "8b-4": the agent session,
 #      ~27,670-token system prompt then two turns, run first for its model; LONG_SERVERS="ours mlxlm": ours with
 #      defaults and --ctx-size 40000, oursram the same with the RAM tier alone (--prompt-cache-dir ''), mlxlm
 #      mlx_lm.server; LONG_TOKENS=23470 is the target given to make_system_prompt: about 27,670 tokens with
@@ -29,7 +30,7 @@ T=$OUT/logs; mkdir -p $T
 MODELS=${MODELS:-"1b:4 1b:0 8b:4"}; LEVELS=${LEVELS:-1,8,32}; SERVERS=${SERVERS-"ours mlxlm"}
 SRC=${SRC:-$([ -d $K/src/mlx_server ] && echo $K/src || echo $PWD/src)}; OURS_ARGS=${OURS_ARGS:-}; BENCH=${BENCH:-$K}; PROFILE=${PROFILE:-1b-0}; LAYERS=${LAYERS:-1}
 LAYERS_ARGS=${LAYERS_ARGS:-}; LAYERS_ONLY=${LAYERS_ONLY:-}; SCEN=${SCEN:-burst,single,concurrency,prefix}
-VARIANTS=${VARIANTS:-0}; CONSTRAINED=${CONSTRAINED:-0}; LONG_CTX=${LONG_CTX:-}; LONG_SERVERS=${LONG_SERVERS:-"ours mlxlm"}
+VARIANTS=${VARIANTS:-0}; CONSTRAINED=${CONSTRAINED:-0}; CONSTRAINED_ENGINE=${CONSTRAINED_ENGINE:-0}; LONG_CTX=${LONG_CTX:-}; LONG_SERVERS=${LONG_SERVERS:-"ours mlxlm"}
 RAW=${RAW:-1}; FRESH_KERNELS=${FRESH_KERNELS:-0}; PTX=${PTX:-/tmp/ptx}
 exec > >(tee -a "$L") 2>&1
 K=$K S=$S bash "$(cd "$(dirname "$0")" && pwd)/install.sh" || exit 1
@@ -82,6 +83,11 @@ for spec in $MODELS; do
   # The agent session first: on a short lease it is the figure wanted most.
   [[ " $LONG_CTX " == *" $preset-$bits "* ]] && long_ctx
   [ "$RAW" = 1 ] && timeout 120 python3 $BENCH/raw_engine.py --model $M --label "raw $preset-$bits" --ignore-eos --max-tokens 256 --repeats 3 --out "$R" >/dev/null
+  if [ "$CONSTRAINED_ENGINE" = 1 ]; then
+    timeout 300 python3 $PWD/bench/constrained_engine.py --model $M --streams 8,32 --modes free,batched,launched \
+      --rounds 5 --max-tokens 128 > $T/constrained-engine-$preset-$bits.log 2>&1
+    grep summary $T/constrained-engine-$preset-$bits.log
+  fi
   if [ "$LAYERS" = 1 ] && { [ -z "$LAYERS_ONLY" ] || [[ " $LAYERS_ONLY " == *" $preset-$bits "* ]]; }; then
     timeout 240 python3 $BENCH/layers.py --model $M --label "layers $preset-$bits" --levels "$LEVELS" $LAYERS_ARGS --out "$R" > $T/layers-$preset-$bits.log 2>&1
   fi
