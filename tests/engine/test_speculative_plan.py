@@ -275,6 +275,7 @@ def test_rows_with_nothing_to_propose_at_a_drafting_step_keep_their_rates(tiny: 
     assert got == want
     assert log.accepted >= n * len(prompts) // 2  # drafting went on past every gap
     assert all(b >= a for a, b in zip(lowest, lowest[1:], strict=False))  # no rate ever fell
+    assert log.steps[why.PAUSED] > 0  # the steps the gaps paused are logged as such
 
 
 def test_a_try_with_nothing_to_propose_pauses_without_lowering_the_rate() -> None:

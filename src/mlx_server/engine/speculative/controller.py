@@ -171,7 +171,7 @@ class DraftLength:
             return self._plain(why.MEASURING)
         if not acc.ready:
             acc.tick()
-            return self._plain(why.BACKING_OFF)
+            return self._plain(why.BACKING_OFF if acc.backs_off else why.PAUSED)
         k = self.costs.best(1, [acc.rate], [self.max_k])
         if k > 0:
             return self._draft(k, why.DRAFTS)
@@ -275,6 +275,8 @@ class BatchPlan:
             paid = self.costs.best(b, rates, shadowed, free=True)
             if paid and self._explore(b, since, rates):  # is the measured cost still right?
                 return self._say(True, why.EXPLORE)
+            if not paid and any(r is not None and not r.ready for r in rows):
+                return self._say(False, why.PAUSED)  # rows whose drafters had nothing wait
             return self._say(False, why.COST if paid else why.RATE)
         if not self.tries.ready:
             self.tries.tick()

@@ -28,6 +28,7 @@ MEASURING = "plain: measuring the plain step"
 RATE = "plain: drafts are not accepted enough to pay even for free"
 COST = "plain: verifying costs more than the accepted drafts yield"
 BACKING_OFF = "plain: backing off after failed tries"
+PAUSED = "plain: paused after a try with nothing to propose"
 NO_DRAFT = "plain: the drafter had nothing"
 LAST = "plain: at the token limit"
 
