@@ -270,3 +270,22 @@ def test_a_variant_the_model_ends_at_once_is_a_run_without_a_rate():
         ],
     )  # fmt: skip
     assert row["ratio_per_round"]["all"] == [0.9] and row["ours_ttft_s"] == 0.2
+
+
+def test_the_constrained_engine_script_compares_both_masked_orders(tiny_model_dir):
+    """``bench/constrained_engine.py`` (the kit's ``CONSTRAINED_ENGINE=1``): every mode runs
+    its streams to the token limit and the summary gives each order against free decoding."""
+    script = KIT.parent / "constrained_engine.py"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.run(
+        [sys.executable, str(script), "--model", str(tiny_model_dir), "--streams", "2",
+         "--modes", "free,batched,launched", "--rounds", "1", "--max-tokens", "6"],
+        capture_output=True, text=True, timeout=240, env=env,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{")]
+    runs = [x for x in lines if "mode" in x]
+    assert {x["mode"] for x in runs} == {"free", "batched", "launched"}
+    assert all(x["tokens"] == [6, 6] and x["reasons"] == ["length"] for x in runs)
+    (summary,) = [x for x in lines if "summary" in x]
+    assert summary["batched_over_free"] > 0 and summary["launched_over_free"] > 0
