@@ -374,6 +374,8 @@ class Bench:
                     note_error(res, obj)
                     if obj.get("usage"):
                         res["usage"] = obj["usage"]
+                    if obj.get("timings"):  # this server's (llama.cpp's) final-chunk timings
+                        res["timings"] = obj["timings"]
                     for ch in obj.get("choices") or []:
                         content = (ch.get("delta") or {}).get("content")
                         if content:
@@ -420,6 +422,8 @@ class Bench:
                 note_error(res, obj)
                 if obj.get("usage"):
                     res["usage"] = obj["usage"]
+                if obj.get("timings"):
+                    res["timings"] = obj["timings"]
                 for ch in obj.get("choices") or []:
                     delta = ch.get("delta") or {}
                     content = delta.get("content")
@@ -626,10 +630,26 @@ class Bench:
                 "token_count_source": results[0]["token_count_source"],
                 "server_cpu_s_per_1k_tok": cpu_per_1k,
             }
+            # Where the server sends its timings: each stream's prefill as the engine saw it
+            # (from its admission to its first token); a client's TTFT above it is the queue,
+            # the HTTP side and the first token's delivery. Equal figures across a burst mean
+            # one prefill wave; a spread, waves.
+            prompt_ms = [
+                r["timings"]["prompt_ms"] for r in results if "prompt_ms" in r.get("timings", {})
+            ]
+            if prompt_ms:
+                lvl["server_prompt_ms_p50"] = pct(prompt_ms, 50)
+                lvl["server_prompt_ms_min"] = min(prompt_ms)
+                lvl["server_prompt_ms_max"] = max(prompt_ms)
             levels.append(lvl)
             log(
                 f"concurrency N={n}: agg={lvl['aggregate_tok_s']:.1f} tok/s "
                 f"ttft p50={lvl['ttft_p50_s']:.3f}s p95={lvl['ttft_p95_s']:.3f}s"
+                + (
+                    f" (server prefill {lvl['server_prompt_ms_min']:.0f}-{lvl['server_prompt_ms_max']:.0f} ms)"
+                    if prompt_ms
+                    else ""
+                )
             )
         out = self.common("concurrency")
         out["max_tokens"] = a.conc_max_tokens

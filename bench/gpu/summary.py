@@ -106,6 +106,15 @@ def main(path: str) -> None:
                         for x in r["levels"]
                     ],
                 )
+                pre = [
+                    (x["n"], x.get("server_prompt_ms_min"), x.get("server_prompt_ms_max"))
+                    for x in r["levels"]
+                ]
+                if any(lo is not None for _, lo, _ in pre):  # one prefill wave: min ≈ max
+                    print(
+                        f"  {who:6} server prefill ms (N, min, max):",
+                        [(n, round(lo or 0), round(hi or 0)) for n, lo, hi in pre],
+                    )
                 cpu = [(x["n"], x.get("server_cpu_s_per_1k_tok")) for x in r["levels"]]
                 if any(c is not None for _, c in cpu):
                     print(

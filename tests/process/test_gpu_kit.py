@@ -130,6 +130,12 @@ def test_the_server_cpu_per_token_is_reported(results):
         *(x["server_cpu_s_per_1k_tok"] for x in conc["levels"]),
     ]:
         assert value is not None and value > 0
+    # Each level's prefill as the server timed it (its final chunk's timings), to tell a
+    # burst's one prefill wave from several.
+    for x in conc["levels"]:
+        assert (
+            0 < x["server_prompt_ms_min"] <= x["server_prompt_ms_p50"] <= x["server_prompt_ms_max"]
+        )
 
 
 def test_a_process_cpu_time_is_read_with_or_without_proc():
