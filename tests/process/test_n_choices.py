@@ -155,7 +155,13 @@ def test_streamed_n_matches_collected(demo):
         for ch in c["choices"]:
             texts[ch["index"]] += ch["delta"].get("content") or ""
     assert texts == [c["message"]["content"] for c in whole["choices"]]
-    assert chunks[-1]["usage"] == whole["usage"]
+    # The same counts; the cached share may differ: the first request's prompt is in the
+    # prefix cache for the second, and earlier tests on the same server may have put it
+    # there for the first too.
+    streamed, collected = dict(chunks[-1]["usage"]), dict(whole["usage"])
+    for u in (streamed, collected):
+        assert 0 <= u.pop("prompt_tokens_details")["cached_tokens"] < u["prompt_tokens"]
+    assert streamed == collected
 
 
 @pytest.mark.demo

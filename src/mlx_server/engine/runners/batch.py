@@ -22,6 +22,7 @@ from mlx_server.engine.core.wired import hands_off
 from mlx_server.engine.grammar.masks import GrammarMasks
 from mlx_server.engine.runners.base import Insert, KVState, Progress, Response
 from mlx_server.engine.runners.batch_step import DecodeStep, RowGrammar, row_grammar
+from mlx_server.engine.sampling.logprobs import BATCH_TOP, PickedValues
 from mlx_server.engine.sampling.samplers import LogitsProcessor, Sampler
 
 
@@ -56,6 +57,10 @@ class BatchRunner:
         self._by_group = by_group
         self._masks = grammar_masks
         self._grammars: dict[int, RowGrammar] = {}  # BatchGenerator's number -> its grammar
+        # BatchGenerator's number -> how many alternatives its log-probabilities list, for
+        # the rows that ask (computed in the decode step's graph: ``DecodeStep``)
+        self._wants: dict[int, int] = {}
+        self._decode: DecodeStep | None = None
         self._gen = self._new_generator()
         self._uid: dict[int, int] = {}  # BatchGenerator's number -> the scheduler's uid
         self._gen_uid: dict[int, int] = {}  # and back
@@ -77,13 +82,14 @@ class BatchRunner:
         if self._batch_grammars or self._by_group:
             # The decode batch lives as long as the generator (it grows and shrinks in place).
             decode = gen._generation_batch
-            decode.model = DecodeStep(
+            decode.model = self._decode = DecodeStep(
                 decode.model,
                 decode,
                 self._grammars,
                 self._grammar_masks,
                 by_group=self._by_group,
                 launch_first=self._launch_first,
+                wants=self._wants,
             )
         return gen
 
@@ -102,6 +108,9 @@ class BatchRunner:
             job.sampler,
             job.processors,
         )
+        k = job.request.top_logprobs
+        if job.request.logprobs and 0 <= k <= BATCH_TOP and self._by_group:
+            self._wants[self._gen_uid[job.uid]] = k
 
     def join(
         self,
@@ -131,6 +140,7 @@ class BatchRunner:
 
     def step(self) -> tuple[list[Progress], list[Response]]:
         progress, responses = self._gen.next()
+        picks = self._read_picks()
         ours = self._uid
         out = [
             Progress(ours[p.uid], p.progress, p.end_of_segment, p.end_of_prompt)
@@ -142,8 +152,17 @@ class BatchRunner:
             uid = ours.get(r.uid)
             if uid is None:
                 continue
+            picked = picks.get(r.uid) if picks else None
             answers.append(
-                Response(uid, r.token, r.logprobs, r.finish_reason, r.prompt_cache, r.all_tokens)
+                Response(
+                    uid,
+                    r.token,
+                    r.logprobs,
+                    r.finish_reason,
+                    r.prompt_cache,
+                    r.all_tokens,
+                    picked=picked,
+                )
             )
             if r.finish_reason is not None:  # BatchGenerator has let it go
                 self._forget(uid)
@@ -166,10 +185,11 @@ class BatchRunner:
 
     def reset(self) -> None:
         self._gen.close()
-        self._gen = self._new_generator()
         self._uid.clear()
         self._gen_uid.clear()
         self._grammars.clear()
+        self._wants.clear()
+        self._gen = self._new_generator()
 
     def close(self) -> None:
         self._gen.close()
@@ -179,8 +199,18 @@ class BatchRunner:
     def stats(self) -> dict[str, Any]:
         return {}
 
+    def _read_picks(self) -> dict[int, PickedValues] | None:
+        """The log-probability figures of the tokens this step read (made in the step that
+        sampled them, so reading them waits for nothing): by BatchGenerator's number."""
+        decode = self._decode
+        if decode is None or decode.ready is None:
+            return None
+        ready, decode.ready = decode.ready, None
+        return ready.read()
+
     def _forget(self, uid: int) -> None:
         gen_uid = self._gen_uid.pop(uid, None)
         if gen_uid is not None:
             self._uid.pop(gen_uid, None)
             self._grammars.pop(gen_uid, None)
+            self._wants.pop(gen_uid, None)

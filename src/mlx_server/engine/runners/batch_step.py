@@ -29,10 +29,12 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 import mlx.core as mx
+from mlx_lm.generate import GenerationBatch
 
 from mlx_server.engine.core import tuning
 from mlx_server.engine.grammar.masks import BatchGrammar, GrammarMasks
 from mlx_server.engine.grammar.processor import GrammarLogitsProcessor
+from mlx_server.engine.sampling.logprobs import BatchPicks, batch_picks
 from mlx_server.engine.sampling.rows import process_rows, sample_by_group
 from mlx_server.engine.sampling.samplers import GuardedProcessor, LogitsProcessor
 
@@ -67,11 +69,17 @@ class DecodeStep:
         *,
         by_group: bool = True,
         launch_first: bool | None = None,
+        wants: dict[int, int] | None = None,
     ):
         """``by_group=False``: leave processors and sampling to mlx-lm (grammars only);
         ``launch_first``: queue a masked step's forward pass before reading the tokens its
-        masks need (None: ``tuning.GRAMMAR_LAUNCH_FIRST``)."""
+        masks need (None: ``tuning.GRAMMAR_LAUNCH_FIRST``); ``wants``: the rows (by the
+        batch's uids) whose log-probabilities are asked for, and how many alternatives
+        (kept up to date by the runner)."""
         self._launch_first = tuning.GRAMMAR_LAUNCH_FIRST if launch_first is None else launch_first
+        self._wants = wants if wants is not None else {}
+        self._made: BatchPicks | None = None  # this step's figures, for its tokens
+        self.ready: BatchPicks | None = None  # the figures of the tokens this step reads
         self.model = model
         self._batch = batch
         self._grammars = grammars
@@ -82,6 +90,8 @@ class DecodeStep:
 
     def __call__(self, inputs: mx.array, cache: Any = None) -> mx.array:
         self.give_back()  # should a step have failed between here and its sampling
+        # The tokens this step feeds (and mlx-lm then reads) were sampled by the last one.
+        self.ready, self._made = self._made, None
         rows = self._rows() if self._grammars else None
         lend = self._must_lend()
         if rows is None and not lend:  # mlx-lm's own step, exactly
@@ -115,7 +125,30 @@ class DecodeStep:
         if not self._by_group or samplers is None:
             return False
         first = samplers[0] if samplers else None
-        return any(s is not first for s in samplers) or any(batch.logits_processors)
+        return (
+            any(s is not first for s in samplers)
+            or any(batch.logits_processors)
+            or self._picks_wanted()
+        )
+
+    def _picks_wanted(self) -> bool:
+        """Whether a row asks for log-probabilities, in a batch that decodes only through
+        this step (a speculating batch's verifying steps emit tokens of their own)."""
+        wants = self._wants
+        return (
+            bool(wants)
+            and type(self._batch) is GenerationBatch
+            and any(u in wants for u in self._batch.uids)
+        )
+
+    def _pick(self, logprobs: mx.array, tokens: mx.array) -> None:
+        """The asking rows' figures, in the step's graph and evaluated with it."""
+        if not self._picks_wanted():
+            return
+        made = batch_picks(logprobs, tokens, list(self._batch.uids), self._wants)
+        if made is not None:
+            mx.async_eval(tokens, *made.arrays())
+        self._made = made
 
     def _lend(self, inputs: mx.array, logits: mx.array) -> mx.array:
         """Run the rows' processors here and lend mlx-lm one sampler for every row."""
@@ -185,4 +218,6 @@ class _BatchSampler:
     def __call__(self, logprobs: mx.array) -> mx.array:
         rows, self.rows = self.rows, []
         self._step.give_back()
-        return sample_by_group(rows, logprobs)
+        tokens = sample_by_group(rows, logprobs)
+        self._step._pick(logprobs, tokens)
+        return tokens

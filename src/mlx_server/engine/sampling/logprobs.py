@@ -32,6 +32,70 @@ class Picked:
         return [a for a in (self.chosen, self.top_ids, self.top_vals) if a is not None]
 
 
+@dataclass(frozen=True)
+class PickedValues:
+    """``Picked``'s figures already read (a batch's, ``BatchPicks.read``)."""
+
+    chosen: float
+    top: tuple[tuple[int, float], ...]  # at most k (id, log-probability), most likely first
+
+
+# The most alternatives a batch computes for every row in its step (the APIs allow 20).
+BATCH_TOP = 20
+
+
+@dataclass(frozen=True)
+class BatchPicks:
+    """A batch step's log-probability figures, made in the step's graph for every row (shapes
+    that depend on the batch size only: where kernels are built per shape, the rows that ask
+    for them change nothing), and read once the step is done, for the rows (by key) that
+    asked: ``wants`` maps a row's key to its number of alternatives."""
+
+    keys: list[int]  # each row's key (the batch's uids), in the batch's order
+    wants: dict[int, int]
+    chosen: mx.array  # (rows,)
+    top_ids: mx.array | None  # (rows, BATCH_TOP), most likely first; None: no row asks any
+    top_vals: mx.array | None
+
+    def arrays(self) -> list[mx.array]:
+        return [a for a in (self.chosen, self.top_ids, self.top_vals) if a is not None]
+
+    def read(self) -> dict[int, PickedValues]:
+        """Each asking row's figures (one read per array, the step being done)."""
+        chosen: list[Any] = self.chosen.tolist()  # type: ignore[assignment]
+        ids: list[Any] = self.top_ids.tolist() if self.top_ids is not None else []  # type: ignore[assignment]
+        vals: list[Any] = self.top_vals.tolist() if self.top_vals is not None else []  # type: ignore[assignment]
+        out = {}
+        for e, key in enumerate(self.keys):
+            k = self.wants.get(key)
+            if k is None:
+                continue
+            top = tuple(zip(ids[e][:k], vals[e][:k], strict=True)) if k > 0 else ()
+            out[key] = PickedValues(float(chosen[e]), top)
+        return out
+
+
+def batch_picks(
+    logprobs: mx.array, tokens: mx.array, keys: list[int], wants: dict[int, int]
+) -> BatchPicks | None:
+    """``BatchPicks`` for a step's log-probabilities (rows × vocabulary) and its sampled
+    tokens, when a row of ``keys`` is in ``wants`` (None otherwise); lazy, for the step to
+    evaluate."""
+    mine = {key: wants[key] for key in keys if key in wants}
+    if not mine:
+        return None
+    chosen = mx.take_along_axis(logprobs, tokens.reshape(-1, 1), axis=-1).reshape(-1)
+    if max(mine.values()) <= 0:
+        return BatchPicks(list(keys), mine, chosen, None, None)
+    k = min(BATCH_TOP, logprobs.shape[-1])
+    idx = mx.argpartition(-logprobs, k - 1, axis=-1)[:, :k]
+    vals = mx.take_along_axis(logprobs, idx, axis=-1)
+    order = mx.argsort(-vals, axis=-1)
+    idx = mx.take_along_axis(idx, order, axis=-1)
+    vals = mx.take_along_axis(vals, order, axis=-1)
+    return BatchPicks(list(keys), mine, chosen, idx, vals)
+
+
 def pick(logprobs: mx.array, token: mx.array, k: int) -> Picked:
     """``Picked`` for one row of log-probabilities (vocabulary wide) and its sampled token
     (shape (1,)), with the ``k`` likeliest alternatives; lazy, for the step to evaluate."""
@@ -50,13 +114,24 @@ def _top(logprobs: mx.array, k: int) -> tuple[mx.array, mx.array]:
 
 
 def logprob_entry(
-    tokenizer: Any, token: int, logprobs: mx.array, k: int, picked: Picked | None = None
+    tokenizer: Any,
+    token: int,
+    logprobs: mx.array,
+    k: int,
+    picked: Picked | PickedValues | None = None,
 ) -> LogprobEntry:
     """The chosen token's log-probability and, when ``k > 0``, the ``k`` most likely tokens
     in descending order, from one step's log-probabilities over the vocabulary (or from
     ``picked``, the same figures made in the step's graph)."""
     text = tokenizer.decode([token])
     top: tuple[TokenLogprob, ...] = ()
+    if isinstance(picked, PickedValues):
+        top = tuple(
+            _alternative(tokenizer, int(i), float(v)) for i, v in picked.top[:k] if math.isfinite(v)
+        )
+        chosen = picked.chosen
+        chosen = max(chosen, LOGPROB_FLOOR) if math.isfinite(chosen) else LOGPROB_FLOOR
+        return LogprobEntry(text, chosen, list(text.encode()), top)
     if k > 0:
         if picked is not None and picked.top_ids is not None and picked.top_vals is not None:
             top_ids, top_vals = picked.top_ids, picked.top_vals
