@@ -592,7 +592,9 @@ class Bench:
             t0 = time.perf_counter()
             results = await asyncio.gather(
                 *[
-                    self.stream_chat([{"role": "user", "content": p}], a.conc_max_tokens)
+                    self.stream_chat(
+                        [{"role": "user", "content": p}], a.conc_max_tokens, a.conc_extra
+                    )
                     for p in prompts
                 ]
             )
@@ -653,6 +655,8 @@ class Bench:
             )
         out = self.common("concurrency")
         out["max_tokens"] = a.conc_max_tokens
+        if a.conc_extra:
+            out["extra"] = a.conc_extra
         out["levels"] = levels
         by_n = {lv["n"]: lv["aggregate_tok_s"] for lv in levels if "aggregate_tok_s" in lv}
         if 1 in by_n and by_n and max(by_n) > 1:
@@ -961,6 +965,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         type=int,
         default=32,
         help="max_tokens per stream in the concurrency scenario (default 32)",
+    )
+    p.add_argument(
+        "--conc-extra",
+        type=json.loads,
+        default=None,
+        help='fields added to each concurrency request, e.g. \'{"logprobs": true, "top_logprobs": 5}\'',
     )
     p.add_argument("--turns", type=int, default=4)
     p.add_argument(

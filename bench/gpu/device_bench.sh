@@ -12,7 +12,8 @@
 #      SCEN (bench_openai.py scenarios per server; default burst,single,concurrency,prefix),
 #      VARIANTS=1 (variants.py against ours: one stream per request variant vs the raw engine doing the same),
 #      CONSTRAINED=1 (json_schema vs free at LEVELS, ours), CONSTRAINED_ENGINE=1 (constrained_engine.py, no HTTP: the
-#      masked step's two orders, batched and launched, against free decoding at 8 and 32 streams), LONG_CTX (model names, e.g. "8b-4": the agent session,
+#      masked step's two orders, batched and launched, against free decoding at 8 and 32 streams), LOGPROBS=1 (ours:
+#      the concurrency bursts again with each token's top 5 log-probabilities asked, label "ours logprobs5"), LONG_CTX (model names, e.g. "8b-4": the agent session,
 #      ~27,670-token system prompt then two turns, run first for its model; LONG_SERVERS="ours mlxlm": ours with
 #      defaults and --ctx-size 40000, oursram the same with the RAM tier alone (--prompt-cache-dir ''), mlxlm
 #      mlx_lm.server; LONG_TOKENS=23470 is the target given to make_system_prompt: about 27,670 tokens with
@@ -122,6 +123,11 @@ for spec in $MODELS; do
       if [ $srv = ours ] && [ "$VARIANTS" = 1 ]; then
         timeout 300 python3 $BENCH/variants.py --model $M --base-url "http://127.0.0.1:$P/v1" \
           --label "variants $preset-$bits" --max-tokens 256 --repeats 5 --out "$R" > $T/variants-$preset-$bits.log 2>&1
+      fi
+      if [ $srv = ours ] && [ "${LOGPROBS:-0}" = 1 ]; then  # the same bursts, each token's top 5 asked
+        timeout 200 python3 $BENCH/bench_openai.py --base-url "http://127.0.0.1:$P/v1" --model m --label "ours logprobs5 $preset-$bits" \
+          --scenario concurrency --concurrency "$LEVELS" --conc-max-tokens 128 --warmup 1 \
+          --conc-extra '{"logprobs": true, "top_logprobs": 5}' --out "$R" > /dev/null
       fi
       if [ $srv = ours ] && [ "$CONSTRAINED" = 1 ]; then
         timeout 240 python3 $BENCH/bench_openai.py --base-url "http://127.0.0.1:$P/v1" --model m --label "ours $preset-$bits" \

@@ -62,6 +62,9 @@ def results(tiny_model_dir: Path, tmp_path_factory) -> Path:
             "--nonstream-repeats", "1", "--constrained-rounds", "2",
             "--server-pid", str(srv.proc.pid),
             "--out", str(out))  # fmt: skip
+        kit("bench_openai.py", "--base-url", url, "--model", "m", "--label", "ours logprobs",
+            "--scenario", "concurrency", "--concurrency", "2", "--conc-max-tokens", "4",
+            "--conc-extra", '{"logprobs": true, "top_logprobs": 2}', "--out", str(out))  # fmt: skip
         kit("variants.py", "--model", m, "--base-url", url, "--label", "variants tiny",
             "--max-tokens", "4", "--repeats", "2", "--out", str(out))  # fmt: skip
     finally:
@@ -120,11 +123,20 @@ def test_the_new_scenarios_report_what_they_promise(results):
     assert {r["ignore_eos"] for r in stream} == {False, True}
 
 
+def test_a_concurrency_run_sends_its_extra_fields(results):
+    """``--conc-extra`` (the kit's ``LOGPROBS=1``): the bursts again with log-probabilities
+    asked, labelled apart, every stream answered."""
+    (run,) = [r for r in rows(results) if r["scenario"] == "concurrency" and r.get("extra")]
+    assert run["extra"] == {"logprobs": True, "top_logprobs": 2} and run["label"] == "ours logprobs"
+    (level,) = run["levels"]
+    assert level["n"] == 2 and level["failed"] == 0 and level["total_completion_tokens"] == 8
+
+
 def test_the_server_cpu_per_token_is_reported(results):
     """``--server-pid``: the server's CPU per 1,000 tokens, for one stream and each level."""
     got = rows(results)
     (single,) = [r for r in got if r["scenario"] == "single"]
-    (conc,) = [r for r in got if r["scenario"] == "concurrency"]
+    (conc,) = [r for r in got if r["scenario"] == "concurrency" and not r.get("extra")]
     for value in [
         single["server_cpu_s_per_1k_tok"],
         *(x["server_cpu_s_per_1k_tok"] for x in conc["levels"]),
