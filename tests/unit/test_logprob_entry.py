@@ -1,5 +1,6 @@
 """Log-probability entries stay JSON numbers whatever the step's values (a masked token's
--inf, a broken model's NaN): a response with them would otherwise be a 500."""
+-inf, a broken model's NaN): a response with them would otherwise be a 500. A token's text
+is decoded once per tokenizer (a batch asking for alternatives decodes hundreds a step)."""
 
 from __future__ import annotations
 
@@ -88,3 +89,37 @@ def test_the_lone_path_picks_the_figures_of_a_request_with_logprobs_only(tiny_mo
             entry = logprob_entry(_Tokenizer(), r.token, r.logprobs, k, r.picked)
             assert entry == logprob_entry(_Tokenizer(), r.token, r.logprobs, k)
             assert len(entry.top) == k
+
+
+class CountingTokenizer:
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def decode(self, ids: list[int]) -> str:
+        self.calls += 1
+        return f"<{ids[0]}>é"
+
+
+class Unreferenced:
+    """A tokenizer that cannot be weakly referenced."""
+
+    __slots__ = ("calls",)
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def decode(self, ids: list[int]) -> str:
+        self.calls += 1
+        return f"[{ids[0]}]"
+
+
+def test_a_tokens_text_is_decoded_once_per_tokenizer() -> None:
+    from mlx_server.engine.sampling.logprobs import token_text
+
+    tok, other = CountingTokenizer(), CountingTokenizer()
+    assert token_text(tok, 7) == ("<7>é", "<7>é".encode())
+    assert token_text(tok, 7) == ("<7>é", "<7>é".encode()) and tok.calls == 1
+    assert token_text(tok, 8)[0] == "<8>é" and tok.calls == 2
+    assert token_text(other, 7)[0] == "<7>é" and other.calls == 1  # each its own
+    bare = Unreferenced()
+    assert token_text(bare, 3) == token_text(bare, 3) == ("[3]", b"[3]") and bare.calls == 2

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -123,7 +124,7 @@ def logprob_entry(
     """The chosen token's log-probability and, when ``k > 0``, the ``k`` most likely tokens
     in descending order, from one step's log-probabilities over the vocabulary (or from
     ``picked``, the same figures made in the step's graph)."""
-    text = tokenizer.decode([token])
+    text, raw = token_text(tokenizer, token)
     top: tuple[TokenLogprob, ...] = ()
     if isinstance(picked, PickedValues):
         top = tuple(
@@ -131,7 +132,7 @@ def logprob_entry(
         )
         chosen = picked.chosen
         chosen = max(chosen, LOGPROB_FLOOR) if math.isfinite(chosen) else LOGPROB_FLOOR
-        return LogprobEntry(text, chosen, list(text.encode()), top)
+        return LogprobEntry(text, chosen, list(raw), top)
     if k > 0:
         if picked is not None and picked.top_ids is not None and picked.top_vals is not None:
             top_ids, top_vals = picked.top_ids, picked.top_vals
@@ -149,9 +150,33 @@ def logprob_entry(
     value = picked.chosen if picked is not None else logprobs[token]
     chosen = float(value.item())  # type: ignore[arg-type]
     chosen = max(chosen, LOGPROB_FLOOR) if math.isfinite(chosen) else LOGPROB_FLOOR
-    return LogprobEntry(text, chosen, list(text.encode()), top)
+    return LogprobEntry(text, chosen, list(raw), top)
 
 
 def _alternative(tokenizer: Any, token: int, logprob: float) -> TokenLogprob:
-    s = tokenizer.decode([token])
-    return TokenLogprob(s, logprob, list(s.encode()))
+    text, raw = token_text(tokenizer, token)
+    return TokenLogprob(text, logprob, list(raw))
+
+
+# Each tokenizer's single-token texts, as decoded (a batch of 32 rows asking for 5
+# alternatives decodes 192 tokens a step, most of them seen before).
+_TEXTS: weakref.WeakKeyDictionary[Any, dict[int, tuple[str, bytes]]] = weakref.WeakKeyDictionary()
+MAX_TEXTS = 1 << 17  # tokens kept per tokenizer (a vocabulary's worth; then it starts over)
+
+
+def token_text(tokenizer: Any, token: int) -> tuple[str, bytes]:
+    """``tokenizer.decode([token])`` and its UTF-8 bytes, remembered per tokenizer."""
+    try:
+        texts = _TEXTS.get(tokenizer)
+        if texts is None:
+            texts = _TEXTS[tokenizer] = {}
+    except TypeError:  # a tokenizer that cannot be weakly referenced: decode each time
+        text = tokenizer.decode([token])
+        return text, text.encode()
+    hit = texts.get(token)
+    if hit is None:
+        if len(texts) >= MAX_TEXTS:
+            texts.clear()
+        text = tokenizer.decode([token])
+        hit = texts[token] = (text, text.encode())
+    return hit
