@@ -80,3 +80,34 @@ def test_the_batch_computes_each_asking_rows_figures_in_its_step(tiny: Any) -> N
             # The chosen token's figure is its own: greedy picks the top alternative.
             if k and ROWS[i][0].temperature == 0.0:
                 assert from_step.top[0].logprob == pytest.approx(from_step.logprob)
+
+
+def test_a_lone_sequence_handed_to_the_batch_keeps_its_figures_made_in_the_step(
+    tiny: Any,
+) -> None:
+    """A request that started alone (the lone path) and joins the batch when a second
+    comes: its later tokens' figures are the batch step's too."""
+    from dataclasses import replace
+
+    from mlx_server.engine.runners.solo import LoneFirstRunner, SoloRunner
+
+    model, tok = tiny
+    runner = LoneFirstRunner(
+        SoloRunner(model, [], prefill_step_size=64),
+        BatchRunner(model, [], max_batch_size=8, prefill_step_size=64),
+    )
+    runner.insert(replace(_job(tok, 1), alone=True))  # greedy, top 3
+    got: list[Any] = []
+    for step in range(10 * STEPS):  # bounded: each step answers the running rows
+        if step == 4:
+            runner.insert(_job(tok, 2))  # no log-probabilities: the first one joins the batch
+        got += [r for r in runner.step()[1] if r.uid == 1]
+        if len(got) == STEPS:
+            break
+    runner.close()
+    assert runner.lone.runs == 1 and len(got) == STEPS
+    assert isinstance(got[-1].picked, PickedValues)  # made by the batch's decode step
+    last = got[-1]
+    from_step = logprob_entry(tok, last.token, last.logprobs, 3, last.picked)
+    from_row = logprob_entry(tok, last.token, last.logprobs, 3)
+    assert [t.logprob for t in from_step.top] == pytest.approx([t.logprob for t in from_row.top])

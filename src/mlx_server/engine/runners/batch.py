@@ -107,10 +107,8 @@ class BatchRunner:
             job.request.max_tokens,
             job.sampler,
             job.processors,
+            job.request.top_logprobs if job.request.logprobs else -1,
         )
-        k = job.request.top_logprobs
-        if job.request.logprobs and 0 <= k <= BATCH_TOP and self._by_group:
-            self._wants[self._gen_uid[job.uid]] = k
 
     def join(
         self,
@@ -121,8 +119,10 @@ class BatchRunner:
         max_tokens: int,
         sampler: Sampler,
         processors: list[LogitsProcessor],
+        top_logprobs: int = -1,
     ) -> None:
-        """Add a sequence: ``segments`` still to feed after the ``fed`` tokens in ``cache``."""
+        """Add a sequence: ``segments`` still to feed after the ``fed`` tokens in ``cache``;
+        ``top_logprobs``: the alternatives its log-probabilities list (-1: none asked)."""
         (gen_uid,) = self._gen.insert_segments(
             segments=[segments],
             max_tokens=[max_tokens],
@@ -137,6 +137,8 @@ class BatchRunner:
         grammar = row_grammar(processors) if self._batch_grammars else None
         if grammar is not None:
             self._grammars[gen_uid] = grammar
+        if 0 <= top_logprobs <= BATCH_TOP and self._by_group:  # figured in the decode step
+            self._wants[gen_uid] = top_logprobs
 
     def step(self) -> tuple[list[Progress], list[Response]]:
         progress, responses = self._gen.next()

@@ -31,8 +31,8 @@ from mlx_server.engine.sampling.logprobs import Picked, pick
 from mlx_server.engine.sampling.samplers import LogitsProcessor, Sampler
 
 # What BatchRunner.join takes: uid, segments to feed, cache, tokens in it, tokens left to
-# generate, sampler, processors.
-Handover = tuple[int, list[list[int]], Any, list[int], int, Sampler, list[LogitsProcessor]]
+# generate, sampler, processors, the alternatives its log-probabilities list (-1: none asked).
+Handover = tuple[int, list[list[int]], Any, list[int], int, Sampler, list[LogitsProcessor], int]
 
 
 class SoloSequence(ChunkedPrefill):
@@ -87,6 +87,11 @@ class SoloSequence(ChunkedPrefill):
         self._next = self._forward(token)  # queued before this token is read
         mx.async_eval(*_arrays(self._next))
         return self._emit(token, logprobs, fed=True, picked=picked)
+
+    @property
+    def top_logprobs(self) -> int:
+        """The alternatives each token's log-probabilities list (-1: none asked)."""
+        return self._top_k
 
     def take_pending(self) -> Response | None:
         """The token sampled but not yet read (None while prefilling), as a response; the
@@ -172,7 +177,8 @@ class SoloRunner:
         if pending is not None and pending.finish_reason is not None:
             return pending, None
         todo, cache, fed, left = seq.handover()
-        return pending, (seq.uid, [todo], cache, fed, left, seq.sampler, seq.processors)
+        rest = (seq.uid, [todo], cache, fed, left, seq.sampler, seq.processors, seq.top_logprobs)
+        return pending, rest
 
     def insert(self, job: Insert) -> None:
         if self.seq is not None:

@@ -104,8 +104,9 @@ class SpeculativeBatchRunner(BatchRunner):
         max_tokens: int,
         sampler: Sampler,
         processors: list[LogitsProcessor],
+        top_logprobs: int = -1,
     ) -> None:
-        super().join(uid, segments, cache, fed, max_tokens, sampler, processors)
+        super().join(uid, segments, cache, fed, max_tokens, sampler, processors, top_logprobs)
         row = self.adopt(uid) if self.adopt is not None else None
         if row is not None:
             self.speculator.rows[self._gen_uid[uid]] = row
