@@ -78,6 +78,7 @@ class DecodeStep:
         (kept up to date by the runner)."""
         self._launch_first = tuning.GRAMMAR_LAUNCH_FIRST if launch_first is None else launch_first
         self._wants = wants if wants is not None else {}
+        self._picking = False  # this step computes the asking rows' figures (``_must_lend``)
         self._made: BatchPicks | None = None  # this step's figures, for its tokens
         self.ready: BatchPicks | None = None  # the figures of the tokens this step reads
         self.model = model
@@ -122,13 +123,13 @@ class DecodeStep:
         row with processors."""
         batch = self._batch
         samplers = getattr(batch, "samplers", None)
+        self._picking = False
         if not self._by_group or samplers is None:
             return False
+        self._picking = self._picks_wanted()
         first = samplers[0] if samplers else None
         return (
-            any(s is not first for s in samplers)
-            or any(batch.logits_processors)
-            or self._picks_wanted()
+            self._picking or any(s is not first for s in samplers) or any(batch.logits_processors)
         )
 
     def _picks_wanted(self) -> bool:
@@ -143,7 +144,7 @@ class DecodeStep:
 
     def _pick(self, logprobs: mx.array, tokens: mx.array) -> None:
         """The asking rows' figures, in the step's graph and evaluated with it."""
-        if not self._picks_wanted():
+        if not self._picking:
             return
         made = batch_picks(logprobs, tokens, list(self._batch.uids), self._wants)
         if made is not None:
