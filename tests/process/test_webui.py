@@ -13,6 +13,7 @@ import json
 import os
 import re
 import shutil
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -181,11 +182,17 @@ MARKDOWN = [
 
 
 def test_streamed_markdown_with_highlighted_code_and_copy(scripted, open_page, tmp_path):
-    scripted.engine.push(*MARKDOWN, delay=0.05)
+    # The answer is held until the Stop button has been seen: a stream that ends between two
+    # looks would otherwise hide it first.
+    first_piece = threading.Event()
+    scripted.engine.push(*MARKDOWN, delay=0.05, gate=first_piece)
     page, console = open_page(scripted.base_url + "/")
     expect(page.locator("#model-name")).to_have_text("scripted-model", timeout=WAIT_MS)
     send(page, "Write a function")
-    expect(page.locator("#stop")).to_be_visible()
+    try:
+        expect(page.locator("#stop")).to_be_visible()
+    finally:
+        first_piece.set()
     answer = last_answer(page)
     expect(answer.locator("h2")).to_have_text("Plan", timeout=WAIT_MS)
     wait_done(page)
