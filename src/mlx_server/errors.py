@@ -126,6 +126,13 @@ class RequestTooLarge(ServerError):
     kind = "request_too_large"
 
 
+class ModelUnavailable(ServerError):
+    """The model cannot compute: its first token failed after the readiness line (kernels
+    still being built when the line came, ``EngineConfig.ready_after_s``)."""
+
+    status = 503
+
+
 class Overloaded(ServerError):
     status = 503
     kind = "overloaded_error"

@@ -18,7 +18,12 @@ from mlx_server.boot import chat as boot_chat
 from mlx_server.config import Settings
 from mlx_server.engine.core import tuning, warming
 from mlx_server.engine.core.config import EngineConfig
-from mlx_server.engine.core.tuning import WarmUp, _lone_decode, lone_decode_lengths
+from mlx_server.engine.core.tuning import (
+    COLD_FIRST_TOKEN_S,
+    WarmUp,
+    _lone_decode,
+    lone_decode_lengths,
+)
 from mlx_server.engine.core.warming import Warming
 
 
@@ -105,6 +110,15 @@ def test_only_a_text_model_on_one_rank_where_kernels_are_built_per_shape(monkeyp
     assert boot_chat._lone_decode_keys(settings, False, None, 3 << 20, 1024) == 3072  # KV budget
     assert boot_chat._lone_decode_keys(settings, True, None, 1 << 30, 1024) == 0  # a VLM
     assert boot_chat._lone_decode_keys(settings, False, object(), 1 << 30, 1024) == 0  # ranks
+
+
+def test_the_readiness_waits_briefly_for_a_first_token_only_where_kernels_are_built(
+    monkeypatch,
+):
+    assert boot_chat._ready_after(True) == float("inf")  # this CPU: the token in milliseconds
+    monkeypatch.setattr(boot_chat, "builds_kernels_on_first_use", lambda: True)
+    assert boot_chat._ready_after(True) == COLD_FIRST_TOKEN_S
+    assert boot_chat._ready_after(False) == float("inf")  # a registry's load: no line to hurry
 
 
 def test_the_tiny_model_generates_the_same_after_the_pieces(models):

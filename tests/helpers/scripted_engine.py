@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from mlx_server.engine.core.handle import GenerationHandle, Started, TokenPiece
-from mlx_server.errors import Overloaded
+from mlx_server.errors import ModelUnavailable, Overloaded
 from mlx_server.events import Finished, Timings, Usage
 from mlx_server.parsing.stops import StopMatcher
 from mlx_server.types import GenerationRequest
@@ -44,6 +44,7 @@ class ScriptedEngine:
     _active: dict[tuple[str, int], GenerationHandle] = field(default_factory=dict)
     _tasks: set[asyncio.Task] = field(default_factory=set)
     stopping: bool = False
+    start_error: str = ""  # as the engine's: its first token failed after the readiness line
 
     def push(
         self,
@@ -64,6 +65,8 @@ class ScriptedEngine:
     def submit(
         self, req: GenerationRequest, loop: asyncio.AbstractEventLoop | None = None
     ) -> GenerationHandle:
+        if self.start_error:
+            raise ModelUnavailable(f"the model cannot serve: {self.start_error}")
         if self.stopping:
             raise Overloaded("the server is shutting down")
         if len(self._active) >= self.max_queue:

@@ -256,6 +256,27 @@ def test_models_and_health(scripted):
     assert openai_client(scripted).models.list().data[0].id == "scripted-model"
 
 
+def test_a_model_that_failed_after_readiness_says_why_everywhere(scripted):
+    """Its first token failed after the readiness line (a cold kernel cache): /health and
+    every generation route answer 503 with the reason, in each protocol's envelope."""
+    scripted.engine.start_error = "the model could not compute a token: nvrtc failed"
+    h = httpx.get(scripted.base_url + "/health")
+    assert h.status_code == 503
+    assert h.json()["status"] == "error" and "nvrtc failed" in h.json()["error"]
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    r = httpx.post(scripted.base_url + "/v1/chat/completions", json=body)
+    assert r.status_code == 503 and ERROR.validate(r.json()) is None
+    assert "cannot serve" in r.json()["error"]["message"]
+    a = httpx.post(scripted.base_url + "/v1/messages", json={**body, "max_tokens": 8})
+    assert a.status_code == 503 and a.json()["type"] == "error"
+    assert "nvrtc failed" in a.json()["error"]["message"]
+    with pytest.raises(openai.InternalServerError, match="nvrtc failed"):
+        openai_client(scripted).chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "hi"}], stream=True
+        )
+    assert scripted.engine.requests == []
+
+
 BAD = [
     ("malformed json", b'{"model": "m", "messages": [', "application/json", "not valid JSON"),
     ("form encoded", b"model=m&messages=x", "application/x-www-form-urlencoded", "not valid JSON"),

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
 from mlx_server.config import Settings
@@ -131,8 +132,11 @@ def _chat_routes(
     app: FastAPI, models: Models, s: _RouteSettings, *, store: ResponseStore, webui: bool
 ) -> None:
     @app.api_route("/health", methods=["GET", "HEAD"])
-    async def health() -> dict[str, Any]:
-        return models.health()
+    async def health() -> Any:
+        body = models.health()
+        if body.get("status") == "error":  # the model cannot serve (its reason in the body)
+            return JSONResponse(body, status_code=503)
+        return body
 
     @app.post("/v1/cancel")
     async def cancel(request: Request) -> dict[str, Any]:

@@ -18,6 +18,7 @@ from mlx_server.engine.core.engine import Engine, EngineConfig
 from mlx_server.engine.core.protocol import GenerationObserver
 from mlx_server.engine.core.slow_steps import SLOW_STEP_S
 from mlx_server.engine.core.tuning import (
+    COLD_FIRST_TOKEN_S,
     LONE_DECODE_KEYS,
     builds_kernels_on_first_use,
     default_batch_size,
@@ -53,12 +54,19 @@ class ModelParts:
 
 
 def load_chat_model(
-    settings: Settings, sharded: Any = None, observer: GenerationObserver | None = None
+    settings: Settings,
+    sharded: Any = None,
+    observer: GenerationObserver | None = None,
+    *,
+    ready_early: bool = False,
 ) -> ModelParts:
     """Load ``settings.model`` and start its engine (kernels built before it returns).
     ``sharded``: rank 0 of several (``sharded.Rank``): the model is split across the ranks
     and the engine runs in lockstep with theirs; ``observer``: watches the engine's
-    generations (the metrics)."""
+    generations (the metrics); ``ready_early``: where kernels are built on first use,
+    return once the first token has run ``COLD_FIRST_TOKEN_S`` without finishing (an empty
+    kernel cache: a readiness line need not wait for builds a first request waits for
+    anyway; a failure after it refuses requests with the reason)."""
     loaded = load_model(
         settings.model,
         model_id=settings.model_id,
@@ -103,6 +111,7 @@ def load_chat_model(
         prompt_cache_disk_off=disk_off,
         warm_up=builds_kernels_on_first_use(),  # a vision model: its language model's shapes
         first_token=not vision and sharded is None,
+        ready_after_s=_ready_after(ready_early),
         wired_bytes=plan.weights + plan.budget,
         prefill_buckets=builds_kernels_on_first_use(),
         lone_decode_keys=_lone_decode_keys(settings, vision, sharded, kv_budget, kv.per_token),
@@ -129,11 +138,18 @@ def load_chat_model(
     START.mark("service")
     engine.start()
     engine.wait_ready()  # a lone request's kernels are built before the readiness line
+    # (on a cold kernel cache with ``ready_early``: a few seconds into the first token)
     START.mark("warm-up")
     if engine.start_error:  # no readiness line for a model that cannot run
         engine.shutdown()
         raise ModelLoadError(engine.start_error)
     return ModelParts(service, engine, loaded, vision, kv_budget)
+
+
+def _ready_after(ready_early: bool) -> float:
+    """``EngineConfig.ready_after_s``: ``COLD_FIRST_TOKEN_S`` where the caller prints a
+    readiness line and kernels are built on first use (CUDA), else never."""
+    return COLD_FIRST_TOKEN_S if ready_early and builds_kernels_on_first_use() else float("inf")
 
 
 def _engine(

@@ -34,7 +34,8 @@ def build(settings: Settings, group: Any = None) -> tuple[Any, Any]:
         return create_app(encoder.service, **app_options(settings)), encoder.engine
     set_cache_limit(settings)
     metrics = Metrics()
-    parts = chat.load_chat_model(settings, observer=metrics)
+    # the readiness line Jan waits for: not held by kernel builds a first request meets anyway
+    parts = chat.load_chat_model(settings, observer=metrics, ready_early=True)
     options = app_options(settings, vision=parts.vision)
     app = create_app(parts.service, **options, metrics=metrics)
     return app, parts.engine

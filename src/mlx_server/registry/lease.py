@@ -103,6 +103,8 @@ class OneModel:
             stats = {k: v for k, v in engine.stats().items() if isinstance(v, int)}
             return {"status": "ok", **stats, **counts}
         body: dict[str, Any] = {"status": "ok", **counts, **service.context_info()}
+        if error := getattr(engine, "start_error", ""):  # failed after the readiness line
+            body.update(status="error", error=f"the model cannot serve: {error}")
         body.update({k: v for k, v in engine.stats().items() if k.startswith(_HEALTH_STATS)})
         return body
 

@@ -55,6 +55,11 @@ class EngineConfig:
     warm_idle_s: float = 1.5
     # Compute one token before serving (tuning.first_token); a failure is ``start_error``.
     first_token: bool = False
+    # Say ready this many seconds into that first token if it has not finished: start-up
+    # sets it where kernels are built on first use, so that a cold kernel cache (seconds of
+    # builds a first request would wait for all the same) does not hold the readiness line;
+    # a failure after it refuses requests with the reason (``Engine.submit``).
+    ready_after_s: float = float("inf")
     # Bytes this engine's model keeps resident (weights and KV budget): its share of the
     # process's wired limit while it runs (wired.py; Metal only).
     wired_bytes: int = 0

@@ -43,6 +43,8 @@ from mlx_server.engine.core.slow_steps import PARTS, StepClock
 from mlx_server.engine.core.warming import Warming
 from mlx_server.engine.runners.base import Insert, Runner
 from mlx_server.engine.sampling.samplers import SamplerPool, sequence_sampling
+from mlx_server.errors import ModelUnavailable
+from mlx_server.logs import log
 from mlx_server.types import GenerationRequest
 
 __all__ = ["Engine", "EngineConfig"]
@@ -100,7 +102,10 @@ class Engine(OwnerThread):
         self, req: GenerationRequest, loop: asyncio.AbstractEventLoop | None = None
     ) -> GenerationHandle:
         """Queue a request; raises Overloaded when shutting down or the queue is full, and
-        InvalidRequest for one that can never fit the KV budget."""
+        InvalidRequest for one that can never fit the KV budget, ModelUnavailable once the
+        model's first token failed after the engine said it was ready."""
+        if self.start_error:  # its first token failed after the readiness line
+            raise ModelUnavailable(f"the model cannot serve: {self.start_error}")
         loop = loop or asyncio.get_running_loop()
         observe = self.observer.generation() if self.observer is not None else None
         handle = GenerationHandle(
@@ -216,8 +221,15 @@ class Engine(OwnerThread):
                 self.config.lockstep.idle()  # the other ranks hear from rank 0 while idle
 
     def _warm_up(self) -> None:
-        """Warm up before serving (see ``warming``), then say the engine is ready."""
-        self.start_error = self._warming.before_serving(self._warm_up_budget())
+        """Warm up before serving (see ``warming``), then say the engine is ready (earlier
+        where the first token outlasts ``ready_after_s``: then a failure of it refuses
+        every request from then on, with the reason)."""
+        error = self._warming.before_serving(self._warm_up_budget(), self._ready.set)
+        if error and self._ready.is_set():  # the readiness line may be out already
+            self.start_error = error
+            log(f"The model cannot serve: {error}; every request is refused with it")
+            self._end.fail(f"the model cannot serve: {error}", queued=True)
+        self.start_error = error
         # Idle time counts from readiness: a client's first request, sent on the readiness
         # line, finds no warm-up piece under way (on a fresh CUDA machine one can take
         # seconds; a VLM's probe waited 45 s behind them on an H100).

@@ -6,7 +6,9 @@ kernels (``samplers.WARM_SETTINGS``), a lone sequence's decode step over longer 
 
 from __future__ import annotations
 
+import threading
 import time
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
@@ -38,17 +40,27 @@ class Warming:
         # the model's logits dtype, once the first token has run (a sampler's check runs in
         # it: on CUDA each dtype builds its own kernels, seconds each on a fresh machine)
         self.logits_dtype: Any = None
+        # the engine said it was ready before its first token was (``before_serving``)
+        self.ready_early = False
 
     @property
     def pending(self) -> bool:
         return self._plan is not None
 
-    def before_serving(self, budget: float) -> str:
+    def before_serving(self, budget: float, ready: Callable[[], None] | None = None) -> str:
         """Warm up as far as ``budget`` seconds allow (unbounded: all of it); returns why
-        the model cannot serve ("" when it can)."""
+        the model cannot serve ("" when it can). ``ready``: called from a timer thread if
+        the first token takes longer than ``ready_after_s`` (the engine says it is ready
+        then; the rest of the warm-up waits for idle time)."""
         cfg = self._config
         first_s = 0.0
+        early = False
         if cfg.first_token:
+            timer = None
+            if ready is not None and cfg.ready_after_s != float("inf") and budget != float("inf"):
+                timer = threading.Timer(cfg.ready_after_s, self._ready_early, (ready,))
+                timer.daemon = True
+                timer.start()
             t0 = time.perf_counter()
             try:
                 self.logits_dtype = first_token(self._model)
@@ -56,11 +68,17 @@ class Warming:
                 error = f"the model could not compute a token: {faults.describe(e)}"
                 log(f"Warm-up failed: {error}")
                 return error
+            finally:
+                if timer is not None:  # and a call under way is over (``ready_early`` set)
+                    timer.cancel()
+                    timer.join()
             first_s = time.perf_counter() - t0
+            early = self.ready_early
         # kernels being built now (an empty kernel cache): the readiness line does not wait
-        # for the rest (unless every rank must run it all before serving)
+        # for the rest (unless every rank must run it all before serving); nor once it has
+        # been said (requests may be waiting)
         cold = builds_kernels_on_first_use() and first_s >= COLD_FIRST_TOKEN_S
-        cold = cold and budget != float("inf")
+        cold = (cold and budget != float("inf")) or early
         if cfg.warm_up:
             try:
                 n, step, buckets = cfg.max_batch_size, cfg.prefill_step_size, cfg.prefill_buckets
@@ -87,6 +105,18 @@ class Warming:
             except Exception as e:  # serving without it is slower at first, not wrong
                 log(f"Warm-up failed: {faults.describe(e)}")
         return ""
+
+    def _ready_early(self, ready: Callable[[], None]) -> None:
+        """The first token is still being computed ``ready_after_s`` into it: kernels are
+        being built (an empty kernel cache), which a first request would wait for whatever
+        the readiness line said; the line does not wait for them."""
+        self.ready_early = True
+        log(
+            f"Warm-up: the first token is still being computed after "
+            f"{self._config.ready_after_s:.1f}s (kernels built on first use: an empty kernel "
+            "cache); serving now, a first request waits for it"
+        )
+        ready()
 
     def _samplers(self) -> list[Piece]:
         """The samplers' pieces (``WARM_SETTINGS``), in the logits' dtype."""
