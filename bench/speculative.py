@@ -122,7 +122,7 @@ class Bench:
         msgs = [{"role": "user", "content": text}]
         return list(self.tok.apply_chat_template(msgs, add_generation_prompt=True))
 
-    def spec(self, k: int, lookup: bool, label: str) -> Any:
+    def spec(self, k: int, lookup: bool, label: str, pipelined: bool = True) -> Any:
         from mlx_server.engine.speculative.plan_log import PlanLog
         from mlx_server.engine.speculative.runner import Speculation
 
@@ -131,7 +131,9 @@ class Bench:
             self.trace.write(f"== {label}\n")
             out = self.trace
             trace = lambda line: out.write(line + "\n")  # noqa: E731 (line-buffered: flushed)
-        return Speculation(num_draft_tokens=k, prompt_lookup=lookup, log=PlanLog(trace))
+        return Speculation(
+            num_draft_tokens=k, prompt_lookup=lookup, log=PlanLog(trace), pipelined=pipelined
+        )
 
     def workload(self, name: str, n: int) -> None:
         a = self.args
@@ -145,14 +147,18 @@ class Bench:
             # of a random model's logits: the random 8B's did at token 58-66)
             preds = [sup.edited(r, self.vocab) for r in base["tokens"]]
             preds = self.settle(prompts, preds, base["tokens"])
-        runs = [(f"{'predicted outputs' if preds else 'prompt lookup'} k={k}", k) for k in a.ks]
+        kind = "predicted outputs" if preds else "prompt lookup"
+        runs = [(f"{kind} k={k}", k) for k in a.ks]
+        if a.unpipelined and n == 1:  # the lone sequence's passes read before the next is built
+            runs += [(f"{kind} k={k}, passes not queued", k) for k in a.ks]
         if not a.no_random:
             runs.append((f"random drafts k={a.ks[0]}", a.ks[0]))
         ratios: dict[str, list[float]] = {}
         for rep in range(a.repeat):
             for label, k in runs:
                 rand = label.startswith("random")
-                spec = self.spec(k, lookup=preds is None, label=f"{name} x{n} {label}")
+                queued = not label.endswith("passes not queued")
+                spec = self.spec(k, preds is None, f"{name} x{n} {label}", queued)
                 with sup.drafting(sup.RandomDrafts(self.vocab) if rand else None):
                     r = sup.streams(self.model, self.tok, prompts, a.tokens, spec, preds)
                 after = sup.streams(self.model, self.tok, prompts, a.tokens, None)
@@ -231,6 +237,11 @@ def main() -> None:
     ap.add_argument("--code-lines", type=int, default=0, help="the code edit's first N lines")
     ap.add_argument("--trace", default=None, help="one line per verifying step, before it runs")
     ap.add_argument("--no-step-costs", action="store_true")
+    ap.add_argument(
+        "--unpipelined",
+        action="store_true",
+        help="at one stream, also each drafter's run with passes read before the next is built",
+    )
     ap.add_argument(
         "--settle",
         type=int,

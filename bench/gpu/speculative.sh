@@ -33,7 +33,9 @@
 #      a decisive one, whose greedy answer has no near-ties (make_random_model.py --decisive); a folder:
 #      that model), TOKENS=200, KS=8 (draft lengths, each run at every level), REPEAT=1, STREAMS=8, LEVELS (default
 #      1,STREAMS), WORKLOADS=code,prose,predicted, PER_MODEL_S=540, PARK=/tmp/kit/demo, MODELS_DIR=/tmp/models,
-#      DTYPE=float16 (the demo model's), PYTHON=python3, S=/tmp/site, K=/tmp/kit/a, SRC=$PWD/src.
+#      DTYPE=float16 (the demo model's), PYTHON=python3, S=/tmp/site, K=/tmp/kit/a, SRC=$PWD/src,
+#      SPEC_ARGS (more flags for bench/speculative.py, e.g. --unpipelined: at one stream, each drafter's run
+#      again with the lone sequence's passes read before the next is built, to compare).
 set -u
 PYTHON=${PYTHON:-python3}; S=${S:-/tmp/site}; K=${K:-/tmp/kit/a}; OUT=${OUT:-/tmp/out}; SRC=${SRC:-$PWD/src}
 MODELS=${MODELS:-"demo 1b:0 8b:4"}; TOKENS=${TOKENS:-200}; KS=${KS:-8}; REPEAT=${REPEAT:-1}; STREAMS=${STREAMS:-8}
@@ -68,7 +70,7 @@ for spec in $MODELS; do
   # shellcheck disable=SC2086
   timeout "$PER_MODEL_S" "$PYTHON" -X faulthandler bench/speculative.py --model $M $extra --tokens "$TOKENS" \
     --num-draft-tokens "$KS" --repeat "$REPEAT" --streams "$STREAMS" --levels "$LEVELS" --workloads "$WORKLOADS" \
-    --json "$R" --label "$label" --trace "$trace"
+    --json "$R" --label "$label" --trace "$trace" ${SPEC_ARGS:-}
   rc=$?
   if [ $rc != 0 ]; then
     status=1

@@ -179,7 +179,8 @@ def _speculate(
     out: list[int] = []
     for _ in range(10 * n + 100):  # bounded: a step emits at least one token
         _, responses = seq.next()
-        assert seq.cache[0].offset == len(seq.fed)  # the cache holds exactly ``fed``
+        # the cache holds exactly ``fed``, and a pass queued ahead (pipelined)
+        assert seq.cache[0].offset == len(seq.fed) + seq.ahead
         for r in responses:
             out.append(r.token)
             if r.finish_reason is not None:
@@ -197,8 +198,57 @@ def test_greedy_output_is_plain_decoding_whatever_is_drafted(tiny: Any, wrong_ev
     assert got == want
     if wrong_every == 0:
         assert seq.draft_accepted == seq.draft_n > 0
+        # passes queued behind the one read, none dropped but where the answer ended
+        assert seq.passes_ahead > 3 and seq.passes_dropped <= 1
+    if wrong_every == 3:
+        assert seq.passes_ahead > 0 and seq.passes_dropped > 0  # built on rejected drafts
     if wrong_every == 1:
         assert seq.draft_accepted == 0 < seq.draft_n
+
+
+@pytest.mark.parametrize("pipelined", [True, False])
+def test_queued_or_not_the_output_is_the_same(tiny: Any, pipelined: bool) -> None:
+    model, tok = tiny
+    prompt = _prompt(tok, "def add(a, b): return a + b")
+    want = _plain(model, prompt, 40, lambda x: mx.argmax(x, axis=-1))
+    drafter = Oracle(len(prompt), want, 5)
+    got, seq = _speculate(model, prompt, 40, drafter, adaptive=False, pipelined=pipelined)
+    assert got == want
+    assert (seq.passes_ahead > 0) == pipelined
+
+
+def test_a_pass_queued_ahead_is_dropped_before_the_cache_is_taken(tiny: Any) -> None:
+    """A handover to the batch, or a removal, takes the cache while a pass is queued beyond
+    ``fed``: it is dropped first, and decoding on from the handed state is plain decoding's."""
+    from mlx_server.engine.runners.solo import SoloRunner
+
+    model, tok = tiny
+    argmax = lambda x: mx.argmax(x, axis=-1)  # noqa: E731
+    prompt = _prompt(tok, "system user assistant")
+    want = _plain(model, prompt, 40, argmax)
+    for take in ("handover", "remove"):
+        seq = SpeculativeSequence(
+            model, 1, prompt, 0, None, sampler=argmax, greedy=True,
+            drafter=Oracle(len(prompt), want), num_draft_tokens=4, max_tokens=40, eos=[],
+            prefill_step_size=512, adaptive=False,
+        )  # fmt: skip
+        out: list[int] = []
+        for _ in range(20):  # bounded: the second verifying step has one queued
+            out += [r.token for r in seq.next()[1]]
+            if seq.ahead:
+                break
+        assert seq.ahead > 0 and seq.cache[0].offset == len(seq.fed) + seq.ahead
+        if take == "handover":
+            assert seq.take_pending() is None  # nothing sampled on a plain step
+            todo, cache, fed, left = seq.handover()
+        else:
+            runner = SoloRunner(model, [], prefill_step_size=512)
+            runner.seq = seq
+            ((cache, fed),) = runner.remove([1]).values()
+            todo, left = seq._todo, 40 - len(out)
+        assert cache[0].offset == len(fed) and fed == (prompt + out)[: len(fed)]
+        steps = generate_step(mx.array(todo), model, max_tokens=left, prompt_cache=cache)
+        assert out + [int(t) for t, _ in steps] == want, take
 
 
 def test_prompt_lookup_and_draft_model_give_plain_greedy_output(tiny: Any) -> None:

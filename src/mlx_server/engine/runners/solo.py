@@ -105,6 +105,10 @@ class SoloSequence(ChunkedPrefill):
         self._todo = [r.token]
         return r
 
+    def settle(self) -> None:
+        """Leave the cache holding exactly ``fed`` (a speculating sequence may have a pass
+        queued beyond it); before the cache is taken. Nothing to do here."""
+
     def handover(self) -> tuple[list[int], Any, list[int], int]:
         """(tokens still to feed, cache, tokens in the cache, tokens left to generate)."""
         return self._todo, self.cache, self.fed, self._max_tokens - self.emitted
@@ -199,12 +203,14 @@ class SoloRunner:
         if seq is None or seq.uid not in uids:
             return {}
         self.seq = None
+        seq.settle()
         return {seq.uid: (seq.cache, seq.fed)}
 
     def extract_state(self, uids: list[int]) -> dict[int, KVState]:
         seq = self.seq
         if seq is None or seq.uid not in uids:
             return {}
+        seq.settle()
         return {seq.uid: (copy.deepcopy(seq.cache), list(seq.fed))}
 
     def reset(self) -> None:

@@ -23,6 +23,16 @@ class Drafter(Protocol):
     def propose(self, context: list[int], k: int) -> list[int]: ...
 
 
+def propose_ahead(drafter: Drafter, context: list[int], k: int) -> list[int]:
+    """A proposal after a context not confirmed yet (its tail is a draft still being
+    verified: ``sequence.SpeculativeSequence`` queues the next pass behind the one it
+    reads), leaving the drafter as it was, so that a rejected tail does not move it. A
+    drafter without ``propose_ahead`` keeps no state that a context can move (a test's
+    oracle, random drafts): its ``propose``."""
+    ahead = getattr(drafter, "propose_ahead", None)
+    return ahead(context, k) if ahead is not None else drafter.propose(context, k)
+
+
 class NgramIndex:
     """The latest position at which each n-gram (``min_n`` to ``max_n`` tokens) of a growing
     token list ended, so a lookup costs a few dict reads however long the context is."""
@@ -76,6 +86,18 @@ class PromptLookup:
             return []
         return context[end : end + k]
 
+    def propose_ahead(self, context: list[int], k: int) -> list[int]:
+        """``propose`` for a context that goes on from the last one by tokens not
+        confirmed yet: looked up in what is indexed, which stays as it is (nothing for a
+        context this lookup does not follow)."""
+        n, first, last = self._seen
+        if k <= 0 or not n or n > len(context) or context[0] != first or context[n - 1] != last:
+            return []
+        end = self._index.find(context[-self._max_n :])
+        if end is None or end >= len(context):
+            return []
+        return context[end : end + k]
+
 
 class PredictedOutput:
     """The client's expected output (OpenAI's Predicted Outputs) as the draft.
@@ -106,6 +128,14 @@ class PredictedOutput:
         if k <= 0 or self._cursor is None:
             return []
         return self.prediction[self._cursor : self._cursor + k]
+
+    def propose_ahead(self, context: list[int], k: int) -> list[int]:
+        """``propose`` for a context not confirmed yet; the cursor stays where it was."""
+        saved = self._seen, self._cursor, self._hint
+        try:
+            return self.propose(context, k)
+        finally:
+            self._seen, self._cursor, self._hint = saved
 
     def _follow(self, context: list[int]) -> None:
         for tok in context[self._seen :]:

@@ -101,6 +101,14 @@ class Rollback:
         self.fed += tokens
         return self.model(mx.array(tokens)[None], cache=self.cache)[0]
 
+    def feed_array(self, tokens: mx.array, values: list[int]) -> mx.array:
+        """``feed`` for tokens that may not be computed yet (an array the device has yet to
+        produce: a pass queued behind another); ``values`` stands for them in ``fed``. Only
+        for a cache that trims exactly (``needs_saving`` of no layer): a restore would feed
+        ``values`` again."""
+        self.fed += values
+        return self.model(tokens[None], cache=self.cache)[0]
+
     def keep(self, n: int) -> None:
         """Leave the cache holding the first ``n`` tokens fed (trimmed if every layer can
         be, else restored and fed them again)."""

@@ -40,6 +40,9 @@ class Speculation:
     # False: draft the full length at every step, whatever it costs (tests, benchmarks).
     adaptive: bool = True
     log: Any = None  # plan_log.PlanLog: the plan's decisions, counted (benchmarks)
+    # a lone sequence queues its next pass behind the one it reads (sequence.py; False:
+    # each pass read before the next is built, to compare)
+    pipelined: bool = True
 
 
 def make_drafter(
@@ -134,6 +137,7 @@ class SpeculativeRunner(SoloRunner):
             checkpoints=job.checkpoints,
             costs=self.costs,
             log=self.spec.log,
+            pipelined=self.spec.pipelined,
         )
         self.seq = seq
         self.runs += 1

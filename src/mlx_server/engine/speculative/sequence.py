@@ -10,12 +10,24 @@ it emitted, one response each. Such a step is not pipelined: what to feed next d
 the acceptance. After it the KV cache holds exactly ``fed`` and ``_todo`` the last emitted
 token, which the next step (of either kind) feeds first; a handover to the batch
 (``handover``) works from either state as for the solo sequence.
+
+Passes are pipelined where they can be (``pipelined``: a lookup or a prediction drafting, the
+choice made in the pass's own graph, a cache that trims exactly): before a pass is read, the
+next one is queued behind it on the hypothesis that it is accepted whole, fed the pass's
+own last choice (not read yet: an array of the device's) and the drafter's guess after it,
+so the device runs the next pass while this one is read, answered and the one after built,
+as plain decoding queues its next step. Where the hypothesis fails (a token rejected, the
+sequence ends) the queued pass is dropped and the cache trimmed back; a pass queued behind
+another is exact whatever was guessed (it verifies its own draft after the actual token).
+While one is queued the cache holds more than ``fed`` (``ahead``); anything that takes the
+cache drops it first (``settle``).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
@@ -23,14 +35,38 @@ from mlx_lm.generate import generation_stream
 
 from mlx_server.engine.runners.base import Insert, Progress, Response
 from mlx_server.engine.runners.solo import SoloSequence
+from mlx_server.engine.sampling.samplers import SharedSampler
 from mlx_server.engine.speculative.controller import DraftLength
 from mlx_server.engine.speculative.costs import StepCosts, bucket
-from mlx_server.engine.speculative.drafters import Drafter, DraftModel
-from mlx_server.engine.speculative.plan_log import PlanLog
+from mlx_server.engine.speculative.drafters import Drafter, DraftModel, propose_ahead
+from mlx_server.engine.speculative.plan_log import PhaseClock, PlanLog
 from mlx_server.engine.speculative.rejection import Rejection
+from mlx_server.engine.speculative.rollback import Rollback, needs_saving
 from mlx_server.engine.speculative.shadow import Shadow
-from mlx_server.engine.speculative.verify import Processor, Verified, verify, verify_sampled
+from mlx_server.engine.speculative.verify import (
+    PAD_TOKEN,
+    Processor,
+    Verified,
+    verify,
+    verify_sampled,
+)
 from mlx_server.types import GenerationRequest
+
+
+@dataclass
+class _Pass:
+    """A verify pass queued on the device, not read yet (pipelined decoding)."""
+
+    first: int  # the token fed first (-1 while it is the pass before's choice, unread)
+    draft: list[int]
+    width: int  # the pass's positions after ``first``: the draft and its padding
+    rollback: Rollback  # the cache before it, and what it fed
+    logprobs: mx.array  # (len(draft) + 1, vocab)
+    choice: mx.array  # (len(draft) + 1,): the target's token at each position
+
+    @property
+    def padded(self) -> bool:
+        return self.width > len(self.draft)
 
 
 class SpeculativeSequence(SoloSequence):
@@ -60,6 +96,7 @@ class SpeculativeSequence(SoloSequence):
         buckets: bool = False,
         costs: StepCosts | None = None,
         log: PlanLog | None = None,
+        pipelined: bool = True,
     ):
         request = GenerationRequest(f"speculative-{uid}", prompt, max_tokens)
         job = Insert(
@@ -85,13 +122,55 @@ class SpeculativeSequence(SoloSequence):
         self._plain_run = 0  # plain steps in a row: from the second on, they are timed
         self.draft_n = 0  # tokens drafted
         self.draft_accepted = 0  # of those, accepted
+        # Passes queued behind the one read (module docstring), where the request allows
+        # (``_pipelines``: decided once its cache exists).
+        self._pipelined = (
+            pipelined
+            and self.rejection is None
+            and not isinstance(drafter, DraftModel)
+            and not self.processors
+            and (greedy or isinstance(sampler, SharedSampler))
+        )
+        self._ahead: _Pass | None = None  # queued behind the pass being read
+        self._decided: int | None = None  # the next step's width, decided when queuing
+        self.passes_ahead = 0  # passes queued behind another (counted: tests, benchmarks)
+        self.passes_dropped = 0  # of those, dropped (the one before was not accepted whole)
+
+    @property
+    def ahead(self) -> int:
+        """Positions the cache holds beyond ``fed``: a pass queued and not read yet."""
+        return len(self._ahead.rollback.fed) if self._ahead is not None else 0
+
+    def settle(self, keep_decision: bool = False) -> None:
+        """Drop a pass queued ahead: the cache then holds ``fed`` (before anything else
+        takes the cache: a handover, a removal). ``keep_decision``: the next step's width,
+        decided with it, still stands (the pass before it was not accepted whole)."""
+        ahead, self._ahead = self._ahead, None
+        if not keep_decision:
+            self._decided = None
+        if ahead is not None:
+            ahead.rollback.keep(0)
+            self.passes_dropped += 1
+
+    def take_pending(self) -> Response | None:
+        self.settle()
+        return super().take_pending()
+
+    def handover(self) -> tuple[list[int], Any, list[int], int]:
+        self.settle()
+        return super().handover()
 
     def next(self) -> tuple[list[Progress], list[Response]]:
         with mx.stream(generation_stream):
             if len(self._todo) > 1:
                 return [self._prefill_chunk()], []
+            if self._ahead is not None:  # queued behind the pass read last step
+                return [], self._read(self._ahead, time.perf_counter())
             left = self._max_tokens - self.emitted - (self._next is not None)
-            k = min(self.length.next_k() if self._adaptive else self._num_draft, left - 1)
+            decided, self._decided = self._decided, None
+            if decided is None:
+                decided = self.length.next_k() if self._adaptive else self._num_draft
+            k = min(decided, left - 1)
             if k <= 0:
                 return [], [self._plain()]
             return [], self._speculate(k)
@@ -126,6 +205,13 @@ class SpeculativeSequence(SoloSequence):
         head = [first] if first is not None else []
         t = time.perf_counter()
         last = self._todo[0]
+        if self._pipelines():
+            draft = self.drafter.propose([*self.fed, last], k)[:k]
+            if draft:
+                launched = self._launch(mx.array([last], dtype=mx.int32), last, draft)
+                return [*head, *self._read(launched, t)]
+            self.length.record(0, 0, 0.0)
+            return [*head, self._decode()]
         draft, out = self._verify(last, k)
         if out is None:
             self.length.record(0, 0, 0.0)
@@ -138,6 +224,81 @@ class SpeculativeSequence(SoloSequence):
         responses = self._answer(last, out)
         responses[0].drafted, responses[0].draft_accepted = len(draft), out.accepted
         return [*head, *responses]
+
+    def _pipelines(self) -> bool:
+        """Whether passes are queued one behind another (module docstring): the request
+        allows it, and every layer of the cache trims exactly."""
+        return self._pipelined and not any(needs_saving(c) for c in self.cache)
+
+    def _launch(self, first: mx.array, value: int, draft: list[int]) -> _Pass:
+        """Queue a pass feeding ``first`` (``value``: its token, -1 while not read) and
+        ``draft``, padded to its width, with the choice at each position in its graph."""
+        width = bucket(len(draft), max(self._num_draft, len(draft)))
+        if self.length.log is not None:
+            self.length.log.verifying(1, width, [len(draft)])
+        padded = [*draft, *[PAD_TOKEN] * (width - len(draft))]
+        rollback = Rollback(self.model, self.cache)
+        tokens = mx.concatenate([first.astype(mx.int32), mx.array(padded, dtype=mx.int32)])
+        logits = rollback.feed_array(tokens, [value, *padded])[: len(draft) + 1]
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        choice = mx.argmax(logprobs, axis=-1) if self._greedy else self.sampler(logprobs)
+        mx.async_eval(choice, logprobs)
+        return _Pass(value, draft, width, rollback, logprobs, choice)
+
+    def _queue_ahead(self, current: _Pass) -> None:
+        """Decide the next step's width now, and when it drafts, queue its pass behind
+        ``current`` on the hypothesis that ``current`` is accepted whole: fed its last
+        choice and what the drafter guesses after it (module docstring)."""
+        after = self.emitted + len(current.draft) + 1  # tokens emitted if accepted whole
+        decided = self.length.next_k() if self._adaptive else self._num_draft
+        self._decided = decided
+        k = min(decided, self._max_tokens - after - 1)
+        if k <= 0 or current.padded:  # padding would sit in the next pass's context
+            return
+        context = [*self.fed, current.first, *current.draft]
+        guess = propose_ahead(self.drafter, context, k + 1)  # the last choice, then a draft
+        if len(guess) < 2:
+            return
+        self._ahead = self._launch(current.choice[-1:], -1, guess[1 : k + 1])
+        self._decided = None
+        self.passes_ahead += 1
+
+    def _read(self, current: _Pass, t: float) -> list[Response]:
+        """Read ``current`` (the next pass queued first, where one pays), answer its tokens
+        and leave the cache holding ``fed`` plus any pass queued ahead."""
+        self._ahead = None
+        log = self.length.log
+        clock = PhaseClock({} if log is not None and log.trace else None)  # nothing evaluated
+        self._queue_ahead(current)
+        clock.done("queue next")
+        choice: list[int] = current.choice.tolist()  # type: ignore[assignment]
+        clock.done("forward")  # the wait for it, less what ran under the queuing
+        draft = current.draft
+        n = 0
+        while n < len(draft) and choice[n] == draft[n]:
+            n += 1
+        clock.done("decide")
+        tokens = choice[: n + 1]
+        out = Verified(tokens, [current.logprobs[i] for i in range(n + 1)], n, current.rollback)
+        ends = self.emitted + len(tokens) >= self._max_tokens or any(
+            tok in self._eos for tok in tokens
+        )
+        if n < len(draft) or ends:  # the pass queued ahead was built on what did not happen
+            self.settle(keep_decision=True)
+        current.rollback.keep(len(current.rollback.fed) if self._ahead else 1 + n)
+        if self._ahead is not None:  # its first token is this pass's last, read now
+            self._ahead.first = self._ahead.rollback.fed[0] = tokens[-1]
+        self._context = None
+        clock.done("roll back")
+        seconds = time.perf_counter() - t
+        if log is not None and clock.timings:
+            log.phases(seconds, clock.timings)
+        self.length.record(len(draft), n, seconds, current.width)
+        self.draft_n += len(draft)
+        self.draft_accepted += n
+        responses = self._answer(current.first, out)
+        responses[0].drafted, responses[0].draft_accepted = len(draft), n
+        return responses
 
     def _verify(self, last: int, k: int) -> tuple[list[int], Verified | None]:
         """Draft up to ``k`` tokens after ``last`` and verify them (None: no draft)."""
