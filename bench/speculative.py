@@ -46,6 +46,8 @@ from typing import Any
 import mlx.core as mx
 import speculative_support as sup
 
+from mlx_server.engine.core.tuning import on_gpu
+
 print = functools.partial(print, flush=True)  # noqa: A001 (progress while it runs)
 REPO = Path(__file__).resolve().parents[1]
 SOURCE = (REPO / "bench" / "data" / "code_edit_source.py.txt").read_text()
@@ -122,7 +124,7 @@ class Bench:
         msgs = [{"role": "user", "content": text}]
         return list(self.tok.apply_chat_template(msgs, add_generation_prompt=True))
 
-    def spec(self, k: int, lookup: bool, label: str, pipelined: bool = True) -> Any:
+    def spec(self, k: int, lookup: bool, label: str, pipelined: bool | None = None) -> Any:
         from mlx_server.engine.speculative.plan_log import PlanLog
         from mlx_server.engine.speculative.runner import Speculation
 
@@ -149,15 +151,18 @@ class Bench:
             preds = self.settle(prompts, preds, base["tokens"])
         kind = "predicted outputs" if preds else "prompt lookup"
         runs = [(f"{kind} k={k}", k) for k in a.ks]
-        if a.unpipelined and n == 1:  # the lone sequence's passes read before the next is built
-            runs += [(f"{kind} k={k}, passes not queued", k) for k in a.ks]
+        if a.compare_queued and n == 1:  # the lone sequence's passes, the other way
+            other = "not queued" if on_gpu() else "queued"  # the server's default, reversed
+            runs += [(f"{kind} k={k}, passes {other}", k) for k in a.ks]
         if not a.no_random:
             runs.append((f"random drafts k={a.ks[0]}", a.ks[0]))
         ratios: dict[str, list[float]] = {}
         for rep in range(a.repeat):
             for label, k in runs:
                 rand = label.startswith("random")
-                queued = not label.endswith("passes not queued")
+                queued = {"passes queued": True, "passes not queued": False}.get(
+                    label.rsplit(", ", 1)[-1]
+                )  # None: the server's default
                 spec = self.spec(k, preds is None, f"{name} x{n} {label}", queued)
                 with sup.drafting(sup.RandomDrafts(self.vocab) if rand else None):
                     r = sup.streams(self.model, self.tok, prompts, a.tokens, spec, preds)
@@ -238,9 +243,10 @@ def main() -> None:
     ap.add_argument("--trace", default=None, help="one line per verifying step, before it runs")
     ap.add_argument("--no-step-costs", action="store_true")
     ap.add_argument(
-        "--unpipelined",
+        "--compare-queued",
         action="store_true",
-        help="at one stream, also each drafter's run with passes read before the next is built",
+        help="at one stream, also each drafter's run with its passes the other way: queued "
+        "one behind another (the default on a GPU) or each read before the next is built",
     )
     ap.add_argument(
         "--settle",

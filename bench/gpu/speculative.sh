@@ -34,7 +34,7 @@
 #      that model), TOKENS=200, KS=8 (draft lengths, each run at every level), REPEAT=1, STREAMS=8, LEVELS (default
 #      1,STREAMS), WORKLOADS=code,prose,predicted, PER_MODEL_S=540, PARK=/tmp/kit/demo, MODELS_DIR=/tmp/models,
 #      DTYPE=float16 (the demo model's), PYTHON=python3, S=/tmp/site, K=/tmp/kit/a, SRC=$PWD/src,
-#      SPEC_ARGS (more flags for bench/speculative.py, e.g. --unpipelined: at one stream, each drafter's run
+#      SPEC_ARGS (more flags for bench/speculative.py, e.g. --compare-queued: at one stream, each drafter's run
 #      again with the lone sequence's passes read before the next is built, to compare).
 set -u
 PYTHON=${PYTHON:-python3}; S=${S:-/tmp/site}; K=${K:-/tmp/kit/a}; OUT=${OUT:-/tmp/out}; SRC=${SRC:-$PWD/src}

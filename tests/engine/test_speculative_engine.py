@@ -69,9 +69,11 @@ def same(a: Any, b: Any, name: str) -> None:
     "spec",
     [
         Speculation(num_draft_tokens=4, prompt_lookup=True),
+        # each pass queued behind the one read, as on a GPU (sequence.py)
+        Speculation(num_draft_tokens=4, prompt_lookup=True, pipelined=True),
         Speculation(num_draft_tokens=3, draft_model="self"),
     ],
-    ids=["prompt_lookup", "draft_model"],
+    ids=["prompt_lookup", "prompt_lookup_queued", "draft_model"],
 )
 def test_speculating_alone_gives_the_output_of_plain_decoding(lm: Any, spec: Speculation) -> None:
     model, tokenizer = lm
@@ -113,12 +115,16 @@ def test_a_prediction_is_drafted_and_counted_in_usage(lm: Any) -> None:
     assert plain.finished.usage.accepted_prediction_tokens is None
 
 
-def test_a_batch_mixes_speculating_and_plain_requests_with_unchanged_output(lm: Any) -> None:
-    """The first request starts alone and speculates; three more join it in the batch."""
+@pytest.mark.parametrize("queued", [None, True], ids=["default", "queued"])
+def test_a_batch_mixes_speculating_and_plain_requests_with_unchanged_output(
+    lm: Any, queued: bool | None
+) -> None:
+    """The first request starts alone and speculates; three more join it in the batch
+    (``queued``: a pass may be queued ahead when they come, dropped before the handover)."""
     model, tokenizer = lm
     p = repetitive(tokenizer)
     others = [list(tokenizer.encode(f"hello world {i} paris")) for i in range(3)]
-    spec = Speculation(prompt_lookup=True)
+    spec = Speculation(prompt_lookup=True, pipelined=queued)
     with (
         running_engine(model, tokenizer, speculation=spec, **CFG) as fast,
         running_engine(model, tokenizer, **CFG) as plain,
@@ -144,7 +150,8 @@ def test_cancelling_mid_speculation_frees_the_sequence_and_the_next_request_is_e
 ) -> None:
     model, tokenizer = lm
     p = repetitive(tokenizer)
-    with running_engine(model, tokenizer, speculation=Speculation(prompt_lookup=True), **CFG) as e:
+    spec = Speculation(prompt_lookup=True, pipelined=True)  # a pass may be queued ahead
+    with running_engine(model, tokenizer, speculation=spec, **CFG) as e:
         (want,) = solo(e, [request(p, 40, ignore_eos=True)])
 
         async def cancel_after(n: int) -> Any:

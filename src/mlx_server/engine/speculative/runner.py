@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from mlx_server.engine.core.tuning import ShapePieces
+from mlx_server.engine.core.tuning import ShapePieces, on_gpu
 from mlx_server.engine.runners.base import Insert, Progress, Response
 from mlx_server.engine.runners.solo import Handover, SoloRunner
 from mlx_server.engine.speculative import warm
@@ -40,9 +40,13 @@ class Speculation:
     # False: draft the full length at every step, whatever it costs (tests, benchmarks).
     adaptive: bool = True
     log: Any = None  # plan_log.PlanLog: the plan's decisions, counted (benchmarks)
-    # a lone sequence queues its next pass behind the one it reads (sequence.py; False:
-    # each pass read before the next is built, to compare)
-    pipelined: bool = True
+    # a lone sequence queues its next pass behind the one it reads (sequence.py). None: on
+    # a GPU, where the device computes while the host builds the next pass; on a CPU MLX's
+    # evaluation of a pass is mostly done by the time it is queued (the demo model's
+    # 9-token pass: 94 of 110 ms inside ``mx.async_eval``), so a pass queued ahead
+    # overlaps nothing and one built on a rejected pass is a pass's compute wasted
+    # (`bench/speculative.py --compare-queued`, code edit: 1.52-1.58 x queued, 1.61-1.63 x not)
+    pipelined: bool | None = None
 
 
 def make_drafter(
@@ -137,7 +141,7 @@ class SpeculativeRunner(SoloRunner):
             checkpoints=job.checkpoints,
             costs=self.costs,
             log=self.spec.log,
-            pipelined=self.spec.pipelined,
+            pipelined=on_gpu() if self.spec.pipelined is None else self.spec.pipelined,
         )
         self.seq = seq
         self.runs += 1

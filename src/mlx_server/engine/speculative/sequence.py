@@ -134,6 +134,9 @@ class SpeculativeSequence(SoloSequence):
         self._ahead: _Pass | None = None  # queued behind the pass being read
         self._decided: int | None = None  # the next step's width, decided when queuing
         self.passes_ahead = 0  # passes queued behind another (counted: tests, benchmarks)
+        # the last pass read was accepted whole: the next is queued behind the one read only
+        # then (a pass built on a rejected one is wasted work, on a busy device a step's)
+        self._whole = False
         self.passes_dropped = 0  # of those, dropped (the one before was not accepted whole)
 
     @property
@@ -246,14 +249,18 @@ class SpeculativeSequence(SoloSequence):
         return _Pass(value, draft, width, rollback, logprobs, choice)
 
     def _queue_ahead(self, current: _Pass) -> None:
-        """Decide the next step's width now, and when it drafts, queue its pass behind
-        ``current`` on the hypothesis that ``current`` is accepted whole: fed its last
-        choice and what the drafter guesses after it (module docstring)."""
+        """Where ``current`` is likely to be accepted whole (the pass before it was, and it
+        has no padding, which would sit in the next pass's context), decide the next step's
+        width now and, when it drafts, queue its pass behind ``current``: fed its last
+        choice and what the drafter guesses after it (module docstring). Elsewhere the next
+        step decides after this one is read, with its outcome."""
         after = self.emitted + len(current.draft) + 1  # tokens emitted if accepted whole
+        if current.padded or not self._whole or self._max_tokens - after <= 1:
+            return
         decided = self.length.next_k() if self._adaptive else self._num_draft
         self._decided = decided
         k = min(decided, self._max_tokens - after - 1)
-        if k <= 0 or current.padded:  # padding would sit in the next pass's context
+        if k <= 0:
             return
         context = [*self.fed, current.first, *current.draft]
         guess = propose_ahead(self.drafter, context, k + 1)  # the last choice, then a draft
@@ -279,6 +286,7 @@ class SpeculativeSequence(SoloSequence):
             n += 1
         clock.done("decide")
         tokens = choice[: n + 1]
+        self._whole = n == len(draft)
         out = Verified(tokens, [current.logprobs[i] for i in range(n + 1)], n, current.rollback)
         ends = self.emitted + len(tokens) >= self._max_tokens or any(
             tok in self._eos for tok in tokens
