@@ -44,9 +44,9 @@ from mlx_server.engine.speculative.rejection import Rejection
 from mlx_server.engine.speculative.rollback import Rollback, needs_saving
 from mlx_server.engine.speculative.shadow import Shadow
 from mlx_server.engine.speculative.verify import (
-    PAD_TOKEN,
     Processor,
     Verified,
+    queue_pass,
     verify,
     verify_sampled,
 )
@@ -239,13 +239,10 @@ class SpeculativeSequence(SoloSequence):
         width = bucket(len(draft), max(self._num_draft, len(draft)))
         if self.length.log is not None:
             self.length.log.verifying(1, width, [len(draft)])
-        padded = [*draft, *[PAD_TOKEN] * (width - len(draft))]
-        rollback = Rollback(self.model, self.cache)
-        tokens = mx.concatenate([first.astype(mx.int32), mx.array(padded, dtype=mx.int32)])
-        logits = rollback.feed_array(tokens, [value, *padded])[: len(draft) + 1]
-        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        choice = mx.argmax(logprobs, axis=-1) if self._greedy else self.sampler(logprobs)
-        mx.async_eval(choice, logprobs)
+        sampler = None if self._greedy else self.sampler
+        rollback, logprobs, choice = queue_pass(
+            self.model, self.cache, first, value, draft, width, sampler
+        )
         return _Pass(value, draft, width, rollback, logprobs, choice)
 
     def _queue_ahead(self, current: _Pass) -> None:

@@ -83,6 +83,30 @@ def verify(
     return kept
 
 
+def queue_pass(
+    model: Any,
+    cache: Any,
+    first: mx.array,
+    value: int,
+    draft: list[int],
+    width: int,
+    sampler: Callable[[mx.array], mx.array] | None,
+) -> tuple[Rollback, mx.array, mx.array]:
+    """A pass queued on the device and not read (``sequence.SpeculativeSequence``'s
+    pipelined passes; the warm-up runs it too, ``warm``): it feeds ``first`` (an array,
+    possibly not computed yet: the choice of a pass before it; ``value`` stands for it in
+    the rollback's ``fed``, -1 while unread) and ``draft`` padded to ``width``; returns the
+    rollback, the log-probabilities at ``first`` and each draft token, and the choice at
+    each (``sampler``, None: greedy), in the pass's own graph."""
+    padded = [*draft, *[PAD_TOKEN] * (width - len(draft))]
+    rollback = Rollback(model, cache)
+    tokens = mx.concatenate([first.astype(mx.int32), mx.array(padded, dtype=mx.int32)])
+    logprobs = _logprobs(rollback.feed_array(tokens, [value, *padded])[: len(draft) + 1])
+    choice = mx.argmax(logprobs, axis=-1) if sampler is None else sampler(logprobs)
+    mx.async_eval(choice, logprobs)
+    return rollback, logprobs, choice
+
+
 def _feed(rollback: Rollback, last: int, draft: list[int], pad: int) -> mx.array:
     """The logits at ``last`` and each draft token, from one pass padded by ``pad``."""
     logits = rollback.feed([last, *draft, *[PAD_TOKEN] * pad])

@@ -27,7 +27,7 @@ from mlx_server.engine.core.tuning import Piece, ShapePieces
 from mlx_server.engine.core.wired import hands_off
 from mlx_server.engine.speculative.batch import AlwaysDraft, BatchSpeculator, RowSpec, install
 from mlx_server.engine.speculative.costs import widths
-from mlx_server.engine.speculative.verify import verify
+from mlx_server.engine.speculative.verify import queue_pass, verify
 
 BUDGET_S = 60.0  # seconds the verify passes add to the warm-up's budget
 PROMPT = 16  # tokens before the first pass (its cache offset does not matter)
@@ -71,12 +71,20 @@ def shapes(first: list[Piece], later: dict[int, list[Piece]], max_k: int) -> Sha
 
 
 def _lone(model: Any, width: int) -> Generator[None, None, None]:
+    """A pass read at once (``verify``), then one queued as a GPU queues the next pass
+    behind it (``queue_pass``: its first token the choice of the pass before, an array the
+    device computes; its own kernels, a dtype conversion and a concatenation among them)."""
     cache = make_prompt_cache(model)
     logits = model(mx.array([[1 + i % 7 for i in range(PROMPT)]]), cache=cache)
     mx.eval(logits[:, -1, :], [c.state for c in cache])
     yield
-    out = verify(model, cache, 1, [1 + i % 7 for i in range(width)], sampler=None)
+    draft = [1 + i % 7 for i in range(width)]
+    out = verify(model, cache, 1, draft, sampler=None)
     mx.eval(out.logprobs, [c.state for c in cache])
+    yield
+    first = mx.argmax(out.logprobs[-1])[None]  # what a pass's choice is: not int32
+    _, logprobs, choice = queue_pass(model, cache, first, -1, draft, width, None)
+    mx.eval(logprobs, choice, [c.state for c in cache])
 
 
 def _batch(
