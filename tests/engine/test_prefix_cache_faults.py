@@ -144,6 +144,35 @@ def test_a_miss_says_why(plain, capsys):
     assert out.count("miss for a") == 3 and "evicted" in out
 
 
+def test_a_short_prefix_before_a_long_rest_is_not_used_where_kernels_are_built_per_shape(
+    plain, capsys
+):
+    """With ``prefill_buckets`` (CUDA): a hit of at most ``SHORT_CHUNK`` tokens before a
+    longer rest prefills from the start (``short_prefix``); a hit before a short rest (a
+    next turn), or a long hit, is used. Output is the same either way."""
+    from mlx_server.engine.core.tuning import SHORT_CHUNK
+
+    model, tokenizer = plain
+    opening = SYSTEM[:20]  # a chat template's opening, stored with a first conversation
+    first = opening + [7] * 10
+    long_rest = opening + [(3 * i) % 150 + 20 for i in range(SHORT_CHUNK + 30)]
+    short_rest = opening + [9] * 12
+    want = cold_texts(model, tokenizer, [first, long_rest, short_rest])
+    for buckets in (True, False):
+        with running_engine(
+            model, tokenizer, prompt_cache_size=4, prefill_buckets=buckets
+        ) as engine:
+            got = solo(engine, [ask(p) for p in (first, long_rest, short_rest)])
+            stats = engine.stats()
+        assert [r.text for r in got] == want
+        if buckets:  # the long rest prefilled from the start; the short one used the hit
+            assert stats["prompt_cache_miss_short_prefix"] == 1
+            assert got[1].cached == 0 and got[2].cached > 0
+        else:
+            assert stats["prompt_cache_miss_short_prefix"] == 0 and got[1].cached > 0
+    assert "short prefix" in capsys.readouterr().out
+
+
 def own_system(n: int, length: int = 48) -> list[int]:
     """A system prompt of its own for each ``n`` (past the 16-token sliding window)."""
     return [(n * 17 + 5 * i) % 150 + 20 for i in range(length)]

@@ -74,6 +74,9 @@ class PrefixCache(LRUPromptCache):
         self.oversize = 0  # entries larger than the whole RAM tier
         self.faults = CacheFaults()  # its own failures: the entry goes, requests go on
         self.missed = MissLog()  # why each miss missed
+        # A hit of at most this many tokens before a rest longer than it is not used (set
+        # where kernels are built per shape: ``misses`` ``short_prefix``); 0: every hit is.
+        self.short_hit = 0
         self._disk = DiskSide(disk, self.faults) if disk is not None else None
         if disk is not None:
             self.missed.load_foreign(disk.directory)
@@ -93,6 +96,9 @@ class PrefixCache(LRUPromptCache):
                     return loaded
             if key is None or keep <= 0:
                 self._miss(tokens, self._why_missed(res, tokens))
+                return None, tokens
+            if keep <= self.short_hit < len(tokens) - keep - 1:
+                self._miss(tokens, "short_prefix")
                 return None, tokens
             cache = copy.deepcopy(self._trie.get(KEY, key).prompt_cache)
             # mlx-lm annotates the count it returns as a list
