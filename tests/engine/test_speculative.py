@@ -33,6 +33,7 @@ from mlx_server.engine.speculative.drafters import (
     PromptLookup,
     check_same_tokenizer,
 )
+from mlx_server.engine.speculative.plan_log import PlanLog
 from mlx_server.engine.speculative.sequence import SpeculativeSequence
 from mlx_server.engine.speculative.verify import verify
 from mlx_server.types import SamplingParams
@@ -212,10 +213,13 @@ def test_queued_or_not_the_output_is_the_same(tiny: Any, pipelined: bool) -> Non
     prompt = _prompt(tok, "def add(a, b): return a + b")
     want = _plain(model, prompt, 40, lambda x: mx.argmax(x, axis=-1))
     drafter = Oracle(len(prompt), want, 11)  # runs of whole passes, then a rejection
-    got, seq = _speculate(model, prompt, 40, drafter, adaptive=False, pipelined=pipelined)
+    log = PlanLog()
+    got, seq = _speculate(model, prompt, 40, drafter, adaptive=False, pipelined=pipelined, log=log)
     assert got == want
     assert (seq.passes_ahead > 0) == pipelined
     assert (seq.passes_dropped > 0) == pipelined  # queued behind a pass then rejected
+    assert (log.queued, log.dropped) == (seq.passes_ahead, seq.passes_dropped)
+    assert ("passes queued behind the one read" in log.summary()) == pipelined
 
 
 def test_a_pass_queued_ahead_is_dropped_before_the_cache_is_taken(tiny: Any) -> None:

@@ -48,6 +48,10 @@ class PlanLog:
         self.stop_count = 0
         self.costs: list[Any] = []  # StepCosts
         self.trace = trace
+        # a lone sequence's passes queued behind the one being read, and of those dropped
+        # (the pass before was not accepted whole; ``sequence.SpeculativeSequence``)
+        self.queued = 0
+        self.dropped = 0
 
     def decided(self, reason: str) -> None:
         self.steps[reason] += 1
@@ -90,6 +94,10 @@ class PlanLog:
             f"accepted {self.accepted}; shadow drafts (scored, not verified) "
             f"{self.shadow_drafted}, accepted {self.shadow_accepted}"
         ]
+        if self.queued:
+            lines.append(
+                f"  passes queued behind the one read: {self.queued}, dropped {self.dropped}"
+            )
         for c in self.costs:
             for b, row in c.table().items():
                 t0 = c.t0.get(b, 0.0)

@@ -154,6 +154,8 @@ class SpeculativeSequence(SoloSequence):
         if ahead is not None:
             ahead.rollback.keep(0)
             self.passes_dropped += 1
+            if self.length.log is not None:
+                self.length.log.dropped += 1
 
     def take_pending(self) -> Response | None:
         self.settle()
@@ -266,6 +268,8 @@ class SpeculativeSequence(SoloSequence):
         self._ahead = self._launch(current.choice[-1:], -1, guess[1 : k + 1])
         self._decided = None
         self.passes_ahead += 1
+        if self.length.log is not None:
+            self.length.log.queued += 1
 
     def _read(self, current: _Pass, t: float) -> list[Response]:
         """Read ``current`` (the next pass queued first, where one pays), answer its tokens
