@@ -225,11 +225,10 @@ class Engine(OwnerThread):
         where the first token outlasts ``ready_after_s``: then a failure of it refuses
         every request from then on, with the reason)."""
         error = self._warming.before_serving(self._warm_up_budget(), self._ready.set)
+        self.start_error = error  # requests are refused from here (``submit``)
         if error and self._ready.is_set():  # the readiness line may be out already
-            self.start_error = error
             log(f"The model cannot serve: {error}; every request is refused with it")
             self._end.fail(f"the model cannot serve: {error}", queued=True)
-        self.start_error = error
         # Idle time counts from readiness: a client's first request, sent on the readiness
         # line, finds no warm-up piece under way (on a fresh CUDA machine one can take
         # seconds; a VLM's probe waited 45 s behind them on an H100).
