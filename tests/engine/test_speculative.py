@@ -50,6 +50,24 @@ def test_prompt_lookup_proposes_what_followed_the_longest_match() -> None:
     assert d.propose([*ctx, 1, 2], 2) == [3, 4]  # grows with the context
 
 
+def test_a_proposal_ahead_leaves_the_drafter_as_it_was() -> None:
+    """A guess after a context not confirmed yet (a draft still being verified) does not
+    move the drafter: the next real context gets what it would have got."""
+    lookup, fresh = PromptLookup(), PromptLookup()
+    context = [1, 2, 3, 4, 9, 1, 2, 3]
+    assert lookup.propose(context, 3) == [4, 9, 1]
+    assert lookup.propose_ahead([*context, 4, 9, 1, 2], 3) == [3, 4, 9]  # the guessed tail
+    assert lookup.propose_ahead([7, *context], 3) == []  # a context it does not follow
+    real = [*context, 5, 1]  # the draft was rejected at its first token
+    fresh.propose(context, 3)
+    assert lookup.propose(real, 3) == fresh.propose(real, 3) == [2, 3, 5]
+    prediction = [10, 11, 12, 13, 14, 15, 16]
+    pred, same = PredictedOutput(prediction, 2), PredictedOutput(prediction, 2)
+    assert pred.propose([0, 1, 10, 11], 2) == same.propose([0, 1, 10, 11], 2) == [12, 13]
+    assert pred.propose_ahead([0, 1, 10, 11, 12, 13], 2) == [14, 15]
+    assert pred.propose([0, 1, 10, 11, 99], 2) == same.propose([0, 1, 10, 11, 99], 2)
+
+
 def test_prompt_lookup_without_a_match_proposes_nothing() -> None:
     d = PromptLookup()
     assert d.propose([1, 2, 3, 4], 4) == []

@@ -81,10 +81,7 @@ class PromptLookup:
         # An n-gram ending at the last position is the query itself: index only those with
         # at least one token after them.
         self._index.extend(context, len(context))
-        end = self._index.find(context[-self._max_n :])
-        if end is None or end >= len(context):
-            return []
-        return context[end : end + k]
+        return self._lookup(context, k)
 
     def propose_ahead(self, context: list[int], k: int) -> list[int]:
         """``propose`` for a context that goes on from the last one by tokens not
@@ -93,6 +90,10 @@ class PromptLookup:
         n, first, last = self._seen
         if k <= 0 or not n or n > len(context) or context[0] != first or context[n - 1] != last:
             return []
+        return self._lookup(context, k)
+
+    def _lookup(self, context: list[int], k: int) -> list[int]:
+        """What followed the longest indexed match of ``context``'s last tokens."""
         end = self._index.find(context[-self._max_n :])
         if end is None or end >= len(context):
             return []
