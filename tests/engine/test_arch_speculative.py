@@ -101,6 +101,15 @@ def test_greedy_output_is_mlx_lm_s_with_rejected_drafts(arch: Any) -> None:
     assert speculate(model, prompt, Mixed(len(prompt), want, 3)) == want
 
 
+def test_passes_queued_behind_whole_ones_give_mlx_lm_s_output(arch: Any) -> None:
+    """Runs of drafts accepted whole, each broken by a wrong token: where the cache trims
+    exactly, each pass after a whole one is queued before that one is read, and dropped
+    when that one is not accepted whole (``sequence.py``); elsewhere passes are read one
+    at a time. Either way the output is mlx-lm's."""
+    _, model, prompt, want = arch
+    assert speculate(model, prompt, Mixed(len(prompt), want, 11)) == want
+
+
 def test_a_stop_inside_accepted_tokens_leaves_the_cache_at_the_stop(arch: Any) -> None:
     """The sequence ends on an accepted draft token: the cache it leaves for the prefix
     cache holds the context up to that token, and continues as plain decoding does."""
