@@ -88,12 +88,7 @@ def batch_picks(
     chosen = mx.take_along_axis(logprobs, tokens.reshape(-1, 1), axis=-1).reshape(-1)
     if max(mine.values()) <= 0:
         return BatchPicks(list(keys), mine, chosen, None, None)
-    k = min(BATCH_TOP, logprobs.shape[-1])
-    idx = mx.argpartition(-logprobs, k - 1, axis=-1)[:, :k]
-    vals = mx.take_along_axis(logprobs, idx, axis=-1)
-    order = mx.argsort(-vals, axis=-1)
-    idx = mx.take_along_axis(idx, order, axis=-1)
-    vals = mx.take_along_axis(vals, order, axis=-1)
+    idx, vals = _top(logprobs, min(BATCH_TOP, logprobs.shape[-1]))
     return BatchPicks(list(keys), mine, chosen, idx, vals)
 
 
@@ -108,10 +103,12 @@ def pick(logprobs: mx.array, token: mx.array, k: int) -> Picked:
 
 
 def _top(logprobs: mx.array, k: int) -> tuple[mx.array, mx.array]:
-    idx = mx.argpartition(-logprobs, k - 1)[:k]
-    vals = logprobs[idx]
-    order = mx.argsort(-vals)
-    return idx[order], vals[order]
+    """The ``k`` likeliest ids and their log-probabilities along the last axis (a row, or
+    a batch's rows), most likely first."""
+    idx = mx.argpartition(-logprobs, k - 1, axis=-1)[..., :k]
+    vals = mx.take_along_axis(logprobs, idx, axis=-1)
+    order = mx.argsort(-vals, axis=-1)
+    return mx.take_along_axis(idx, order, axis=-1), mx.take_along_axis(vals, order, axis=-1)
 
 
 def logprob_entry(
@@ -125,30 +122,23 @@ def logprob_entry(
     in descending order, from one step's log-probabilities over the vocabulary (or from
     ``picked``, the same figures made in the step's graph)."""
     text, raw = token_text(tokenizer, token)
-    top: tuple[TokenLogprob, ...] = ()
+    pairs: Any = ()  # (id, log-probability) of the alternatives, most likely first
     if isinstance(picked, PickedValues):
-        top = tuple(
-            _alternative(tokenizer, int(i), float(v)) for i, v in picked.top[:k] if math.isfinite(v)
-        )
-        chosen = picked.chosen
-        chosen = max(chosen, LOGPROB_FLOOR) if math.isfinite(chosen) else LOGPROB_FLOOR
-        return LogprobEntry(text, chosen, list(raw), top)
-    if k > 0:
-        if picked is not None and picked.top_ids is not None and picked.top_vals is not None:
-            top_ids, top_vals = picked.top_ids, picked.top_vals
-        else:
-            top_ids, top_vals = _top(logprobs, k)
-        ids: list[Any] = top_ids.tolist()  # type: ignore[assignment]
-        lps: list[Any] = top_vals.tolist()  # type: ignore[assignment]
-        # Tokens a constraint masked out have probability 0 (-inf): they are no
-        # alternatives, and -inf is not JSON. The list may then be shorter than asked.
-        top = tuple(
-            _alternative(tokenizer, int(i), float(v))
-            for i, v in zip(ids, lps, strict=True)
-            if math.isfinite(v)
-        )
-    value = picked.chosen if picked is not None else logprobs[token]
-    chosen = float(value.item())  # type: ignore[arg-type]
+        chosen, pairs = picked.chosen, picked.top[:k]
+    else:
+        if k > 0:
+            if picked is not None and picked.top_ids is not None and picked.top_vals is not None:
+                top_ids, top_vals = picked.top_ids, picked.top_vals
+            else:
+                top_ids, top_vals = _top(logprobs, k)
+            pairs = zip(top_ids.tolist(), top_vals.tolist(), strict=True)  # type: ignore[arg-type]
+        value = picked.chosen if picked is not None else logprobs[token]
+        chosen = float(value.item())  # type: ignore[arg-type]
+    # Tokens a constraint masked out have probability 0 (-inf): they are no alternatives,
+    # and -inf is not JSON. The list may then be shorter than asked.
+    top = tuple(
+        _alternative(tokenizer, int(i), float(v)) for i, v in pairs if math.isfinite(float(v))
+    )
     chosen = max(chosen, LOGPROB_FLOOR) if math.isfinite(chosen) else LOGPROB_FLOOR
     return LogprobEntry(text, chosen, list(raw), top)
 
