@@ -122,14 +122,15 @@ class SpeculativeSequence(SoloSequence):
         self._plain_run = 0  # plain steps in a row: from the second on, they are timed
         self.draft_n = 0  # tokens drafted
         self.draft_accepted = 0  # of those, accepted
-        # Passes queued behind the one read (module docstring), where the request allows
-        # (``_pipelines``: decided once its cache exists).
+        # Passes queued behind the one read (module docstring), where the request allows it
+        # and every layer of the cache trims exactly.
         self._pipelined = (
             pipelined
             and self.rejection is None
             and not isinstance(drafter, DraftModel)
             and not self.processors
             and (greedy or isinstance(sampler, SharedSampler))
+            and not any(needs_saving(c) for c in self.cache)
         )
         self._ahead: _Pass | None = None  # queued behind the pass being read
         self._decided: int | None = None  # the next step's width, decided when queuing
@@ -210,7 +211,7 @@ class SpeculativeSequence(SoloSequence):
         head = [first] if first is not None else []
         t = time.perf_counter()
         last = self._todo[0]
-        if self._pipelines():
+        if self._pipelined:
             draft = self.drafter.propose([*self.fed, last], k)[:k]
             if draft:
                 launched = self._launch(mx.array([last], dtype=mx.int32), last, draft)
@@ -229,11 +230,6 @@ class SpeculativeSequence(SoloSequence):
         responses = self._answer(last, out)
         responses[0].drafted, responses[0].draft_accepted = len(draft), out.accepted
         return [*head, *responses]
-
-    def _pipelines(self) -> bool:
-        """Whether passes are queued one behind another (module docstring): the request
-        allows it, and every layer of the cache trims exactly."""
-        return self._pipelined and not any(needs_saving(c) for c in self.cache)
 
     def _launch(self, first: mx.array, value: int, draft: list[int]) -> _Pass:
         """Queue a pass feeding ``first`` (``value``: its token, -1 while not read) and
