@@ -54,7 +54,6 @@ class Warming:
         then; the rest of the warm-up waits for idle time)."""
         cfg = self._config
         first_s = 0.0
-        early = False
         if cfg.first_token:
             timer = None
             if ready is not None and cfg.ready_after_s != float("inf") and budget != float("inf"):
@@ -73,12 +72,11 @@ class Warming:
                     timer.cancel()
                     timer.join()
             first_s = time.perf_counter() - t0
-            early = self.ready_early
         # kernels being built now (an empty kernel cache): the readiness line does not wait
         # for the rest (unless every rank must run it all before serving); nor once it has
         # been said (requests may be waiting)
         cold = builds_kernels_on_first_use() and first_s >= COLD_FIRST_TOKEN_S
-        cold = (cold and budget != float("inf")) or early
+        cold = (cold and budget != float("inf")) or self.ready_early
         if cfg.warm_up:
             try:
                 n, step, buckets = cfg.max_batch_size, cfg.prefill_step_size, cfg.prefill_buckets
