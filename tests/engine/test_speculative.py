@@ -10,6 +10,7 @@ import copy
 import math
 from collections import Counter
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import mlx.core as mx
@@ -238,6 +239,44 @@ def test_queued_or_not_the_output_is_the_same(tiny: Any, pipelined: bool) -> Non
     assert (seq.passes_dropped > 0) == pipelined  # queued behind a pass then rejected
     assert (log.queued, log.dropped) == (seq.passes_ahead, seq.passes_dropped)
     assert ("passes queued behind the one read" in log.summary()) == pipelined
+
+
+def test_each_queued_pass_is_charged_its_own_launch(tiny: Any, monkeypatch: Any) -> None:
+    """A pass queued behind another is built while that one is read: the time its launch
+    takes is its own cost, not the pass read meanwhile's (on a GPU the wait for a queued
+    pass is near nothing, so without it the plan saw such a pass as free and the one before
+    as twice as dear). With a clock that only a launch advances, every pass costs one."""
+    from mlx_server.engine.speculative import sequence as module
+
+    model, tok = tiny
+    prompt = _prompt(tok, "def add(a, b): return a + b")
+    want = _plain(model, prompt, 40, lambda x: mx.argmax(x, axis=-1))
+    clock = {"now": 0.0}
+    launch = module.queue_pass
+
+    def timed_launch(*args: Any, **kw: Any) -> Any:
+        clock["now"] += 5.0
+        return launch(*args, **kw)
+
+    monkeypatch.setattr(module, "queue_pass", timed_launch)
+    monkeypatch.setattr(module, "time", SimpleNamespace(perf_counter=lambda: clock["now"]))
+    seq = SpeculativeSequence(
+        model, 1, prompt, 0, None, sampler=lambda x: mx.argmax(x, axis=-1), greedy=True,
+        drafter=Oracle(len(prompt), want), num_draft_tokens=4, max_tokens=40, eos=[],
+        prefill_step_size=512, adaptive=False, pipelined=True,
+    )  # fmt: skip
+    samples: list[float] = []
+    record = seq.length.record
+    seq.length.record = lambda d, a, s, w=None: (samples.append(s), record(d, a, s, w))[1]  # type: ignore[method-assign]
+    out: list[int] = []
+    for _ in range(100):  # bounded: a step emits at least one token
+        out += [r.token for r in seq.next()[1]]
+        if len(out) >= 40:
+            break
+    assert out == want and seq.passes_ahead > 3
+    # each pass its own launch; the last may also carry one it queued and then dropped (the
+    # answer ended in it), a launch its own outcome wasted
+    assert samples[:-1] == [5.0] * (len(samples) - 1) and samples[-1] in (5.0, 10.0)
 
 
 def test_a_pass_queued_ahead_is_dropped_before_the_cache_is_taken(tiny: Any) -> None:

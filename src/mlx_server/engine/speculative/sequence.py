@@ -63,6 +63,10 @@ class _Pass:
     rollback: Rollback  # the cache before it, and what it fed
     logprobs: mx.array  # (len(draft) + 1, vocab)
     choice: mx.array  # (len(draft) + 1,): the target's token at each position
+    # Host seconds spent building and dispatching it behind the pass before (queued), timed
+    # with that one's read and charged to this one: each pass's sample is its own host
+    # work and its wait, as a pipelined plain step's is.
+    launch_s: float = 0.0
 
     @property
     def padded(self) -> bool:
@@ -273,7 +277,10 @@ class SpeculativeSequence(SoloSequence):
         self._ahead = None
         log = self.length.log
         clock = PhaseClock({} if log is not None and log.trace else None)  # nothing evaluated
+        queuing = time.perf_counter()
         self._queue_ahead(current)
+        if self._ahead is not None:
+            self._ahead.launch_s = time.perf_counter() - queuing
         clock.done("queue next")
         choice: list[int] = current.choice.tolist()  # type: ignore[assignment]
         clock.done("forward")  # the wait for it, less what ran under the queuing
@@ -298,6 +305,10 @@ class SpeculativeSequence(SoloSequence):
         seconds = time.perf_counter() - t
         if log is not None and clock.timings:
             log.phases(seconds, clock.timings)
+        # Its cost: the time read here with its own launch, where the pass before queued it,
+        # and without the next one's launch, where that one still stands (a dropped pass's
+        # launch stays here: this pass's outcome wasted it).
+        seconds += current.launch_s - (self._ahead.launch_s if self._ahead is not None else 0.0)
         self.length.record(len(draft), n, seconds, current.width)
         self.draft_n += len(draft)
         self.draft_accepted += n
