@@ -48,6 +48,61 @@ def test_passes_take_a_few_widths_and_each_is_measured_after_its_first() -> None
     assert c.cost(2, 2) is None  # another batch size is measured on its own
 
 
+def test_a_draft_is_padded_to_a_wider_pass_measured_cheaper() -> None:
+    """Kernels are not monotonic in the rows they take (a 4-bit 8B on an H200: 5 rows 3.75
+    plain steps, 9 rows 2.19): a draft goes to its own width until a wider one is measured
+    clearly cheaper at that batch size, then to the cheapest such."""
+    c = StepCosts(8)
+    for _ in range(2):
+        c.record_plain(1, 0.010)
+    assert [c.width(1, n) for n in (1, 3, 5)] == [1, 4, 8]  # nothing measured: the buckets
+    for w, s in ((2, 0.030), (4, 0.0375), (8, 0.0219)):
+        c.record_verify(1, w, 0.5)  # the first pass of a shape compiles: dropped
+        c.record_verify(1, w, s)
+    assert [c.width(1, n) for n in (1, 2, 3, 4, 8)] == [1, 8, 8, 8, 8]  # 1: not measured
+    assert c.cost(1, 4) == pytest.approx(0.0219)  # what the plan counts is what runs
+    assert c.width(2, 3) == 4  # another batch size is measured on its own
+    c.record_verify(1, 4, 0.025)
+    c.record_verify(1, 4, 0.025)  # now 4 is at most 1/0.8 of 8's: a draft keeps its own
+    assert c.width(1, 3) == 4
+
+
+def test_a_lone_sequence_runs_the_width_its_costs_choose(tiny: Any) -> None:
+    """The lone sequence's passes, queued or read one at a time, take ``StepCosts.width``:
+    with width 8 measured cheaper than 4, drafts of 3 run at 8 (and the output is plain
+    greedy decoding's)."""
+    model, tok = tiny
+    msgs = [{"role": "user", "content": "def add(a, b): return a + b"}]
+    prompt = list(tok.apply_chat_template(msgs, add_generation_prompt=True))
+    argmax = lambda x: mx.argmax(x, axis=-1)  # noqa: E731
+    want = [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=24)]
+
+    class Three:
+        def propose(self, context: list[int], k: int) -> list[int]:
+            at = len(context) - len(prompt)
+            return want[at : at + 3][:k]
+
+    for pipelined in (True, False):
+        costs = StepCosts(8)
+        for w, s in ((1, 1.0), (1, 1.0), (4, 9.0), (4, 9.0), (8, 2.0), (8, 2.0)):
+            costs.record_plain(1, 1.0) if w == 1 else costs.record_verify(1, w, s)
+        lines: list[str] = []
+        log = PlanLog(lines.append)
+        seq = SpeculativeSequence(
+            model, 1, prompt, 0, None, sampler=argmax, greedy=True, drafter=Three(),
+            num_draft_tokens=8, max_tokens=24, eos=[], prefill_step_size=512,
+            adaptive=False, costs=costs, log=log, pipelined=pipelined,
+        )  # fmt: skip
+        out: list[int] = []
+        for _ in range(60):  # bounded: a step emits at least one token
+            out += [r.token for r in seq.next()[1]]
+            if len(out) >= 24:
+                break
+        assert out == want
+        widths_run = {line.split()[2] for line in lines if line.startswith("verify ")}
+        assert widths_run == {"width=8"}, (pipelined, widths_run)
+
+
 def _drive(c: DraftLength, accepted: Any, steps: int, verify: float = 0.016) -> list[int]:
     """Widths chosen over ``steps``; a plain step costs 10 ms and a pass ``verify``; on
     plain steps a shadow draft is scored (``accepted(k)`` of it matching)."""

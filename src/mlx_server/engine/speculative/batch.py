@@ -23,7 +23,7 @@ from mlx_lm.generate import BatchGenerator, GenerationBatch
 
 from mlx_server.engine.speculative.batch_verify import Sampled, can_roll_back, verify_batch
 from mlx_server.engine.speculative.controller import PRIOR, Acceptance, BatchPlan
-from mlx_server.engine.speculative.costs import StepCosts, bucket
+from mlx_server.engine.speculative.costs import StepCosts
 from mlx_server.engine.speculative.drafters import Drafter, DraftModel
 from mlx_server.engine.speculative.plan_log import PlanLog
 from mlx_server.engine.speculative.rejection import Rejection
@@ -114,7 +114,7 @@ class BatchSpeculator:
             return GenerationBatch.next(batch)
         drafts = [d[:k] for d in drafts]
         uids = list(batch.uids)
-        width = bucket(max(len(d) for d in drafts), self.max_k)
+        width = self.plan.costs.width(len(uids), max(len(d) for d in drafts))
         if self.log is not None:
             self.log.verifying(len(uids), width, [len(d) for d in drafts])
         timings: dict[str, float] | None = {} if self.log and self.log.trace else None

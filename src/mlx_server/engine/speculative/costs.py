@@ -19,9 +19,10 @@ the median of the last ``WINDOW`` samples kept: on the H100 the demo model's fir
 passes took 21-23 ms and the next ones 8-9 ms, with a 27 ms one now and then, and an
 average that began at 21 ms still said 12 ms after a dozen passes, so the plan stopped
 drafting on a code edit whose drafts were 99 % accepted. A width never costs more than a
-wider one measured at the same batch size (a pass over fewer positions does less work): a
-narrow width whose few samples were all early and dear is not left dear for good because
-the plan, believing them, never tries it again. It answers for a width not yet measured by interpolating
+wider one measured at the same batch size: a narrow width whose few samples were all
+early and dear is not left dear for good because the plan, believing them, never tries it
+again, and where a narrow width is measured dearer than a wider one (kernels are not
+monotonic in the rows they take) its drafts are padded to the wider one (``width``). It answers for a width not yet measured by interpolating
 between the plain step (width 0) and the widths measured, past them by the slope between
 the two widest (at most ``GUESS`` per position), or from ``GUESS`` before any measure.
 """
@@ -37,6 +38,7 @@ WINDOW = 5  # samples kept per estimate (their median)
 MARGIN = 1.02  # drafting must beat plain decoding by this much: noise should not make it draft
 GUESS = 0.15  # before any measure: each drafted position costs this much of a plain step
 BUILD = 4.0  # a sample this many times its estimate is a kernel build, not the step's cost
+CHEAPER = 0.8  # a wider pass measured at most this share of a draft's own width's is run instead
 
 
 def widths(max_k: int) -> list[int]:
@@ -108,6 +110,26 @@ class StepCosts:
             recent.clear()  # the first, a changed cost, or a build that got in
         recent.append(seconds)
         table[key] = median(recent)
+
+    def width(self, batch: int, n: int) -> int:
+        """The width a draft of ``n`` (1 to ``max_k``) is padded to at ``batch`` rows: its
+        ``bucket``, or a wider width measured to cost at most ``CHEAPER`` of it, the
+        cheapest such. Kernels are not monotonic in the rows they take: on an H200 a 4-bit
+        8B's pass over 5 rows cost 3.75 plain steps and one over 9 rows 2.19 (MLX's
+        quantized product for a few rows against its tiled one), a pass over 7 rows 4.5
+        against 2.6 (``bench/results/gpu-2026-12-06f-speculative-8b-4-d-h200.txt``); so
+        ``cost`` says no width costs more than a wider one measured, and the passes are
+        padded to make that so."""
+        own = bucket(n, self.max_k)
+        best, best_s = own, self.verify.get((batch, own))
+        if best_s is None:
+            return own
+        best_s *= CHEAPER
+        for w in self.widths[self.widths.index(own) + 1 :]:
+            s = self.verify.get((batch, w))
+            if s is not None and s <= best_s:
+                best, best_s = w, s
+        return best
 
     def cost(self, batch: int, width: int) -> float | None:
         """Seconds of a verifying step of ``width`` at ``batch`` rows (None: no plain step

@@ -227,7 +227,7 @@ class SpeculativeSequence(SoloSequence):
             self.length.record(0, 0, 0.0)
             return [*head, self._decode()]
         self._context = None  # the processors' token buffer is rebuilt from ``fed``
-        width = bucket(len(draft), max(self._num_draft, len(draft)))
+        width = self._width(len(draft))
         self.length.record(len(draft), out.accepted, time.perf_counter() - t, width)
         self.draft_n += len(draft)
         self.draft_accepted += out.accepted
@@ -238,7 +238,7 @@ class SpeculativeSequence(SoloSequence):
     def _launch(self, first: mx.array, value: int, draft: list[int]) -> _Pass:
         """Queue a pass feeding ``first`` (``value``: its token, -1 while not read) and
         ``draft``, padded to its width, with the choice at each position in its graph."""
-        width = bucket(len(draft), max(self._num_draft, len(draft)))
+        width = self._width(len(draft))
         if self.length.log is not None:
             self.length.log.verifying(1, width, [len(draft)])
         sampler = None if self._greedy else self.sampler
@@ -348,14 +348,22 @@ class SpeculativeSequence(SoloSequence):
         return draft, out
 
     def _padding(self, n: int) -> int:
-        """Positions the pass adds after a draft of ``n`` (``costs.bucket``: passes of a
-        few shapes, which repeat); logged first, so a pass that brings the process down
-        is on record."""
-        width = bucket(n, max(self._num_draft, n))
+        """Positions the pass adds after a draft of ``n`` (``_width``); logged first, so a
+        pass that brings the process down is on record."""
+        width = self._width(n)
         log = self.length.log
         if log is not None:
             log.verifying(1, width, [n])
         return width - n
+
+    def _width(self, n: int) -> int:
+        """The width of a pass verifying a draft of ``n``: one of a few shapes, which repeat
+        (``costs.bucket``), or a wider one measured to cost less (``StepCosts.width``).
+        Decided before the pass and again when it is recorded: nothing is measured between."""
+        costs = self.length.costs
+        if n <= costs.max_k:
+            return costs.width(1, n)
+        return bucket(n, max(self._num_draft, n))
 
     def _answer(self, last: int, out: Verified) -> list[Response]:
         """One response per emitted token, up to the first that ends the sequence; the cache
