@@ -115,9 +115,8 @@ class StepCosts:
         """The width a draft of ``n`` (1 to ``max_k``) is padded to at ``batch`` rows: its
         ``bucket``, or a wider width measured to cost at most ``CHEAPER`` of it, the
         cheapest such. Kernels are not monotonic in the rows they take: on an H200 a 4-bit
-        8B's pass over 5 rows cost 3.75 plain steps and one over 9 rows 2.19 (MLX's
-        quantized product for a few rows against its tiled one), a pass over 7 rows 4.5
-        against 2.6 (``bench/results/gpu-2026-12-06f-speculative-8b-4-d-h200.txt``); so
+        8B alone ran a pass over 7 rows in 4.53 decode steps and one over 9 rows in 2.58
+        (``bench/results/gpu-2026-12-06f-speculative-8b-4-d-h200.txt``); so
         ``cost`` says no width costs more than a wider one measured, and the passes are
         padded to make that so."""
         own = bucket(n, self.max_k)
