@@ -22,9 +22,10 @@ drafting on a code edit whose drafts were 99 % accepted. A width never costs mor
 wider one measured at the same batch size: a narrow width whose few samples were all
 early and dear is not left dear for good because the plan, believing them, never tries it
 again, and where a narrow width is measured dearer than a wider one (kernels are not
-monotonic in the rows they take) its drafts are padded to the wider one (``width``). It answers for a width not yet measured by interpolating
-between the plain step (width 0) and the widths measured, past them by the slope between
-the two widest (at most ``GUESS`` per position), or from ``GUESS`` before any measure.
+monotonic in the rows they take) its drafts are padded to the wider one (``width``). It
+answers for a width not yet measured by interpolating between the plain step (width 0)
+and the widths measured, past them by the slope between the two widest (at most
+``GUESS`` per position), or from ``GUESS`` before any measure.
 """
 
 from __future__ import annotations
