@@ -34,18 +34,20 @@ from mlx_lm.models import llama  # noqa: E402
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 
 SHAPES: dict[str, dict[str, Any]] = {
-    # SmolLM2-135M (the demo model) and Llama-3.2-1B
+    # SmolLM2-135M (the demo model) and Llama-3.2-1B; tiny: the script's own test, on a CPU
     "demo": dict(hidden_size=576, num_hidden_layers=30, intermediate_size=1536,
-                 num_attention_heads=9, num_key_value_heads=3, head_dim=64),
+                 num_attention_heads=9, num_key_value_heads=3, head_dim=64, vocab_size=49152),
     "1b": dict(hidden_size=2048, num_hidden_layers=16, intermediate_size=8192,
-               num_attention_heads=32, num_key_value_heads=8, head_dim=64),
+               num_attention_heads=32, num_key_value_heads=8, head_dim=64, vocab_size=49152),
+    "tiny": dict(hidden_size=64, num_hidden_layers=2, intermediate_size=128,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=512),
 }  # fmt: skip
 
 
 def build(shape: str) -> Any:
     args = llama.ModelArgs(
-        model_type="llama", rms_norm_eps=1e-5, vocab_size=49152, rope_theta=100000.0,
-        tie_word_embeddings=True, **SHAPES[shape],
+        model_type="llama", rms_norm_eps=1e-5, rope_theta=100000.0, tie_word_embeddings=True,
+        **SHAPES[shape],
     )  # fmt: skip
     model = llama.Model(args)
     model.update(tree_map(lambda v: (v * 0.02).astype(mx.float16), model.parameters()))

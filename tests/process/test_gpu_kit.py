@@ -196,6 +196,17 @@ def test_the_attention_shapes_script_writes_every_mode(tmp_path):
     assert all(r["round1_median_ms"] > 0 and r["round2_max_ms"] > 0 for r in got.values())
 
 
+def test_the_dispatch_probe_writes_each_kind_and_mode(tmp_path):
+    out = tmp_path / "dispatch.jsonl"
+    kit("pass_dispatch.py", "--shape", "tiny", "--passes", "3", "--out", str(out))
+    got = {(r["width"], r["mode"]): r for r in rows(out)}
+    assert set(got) == {(w, m) for w in (1, 9) for m in ("alone", "queued")}
+    phases = ("build_ms", "dispatch_ms", "wait_ms")
+    assert all(r["step_ms"] > 0 and all(r[p] >= 0 for p in phases) for r in got.values())
+    settings = {k: v for k, v in os.environ.items() if k.startswith("MLX_")}  # as it ran
+    assert all(r["shape"] == "tiny" and r["env"] == settings for r in got.values())
+
+
 def test_padded_keys_give_the_exact_attention():
     sys.path.insert(0, str(KIT))
     try:
