@@ -222,12 +222,11 @@ class SpeculativeSequence(SoloSequence):
                 return [*head, *self._read(launched, t)]
             self.length.record(0, 0, 0.0)
             return [*head, self._decode()]
-        draft, out = self._verify(last, k)
+        draft, out, width = self._verify(last, k)
         if out is None:
             self.length.record(0, 0, 0.0)
             return [*head, self._decode()]
         self._context = None  # the processors' token buffer is rebuilt from ``fed``
-        width = self._width(len(draft))
         self.length.record(len(draft), out.accepted, time.perf_counter() - t, width)
         self.draft_n += len(draft)
         self.draft_accepted += out.accepted
@@ -239,8 +238,6 @@ class SpeculativeSequence(SoloSequence):
         """Queue a pass feeding ``first`` (``value``: its token, -1 while not read) and
         ``draft``, padded to its width, with the choice at each position in its graph."""
         width = self._width(len(draft))
-        if self.length.log is not None:
-            self.length.log.verifying(1, width, [len(draft)])
         sampler = None if self._greedy else self.sampler
         rollback, logprobs, choice = queue_pass(
             self.model, self.cache, first, value, draft, width, sampler
@@ -316,19 +313,22 @@ class SpeculativeSequence(SoloSequence):
         responses[0].drafted, responses[0].draft_accepted = len(draft), n
         return responses
 
-    def _verify(self, last: int, k: int) -> tuple[list[int], Verified | None]:
-        """Draft up to ``k`` tokens after ``last`` and verify them (None: no draft)."""
+    def _verify(self, last: int, k: int) -> tuple[list[int], Verified | None, int]:
+        """Draft up to ``k`` tokens after ``last`` and verify them in a pass of the width
+        returned (None: no draft)."""
         context = [*self.fed, last]
         if self.rejection is not None and isinstance(self.drafter, DraftModel):
             draft, q = self.drafter.propose_sampled(context, k, self.rejection)
             if not draft or q is None:
-                return [], None
-            pad = self._padding(len(draft))
+                return [], None, 0
+            width = self._width(len(draft))
+            pad = width - len(draft)
             out = verify_sampled(self.model, self.cache, last, draft, q, self.rejection, pad)
-            return draft, out
+            return draft, out, width
         draft = self.drafter.propose(context, k)[:k]
         if not draft:
-            return [], None
+            return [], None, 0
+        width = self._width(len(draft))
         log = self.length.log
         timings: dict[str, float] | None = {} if log is not None and log.trace else None
         t = time.perf_counter()
@@ -340,30 +340,23 @@ class SpeculativeSequence(SoloSequence):
             sampler=None if self._greedy else self.sampler,
             processors=self.processors,
             history=self.fed,
-            pad=self._padding(len(draft)),
+            pad=width - len(draft),
             timings=timings,
         )
         if log is not None and timings:
             log.phases(time.perf_counter() - t, timings)
-        return draft, out
-
-    def _padding(self, n: int) -> int:
-        """Positions the pass adds after a draft of ``n`` (``_width``); logged first, so a
-        pass that brings the process down is on record."""
-        width = self._width(n)
-        log = self.length.log
-        if log is not None:
-            log.verifying(1, width, [n])
-        return width - n
+        return draft, out, width
 
     def _width(self, n: int) -> int:
-        """The width of a pass verifying a draft of ``n``: one of a few shapes, which repeat
-        (``costs.bucket``), or a wider one measured to cost less (``StepCosts.width``).
-        Decided before the pass and again when it is recorded: nothing is measured between."""
+        """The width of the pass verifying a draft of ``n`` (positions after the token fed
+        first: the draft, then padding): one of a few shapes, which repeat
+        (``costs.bucket``), or a wider one measured to cost less (``StepCosts.width``);
+        logged first, so a pass that brings the process down is on record."""
         costs = self.length.costs
-        if n <= costs.max_k:
-            return costs.width(1, n)
-        return bucket(n, max(self._num_draft, n))
+        width = costs.width(1, n) if n <= costs.max_k else bucket(n, max(self._num_draft, n))
+        if self.length.log is not None:
+            self.length.log.verifying(1, width, [n])
+        return width
 
     def _answer(self, last: int, out: Verified) -> list[Response]:
         """One response per emitted token, up to the first that ends the sequence; the cache
