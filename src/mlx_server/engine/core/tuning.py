@@ -44,16 +44,15 @@ IDLE_BUDGETS = 2  # idle time's warm-up budget, in budgets of the readiness line
 # built now (an empty kernel cache: seconds per kernel), not read from disk (milliseconds):
 # the rest of the warm-up then waits for idle time (``WarmUp``, ``cold``).
 COLD_FIRST_TOKEN_S = 3.0
-# A decode step with grammars (``runners.batch_step.DecodeStep``). True queues the forward
-# pass behind the previous step first, as free decoding does, then reads the fed tokens and
-# fills the masks while the device runs the pass: the device never waits for the host's
-# read, fill or launch. False (the order before) reads the tokens, then fills on a worker
-# thread while this one launches the pass: the host's two jobs overlap, but the device runs
-# dry from the previous step's end until the launch (on the H100, json_schema at 32 streams
-# of a 1B model ran at 0.74 of free decoding: 2 ms more per 6 ms step, about a read and a
-# launch). On this CPU the two are alike (0.99 / 1.00 of free at 8 streams, compute bound);
-# ``bench/constrained_engine.py`` (modes ``batched`` and ``launched``) compares them.
-GRAMMAR_LAUNCH_FIRST = True
+# A decode step with grammars (``runners.batch_step.DecodeStep``). False reads the fed
+# tokens, then fills the masks on a worker thread while this one launches the forward pass:
+# the host's two jobs overlap. True queues the pass behind the previous step first, as free
+# decoding does, then reads the tokens and fills while the device runs it. Measured on an
+# H200 with a 1B bf16 model (``bench/constrained_engine.py``, json_schema over free
+# decoding, bench/results/gpu-2026-12-06h-constrained-engine-1b-0-h200.log): False 0.85 at 8
+# streams and 0.64 at 32, True 0.65 and 0.48 (the read of the fed tokens waits for the queued
+# pass there, so the fill no longer overlaps anything). On this CPU the two are alike.
+GRAMMAR_LAUNCH_FIRST = False
 
 
 def bucket(n: int, limit: int) -> int:
