@@ -26,7 +26,7 @@ a forward pass over k + 1 tokens against a decode step, alone and at ``--streams
 
     source scripts/openblas.sh
     python bench/speculative.py [--model models/smollm2-135m-instruct-f32] [--tokens 200]
-        [--num-draft-tokens 8] [--repeat 1] [--streams 8] [--levels 1,8]
+        [--num-draft-tokens 15] [--repeat 1] [--streams 8] [--levels 1,8]
         [--workloads code,prose,predicted] [--no-random] [--dtype float16] [--random]
         [--json out.jsonl --label NAME] [--trace verify.log]
 
@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +48,7 @@ import mlx.core as mx
 import speculative_support as sup
 
 from mlx_server.engine.core.tuning import on_gpu
+from mlx_server.engine.speculative.runner import Speculation
 
 print = functools.partial(print, flush=True)  # noqa: A001 (progress while it runs)
 REPO = Path(__file__).resolve().parents[1]
@@ -126,7 +128,6 @@ class Bench:
 
     def spec(self, k: int, lookup: bool, label: str, pipelined: bool | None = None) -> Any:
         from mlx_server.engine.speculative.plan_log import PlanLog
-        from mlx_server.engine.speculative.runner import Speculation
 
         trace = None
         if self.trace is not None:
@@ -185,7 +186,7 @@ class Bench:
                     self.partings(prompts, refs, base["texts"], r["texts"])
                 base = after
         for label, rs in ratios.items():
-            median = sorted(rs)[len(rs) // 2]
+            median = statistics.median(rs)
             print(f"  {name}, {n} stream(s), {label}: median {median:.2f}x of {len(rs)}")
             record(workload=name, streams=n, run=label, ratio=median, runs=len(rs))
 
@@ -229,7 +230,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=str(REPO / "models" / "smollm2-135m-instruct-f32"))
     ap.add_argument("--tokens", type=int, default=200)
-    ap.add_argument("--num-draft-tokens", default="8")
+    ap.add_argument(
+        "--num-draft-tokens",
+        default=str(Speculation.num_draft_tokens),
+        help="draft lengths, comma-separated (default: the server's)",
+    )
     ap.add_argument("--repeat", type=int, default=1)
     ap.add_argument("--streams", type=int, default=8)
     ap.add_argument("--levels", default=None, help="stream counts (default 1 and --streams)")

@@ -31,14 +31,14 @@
 #
 # Env: MODELS="demo 1b:0 8b:4" (demo: the parked demo model; preset:bits: a random-weight model made here, preset:bits:d
 #      a decisive one, whose greedy answer has no near-ties (make_random_model.py --decisive); a folder:
-#      that model), TOKENS=200, KS=8 (draft lengths, each run at every level), REPEAT=1, STREAMS=8, LEVELS (default
+#      that model), TOKENS=200, KS=15 (draft lengths, each run at every level), REPEAT=1, STREAMS=8, LEVELS (default
 #      1,STREAMS), WORKLOADS=code,prose,predicted, PER_MODEL_S=540, PARK=/tmp/kit/demo, MODELS_DIR=/tmp/models,
 #      DTYPE=float16 (the demo model's), PYTHON=python3, S=/tmp/site, K=/tmp/kit/a, SRC=$PWD/src,
 #      SPEC_ARGS (more flags for bench/speculative.py, e.g. --compare-queued: at one stream, each drafter's run
 #      again with the lone sequence's passes read before the next is built, to compare).
 set -u
 PYTHON=${PYTHON:-python3}; S=${S:-/tmp/site}; K=${K:-/tmp/kit/a}; OUT=${OUT:-/tmp/out}; SRC=${SRC:-$PWD/src}
-MODELS=${MODELS:-"demo 1b:0 8b:4"}; TOKENS=${TOKENS:-200}; KS=${KS:-8}; REPEAT=${REPEAT:-1}; STREAMS=${STREAMS:-8}
+MODELS=${MODELS:-"demo 1b:0 8b:4"}; TOKENS=${TOKENS:-200}; KS=${KS:-15}; REPEAT=${REPEAT:-1}; STREAMS=${STREAMS:-8}
 LEVELS=${LEVELS:-1,$STREAMS}; WORKLOADS=${WORKLOADS:-code,prose,predicted}
 PARK=${PARK:-/tmp/kit/demo}; MODELS_DIR=${MODELS_DIR:-/tmp/models}
 PER_MODEL_S=${PER_MODEL_S:-540}; DTYPE=${DTYPE:-float16}; HERE=$(cd "$(dirname "$0")" && pwd)

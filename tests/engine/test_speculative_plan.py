@@ -20,6 +20,7 @@ from mlx_server.engine.speculative.batch import BatchSpeculator, RowSpec, instal
 from mlx_server.engine.speculative.controller import DraftLength
 from mlx_server.engine.speculative.costs import StepCosts, bucket, widths
 from mlx_server.engine.speculative.plan_log import PlanLog
+from mlx_server.engine.speculative.runner import Speculation
 from mlx_server.engine.speculative.sequence import SpeculativeSequence
 from mlx_server.engine.speculative.shadow import Shadow
 from mlx_server.types import SamplingParams
@@ -65,6 +66,31 @@ def test_a_draft_is_padded_to_a_wider_pass_measured_cheaper() -> None:
     c.record_verify(1, 4, 0.025)
     c.record_verify(1, 4, 0.025)  # now 4 is at most 1/0.8 of 8's: a draft keeps its own
     assert c.width(1, 3) == 4
+
+
+def test_the_widest_default_width_runs_only_where_its_measured_cost_pays() -> None:
+    """The default draft length (15) is a ceiling, not a width: a pass over 16 rows runs
+    where it costs about what a narrower one does (the device is the bound: an H200's
+    4-bit 8B, 9 and 16 rows 2.38 and 2.44 decode steps) and the drafts are accepted, and a
+    narrower one where the pass grows with its rows (a CPU)."""
+    assert Speculation().num_draft_tokens == 15 and widths(15) == [1, 2, 4, 8, 15]
+
+    def measured(costs_ms: dict[int, float]) -> StepCosts:
+        c = StepCosts(15)
+        for _ in range(2):
+            c.record_plain(1, 0.010)
+        for w, ms in costs_ms.items():
+            c.record_verify(1, w, 0.5)  # the first pass of a shape compiles: dropped
+            c.record_verify(1, w, ms / 1000)
+        return c
+
+    flat = measured({1: 20.0, 2: 22.0, 4: 24.0, 8: 24.0, 15: 25.0})
+    assert flat.best(1, [0.95], [15]) == 15  # twice the tokens for 4 % more
+    assert flat.best(1, [0.95], [6]) == 8  # a shorter draft: no wider pass than it needs
+    growing = measured({1: 12.0, 2: 14.0, 4: 16.0, 8: 22.0, 15: 34.0})
+    assert growing.best(1, [0.95], [15]) == 8
+    assert growing.best(1, [0.7], [15]) == 4
+    assert growing.best(1, [0.2], [15]) == 0  # nothing pays
 
 
 def test_a_lone_sequence_runs_the_width_its_costs_choose(tiny: Any) -> None:

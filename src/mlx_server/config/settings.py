@@ -129,7 +129,7 @@ class Settings:
         "--prompt-lookup",
     )
     num_draft_tokens: int = option(
-        8,
+        15,
         "Most tokens drafted per step when speculating (the count adapts per sequence to "
         "the measured acceptance, down to none)",
         "--num-draft-tokens",

@@ -33,8 +33,11 @@ from mlx_server.engine.speculative.sequence import SpeculativeSequence
 class Speculation:
     """The server's speculative decoding settings."""
 
-    # 8: the fastest of 2, 4 and 8 on both workloads of bench/speculative.py (docs/benchmarks.md)
-    num_draft_tokens: int = 8
+    # 15: a pass over 16 rows costs what one over 9 does where the device is the bound
+    # (an H200: 8B 4-bit 2.44 against 2.38 decode steps, MLX's 4-bit tile kernel takes
+    # 8-16 rows; 17 and more take a dearer one), and the plan narrows it where it does not
+    # pay (a CPU, a draft model's drafting). docs/benchmarks.md, "a ninth session".
+    num_draft_tokens: int = 15
     prompt_lookup: bool = False
     draft_model: Any = None  # a loaded model with the target's tokenizer, or None
     # False: draft the full length at every step, whatever it costs (tests, benchmarks).
