@@ -16,6 +16,14 @@ summary per N with the median ratios constrained / free.
 
     PYTHONPATH=src .venv/bin/python bench/constrained_engine.py [--model DIR]
         [--streams 1,8] [--rounds 3] [--max-tokens 64] [--modes free,batched,launched,per_row]
+        [--phases]
+
+``--phases`` adds to each run's line where a step's time went, in ms per decode step (any
+thread): the masked step (``DecodeStep._masked``) and inside it the forward pass's graph
+(``model``), the launches (``mx.async_eval``, free decoding's too), the masks' ``plan``,
+``compute`` (inline or on the worker thread), the wait for the worker (``result``) and
+``mask``; ``masked_rest`` is what is left of the masked step: mostly the read of the fed
+tokens, the wait for the previous step.
 """
 
 from __future__ import annotations
@@ -25,20 +33,78 @@ import asyncio
 import json
 import os
 import statistics
+import threading
 import time
+from collections import defaultdict
+from concurrent.futures import Future
 from typing import Any
 
+import mlx.core as mx
 from mlx_lm import load
+from mlx_lm.generate import GenerationBatch
 
 from mlx_server.engine.core.engine import Engine, EngineConfig
 from mlx_server.engine.core.handle import TokenPiece
 from mlx_server.engine.grammar.constraints import ConstraintCompiler, ConstraintSpec
+from mlx_server.engine.grammar.masks import GrammarMasks
 from mlx_server.engine.runners.batch import BatchRunner
+from mlx_server.engine.runners.batch_step import DecodeStep
 from mlx_server.engine.runners.solo import LoneFirstRunner, SoloRunner
 from mlx_server.events import Finished
 from mlx_server.types import GenerationRequest, SamplingParams
 
 MODES = ("free", "batched", "launched", "per_row")
+
+
+SPENT: dict[str, float] = defaultdict(float)
+_LOCK = threading.Lock()
+_HERE = threading.local()  # inside a masked step, on this thread
+
+
+def _timed(name: str, fn: Any) -> Any:
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        label = name
+        if name == "async_eval" and getattr(_HERE, "masked", False):
+            label = "masked async_eval"
+        if name == "masked":
+            _HERE.masked = True
+        t = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            if name == "masked":
+                _HERE.masked = False
+            with _LOCK:
+                SPENT[label] += time.perf_counter() - t
+
+    return wrapper
+
+
+def install_phases(model: Any) -> None:
+    """Time the masked step's parts (see the module docstring); behaviour unchanged."""
+    for owner, name, label in (
+        (DecodeStep, "_masked", "masked"),
+        (GrammarMasks, "plan", "plan"),
+        (GrammarMasks, "compute", "compute"),
+        (GrammarMasks, "mask", "mask"),
+        (Future, "result", "result"),
+        (GenerationBatch, "_step", "decode_step"),
+        (type(model), "__call__", "model"),
+    ):
+        setattr(owner, name, _timed(label, getattr(owner, name)))
+    mx.async_eval = _timed("async_eval", mx.async_eval)
+
+
+def phase_ms(steps: int) -> dict[str, float]:
+    """Each phase's ms per decode step; zeroes the totals."""
+    with _LOCK:
+        spent = dict(SPENT)
+        SPENT.clear()
+    if "masked" in spent:
+        # inside the masked step on its own thread (``compute`` may run on the worker)
+        inside = ("model", "plan", "result", "mask", "masked async_eval")
+        spent["masked_rest"] = spent["masked"] - sum(spent.get(k, 0.0) for k in inside)
+    return {k: round(v * 1000 / max(steps, 1), 3) for k, v in sorted(spent.items())}
 
 
 def essay_schema(max_tokens: int) -> dict[str, Any]:
@@ -135,12 +201,15 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--phases", action="store_true", help="where each step's time went")
     a = p.parse_args()
     modes = tuple(m for m in MODES if m in a.modes.split(","))
     assert modes[0] == "free", "the ratios are against free decoding"
 
     model, tokenizer = load(a.model)[:2]
     compiler = ConstraintCompiler(tokenizer)
+    if a.phases:
+        install_phases(model)
     for n in [int(x) for x in a.streams.split(",")]:
         batched = make_engine(model, tokenizer, True, n)
         engines = {"free": batched, "batched": batched}
@@ -156,7 +225,10 @@ def main() -> None:
                 rates = {}
                 for mode in order:
                     reqs = requests(tokenizer, compiler, mode, n, a.max_tokens)
+                    phase_ms(1)  # zero the totals
                     res = asyncio.run(one_run(engines[mode], reqs))
+                    if a.phases:
+                        res["phases_ms_per_step"] = phase_ms(max(res["tokens"], default=1))
                     rates[mode] = res["decode_tok_s"]
                     if r:
                         load_avg = round(os.getloadavg()[0], 1)

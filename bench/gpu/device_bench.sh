@@ -86,7 +86,7 @@ for spec in $MODELS; do
   [ "$RAW" = 1 ] && timeout 120 python3 $BENCH/raw_engine.py --model $M --label "raw $preset-$bits" --ignore-eos --max-tokens 256 --repeats 3 --out "$R" >/dev/null
   if [ "$CONSTRAINED_ENGINE" = 1 ]; then
     timeout 300 python3 $PWD/bench/constrained_engine.py --model $M --streams 8,32 --modes free,batched,launched \
-      --rounds 5 --max-tokens 128 > $T/constrained-engine-$preset-$bits.log 2>&1
+      --rounds 5 --max-tokens 128 --phases > $T/constrained-engine-$preset-$bits.log 2>&1
     grep summary $T/constrained-engine-$preset-$bits.log
   fi
   if [ "$LAYERS" = 1 ] && { [ -z "$LAYERS_ONLY" ] || [[ " $LAYERS_ONLY " == *" $preset-$bits "* ]]; }; then

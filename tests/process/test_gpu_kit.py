@@ -303,12 +303,13 @@ def test_a_variant_the_model_ends_at_once_is_a_run_without_a_rate():
 
 def test_the_constrained_engine_script_compares_both_masked_orders(tiny_model_dir):
     """``bench/constrained_engine.py`` (the kit's ``CONSTRAINED_ENGINE=1``): every mode runs
-    its streams to the token limit and the summary gives each order against free decoding."""
+    its streams to the token limit, the summary gives each order against free decoding, and
+    ``--phases`` says where a step's time went: masked steps only where grammars mask."""
     script = KIT.parent / "constrained_engine.py"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.run(
         [sys.executable, str(script), "--model", str(tiny_model_dir), "--streams", "2",
-         "--modes", "free,batched,launched", "--rounds", "1", "--max-tokens", "6"],
+         "--modes", "free,batched,launched", "--rounds", "1", "--max-tokens", "6", "--phases"],
         capture_output=True, text=True, timeout=240, env=env,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -316,5 +317,13 @@ def test_the_constrained_engine_script_compares_both_masked_orders(tiny_model_di
     runs = [x for x in lines if "mode" in x]
     assert {x["mode"] for x in runs} == {"free", "batched", "launched"}
     assert all(x["tokens"] == [6, 6] and x["reasons"] == ["length"] for x in runs)
+    for x in runs:
+        spent = x["phases_ms_per_step"]
+        assert spent["decode_step"] > 0 and spent["model"] > 0
+        if x["mode"] == "free":
+            assert "masked" not in spent and "plan" not in spent
+        else:
+            assert spent["masked"] > 0 and spent["plan"] > 0 and spent["mask"] > 0
+            assert spent["masked"] >= spent["masked_rest"] >= 0
     (summary,) = [x for x in lines if "summary" in x]
     assert summary["batched_over_free"] > 0 and summary["launched_over_free"] > 0
