@@ -22,6 +22,7 @@ from spec_arch import WINDOW, build_arch_model, build_varied
 from mlx_server.engine.speculative.batch import BatchSpeculator, RowSpec, install
 from mlx_server.engine.speculative.drafters import DraftModel, PredictedOutput, PromptLookup
 from mlx_server.engine.speculative.rollback import rollback_problem
+from mlx_server.engine.speculative.runner import Speculation
 from mlx_server.engine.speculative.sequence import SpeculativeSequence
 
 pytestmark = pytest.mark.tiny
@@ -96,9 +97,13 @@ def speculate_to_end(
     raise AssertionError("the sequence did not finish")
 
 
-def test_greedy_output_is_mlx_lm_s_with_rejected_drafts(arch: Any) -> None:
+@pytest.mark.parametrize("k", [4, Speculation().num_draft_tokens])
+def test_greedy_output_is_mlx_lm_s_with_rejected_drafts(arch: Any, k: int) -> None:
+    """Also at the server's default width (15: a pass over 16 rows, the sliding window's
+    size here) and with drafts accepted in runs longer than the window."""
     _, model, prompt, want = arch
-    assert speculate(model, prompt, Mixed(len(prompt), want, 3)) == want
+    assert speculate(model, prompt, Mixed(len(prompt), want, 3), k) == want
+    assert speculate(model, prompt, Mixed(len(prompt), want, 19), k) == want
 
 
 def test_passes_queued_behind_whole_ones_give_mlx_lm_s_output(arch: Any) -> None:
@@ -152,17 +157,21 @@ def test_every_family_keeps_greedy_output_with_rejected_drafts(family: str, tmp_
     prompt = list(range(5, 5 + 3 * arch_models.WINDOW))  # past every sliding window
     want = [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=N, sampler=greedy)]
     assert speculate(model, prompt, Mixed(len(prompt), want, 3)) == want
+    default = Speculation().num_draft_tokens  # a pass wider than some families' windows
+    assert speculate(model, prompt, Mixed(len(prompt), want, 19), default) == want
 
 
 # ---- batched: mlx-lm's BatchGenerator with the speculating batch installed ------------------
 
 
-def batched(model: Any, prompts: list[list[int]], answers: list[list[int]] | None) -> Any:
+def batched(
+    model: Any, prompts: list[list[int]], answers: list[list[int]] | None, k: int = 4
+) -> Any:
     """Each row's greedy tokens: plain batched decoding, or (with ``answers``) speculating
     on drafts of the answers with a wrong token every third position; and how many drafted
     tokens were accepted."""
     gen = BatchGenerator(model, completion_batch_size=4, prefill_batch_size=4)
-    spec = BatchSpeculator(4, adaptive=False)
+    spec = BatchSpeculator(k, adaptive=False)
     if answers is not None:
         install(gen, spec)
     uids = gen.insert(prompts, max_tokens=[N] * len(prompts))
@@ -181,11 +190,12 @@ def batched(model: Any, prompts: list[list[int]], answers: list[list[int]] | Non
     raise AssertionError("the batch did not finish")
 
 
-def test_batched_speculation_keeps_greedy_output(arch: Any) -> None:
+@pytest.mark.parametrize("k", [4, Speculation().num_draft_tokens])
+def test_batched_speculation_keeps_greedy_output(arch: Any, k: int) -> None:
     _, model, prompt, _ = arch
     prompts = [prompt, prompt[:-9] + prompt[-5:], prompt[3:]]  # three lengths
     want, _ = batched(model, prompts, None)
-    got, accepted = batched(model, prompts, want)
+    got, accepted = batched(model, prompts, want, k)
     assert got == want
     assert accepted > 0
 
