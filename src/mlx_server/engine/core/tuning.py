@@ -50,8 +50,10 @@ COLD_FIRST_TOKEN_S = 3.0
 # decoding does, then reads the tokens and fills while the device runs it. Measured on an
 # H200 with a 1B bf16 model (``bench/constrained_engine.py``, json_schema over free
 # decoding, bench/results/gpu-2026-12-06h-constrained-engine-1b-0-h200.log): False 0.85 at 8
-# streams and 0.64 at 32, True 0.65 and 0.48 (the read of the fed tokens waits for the queued
-# pass there, so the fill no longer overlaps anything). On this CPU the two are alike.
+# streams and 0.64 at 32, True 0.65 and 0.48. At those sizes the host is the bound (a free
+# step is about its launch), and True puts the fill after the launch on one thread where
+# False overlaps them; ``bench/constrained_engine.py --phases`` times each part on the next
+# GPU run. On this CPU the two are alike.
 GRAMMAR_LAUNCH_FIRST = False
 
 
