@@ -25,7 +25,12 @@ from test_constraints import SCHEMAS, make_hf_tokenizer, make_model
 from mlx_server.engine.core.engine import Engine, EngineConfig
 from mlx_server.engine.grammar.constraints import ConstraintCompiler, ConstraintSpec, build_grammar
 from mlx_server.engine.grammar.mask_bits import unpack_on_device, unpack_on_host
-from mlx_server.engine.grammar.masks import BatchGrammar, GrammarMasks
+from mlx_server.engine.grammar.masks import (
+    POOL_ABOVE_S,
+    PROBE_EVERY,
+    BatchGrammar,
+    GrammarMasks,
+)
 from mlx_server.engine.grammar.processor import GrammarLogitsProcessor
 from mlx_server.engine.runners.batch import BatchRunner
 from mlx_server.types import SamplingParams
@@ -82,7 +87,7 @@ def test_batched_masks_are_the_per_row_masks_and_llguidance_s(tokenizer, compile
     batched = [make(i) for i in range(len(specs))]
     per_row = [make(i) for i in range(len(specs))]
     refs = [compiler.compile(s).deep_copy() if s is not None else None for s in specs]
-    masks = GrammarMasks(threads=threads)
+    masks = GrammarMasks(threads=threads, pool_above_s=0.0)  # two threads: always the pool
     rng = random.Random(threads)
     contexts = [tokenizer.encode("Answer:") for _ in specs]
     ended = [False] * len(specs)
@@ -119,9 +124,52 @@ def test_batched_masks_are_the_per_row_masks_and_llguidance_s(tokenizer, compile
                 else:
                     assert ref.consume_token(token)
     assert all(ended[i] for i in range(5) if specs[i] is not None)
+    assert masks.pooled == (masks.steps if threads > 1 else 0) and masks.steps > 10
     assert batched[5] is not None and batched[5].active and batched[5].consumed > 0
     for p in batched:
         assert p is None or p.error is None
+
+
+@pytest.mark.parametrize(
+    ("alone_ms", "pool_ms", "pooled"),
+    [
+        (0.1, 0.01, 0),  # 4 rows one by one: 0.4 ms a step, under the bar: never the pool
+        (1.0, 0.1, PROBE_EVERY + 1),  # over it, the pool faster: all but the first and a probe
+        (1.0, 3.0, 2),  # over it, the pool slower: tried once, then once in a probe
+    ],
+)
+def test_the_pool_runs_the_matchers_only_where_measured_to_pay(
+    monkeypatch, tokenizer, compiler, alone_ms, pool_ms, pooled
+):
+    """llguidance's pool wakes its threads each step, which costs more than most grammars'
+    fills (microseconds a row): the matchers run one by one, timed, and above
+    ``pool_above_s`` a step the pool is tried and kept only where it is measured faster,
+    the other way probed every ``PROBE_EVERY`` steps. Each fill's cost is set on a fake
+    clock (per row, by the way it runs)."""
+    from types import SimpleNamespace
+
+    import mlx_server.engine.grammar.masks as masks_module
+
+    clock = SimpleNamespace(t=0.0)
+    monkeypatch.setattr(masks_module, "time", SimpleNamespace(perf_counter=lambda: clock.t))
+    real_fill = GrammarMasks._fill
+
+    def fill(self: GrammarMasks, grammars: list[BatchGrammar], width: int, pool: bool) -> Any:
+        clock.t += len(grammars) * (pool_ms if pool else alone_ms) / 1000
+        return real_fill(self, grammars, width, pool)
+
+    monkeypatch.setattr(GrammarMasks, "_fill", fill)
+    vocab, steps = len(tokenizer), PROBE_EVERY + 3
+    masks = GrammarMasks(threads=2, pool_above_s=0.002)
+    rows = [BatchGrammar(compiler.processor(ConstraintSpec.json_object())) for _ in range(4)]
+    rng = random.Random(7)
+    tokens = [0] * len(rows)  # the prompt's last token: not consumed
+    for _ in range(steps):
+        out = masks.apply(rows, tokens, mx.zeros((len(rows), vocab)))
+        allowed = [np.flatnonzero(np.array(row) > -np.inf).tolist() for row in out]
+        tokens = [rng.choice(a) for a in allowed]
+    assert all(not g.failed and g.processor.error is None for g in rows)
+    assert masks.steps == steps and masks.pooled == pooled
 
 
 def engine_with(model: Any, tokenizer: Any, **runner: Any) -> Engine:
@@ -170,11 +218,15 @@ def test_a_mixed_batch_gives_valid_json_and_the_per_row_path_s_tokens(model, tok
         "per_row": (False, 1, False),
         "inline": (True, 1, False),
         "worker": (True, 2, False),
+        "pooled": (True, 2, False),
         "launched": (True, 2, True),
     }
     outputs, masks = {}, {}
     for name, (batched, threads, first) in runs.items():
-        masks[name] = GrammarMasks(threads=threads)
+        # "pooled": the matchers always on llguidance's pool; elsewhere as measured (these
+        # small grammars: one by one)
+        above = 0.0 if name == "pooled" else POOL_ABOVE_S
+        masks[name] = GrammarMasks(threads=threads, pool_above_s=above)
         assert masks[name].overlap == (threads > 1)
         engine = engine_with(
             model,
@@ -190,7 +242,8 @@ def test_a_mixed_batch_gives_valid_json_and_the_per_row_path_s_tokens(model, tok
     assert masks["per_row"].steps == 0  # mlx-lm's per-row calls did all the masking
     # The worker thread fills while the pass is launched; launched first, the fill is inline.
     assert masks["worker"].submitted > 10 and masks["launched"].submitted == 0
-    for name in ("inline", "worker", "launched"):
+    assert masks["pooled"].pooled > 10  # (elsewhere the choice is timed: not asserted)
+    for name in ("inline", "worker", "pooled", "launched"):
         assert masks[name].steps > 10 and masks[name].rows > 2 * masks[name].steps
         for new, old, schema in zip(outputs[name], outputs["per_row"], schemas, strict=True):
             assert (new.text, new.reason) == (old.text, old.reason), name
@@ -247,7 +300,8 @@ def test_a_broken_grammar_ends_only_its_own_request(model, tokenizer, compiler):
         )
         for i, p in enumerate([exploding, broken, misfit, *sound])
     ]
-    engine = engine_with(model, tokenizer, grammar_masks=GrammarMasks(threads=2))
+    # on llguidance's pool, where a failure is not pinned to its row: found one by one
+    engine = engine_with(model, tokenizer, grammar_masks=GrammarMasks(threads=2, pool_above_s=0))
     try:
         results = drive(engine, generate_all(engine, reqs))
     finally:

@@ -4,11 +4,16 @@ Per step, for the rows whose sequence has a grammar (``GrammarLogitsProcessor``)
 matcher consumes the token its row sampled last, every mask is filled into one batch
 bitmask, and the masks are applied to the batch's logits in one MLX operation. With
 several CPU cores the consuming and filling (``compute``) run on a worker thread while the
-engine's thread launches the step's forward pass, and on llguidance's own thread pool
-(``LLExecutor``: ``consume_token_par``, ``fill_next_token_bitmask_par``), outside the
-interpreter lock; with one core to spare they run inline, one matcher after another,
+engine's thread launches the step's forward pass; with one core to spare they run inline,
 after the launch while the device runs the pass (hand-offs to threads that a busy machine
-may not schedule soon would cost more than they save).
+may not schedule soon would cost more than they save). The matchers run one after another
+(outside the interpreter lock) unless doing so is measured to cost more than
+``POOL_ABOVE_S`` a step: then on llguidance's own thread pool (``LLExecutor``:
+``consume_token_par``, ``fill_next_token_bitmask_par``) wherever that is measured faster.
+Most grammars' fills take microseconds a row, where waking a pool costs more than it saves:
+on an H100's host the pool took 4.2-4.4 ms a step for 32 rows of a JSON schema; on this
+2-core CPU one by one took 1.4 ms, the pool of 2 to 8 threads 1.9-3.0 ms
+(``bench/constrained_engine.py --phases``).
 
 A row's failure is its own: an exception while advancing or filling one grammar is
 recorded on that row's owner (its sequence's ``fault``, as ``sampling.guard_processor``
@@ -19,6 +24,7 @@ sequence alone.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -55,6 +61,10 @@ class BatchGrammar:
         return self.owner is not None and self.owner.fault is not None
 
 
+POOL_ABOVE_S = 0.002  # a step's matchers, run one by one, above this: the pool is tried
+PROBE_EVERY = 64  # steps between two runs of the way not chosen (is it still slower?)
+
+
 def default_threads() -> int:
     """llguidance's own default: 80 % of the CPUs, at most 32."""
     return max(1, min(32, (os.cpu_count() or 1) * 80 // 100))
@@ -77,14 +87,21 @@ class GrammarMasks:
     run on another while the engine's thread launches the forward pass (``submit``).
     """
 
-    def __init__(self, threads: int | None = None):
+    def __init__(self, threads: int | None = None, pool_above_s: float = POOL_ABOVE_S):
+        """``pool_above_s``: run the matchers on the pool when one by one they are measured
+        to take longer than this a step (0: always, where there is a pool)."""
         self.threads = default_threads() if threads is None else max(1, threads)
         self._executor = llguidance.LLExecutor(self.threads) if self.threads > 1 else None
         self._worker: ThreadPoolExecutor | None = None
         self._buffers: dict[tuple[int, int], np.ndarray] = {}
+        self._pool_above_s = pool_above_s
+        # a matcher's step (consume and fill), by whether it ran on the pool (a moving mean)
+        self._row_s: dict[bool, float | None] = {False: None, True: None}
+        self._since_probe = 0  # steps past ``pool_above_s`` since the last probe
         self.steps = 0  # steps that masked at least one row
         self.rows = 0  # rows masked, over all steps
         self.submitted = 0  # steps whose masks were filled on the worker thread
+        self.pooled = 0  # steps whose matchers ran on llguidance's pool
 
     def apply(
         self, grammars: Sequence[BatchGrammar | None], tokens: Sequence[int], logits: mx.array
@@ -106,10 +123,38 @@ class GrammarMasks:
 
     def compute(self, plan: MaskPlan, vocab: int) -> MaskPlan:
         """Consume the plan's tokens and fill its masks (covering ``vocab``)."""
-        self._consume(plan.feed)
+        rows = max(len(plan.feed), len(plan.live))
+        pool = self._pool_now(rows)
+        t0 = time.perf_counter()
+        self._consume(plan.feed, pool)
         plan.live = [(i, g) for i, g in plan.live if not g.failed]
-        plan.words = self._masks(plan.live, vocab) if plan.live else None
+        plan.words = self._masks(plan.live, vocab, pool) if plan.live else None
+        if rows:
+            row_s = (time.perf_counter() - t0) / rows
+            old = self._row_s[pool]
+            self._row_s[pool] = row_s if old is None else 0.7 * old + 0.3 * row_s
         return plan
+
+    def _pool_now(self, rows: int) -> bool:
+        """Whether this step's matchers run on the pool: one by one while that is measured
+        to take at most ``pool_above_s`` at this many rows (and before any measure); past
+        it, whichever of the two was measured faster a row, the pool tried once first.
+        Every ``PROBE_EVERY`` steps past it the other way runs, to measure it again."""
+        if self._executor is None or rows < 2:
+            return False
+        alone, pooled = self._row_s[False], self._row_s[True]
+        if self._pool_above_s > 0:
+            if alone is None or alone * rows <= self._pool_above_s:
+                return False
+            choice = pooled is None or pooled < alone
+            self._since_probe += 1
+            if self._since_probe > PROBE_EVERY:
+                self._since_probe = 0
+                choice = not choice
+        else:
+            choice = True
+        self.pooled += choice
+        return choice
 
     @property
     def overlap(self) -> bool:
@@ -165,11 +210,11 @@ class GrammarMasks:
                     feed.append((g, token))
         return live, feed
 
-    def _consume(self, feed: list[tuple[BatchGrammar, int]]) -> None:
+    def _consume(self, feed: list[tuple[BatchGrammar, int]], pool: bool) -> None:
         # A completed grammar is checked in Python (which end-of-sequence token it accepts
-        # is ours to say); the others advance in one call when there is a pool.
+        # is ours to say); the others advance in one call on the pool.
         alone, together = feed, []
-        if self._executor is not None and len(feed) > 1:
+        if pool and self._executor is not None and len(feed) > 1:
             stopped = [g.processor.matcher.is_stopped() for g, _ in feed]
             alone = [f for f, s in zip(feed, stopped, strict=True) if s]
             together = [f for f, s in zip(feed, stopped, strict=True) if not s]
@@ -192,24 +237,24 @@ class GrammarMasks:
 
     # ---- the masks ----------------------------------------------------------------------
 
-    def _masks(self, live: list[tuple[int, BatchGrammar]], vocab: int) -> np.ndarray:
+    def _masks(self, live: list[tuple[int, BatchGrammar]], vocab: int, pool: bool) -> np.ndarray:
         """The packed masks of the ``live`` rows, in their order, covering ``vocab``."""
         out = np.zeros((len(live), words_for(vocab)), dtype=np.int32)
         width = live[0][1].processor.mask_words
         todo = [j for j, (_, g) in enumerate(live) if g.processor.error is None]
         if todo and all(live[j][1].processor.mask_words == width for j in todo):
-            bits = self._fill([live[j][1] for j in todo], width)
+            bits = self._fill([live[j][1] for j in todo], width, pool)
             out[todo] = fit_words(bits, vocab, fill=0)
         else:  # grammars of several tokenizers in one batch: each its own width
             for j in todo:
-                bits = self._fill([live[j][1]], live[j][1].processor.mask_words)
+                bits = self._fill([live[j][1]], live[j][1].processor.mask_words, pool)
                 out[j] = fit_words(bits, vocab, fill=0)[0]
         for j, (_, g) in enumerate(live):
             if g.processor.error is not None or not _settled(g):
                 out[j] = eos_words(g.processor.eos_ids, vocab)
         return out
 
-    def _fill(self, grammars: list[BatchGrammar], width: int) -> np.ndarray:
+    def _fill(self, grammars: list[BatchGrammar], width: int, pool: bool) -> np.ndarray:
         """Each grammar's next mask, one row each (a buffer reused across steps)."""
         key = (len(grammars), width)
         buf = self._buffers.get(key)
@@ -217,7 +262,7 @@ class GrammarMasks:
             if len(self._buffers) > 64:
                 self._buffers.clear()
             buf = self._buffers[key] = np.zeros(key, dtype=np.int32)
-        if self._executor is not None and len(grammars) > 1:
+        if pool and self._executor is not None and len(grammars) > 1:
             pairs = [(g.processor.matcher, j) for j, g in enumerate(grammars)]
             try:
                 llguidance.numpy.fill_next_token_bitmask_par(self._executor, pairs, buf)
