@@ -66,8 +66,17 @@ PROBE_EVERY = 64  # steps between two runs of the way not chosen (is it still sl
 
 
 def default_threads() -> int:
-    """llguidance's own default: 80 % of the CPUs, at most 32."""
-    return max(1, min(32, (os.cpu_count() or 1) * 80 // 100))
+    """llguidance's own default: 80 % of the CPUs this process may use, at most 32."""
+    return max(1, min(32, usable_cpus() * 80 // 100))
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on (a container's or ``taskset``'s set, where the
+    system says; ``os.cpu_count()`` counts the whole machine's)."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except (AttributeError, OSError):  # macOS has no affinity call
+        return os.cpu_count() or 1
 
 
 @dataclass(eq=False)
