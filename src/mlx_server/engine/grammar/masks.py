@@ -7,7 +7,7 @@ several CPU cores the consuming and filling (``compute``) run on a worker thread
 engine's thread launches the step's forward pass; with one core to spare they run inline,
 after the launch while the device runs the pass (hand-offs to threads that a busy machine
 may not schedule soon would cost more than they save). The matchers run one after another
-(outside the interpreter lock) unless doing so is measured to cost more than
+(each fill outside the interpreter lock) unless doing so is measured to cost more than
 ``POOL_ABOVE_S`` a step: then on llguidance's own thread pool (``LLExecutor``:
 ``consume_token_par``, ``fill_next_token_bitmask_par``) wherever that is measured faster.
 Most grammars' fills take microseconds a row, where waking a pool costs more than it saves:
