@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -153,7 +154,7 @@ def test_the_server_cpu_per_token_is_reported(results):
 def test_a_process_cpu_time_is_read_with_or_without_proc():
     sys.path.insert(0, str(KIT))
     try:
-        from bench_openai import parse_ps_time, process_cpu_s
+        from bench_openai import parse_ps_time, process_cpu_clock, process_cpu_s
     finally:
         sys.path.remove(str(KIT))
     assert parse_ps_time("00:01:02\n") == 62  # Linux ps
@@ -161,6 +162,14 @@ def test_a_process_cpu_time_is_read_with_or_without_proc():
     assert parse_ps_time("2-01:00:00") == 2 * 86400 + 3600
     own = process_cpu_s(os.getpid())
     assert own is not None and own > 0
+    # On Linux the process's CPU-time clock, to the nanosecond (clock ticks of 10 ms made a
+    # short span's CPU read 0): here it reads what this process's own clock reads.
+    if sys.platform.startswith("linux"):
+        assert process_cpu_clock(os.getpid()) is not None
+        before = time.process_time()
+        read = process_cpu_s(os.getpid())
+        after = time.process_time()
+        assert read is not None and before <= read <= after
 
 
 def test_the_summary_reads_every_line(results):
