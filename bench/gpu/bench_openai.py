@@ -69,6 +69,7 @@ import argparse
 import asyncio
 import ctypes
 import ctypes.util
+import functools
 import json
 import os
 import random
@@ -211,15 +212,18 @@ def parse_ps_time(text: str) -> float:
     return seconds + (int(days) * 86400 if days else 0)
 
 
+@functools.cache
+def _libc() -> Any:
+    return ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+
+
 def process_cpu_clock(pid: int) -> int | None:
     """The clock of a process's CPU time (``clock_getcpuclockid``: every thread's, to the
     nanosecond), where the system lends it for another process (Linux); else None."""
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
         clock = ctypes.c_int()
-        if libc.clock_getcpuclockid(pid, ctypes.byref(clock)) != 0:
+        if _libc().clock_getcpuclockid(pid, ctypes.byref(clock)) != 0:
             return None
-        time.clock_gettime(clock.value)  # readable here (the same user's process)
         return clock.value
     except (OSError, AttributeError):
         return None
