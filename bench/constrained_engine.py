@@ -23,7 +23,10 @@ thread): the masked step (``DecodeStep._masked``) and inside it the forward pass
 (``model``), the launches (``mx.async_eval``, free decoding's too), the masks' ``plan``,
 ``compute`` (inline or on the worker thread), the wait for the worker (``result``) and
 ``mask``; ``masked_rest`` is what is left of the masked step: mostly the read of the fed
-tokens, the wait for the previous step.
+tokens, the wait for the previous step. One stream runs the lone path: ``solo_forward``
+(the step's graph and its grammar), ``solo_emit`` (the read of the token: the wait for the
+device), and inside the per-row ``processor`` its ``processor_consume``, ``processor_fill``,
+its launches and ``processor_rest`` (the wait for the token it consumes, the mask's graph).
 """
 
 from __future__ import annotations
@@ -47,9 +50,10 @@ from mlx_server.engine.core.engine import Engine, EngineConfig
 from mlx_server.engine.core.handle import TokenPiece
 from mlx_server.engine.grammar.constraints import ConstraintCompiler, ConstraintSpec
 from mlx_server.engine.grammar.masks import GrammarMasks
+from mlx_server.engine.grammar.processor import GrammarLogitsProcessor
 from mlx_server.engine.runners.batch import BatchRunner
 from mlx_server.engine.runners.batch_step import DecodeStep
-from mlx_server.engine.runners.solo import LoneFirstRunner, SoloRunner
+from mlx_server.engine.runners.solo import LoneFirstRunner, SoloRunner, SoloSequence
 from mlx_server.events import Finished
 from mlx_server.types import GenerationRequest, SamplingParams
 
@@ -64,20 +68,24 @@ _HERE = threading.local()  # inside a masked step, on this thread
 def _timed(name: str, fn: Any) -> Any:
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         label = name
-        if name == "async_eval" and getattr(_HERE, "masked", False):
-            label = "masked async_eval"
-        if name == "masked":
-            _HERE.masked = True
+        inside = getattr(_HERE, "inside", None)
+        if name == "async_eval" and inside:
+            label = f"{inside} async_eval"
+        if name in _CONTEXTS:
+            _HERE.inside = name
         t = time.perf_counter()
         try:
             return fn(*args, **kwargs)
         finally:
-            if name == "masked":
-                _HERE.masked = False
+            if name in _CONTEXTS:
+                _HERE.inside = None
             with _LOCK:
                 SPENT[label] += time.perf_counter() - t
 
     return wrapper
+
+
+_CONTEXTS = ("masked", "processor")  # their own launches are counted apart
 
 
 def install_phases(model: Any) -> None:
@@ -90,6 +98,12 @@ def install_phases(model: Any) -> None:
         (Future, "result", "result"),
         (GenerationBatch, "_step", "decode_step"),
         (type(model), "__call__", "model"),
+        # one stream: its grammar is a per-row processor on the lone path
+        (SoloSequence, "_forward", "solo_forward"),
+        (SoloSequence, "_emit", "solo_emit"),
+        (GrammarLogitsProcessor, "__call__", "processor"),
+        (GrammarLogitsProcessor, "consume", "processor_consume"),
+        (GrammarLogitsProcessor, "_fill_bitmask", "processor_fill"),
     ):
         setattr(owner, name, _timed(label, getattr(owner, name)))
     mx.async_eval = _timed("async_eval", mx.async_eval)
@@ -104,6 +118,10 @@ def phase_ms(steps: int) -> dict[str, float]:
         # inside the masked step on its own thread (``compute`` may run on the worker)
         inside = ("model", "plan", "result", "mask", "masked async_eval")
         spent["masked_rest"] = spent["masked"] - sum(spent.get(k, 0.0) for k in inside)
+    if "processor" in spent:
+        # the processor's own wait for the token it consumes, and the mask's operations
+        inside = ("processor_consume", "processor_fill", "processor async_eval")
+        spent["processor_rest"] = spent["processor"] - sum(spent.get(k, 0.0) for k in inside)
     return {k: round(v * 1000 / max(steps, 1), 3) for k, v in sorted(spent.items())}
 
 
