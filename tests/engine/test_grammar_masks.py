@@ -175,13 +175,14 @@ def test_the_pool_runs_the_matchers_only_where_measured_to_pay(
 def test_the_pool_is_sized_by_the_cpus_this_process_may_use(monkeypatch):
     """A container (or ``taskset``) allows fewer CPUs than the machine has: a pool sized by
     the machine's count would run more threads than CPUs."""
+    import mlx_server.cpus as cpus
     import mlx_server.engine.grammar.masks as masks_module
 
-    monkeypatch.setattr(masks_module.os, "cpu_count", lambda: 192)
-    monkeypatch.setattr(masks_module.os, "sched_getaffinity", lambda pid: set(range(10)), False)
-    assert masks_module.usable_cpus() == 10 and masks_module.default_threads() == 8
-    monkeypatch.delattr(masks_module.os, "sched_getaffinity")  # as on macOS
-    assert masks_module.usable_cpus() == 192 and masks_module.default_threads() == 32
+    monkeypatch.setattr(cpus.os, "cpu_count", lambda: 192)
+    monkeypatch.setattr(cpus.os, "sched_getaffinity", lambda pid: set(range(10)), False)
+    assert cpus.usable_cpus() == 10 and masks_module.default_threads() == 8
+    monkeypatch.delattr(cpus.os, "sched_getaffinity")  # as on macOS
+    assert cpus.usable_cpus() == 192 and masks_module.default_threads() == 32
 
 
 def engine_with(model: Any, tokenizer: Any, **runner: Any) -> Engine:

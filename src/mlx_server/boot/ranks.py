@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 from types import FrameType
 
+from mlx_server.cpus import usable_cpus
 from mlx_server.logs import log
 
 GRACE_S = 10.0  # how long ranks may take to end by themselves before they are killed
@@ -61,7 +62,7 @@ def rank_env(rank: int, n: int, path: str) -> dict[str, str]:
     env = dict(os.environ, MLX_RANK=str(rank), MLX_HOSTFILE=path)
     # The ranks share this machine's cores: without a limit, each rank's BLAS (OpenBLAS on
     # Linux) starts a thread per core and they crowd each other out.
-    env.setdefault("OPENBLAS_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // n)))
+    env.setdefault("OPENBLAS_NUM_THREADS", str(max(1, usable_cpus() // n)))
     return env
 
 

@@ -23,7 +23,6 @@ sequence alone.
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -35,6 +34,7 @@ import llguidance.numpy
 import mlx.core as mx
 import numpy as np
 
+from mlx_server.cpus import usable_cpus
 from mlx_server.engine.grammar.mask_bits import eos_words, fit_words, unpack, words_for
 from mlx_server.engine.grammar.processor import GrammarLogitsProcessor
 
@@ -68,15 +68,6 @@ PROBE_EVERY = 64  # steps between two runs of the way not chosen (is it still sl
 def default_threads() -> int:
     """llguidance's own default: 80 % of the CPUs this process may use, at most 32."""
     return max(1, min(32, usable_cpus() * 80 // 100))
-
-
-def usable_cpus() -> int:
-    """The CPUs this process may run on (a container's or ``taskset``'s set, where the
-    system says; ``os.cpu_count()`` counts the whole machine's)."""
-    try:
-        return len(os.sched_getaffinity(0)) or 1
-    except (AttributeError, OSError):  # macOS has no affinity call
-        return os.cpu_count() or 1
 
 
 @dataclass(eq=False)
