@@ -6,7 +6,8 @@ runs to ``--max-tokens``), ``batched`` (a ``response_format``-style JSON schema,
 masked for the whole batch, the masks filled on a worker thread while the forward pass is
 launched: ``BatchRunner(launch_first=False)``), ``launched`` (the same, the pass queued
 before the fed tokens are read: ``launch_first=True``) and ``per_row`` (the same schema
-through mlx-lm's per-row processor calls: ``BatchRunner(batch_grammars=False)``). The schema asks for a string longer
+through mlx-lm's per-row processor calls: ``BatchRunner(batch_grammars=False)``; on the lone
+path, one stream, the grammar's processor called every step: ``SoloRunner(step_grammars=False)``). The schema asks for a string longer
 than ``--max-tokens`` can hold, so a constrained answer runs to the limit too. One stream
 takes the lone-request path in every mode (its grammar is one per-row processor either way).
 
@@ -151,7 +152,8 @@ def make_engine(
         batch_grammars=batch_grammars,
         launch_first=launch_first,
     )
-    runner = LoneFirstRunner(SoloRunner(model, eos, prefill_step_size=step), batch)
+    lone = SoloRunner(model, eos, prefill_step_size=step, step_grammars=batch_grammars)
+    runner = LoneFirstRunner(lone, batch)
     config = EngineConfig(
         max_batch_size=streams, prompt_cache_size=0, prefill_step_size=step, kv_bytes_per_token=1
     )

@@ -12,7 +12,8 @@
 #      SCEN (bench_openai.py scenarios per server; default burst,single,concurrency,prefix),
 #      VARIANTS=1 (variants.py against ours: one stream per request variant vs the raw engine doing the same),
 #      CONSTRAINED=1 (json_schema vs free at LEVELS, ours), CONSTRAINED_ENGINE=1 (constrained_engine.py, no HTTP: the
-#      masked step's two orders, batched and launched, against free decoding at 1, 8 and 32 streams), LOGPROBS=1 (ours:
+#      masked step's two orders, batched and launched, against free decoding at 8 and 32 streams; one stream's grammar
+#      stepped (batched) and called through its processor (per_row)), LOGPROBS=1 (ours:
 #      the concurrency bursts again with each token's top 5 log-probabilities asked, label "ours logprobs5"), LONG_CTX (model names, e.g. "8b-4": the agent session,
 #      ~27,670-token system prompt then two turns, run first for its model; LONG_SERVERS="ours mlxlm": ours with
 #      defaults and --ctx-size 40000, oursram the same with the RAM tier alone (--prompt-cache-dir ''), mlxlm
@@ -85,8 +86,10 @@ for spec in $MODELS; do
   [[ " $LONG_CTX " == *" $preset-$bits "* ]] && long_ctx
   [ "$RAW" = 1 ] && timeout 120 python3 $BENCH/raw_engine.py --model $M --label "raw $preset-$bits" --ignore-eos --max-tokens 256 --repeats 3 --out "$R" >/dev/null
   if [ "$CONSTRAINED_ENGINE" = 1 ]; then
-    timeout 300 python3 $PWD/bench/constrained_engine.py --model $M --streams 1,8,32 --modes free,batched,launched \
+    timeout 100 python3 $PWD/bench/constrained_engine.py --model $M --streams 1 --modes free,batched,per_row \
       --rounds 5 --max-tokens 128 --phases > $T/constrained-engine-$preset-$bits.log 2>&1
+    timeout 300 python3 $PWD/bench/constrained_engine.py --model $M --streams 8,32 --modes free,batched,launched \
+      --rounds 5 --max-tokens 128 --phases >> $T/constrained-engine-$preset-$bits.log 2>&1
     grep summary $T/constrained-engine-$preset-$bits.log
   fi
   if [ "$LAYERS" = 1 ] && { [ -z "$LAYERS_ONLY" ] || [[ " $LAYERS_ONLY " == *" $preset-$bits "* ]]; }; then

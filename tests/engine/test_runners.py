@@ -51,6 +51,11 @@ def variants(compiler: ConstraintCompiler) -> dict[str, Any]:
             "logits_processors": (compiler.processor(ConstraintSpec.json_object()),),
             "sampling": SamplingParams(temperature=1.0, seed=3),
         },
+        # a grammar stepped on its own, the penalties still called with the context
+        "grammar_penalties": lambda: {
+            "logits_processors": (compiler.processor(ConstraintSpec.json_object()),),
+            "sampling": SamplingParams(temperature=1.0, seed=5, frequency_penalty=1.5),
+        },
     }
 
 
@@ -72,9 +77,14 @@ def test_the_lone_runner_takes_requests_with_processors_and_matches_the_batch(lm
         running_engine(model, tokenizer, solo=False, **cfg) as batch,
     ):
         for name, settings in variants(compiler).items():
-            runs = lone.stats()["solo_runs"]
+            runs, stepped = lone.stats()["solo_runs"], lone.stats()["solo_grammar_steps"]
             (fast,) = solo(lone, [request(p, 24, **settings())])
             assert lone.stats()["solo_runs"] == runs + 1, name
+            # after its first token a grammar is masked a step at a time, not called (the
+            # step queued after the last token too)
+            masked = lone.stats()["solo_grammar_steps"] - stepped
+            tokens = fast.finished.usage.completion_tokens
+            assert masked == (tokens if name.startswith("grammar") else 0), name
             (slow,) = solo(batch, [request(p, 24, **settings())])
             same(fast, slow)
             if name == "ignore_eos_logprobs":

@@ -12,20 +12,27 @@ the tokens in it, the next token to feed, its sampler and processors) over to th
 ``BatchRunner``, which continues it like a prefix-cache hit.
 
 Decoding is pipelined like ``generate_step``: the step after a token is queued on the GPU
-before the token is read.
+before the token is read. A grammar (``response_format``, an enforced tool call) is driven a
+step at a time as the batch drives its rows' (``GrammarMasks``) once its first token is
+sampled: the pass is queued, then the token it feeds is read (the previous step's sample,
+queued already) and the mask filled while the device runs the pass. Through mlx-lm's
+processor signature the same read needs the token context, an array of its own to evaluate
+every step: one more launch per token, which on a GPU is a host-bound lone stream's cost.
 """
 
 from __future__ import annotations
 
 import copy
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import mlx.core as mx
 from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import TokenBuffer
 
+from mlx_server.engine.grammar.masks import BatchGrammar, GrammarMasks
 from mlx_server.engine.runners.base import Insert, KVState, Progress, Response, Runner
 from mlx_server.engine.runners.batch import BatchRunner
+from mlx_server.engine.runners.batch_step import row_grammar
 from mlx_server.engine.runners.chunked_prefill import ChunkedPrefill
 from mlx_server.engine.sampling.logprobs import Picked, pick
 from mlx_server.engine.sampling.samplers import LogitsProcessor, Sampler
@@ -45,7 +52,10 @@ class SoloSequence(ChunkedPrefill):
         eos: list[int],
         prefill_step_size: int,
         buckets: bool = False,
+        masks: GrammarMasks | None = None,
     ):
+        """``masks``: drive a grammar among the processors a step at a time (see the module
+        docstring) from its second token on; None: through its processor call."""
         super().__init__(
             model,
             job.uid,
@@ -57,7 +67,13 @@ class SoloSequence(ChunkedPrefill):
             buckets=buckets,
         )
         self.sampler = job.sampler
-        self.processors = list(job.processors)
+        self.processors = list(job.processors)  # all of them, as handed over to the batch
+        self._masks = masks
+        found = row_grammar(self.processors) if masks is not None else None
+        self._grammar: BatchGrammar | None = found.grammar if found is not None else None
+        # called each step: all until the first token is sampled, then all but the grammar
+        self._called = self.processors
+        self._others = [p for p in self.processors if found is None or p is not found.listed]
         self._max_tokens = job.request.max_tokens
         self._eos = set(eos)
         self._context: TokenBuffer | None = None  # the processors' view: prompt + generated
@@ -115,12 +131,19 @@ class SoloSequence(ChunkedPrefill):
 
     def _forward(self, tokens: mx.array) -> tuple[mx.array, mx.array, Picked | None]:
         logits = self.model(tokens[None], cache=self.cache)[:, -1, :]
-        if self.processors:  # as GenerationBatch._step: the context ends with the input
+        if self._called is self._others and self._grammar is not None and self._masks:
+            # The pass goes first, then the fed token (sampled and queued a step ago) is
+            # read and the mask filled while the device runs the pass.
+            mx.async_eval(logits)
+            fed = cast(list[int], tokens.tolist())
+            logits = self._masks.apply([self._grammar], fed[-1:], logits)
+        if self._called:  # as GenerationBatch._step: the context ends with the input
             if self._context is None:
                 self._context = TokenBuffer(self.fed)
             context = self._context.update_and_fetch(tokens)
-            for processor in self.processors:
+            for processor in self._called:
                 logits = processor(context, logits)
+        self._called = self._others  # the first token sampled: a grammar runs a step at a time
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         token = self.sampler(logprobs)
         row = logprobs.squeeze(0)
@@ -154,9 +177,19 @@ class SoloRunner:
     """The runner of at most one sequence at a time, on a plain KV cache."""
 
     def __init__(
-        self, model: Any, eos: list[int], *, prefill_step_size: int, prefill_buckets: bool = False
+        self,
+        model: Any,
+        eos: list[int],
+        *,
+        prefill_step_size: int,
+        prefill_buckets: bool = False,
+        step_grammars: bool = True,
     ):
+        """``step_grammars=False``: a grammar runs through its processor call every step
+        (what the module docstring says it costs; benchmarks compare)."""
         self.model = model
+        # one row's masks, filled inline: the grammar's fill is tens of microseconds
+        self._masks = GrammarMasks(threads=1) if step_grammars else None
         self._eos = eos
         self._step_size = prefill_step_size
         self._buckets = prefill_buckets
@@ -187,7 +220,9 @@ class SoloRunner:
     def insert(self, job: Insert) -> None:
         if self.seq is not None:
             raise RuntimeError("the solo runner runs one sequence at a time")
-        self.seq = SoloSequence(self.model, job, self._eos, self._step_size, self._buckets)
+        self.seq = SoloSequence(
+            self.model, job, self._eos, self._step_size, self._buckets, self._masks
+        )
         self.runs += 1
 
     def step(self) -> tuple[list[Progress], list[Response]]:
@@ -220,7 +255,8 @@ class SoloRunner:
         self.seq = None
 
     def stats(self) -> dict[str, Any]:
-        return {"solo_runs": self.runs}
+        stepped = self._masks.steps if self._masks is not None else 0
+        return {"solo_runs": self.runs, "solo_grammar_steps": stepped}
 
 
 class LoneRunner(Runner, Protocol):
