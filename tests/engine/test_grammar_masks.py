@@ -175,7 +175,7 @@ def test_the_pool_runs_the_matchers_only_where_measured_to_pay(
 def test_the_pool_is_sized_by_the_cpus_this_process_may_use(monkeypatch):
     """A container (or ``taskset``) allows fewer CPUs than the machine has: a pool sized by
     the machine's count would run more threads than CPUs."""
-    import mlx_server.cpus as cpus
+    import mlx_server.engine.core.cpus as cpus
     import mlx_server.engine.grammar.masks as masks_module
 
     monkeypatch.setattr(cpus.os, "cpu_count", lambda: 192)

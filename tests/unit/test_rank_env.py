@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import mlx_server.cpus as cpus
+import mlx_server.engine.core.cpus as cpus
 from mlx_server.boot.ranks import rank_env
 
 

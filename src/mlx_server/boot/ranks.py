@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 from types import FrameType
 
-from mlx_server.cpus import usable_cpus
+from mlx_server.engine.core.cpus import usable_cpus
 from mlx_server.logs import log
 
 GRACE_S = 10.0  # how long ranks may take to end by themselves before they are killed

@@ -34,7 +34,7 @@ import llguidance.numpy
 import mlx.core as mx
 import numpy as np
 
-from mlx_server.cpus import usable_cpus
+from mlx_server.engine.core.cpus import usable_cpus
 from mlx_server.engine.grammar.mask_bits import eos_words, fit_words, unpack, words_for
 from mlx_server.engine.grammar.processor import GrammarLogitsProcessor
 
