@@ -2,7 +2,8 @@
 it overlaps the forward pass.
 
 Each round decodes the prompt of ``bench/constrained.py`` greedily on ``SoloSequence``
-three ways, in turn: ``json_schema`` (the constraint as the engine runs it), ``serial``
+in turn: ``json_schema`` (the constraint through its processor call every step),
+``stepped`` (as the engine's lone runner runs it: stepped after its first token), ``serial``
 (the same, but the forward pass is waited for before the mask is computed: no overlap),
 and ``free`` (no processor, end-of-sequence ignored, as many tokens as the constrained
 run made), and ``plumbing`` (a processor that only reads the newest context token as
@@ -40,11 +41,20 @@ from mlx_lm.sample_utils import make_sampler
 
 from mlx_server.engine.grammar import processor as processor_module
 from mlx_server.engine.grammar.constraints import ConstraintCompiler, ConstraintSpec
+from mlx_server.engine.grammar.masks import GrammarMasks
 from mlx_server.engine.runners.solo import SoloSequence
 
 
-def decode(model: Any, prompt: list[int], eos: list[int], processors: list[Any], n: int):
-    """Decode up to ``n`` tokens alone; (tokens, seconds per decoded token after the first)."""
+def decode(
+    model: Any,
+    prompt: list[int],
+    eos: list[int],
+    processors: list[Any],
+    n: int,
+    masks: GrammarMasks | None = None,
+):
+    """Decode up to ``n`` tokens alone; (tokens, seconds per decoded token after the first).
+    ``masks``: the grammar stepped after its first token, as the engine's lone runner does."""
     job = SimpleNamespace(
         uid=0,
         prompt=prompt,
@@ -53,9 +63,9 @@ def decode(model: Any, prompt: list[int], eos: list[int], processors: list[Any],
         pauses=[],
         sampler=make_sampler(temp=0.0),
         processors=processors,
-        request=SimpleNamespace(max_tokens=n),
+        request=SimpleNamespace(max_tokens=n, logprobs=False, top_logprobs=0),
     )
-    seq = SoloSequence(model, job, eos, prefill_step_size=512)  # type: ignore[arg-type]
+    seq = SoloSequence(model, job, eos, prefill_step_size=512, masks=masks)  # type: ignore[arg-type]
     tokens: list[int] = []
     start = 0.0
     while True:
@@ -173,21 +183,27 @@ def main() -> None:
         return decode(model, prompt, eos, [wrap(p) if wrap else p], args.max_tokens)
 
     reference, _ = constrained()  # warms the lexer and the kernels
-    ratios, serial_ratios, plumbing_ratios = [], [], []
+    ratios, serial_ratios, plumbing_ratios, stepped_ratios = [], [], [], []
     for i in range(args.rounds):
         out, grammar_s = constrained()
+        p = compiler.processor(spec)
+        stepped_out, stepped_s = decode(
+            model, prompt, eos, [p], args.max_tokens, masks=GrammarMasks(threads=1)
+        )
         serial_out, serial_s = constrained(Serial)
         _, free_s = decode(model, prompt, [], [], len(out))
         _, plumbing_s = decode(model, prompt, [], [Plumbing()], len(out))
-        assert out == reference == serial_out, "constrained outputs differ between runs"
+        assert out == reference == serial_out == stepped_out, "constrained outputs differ"
         ratios.append(free_s / grammar_s)
         serial_ratios.append(free_s / serial_s)
         plumbing_ratios.append(free_s / plumbing_s)
+        stepped_ratios.append(free_s / stepped_s)
         emit(
             {
                 "round": i,
                 "tokens": len(out),
                 "json_schema_ms": 1e3 * grammar_s,
+                "stepped_ms": 1e3 * stepped_s,
                 "serial_ms": 1e3 * serial_s,
                 "free_ms": 1e3 * free_s,
                 "plumbing_ms": 1e3 * plumbing_s,
@@ -200,6 +216,7 @@ def main() -> None:
         {
             "summary": path,
             "json_schema_vs_free": statistics.median(ratios),
+            "stepped_vs_free": statistics.median(stepped_ratios),
             "serial_vs_free": statistics.median(serial_ratios),
             "plumbing_vs_free": statistics.median(plumbing_ratios),
             "ratios": [round(r, 3) for r in ratios],
