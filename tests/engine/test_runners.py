@@ -15,6 +15,7 @@ from engine_runner import collect, drive, generate, load_varied_model, request, 
 from mlx_server.engine.core.engine import Engine, EngineConfig
 from mlx_server.engine.core.handle import Started, TokenPiece
 from mlx_server.engine.grammar.constraints import ConstraintCompiler, ConstraintSpec
+from mlx_server.engine.grammar.processor import GrammarLogitsProcessor
 from mlx_server.engine.runners.base import Insert, KVState, Progress, Response
 from mlx_server.types import SamplingParams
 
@@ -128,6 +129,37 @@ def test_a_lone_stream_with_processors_keeps_its_output_when_others_join(lm, com
                 assert (text, fin.reason) == (alone.text, alone.reason), (name, after)
                 assert fin.usage.completion_tokens == alone.finished.usage.completion_tokens
                 assert [r.text for r in joined] == [r.text for r in rest], name
+
+
+class Exploding(GrammarLogitsProcessor):
+    """A grammar whose step fails after a few tokens (as a bug in it would)."""
+
+    def observe(self, token: int) -> int | None:
+        if self.consumed >= 3:
+            raise RuntimeError("grammar exploded")
+        return super().observe(token)
+
+
+def test_a_grammar_failing_on_the_lone_path_ends_only_its_own_request(lm, compiler):
+    """A stepped grammar that raises ends its request with the error; the engine serves
+    the next request, alone, as before."""
+    model, tokenizer = lm
+    p = prompt(tokenizer, 12, seed=4)
+    spec = ConstraintSpec.json_object()
+    base = compiler.processor(spec)
+    with running_engine(model, tokenizer, prompt_cache_size=0, max_batch_size=4) as engine:
+        exploding = Exploding(
+            compiler.compile(spec).deep_copy(), mask_vocab=len(tokenizer), eos_ids=base.eos_ids
+        )
+        sampling = SamplingParams(temperature=1.0, seed=1)
+        (failed,) = solo(
+            engine, [request(p, 40, sampling=sampling, logits_processors=(exploding,))]
+        )
+        assert failed.reason == "error" and "grammar exploded" in (failed.finished.error or "")
+        assert engine.stats()["solo_grammar_steps"] >= 1  # it failed while stepped
+        (after,) = solo(engine, [request(p, 12, ignore_eos=True)])
+        assert after.reason == "length" and after.finished.usage.completion_tokens == 12
+        assert engine.stats()["solo_runs"] == 2
 
 
 class ListRunner:

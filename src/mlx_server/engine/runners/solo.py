@@ -71,9 +71,8 @@ class SoloSequence(ChunkedPrefill):
         self._masks = masks
         found = row_grammar(self.processors) if masks is not None else None
         self._grammar: BatchGrammar | None = found.grammar if found is not None else None
-        # called each step: all until the first token is sampled, then all but the grammar
-        self._called = self.processors
         self._others = [p for p in self.processors if found is None or p is not found.listed]
+        self._sampled = False  # a first token: from now on a grammar is stepped, not called
         self._max_tokens = job.request.max_tokens
         self._eos = set(eos)
         self._context: TokenBuffer | None = None  # the processors' view: prompt + generated
@@ -131,19 +130,21 @@ class SoloSequence(ChunkedPrefill):
 
     def _forward(self, tokens: mx.array) -> tuple[mx.array, mx.array, Picked | None]:
         logits = self.model(tokens[None], cache=self.cache)[:, -1, :]
-        if self._called is self._others and self._grammar is not None and self._masks:
+        called = self.processors
+        if self._sampled and self._grammar is not None and self._masks is not None:
             # The pass goes first, then the fed token (sampled and queued a step ago) is
             # read and the mask filled while the device runs the pass.
             mx.async_eval(logits)
             fed = cast(list[int], tokens.tolist())
             logits = self._masks.apply([self._grammar], fed[-1:], logits)
-        if self._called:  # as GenerationBatch._step: the context ends with the input
+            called = self._others
+        if called:  # as GenerationBatch._step: the context ends with the input
             if self._context is None:
                 self._context = TokenBuffer(self.fed)
             context = self._context.update_and_fetch(tokens)
-            for processor in self._called:
+            for processor in called:
                 logits = processor(context, logits)
-        self._called = self._others  # the first token sampled: a grammar runs a step at a time
+        self._sampled = True
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         token = self.sampler(logprobs)
         row = logprobs.squeeze(0)
