@@ -7,7 +7,9 @@ masked for the whole batch, the masks filled on a worker thread while the forwar
 launched: ``BatchRunner(launch_first=False)``), ``launched`` (the same, the pass queued
 before the fed tokens are read: ``launch_first=True``) and ``per_row`` (the same schema
 through mlx-lm's per-row processor calls: ``BatchRunner(batch_grammars=False)``; on the lone
-path, one stream, the grammar's processor called every step: ``SoloRunner(step_grammars=False)``). The schema asks for a string longer
+path, one stream, the grammar's processor called every step: ``SoloRunner(step_grammars=False)``)
+and ``eager`` (``batched``'s engine with the masks applied in five separate kernels, as
+before the compiled graph: ``mask_bits.FUSED = False``; on a CPU both are the host's way). The schema asks for a string longer
 than ``--max-tokens`` can hold, so a constrained answer runs to the limit too. One stream
 takes the lone-request path in every mode (its grammar is one per-row processor either way).
 
@@ -49,6 +51,7 @@ from mlx_lm.generate import GenerationBatch
 
 from mlx_server.engine.core.engine import Engine, EngineConfig
 from mlx_server.engine.core.handle import TokenPiece
+from mlx_server.engine.grammar import mask_bits
 from mlx_server.engine.grammar.constraints import ConstraintCompiler, ConstraintSpec
 from mlx_server.engine.grammar.masks import GrammarMasks
 from mlx_server.engine.grammar.processor import GrammarLogitsProcessor
@@ -58,7 +61,7 @@ from mlx_server.engine.runners.solo import LoneFirstRunner, SoloRunner, SoloSequ
 from mlx_server.events import Finished
 from mlx_server.types import GenerationRequest, SamplingParams
 
-MODES = ("free", "batched", "launched", "per_row")
+MODES = ("free", "batched", "launched", "per_row", "eager")
 
 
 SPENT: dict[str, float] = defaultdict(float)
@@ -232,7 +235,7 @@ def main() -> None:
         install_phases(model)
     for n in [int(x) for x in a.streams.split(",")]:
         batched = make_engine(model, tokenizer, True, n)
-        engines = {"free": batched, "batched": batched}
+        engines = {"free": batched, "batched": batched, "eager": batched}
         if "launched" in modes:
             engines["launched"] = make_engine(model, tokenizer, True, n, launch_first=True)
         if "per_row" in modes:
@@ -246,6 +249,7 @@ def main() -> None:
                 for mode in order:
                     reqs = requests(tokenizer, compiler, mode, n, a.max_tokens)
                     phase_ms(1)  # zero the totals
+                    mask_bits.FUSED = False if mode == "eager" else None
                     res = asyncio.run(one_run(engines[mode], reqs))
                     if a.phases:
                         res["phases_ms_per_step"] = phase_ms(max(res["tokens"], default=1))
@@ -262,7 +266,7 @@ def main() -> None:
                         ratios[mode].append(rates[mode] / rates["free"])
         finally:
             for m, engine in engines.items():
-                if m != "batched":  # the same engine as free's
+                if m not in ("batched", "eager"):  # the same engine as free's
                     engine.shutdown(timeout=10)
         summary = {f"{m}_over_free": round(statistics.median(v), 3) for m, v in ratios.items()}
         spread = {f"{m}_range": [round(min(v), 3), round(max(v), 3)] for m, v in ratios.items()}

@@ -86,9 +86,9 @@ for spec in $MODELS; do
   [[ " $LONG_CTX " == *" $preset-$bits "* ]] && long_ctx
   [ "$RAW" = 1 ] && timeout 120 python3 $BENCH/raw_engine.py --model $M --label "raw $preset-$bits" --ignore-eos --max-tokens 256 --repeats 3 --out "$R" >/dev/null
   if [ "$CONSTRAINED_ENGINE" = 1 ]; then
-    timeout 100 python3 $PWD/bench/constrained_engine.py --model $M --streams 1 --modes free,batched,per_row \
+    timeout 100 python3 $PWD/bench/constrained_engine.py --model $M --streams 1 --modes free,batched,per_row,eager \
       --rounds 5 --max-tokens 128 --phases > $T/constrained-engine-$preset-$bits.log 2>&1
-    timeout 300 python3 $PWD/bench/constrained_engine.py --model $M --streams 8,32 --modes free,batched,launched \
+    timeout 300 python3 $PWD/bench/constrained_engine.py --model $M --streams 8,32 --modes free,batched,eager \
       --rounds 5 --max-tokens 128 --phases >> $T/constrained-engine-$preset-$bits.log 2>&1
     grep summary $T/constrained-engine-$preset-$bits.log
   fi

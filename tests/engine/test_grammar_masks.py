@@ -23,8 +23,9 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from test_constraints import SCHEMAS, make_hf_tokenizer, make_model
 
 from mlx_server.engine.core.engine import Engine, EngineConfig
+from mlx_server.engine.grammar import mask_bits
 from mlx_server.engine.grammar.constraints import ConstraintCompiler, ConstraintSpec, build_grammar
-from mlx_server.engine.grammar.mask_bits import unpack_on_device, unpack_on_host
+from mlx_server.engine.grammar.mask_bits import masked_on_device, unpack_on_device, unpack_on_host
 from mlx_server.engine.grammar.masks import (
     POOL_ABOVE_S,
     PROBE_EVERY,
@@ -59,6 +60,11 @@ def test_host_and_device_unpacking_agree(vocab):
     host, device = unpack_on_host(words, vocab), unpack_on_device(words, vocab)
     assert host.shape == (3, vocab) and host.dtype == mx.bool_
     assert mx.array_equal(host, device).item()
+    logits = mx.array(rng.normal(size=(3, vocab)).astype(np.float32))
+    for dtype in (mx.float32, mx.bfloat16):
+        eager = mx.where(host, logits.astype(dtype), -float("inf"))
+        graph = masked_on_device(logits.astype(dtype), words)
+        assert graph.dtype == dtype and mx.array_equal(graph, eager).item()
     bits = np.unpackbits(words.view(np.uint8), axis=1, bitorder="little")[:, :vocab]
     assert np.array_equal(np.array(host), bits.astype(bool))
 
@@ -69,12 +75,16 @@ def reference_allowed(matcher: llguidance.LLMatcher, vocab: int) -> set[int]:
     return {int(t) for t in np.flatnonzero(np.unpackbits(bits, bitorder="little")) if t < vocab}
 
 
-@pytest.mark.parametrize("threads", [1, 2])
-def test_batched_masks_are_the_per_row_masks_and_llguidance_s(tokenizer, compiler, threads):
+@pytest.mark.parametrize(("threads", "fused"), [(1, False), (2, False), (1, True)])
+def test_batched_masks_are_the_per_row_masks_and_llguidance_s(
+    tokenizer, compiler, threads, fused, monkeypatch
+):
     """Rows: four schemas, a row without a grammar, and one that activates after a trigger.
     Each step every row takes a random allowed token (the trigger row its trigger at step
     3); the batch's masked logits equal the per-row processor's on a twin, row by row,
-    and allow what a third copy of the matcher allows."""
+    and allow what a third copy of the matcher allows. ``fused``: the masks applied as
+    one compiled graph over the whole batch (a GPU's way), here on the CPU."""
+    monkeypatch.setattr(mask_bits, "FUSED", fused)
     vocab = len(tokenizer) + 5  # the model's logits are wider than the tokenizer
     think_end = tokenizer.convert_tokens_to_ids("</think>")
     specs = [ConstraintSpec.json_schema(s) for s in SCHEMAS] + [None, ConstraintSpec.json_object()]

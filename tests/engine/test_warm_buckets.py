@@ -408,3 +408,25 @@ def test_a_cold_engine_says_it_is_ready_serves_and_warms_up_while_idle(
     assert got.text == want.text and got.finished.usage.completion_tokens == 12
     first = next(x for x in lines if x.startswith("Warm-up:"))
     assert first.startswith("Warm-up: the first token in "), lines
+
+
+def test_the_compiled_grammar_mask_is_warmed_where_it_runs(model, monkeypatch):
+    """Where the grammar masks run as one compiled graph (a GPU), its kernels are built in
+    the warm-up with the samplers', in the logits' dtype; where they do not, no piece."""
+    import mlx.core as mx
+
+    from mlx_server.engine.grammar import mask_bits
+
+    cfg = EngineConfig(max_batch_size=1, warm_up=True)
+    for fused, pieces in (
+        (True, len(warming.WARM_SETTINGS) + 1),
+        (False, len(warming.WARM_SETTINGS)),
+    ):
+        monkeypatch.setattr(mask_bits, "FUSED", fused)
+        w = Warming(model, cfg, vocab=300)
+        w.logits_dtype = mx.bfloat16
+        got = w._samplers()
+        assert len(got) == pieces
+        if fused:
+            assert got[-1].func is mask_bits.warm_mask and got[-1].args == (300, mx.bfloat16)
+            assert list(got[-1]()) == []  # it runs: the graph built on this device

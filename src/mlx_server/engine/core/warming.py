@@ -24,6 +24,7 @@ from mlx_server.engine.core.tuning import (
     builds_kernels_on_first_use,
     first_token,
 )
+from mlx_server.engine.grammar import mask_bits
 from mlx_server.engine.sampling.samplers import WARM_SETTINGS, reset_random_state, warm_sampler
 from mlx_server.logs import log
 
@@ -117,11 +118,17 @@ class Warming:
         ready()
 
     def _samplers(self) -> list[Piece]:
-        """The samplers' pieces (``WARM_SETTINGS``), in the logits' dtype."""
+        """The samplers' pieces (``WARM_SETTINGS``), in the logits' dtype, and the compiled
+        grammar mask's where it runs (a GPU)."""
         if not self._vocab:
             return []
         dtype = self.logits_dtype or mx.float32
-        return [partial(warm_sampler, p, ban, self._vocab, dtype) for p, ban in WARM_SETTINGS]
+        pieces: list[Piece] = [
+            partial(warm_sampler, p, ban, self._vocab, dtype) for p, ban in WARM_SETTINGS
+        ]
+        if mask_bits.fused():
+            pieces.append(partial(mask_bits.warm_mask, self._vocab, dtype))
+        return pieces
 
     def _shapes(self, max_batch_size: int) -> ShapePieces | None:
         """What the runner adds to the warm-up (a runner without ``warm_shapes``: nothing)."""

@@ -35,7 +35,14 @@ import mlx.core as mx
 import numpy as np
 
 from mlx_server.engine.core.cpus import usable_cpus
-from mlx_server.engine.grammar.mask_bits import eos_words, fit_words, unpack, words_for
+from mlx_server.engine.grammar import mask_bits
+from mlx_server.engine.grammar.mask_bits import (
+    apply_bitmask,
+    eos_words,
+    fit_words,
+    unpack,
+    words_for,
+)
 from mlx_server.engine.grammar.processor import GrammarLogitsProcessor
 
 
@@ -175,9 +182,14 @@ class GrammarMasks:
             return logits
         self.steps += 1
         self.rows += len(plan.live)
-        allowed = unpack(plan.words, logits.shape[-1])
         if len(plan.live) == logits.shape[0]:
-            return mx.where(allowed, logits, -float("inf"))
+            return apply_bitmask(logits, plan.words)
+        if mask_bits.fused():
+            # one graph over the whole batch: the free rows' words are all ones
+            words = np.full((logits.shape[0], plan.words.shape[1]), -1, dtype=np.int32)
+            words[[i for i, _ in plan.live]] = plan.words
+            return apply_bitmask(logits, words)
+        allowed = unpack(plan.words, logits.shape[-1])
         rows = mx.array([i for i, _ in plan.live])
         logits[rows] = mx.where(allowed, logits[rows], -float("inf"))
         return logits
