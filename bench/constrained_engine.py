@@ -18,15 +18,15 @@ stream's first token to the last stream's last one. Prints one JSON line per run
 summary per N with the median ratios constrained / free.
 
     PYTHONPATH=src .venv/bin/python bench/constrained_engine.py [--model DIR]
-        [--streams 1,8] [--rounds 3] [--max-tokens 64] [--modes free,batched,launched,per_row]
+        [--streams 1,8] [--rounds 3] [--max-tokens 64] [--modes free,batched,launched,per_row,eager]
         [--phases]
 
 ``--phases`` adds to each run's line where a step's time went, in ms per decode step (any
 thread): the masked step (``DecodeStep._masked``) and inside it the forward pass's graph
 (``model``), the launches (``mx.async_eval``, free decoding's too), the masks' ``plan``,
 ``compute`` (inline or on the worker thread), the wait for the worker (``result``) and
-``mask``; ``masked_rest`` is what is left of the masked step: mostly the read of the fed
-tokens, the wait for the previous step. One stream runs the lone path: ``solo_forward``
+``mask``; ``masked_rest`` is what is left of the masked step once the parts timed in it, on
+its thread, are out: mostly the read of the fed tokens, the wait for the previous step. One stream runs the lone path: ``solo_forward``
 (the step's graph and its grammar), ``solo_emit`` (the read of the token: the wait for the
 device), and inside the per-row ``processor`` its ``processor_consume``, ``processor_fill``,
 its launches and ``processor_rest`` (the wait for the token it consumes, the mask's graph).
@@ -65,26 +65,30 @@ MODES = ("free", "batched", "launched", "per_row", "eager")
 
 
 SPENT: dict[str, float] = defaultdict(float)
+# each context's direct children on its own thread (what its ``_rest`` leaves out): a phase
+# timed elsewhere (the model's prefill, a result waited for by another thread) is not in it
+CHILDREN: dict[str, float] = defaultdict(float)
 _LOCK = threading.Lock()
-_HERE = threading.local()  # inside a masked step, on this thread
+_HERE = threading.local()  # the timed calls under way on this thread, outermost first
 
 
 def _timed(name: str, fn: Any) -> Any:
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        label = name
-        inside = getattr(_HERE, "inside", None)
-        if name == "async_eval" and inside:
-            label = f"{inside} async_eval"
-        if name in _CONTEXTS:
-            _HERE.inside = name
+        stack: list[str] = _HERE.__dict__.setdefault("stack", [])
+        context = next((n for n in reversed(stack) if n in _CONTEXTS), None)
+        label = f"{context} async_eval" if name == "async_eval" and context else name
+        parent = stack[-1] if stack else None
+        stack.append(name)
         t = time.perf_counter()
         try:
             return fn(*args, **kwargs)
         finally:
-            if name in _CONTEXTS:
-                _HERE.inside = None
+            spent = time.perf_counter() - t
+            stack.pop()
             with _LOCK:
-                SPENT[label] += time.perf_counter() - t
+                SPENT[label] += spent
+                if parent in _CONTEXTS:
+                    CHILDREN[parent] += spent
 
     return wrapper
 
@@ -116,16 +120,15 @@ def install_phases(model: Any) -> None:
 def phase_ms(steps: int) -> dict[str, float]:
     """Each phase's ms per decode step; zeroes the totals."""
     with _LOCK:
-        spent = dict(SPENT)
+        spent, children = dict(SPENT), dict(CHILDREN)
         SPENT.clear()
-    if "masked" in spent:
-        # inside the masked step on its own thread (``compute`` may run on the worker)
-        inside = ("model", "plan", "result", "mask", "masked async_eval")
-        spent["masked_rest"] = spent["masked"] - sum(spent.get(k, 0.0) for k in inside)
-    if "processor" in spent:
-        # the processor's own wait for the token it consumes, and the mask's operations
-        inside = ("processor_consume", "processor_fill", "processor async_eval")
-        spent["processor_rest"] = spent["processor"] - sum(spent.get(k, 0.0) for k in inside)
+        CHILDREN.clear()
+    # what is left of a context once its own timed parts are out: for the masked step
+    # mostly the read of the fed tokens, the wait for the previous step; for the processor
+    # its wait for the token it consumes and the mask's operations
+    for context in _CONTEXTS:
+        if context in spent:
+            spent[f"{context}_rest"] = spent[context] - children.get(context, 0.0)
     return {k: round(v * 1000 / max(steps, 1), 3) for k, v in sorted(spent.items())}
 
 

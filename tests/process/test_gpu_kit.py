@@ -318,13 +318,14 @@ def test_the_constrained_engine_script_compares_both_masked_orders(tiny_model_di
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.run(
         [sys.executable, str(script), "--model", str(tiny_model_dir), "--streams", "2",
-         "--modes", "free,batched,launched", "--rounds", "1", "--max-tokens", "6", "--phases"],
+         "--modes", "free,batched,launched,eager", "--rounds", "1", "--max-tokens", "6",
+         "--phases"],
         capture_output=True, text=True, timeout=240, env=env,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{")]
     runs = [x for x in lines if "mode" in x]
-    assert {x["mode"] for x in runs} == {"free", "batched", "launched"}
+    assert {x["mode"] for x in runs} == {"free", "batched", "launched", "eager"}
     assert all(x["tokens"] == [6, 6] and x["reasons"] == ["length"] for x in runs)
     for x in runs:
         spent = x["phases_ms_per_step"]
@@ -336,3 +337,40 @@ def test_the_constrained_engine_script_compares_both_masked_orders(tiny_model_di
             assert spent["masked"] >= spent["masked_rest"] >= 0
     (summary,) = [x for x in lines if "summary" in x]
     assert summary["batched_over_free"] > 0 and summary["launched_over_free"] > 0
+    assert summary["eager_over_free"] > 0
+
+
+def test_a_context_s_rest_leaves_out_only_what_ran_inside_it():
+    """``--phases``' accounting: a context's ``_rest`` is its time less its direct children's
+    on its own thread; a phase also timed outside it (the model's prefill) or nested deeper
+    (a launch inside the graph) is not taken off twice, so the rest is never negative."""
+    sys.path.insert(0, str(KIT.parent))
+    try:
+        import constrained_engine as ce
+    finally:
+        sys.path.remove(str(KIT.parent))
+    clock = {"t": 0.0}
+
+    def tick(seconds: float):
+        def fn() -> None:
+            clock["t"] += seconds
+
+        return fn
+
+    real = ce.time.perf_counter
+    ce.time.perf_counter = lambda: clock["t"]
+    try:
+        launch = ce._timed("async_eval", tick(1.0))
+        model = ce._timed("model", lambda: (tick(2.0)(), launch()))
+        prefill = ce._timed("model", tick(50.0))
+        masked = ce._timed("masked", lambda: (model(), tick(4.0)(), launch()))
+        ce.phase_ms(1)  # zero the totals
+        prefill()
+        masked()
+        got = ce.phase_ms(1)
+    finally:
+        ce.time.perf_counter = real
+    # masked: 2 + 1 (the graph and its launch) + 4 + 1 (its own launch) = 8 s; its children
+    # are the graph (3 s, its launch inside) and its own launch (1 s)
+    assert got["masked"] == 8000 and got["masked_rest"] == 4000
+    assert got["model"] == 53000 and got["masked async_eval"] == 2000
