@@ -77,13 +77,15 @@ def create_app(
     responses_store: ResponseStore | None = None,
     webui: bool = True,
     max_n: int = Settings.max_n,
+    max_queue: int = Settings.max_queue,
     keepalive_s: float = KEEPALIVE_S,
     extra: APIRouter | None = None,
     metrics: Metrics | None = None,
 ) -> FastAPI:
     """Build the ASGI app around one model's service (a ChatService, whose engine may be
     real or scripted, or an EmbeddingService) or a registry's ``Models``. ``max_n``: the
-    most choices per request; ``keepalive_s``: how long a stream may stay silent before it
+    most choices per request; ``max_queue``: the requests an engine lets wait (a batch of
+    prompts asking for more is a 400); ``keepalive_s``: how long a stream may stay silent before it
     gets a keep-alive frame; ``extra``: routes matched before the ones below (a registry's
     load and unload); ``metrics``: what the engines were built to report their generations
     to (a new one, counting only HTTP, when not given)."""
@@ -100,7 +102,7 @@ def create_app(
         _embedding_routes(app, served, models)
     else:
         store = responses_store if responses_store is not None else ResponseStore()
-        settings = _RouteSettings(vision, max_n, keepalive_s)
+        settings = _RouteSettings(vision, max_n, max_queue, keepalive_s)
         _chat_routes(app, models, settings, store=store, webui=webui)
     envelopes = error_envelopes()
     install_error_handlers(app, envelopes)
@@ -125,6 +127,7 @@ def create_app(
 class _RouteSettings:
     vision: bool  # media parts are taken (a model that takes images is served)
     max_n: int
+    max_queue: int
     keepalive_s: float
 
 
@@ -152,7 +155,9 @@ def _chat_routes(
     app.include_router(model_list_router(models))
     app.include_router(chat_router(models, vision=s.vision, max_n=s.max_n, keepalive_s=keepalive_s))
     app.include_router(anthropic_router(models, vision=s.vision, keepalive_s=keepalive_s))
-    app.include_router(completions_router(models, max_n=s.max_n, keepalive_s=keepalive_s))
+    app.include_router(
+        completions_router(models, max_n=s.max_n, keepalive_s=keepalive_s, max_queue=s.max_queue)
+    )
     app.include_router(tokenizer_router(models))
     app.include_router(
         responses_router(models, vision=s.vision, store=store, keepalive_s=keepalive_s)
@@ -211,6 +216,7 @@ def app_options(settings: Settings, *, vision: bool = False) -> dict[str, Any]:
         "responses_store": store,
         "webui": not settings.no_webui,
         "max_n": settings.max_n,
+        "max_queue": settings.max_queue,
     }
 
 

@@ -11,6 +11,7 @@ import json
 from typing import Any
 
 from mlx_server.models.template_probe import TemplateCaps
+from mlx_server.parsing.json_scan import loads
 
 _REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")
 
@@ -98,7 +99,7 @@ def _call_for(call: dict[str, Any], caps: TemplateCaps) -> dict[str, Any]:
         args = json.dumps(args if args is not None else {}, ensure_ascii=False)
     elif not string_arguments and isinstance(args, str):
         try:
-            parsed = json.loads(args) if args.strip() else {}
+            parsed = loads(args) if args.strip() else {}
         except ValueError:
             parsed = None
         args = parsed if isinstance(parsed, dict) else args

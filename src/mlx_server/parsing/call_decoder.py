@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 from mlx_server.events import OutputEvent, ToolCallStart
+from mlx_server.parsing.json_scan import loads
 from mlx_server.parsing.tags import SteppedDecoder
 from mlx_server.parsing.tool_schema import tool_names
 
@@ -39,7 +40,7 @@ def normalize_call(item: object) -> tuple[str, str] | None:
         args = {}
     if isinstance(args, str):
         try:
-            args = json.loads(args) if args.strip() else {}
+            args = loads(args) if args.strip() else {}
         except json.JSONDecodeError:
             return None
     if not isinstance(args, dict):

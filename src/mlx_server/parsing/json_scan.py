@@ -3,7 +3,8 @@
 Tool-call arguments are streamed as the raw JSON text the model writes; the scanner tracks
 nesting depth and string/escape state so that it knows the exact character that closes the
 object, even when strings hold braces, quotes or tags. Also the two JSON checks the
-tool-call parser makes of a call: its header's name and whether its arguments are whole.
+tool-call parser makes of a call: its header's name and whether its arguments are whole,
+and ``loads``, the JSON parse of text inside a request or a model's output.
 """
 
 from __future__ import annotations
@@ -58,6 +59,18 @@ class JsonObjectScanner:
         return len(text), ScanStatus.MORE
 
 
+def loads(text: str | bytes) -> Any:
+    """``json.loads``, where text nested deeper than the interpreter's stack allows is a
+    ``JSONDecodeError`` (a ValueError) like any other text that is not JSON: the request
+    body's depth check does not see inside a string (a tool call's ``arguments``), and
+    ``json.loads`` raises RecursionError there."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        doc = text if isinstance(text, str) else text.decode("utf-8", "replace")
+        raise json.JSONDecodeError("nested too deeply", doc, 0) from None
+
+
 def header_name(m: Any) -> str | None:
     """The function name a call header matched (group ``name``, a JSON string's
     contents, escapes decoded), or None when empty or not valid JSON."""
@@ -65,7 +78,7 @@ def header_name(m: Any) -> str | None:
     if "\\" not in raw:
         return raw or None
     try:
-        name = json.loads(f'"{raw}"')
+        name = loads(f'"{raw}"')
     except json.JSONDecodeError:
         return None
     return name if isinstance(name, str) and name else None
@@ -74,6 +87,6 @@ def header_name(m: Any) -> str | None:
 def is_json_object(text: str) -> bool:
     """Whether ``text`` is one whole JSON object."""
     try:
-        return isinstance(json.loads(text), dict)
+        return isinstance(loads(text), dict)
     except json.JSONDecodeError:
         return False

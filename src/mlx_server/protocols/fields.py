@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-import json
 from typing import Annotated, Any
 
 from pydantic import AfterValidator
 
 from mlx_server.errors import InvalidRequest
+from mlx_server.parsing.json_scan import loads
+from mlx_server.server.http import check_json_values
 
 
 def _check_tool_choice(v: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
@@ -20,6 +21,18 @@ def _check_tool_choice(v: str | dict[str, Any] | None) -> str | dict[str, Any] |
 ToolChoiceField = Annotated[str | dict[str, Any] | None, AfterValidator(_check_tool_choice)]
 
 
+def parse_arguments(text: str, where: str) -> Any:
+    """A call's ``arguments`` sent as JSON text, parsed (empty: ``{}``). Text that is not
+    JSON, nests deeper than a body may, or holds a lone surrogate is refused naming
+    ``where``: the body's own checks do not see inside a string."""
+    try:
+        value = loads(text) if text.strip() else {}
+    except ValueError as e:
+        raise InvalidRequest(f"{where} is not valid JSON: {e}", param=where) from e
+    check_json_values(value, where)
+    return value
+
+
 def tool_call(i: int, j: int, tc: Any) -> dict[str, Any]:
     """An assistant message's call ``j`` (OpenAI's shape: ``id``, ``function.name``,
     ``function.arguments``; Ollama's is the same) as the chat template reads it, ``arguments``
@@ -27,11 +40,7 @@ def tool_call(i: int, j: int, tc: Any) -> dict[str, Any]:
     ``i``'s call without an id gets one."""
     args = tc.function.arguments
     if isinstance(args, str):
-        try:
-            args = json.loads(args) if args.strip() else {}
-        except ValueError as e:
-            where = f"messages[{i}].tool_calls[{j}].function.arguments"
-            raise InvalidRequest(f"{where} is not valid JSON: {e}", param=where) from e
+        args = parse_arguments(args, f"messages[{i}].tool_calls[{j}].function.arguments")
     return {
         "id": tc.id or f"call_{i}_{j}",
         "type": "function",

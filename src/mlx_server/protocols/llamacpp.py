@@ -9,10 +9,12 @@ text, or its byte values when the token holds part of a UTF-8 character;
 
 from __future__ import annotations
 
+import asyncio
 import re
 from typing import Any
 
 from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict
 
 from mlx_server.models.text_prompt import check_token_ids
@@ -71,28 +73,36 @@ def piece(data: bytes) -> str | list[int]:
 
 
 def make_router(models: Models) -> APIRouter:
+    """The two routes. The tokenizer runs on a worker thread (a body may hold megabytes of
+    text or millions of ids), and so does the response's JSON, so that no other request
+    waits for it."""
     router = APIRouter()
 
     @router.post("/tokenize")
-    async def tokenize(request: Request) -> dict[str, Any]:
+    async def tokenize(request: Request) -> Response:
         body, service = await parse_and_lease(request, TokenizeRequest, models.chat)
-        tokenizer = service.tokenizer
-        kwargs: dict[str, Any] = {"add_special_tokens": body.add_special}
-        if not body.parse_special:
-            kwargs["split_special_tokens"] = True  # special-token text stays plain text
-        ids = list(tokenizer.encode(body.content, **kwargs))
-        if not body.with_pieces:
-            return {"tokens": ids}
-        decoder = _byte_level_decoder(tokenizer)
-        return {
-            "tokens": [{"id": t, "piece": piece(token_bytes(tokenizer, t, decoder))} for t in ids]
-        }
+        return await asyncio.to_thread(_tokenize, service.tokenizer, body)
 
     @router.post("/detokenize")
-    async def detokenize(request: Request) -> dict[str, Any]:
+    async def detokenize(request: Request) -> Response:
         body, service = await parse_and_lease(request, DetokenizeRequest, models.chat)
-        tokenizer = service.tokenizer
-        ids = check_token_ids(tokenizer, body.tokens, "tokens")
-        return {"content": tokenizer.decode(ids, skip_special_tokens=False)}
+        return await asyncio.to_thread(_detokenize, service.tokenizer, body)
 
     return router
+
+
+def _tokenize(tokenizer: Any, body: TokenizeRequest) -> Response:
+    kwargs: dict[str, Any] = {"add_special_tokens": body.add_special}
+    if not body.parse_special:
+        kwargs["split_special_tokens"] = True  # special-token text stays plain text
+    ids = list(tokenizer.encode(body.content, **kwargs))
+    if not body.with_pieces:
+        return JSONResponse({"tokens": ids})
+    decoder = _byte_level_decoder(tokenizer)
+    pieces = [{"id": t, "piece": piece(token_bytes(tokenizer, t, decoder))} for t in ids]
+    return JSONResponse({"tokens": pieces})
+
+
+def _detokenize(tokenizer: Any, body: DetokenizeRequest) -> Response:
+    ids = check_token_ids(tokenizer, body.tokens, "tokens")
+    return JSONResponse({"content": tokenizer.decode(ids, skip_special_tokens=False)})

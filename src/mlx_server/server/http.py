@@ -61,33 +61,48 @@ _TOO_DEEP = f"the request body nests JSON deeper than {MAX_JSON_DEPTH} levels"
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
-def check_json_values(obj: Any) -> None:
+def check_json_values(obj: Any, where: str = "") -> None:
     """Refuse bodies nested deeper than MAX_JSON_DEPTH and strings holding lone UTF-16
     surrogates (``"\\ud800"`` is valid JSON, but no text encoding can carry it), naming the
-    field. Iterative, so a hostile body cannot exhaust the stack."""
+    field. Iterative, so a hostile body cannot exhaust the stack. ``where``: the field that
+    held ``obj`` as JSON text (a tool call's ``arguments``), named in place of the body."""
     stack: list[tuple[Any, tuple[Any, ...]]] = [(obj, ())]
     while stack:
         value, path = stack.pop()
         if len(path) > MAX_JSON_DEPTH:
+            if where:
+                raise InvalidRequest(
+                    f"{where} nests JSON deeper than {MAX_JSON_DEPTH} levels", param=where
+                )
             raise InvalidRequest(_TOO_DEEP)
         if isinstance(value, str):
             if _SURROGATE.search(value):
-                where = _loc(path) or "body"
+                at = _within(where, path)
                 raise InvalidRequest(
-                    f"{where}: the string holds a lone UTF-16 surrogate, which is not valid text",
-                    param=where,
+                    f"{at}: the string holds a lone UTF-16 surrogate, which is not valid text",
+                    param=at,
                 )
         elif isinstance(value, dict):
             for k, v in value.items():
                 if _SURROGATE.search(k):
-                    where = _loc(path) or "body"
+                    at = _within(where, path)
                     raise InvalidRequest(
-                        f"{where}: a key holds a lone UTF-16 surrogate, which is not valid text",
-                        param=where,
+                        f"{at}: a key holds a lone UTF-16 surrogate, which is not valid text",
+                        param=at,
                     )
                 stack.append((v, (*path, k)))
         elif isinstance(value, list):
             stack.extend((v, (*path, i)) for i, v in enumerate(value))
+
+
+def _within(where: str, path: tuple[Any, ...]) -> str:
+    """The field at ``path`` inside ``where`` (the body when empty)."""
+    inner = _loc(path)
+    if not where:
+        return inner or "body"
+    if not inner:
+        return where
+    return where + inner if inner.startswith("[") else f"{where}.{inner}"
 
 
 def _loc(loc: tuple[Any, ...]) -> str:

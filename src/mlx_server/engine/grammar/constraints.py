@@ -26,6 +26,7 @@ from typing import Any
 
 import llguidance
 import llguidance.hf
+import numpy as np
 from transformers import PreTrainedTokenizerFast
 
 from mlx_server.engine.grammar.processor import GrammarLogitsProcessor
@@ -172,7 +173,23 @@ class ConstraintCompiler:
         matcher = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0)
         if matcher.is_error():
             raise_for_grammar_error(matcher.get_error(), "constraint")
+        if self._admits_nothing(matcher):
+            raise ConstraintError(
+                "constraint cannot be enforced: it admits no output (nothing can start it; "
+                "a schema that only refers to itself, as {'$ref': '#'}, has no value)"
+            )
         return matcher
+
+    def _admits_nothing(self, matcher: llguidance.LLMatcher) -> bool:
+        """Whether a fresh matcher allows no token but the end while not accepting: the
+        grammar has no string at all (llguidance then offers the end, and the answer would
+        be empty text where a value was promised)."""
+        probe = matcher.deep_copy()
+        if probe.is_accepting():
+            return False
+        words = np.frombuffer(probe.compute_bitmask(), dtype=np.uint32)
+        allowed = np.flatnonzero(np.unpackbits(words.view(np.uint8), bitorder="little"))
+        return set(allowed.tolist()) <= set(self.eos_token_ids)
 
     def _marker(self, text: str) -> str:
         """A lark element for a tool-call marker: a special token by id, else a string."""

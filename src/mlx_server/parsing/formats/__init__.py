@@ -14,12 +14,13 @@ group matching), ``vocab_markers`` and a ``priority`` (formats are tried highest
 from __future__ import annotations
 
 import importlib
-import json
 import pkgutil
 from dataclasses import dataclass
 from functools import cache
 from types import ModuleType
 from typing import Any
+
+from mlx_server.parsing.json_scan import loads
 
 
 @dataclass(frozen=True)
@@ -63,7 +64,7 @@ def json_header(keys: str) -> str:
 def json_calls(text: str, name_key: str = "name", args_key: str = "arguments") -> list[dict]:
     """A JSON list (or one object) of calls, with their name and arguments under the given
     keys, as ``{"name", "arguments"}`` dicts. Raises ValueError when it is not one."""
-    value: Any = json.loads(text.strip())
+    value: Any = loads(text.strip())
     items = value if isinstance(value, list) else [value]
     calls = []
     for item in items:

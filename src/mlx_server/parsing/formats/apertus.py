@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import json
 from typing import Any
+
+from mlx_server.parsing.json_scan import loads
 
 tool_call_start = "<|tools_prefix|>"
 tool_call_end = "<|tools_suffix|>"
@@ -15,7 +16,7 @@ priority = 3
 
 
 def parse_tool_call(text: str, tools: Any = None) -> list[dict[str, Any]]:
-    value = json.loads(text.strip())
+    value = loads(text.strip())
     items = value if isinstance(value, list) else [value]
     calls = []
     for item in items:

@@ -6,9 +6,10 @@ V3.1: ``<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>NAME<｜tool▁se
 
 from __future__ import annotations
 
-import json
 import re
 from typing import Any
+
+from mlx_server.parsing.json_scan import loads
 
 tool_call_start = "<｜tool▁calls▁begin｜>"
 tool_call_end = "<｜tool▁calls▁end｜>"
@@ -37,7 +38,7 @@ def parse_tool_call(text: str, tools: Any = None) -> list[dict[str, Any]]:
     for m in _CALL.finditer(text):
         name = m.group("r1name") or m.group("name")
         raw = m.group("r1args") if m.group("r1name") else m.group("args")
-        calls.append({"name": name.strip(), "arguments": json.loads(raw)})
+        calls.append({"name": name.strip(), "arguments": loads(raw)})
     if not calls:
         raise ValueError("no DeepSeek tool call")
     return calls

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import json
 from typing import Any
+
+from mlx_server.parsing.json_scan import loads
 
 tool_call_start = "<function="
 tool_call_end = "</function>"
@@ -18,4 +19,4 @@ def parse_tool_call(text: str, tools: Any = None) -> dict[str, Any]:
     name, sep, arguments = text.partition(">")
     if not sep or not name.strip():
         raise ValueError("not a functionary tool call")
-    return {"name": name.strip(), "arguments": json.loads(arguments) if arguments.strip() else {}}
+    return {"name": name.strip(), "arguments": loads(arguments) if arguments.strip() else {}}

@@ -4,8 +4,9 @@ non-streaming response is the stream's events folded, so both forms carry the sa
 from __future__ import annotations
 
 import copy
-import json
 from typing import Any
+
+from mlx_server.parsing.json_scan import loads
 
 
 class MessageAccumulator:
@@ -49,7 +50,7 @@ def _parse_input(text: str) -> dict[str, Any]:
     if not text.strip():
         return {}
     try:
-        value = json.loads(text)
+        value = loads(text)
     except ValueError:
         return {}
     return value if isinstance(value, dict) else {}

@@ -41,7 +41,7 @@ _MAGIC = (("iVBOR", "image/png"), ("/9j/", "image/jpeg"), ("R0lGOD", "image/gif"
 def sampling(options: Options | None) -> SamplingParams:
     o = options or Options()
     return SamplingParams(
-        temperature=DEFAULT_TEMPERATURE if o.temperature is None else o.temperature,
+        temperature=DEFAULT_TEMPERATURE if o.temperature is None else max(0.0, o.temperature),
         top_p=DEFAULT_TOP_P if o.top_p is None else o.top_p,
         top_k=DEFAULT_TOP_K if o.top_k is None else max(0, o.top_k),
         min_p=o.min_p or 0.0,

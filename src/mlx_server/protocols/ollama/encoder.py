@@ -9,7 +9,6 @@ as Ollama sends them. The last chunk has ``done: true``, ``done_reason`` and the
 
 from __future__ import annotations
 
-import json
 import time
 from datetime import datetime, timezone
 from typing import Any
@@ -26,6 +25,7 @@ from mlx_server.events import (
     ToolCallStart,
 )
 from mlx_server.logs import log
+from mlx_server.parsing.json_scan import loads
 from mlx_server.server.sse import Frame
 
 DONE_REASONS: dict[FinishReason, str] = {
@@ -59,7 +59,7 @@ def logprob_json(entry: LogprobEntry) -> dict[str, Any]:
 def tool_call_json(name: str, arguments: str, index: int) -> dict[str, Any]:
     """Ollama's tool call: ``arguments`` is an object, not JSON text."""
     try:
-        args = json.loads(arguments) if arguments.strip() else {}
+        args = loads(arguments) if arguments.strip() else {}
     except ValueError:
         args = {}  # cut short (max tokens): no arguments rather than broken ones
     return {"function": {"index": index, "name": name, "arguments": args}}

@@ -18,9 +18,11 @@ KeepAlive = float | str
 class Options(BaseModel):
     """The ``options`` a request may carry (Modelfile parameters). The ones the engine uses
     are declared; the rest (``num_gpu``, ``num_thread``, ``mirostat``, ...) are accepted and
-    have no effect (docs/ollama.md lists them)."""
+    have no effect (docs/ollama.md lists them). Numbers the sampler could not use (NaN, an
+    infinity, a repeat penalty not above 0) are refused: they would sample noise or fail the
+    generation. A negative temperature is greedy, as in llama.cpp's sampler."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
     num_ctx: StrictInt | None = None
     num_predict: StrictInt | None = None
@@ -28,7 +30,7 @@ class Options(BaseModel):
     top_p: float | None = None
     top_k: StrictInt | None = None
     min_p: float | None = Field(default=None, ge=0, le=1)  # a fraction of the likeliest's
-    repeat_penalty: float | None = None
+    repeat_penalty: float | None = Field(default=None, gt=0)  # 1: none; logits divided by it
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     seed: StrictInt | None = None

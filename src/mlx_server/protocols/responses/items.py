@@ -10,11 +10,11 @@ new ones): consecutive assistant-side items (``reasoning``, assistant ``message`
 
 from __future__ import annotations
 
-import json
 import uuid
 from typing import Any
 
 from mlx_server.errors import InvalidRequest, UnsupportedFeature
+from mlx_server.protocols.fields import parse_arguments
 
 _INPUT_ROLES = {"user", "system", "developer", "assistant"}
 
@@ -46,7 +46,7 @@ def _item(raw: Any, where: str, vision: bool) -> dict[str, Any]:
         _parse_arguments(raw["arguments"], f"{where}.arguments")
         return {
             "type": "function_call",
-            "id": raw.get("id") or new_id("fc"),
+            "id": _item_id(raw, where, "fc"),
             "call_id": raw["call_id"],
             "name": raw["name"],
             "arguments": raw["arguments"],
@@ -64,7 +64,7 @@ def _item(raw: Any, where: str, vision: bool) -> dict[str, Any]:
             )
         return {
             "type": "function_call_output",
-            "id": raw.get("id") or new_id("fco"),
+            "id": _item_id(raw, where, "fco"),
             "call_id": raw["call_id"],
             "output": output,
             "status": "completed",
@@ -72,7 +72,7 @@ def _item(raw: Any, where: str, vision: bool) -> dict[str, Any]:
     if kind == "reasoning":
         return {
             "type": "reasoning",
-            "id": raw.get("id") or new_id("rs"),
+            "id": _item_id(raw, where, "rs"),
             "summary": _texts(raw.get("summary"), "summary_text"),
             "content": _texts(raw.get("content"), "reasoning_text"),
         }
@@ -81,6 +81,16 @@ def _item(raw: Any, where: str, vision: bool) -> dict[str, Any]:
         "function_call, function_call_output, reasoning)",
         param=f"{where}.type",
     )
+
+
+def _item_id(raw: dict[str, Any], where: str, prefix: str) -> str:
+    """An input item's own id (kept, and listed by ``input_items``), or a new one."""
+    given = raw.get("id")
+    if given is None or given == "":
+        return new_id(prefix)
+    if not isinstance(given, str):
+        raise InvalidRequest(f"{where}.id must be a string", param=f"{where}.id")
+    return given
 
 
 def _texts(parts: Any, kind: str) -> list[dict[str, Any]]:
@@ -93,7 +103,7 @@ def _texts(parts: Any, kind: str) -> list[dict[str, Any]]:
 
 def _message_item(raw: dict[str, Any], where: str, vision: bool) -> dict[str, Any]:
     role = raw.get("role")
-    if role not in _INPUT_ROLES:
+    if not isinstance(role, str) or role not in _INPUT_ROLES:
         raise InvalidRequest(
             f"{where}.role {role!r} is not one of user, system, developer, assistant",
             param=f"{where}.role",
@@ -112,12 +122,12 @@ def _message_item(raw: dict[str, Any], where: str, vision: bool) -> dict[str, An
         parts = [_as_output_text(p, f"{where}.content[{j}]") for j, p in enumerate(parts)]
         return {
             "type": "message",
-            "id": raw.get("id") or new_id("msg"),
+            "id": _item_id(raw, where, "msg"),
             "role": "assistant",
             "content": parts,
             "status": "completed",
         }
-    item = {"type": "message", "id": raw.get("id") or new_id("msg"), "role": role}
+    item: dict[str, Any] = {"type": "message", "id": _item_id(raw, where, "msg"), "role": role}
     item["content"] = parts
     item["status"] = "completed"
     return item
@@ -153,7 +163,10 @@ def _part(raw: Any, where: str, vision: bool) -> dict[str, Any]:
         if not isinstance(url, str) or not url:
             what = "file_id references are not supported" if raw.get("file_id") else "required"
             raise InvalidRequest(f"{where}.image_url: {what}", param=f"{where}.image_url")
-        return {"type": "input_image", "image_url": url, "detail": raw.get("detail") or "auto"}
+        detail = raw.get("detail") or "auto"
+        if not isinstance(detail, str):
+            raise InvalidRequest(f"{where}.detail must be a string", param=f"{where}.detail")
+        return {"type": "input_image", "image_url": url, "detail": detail}
     raise UnsupportedFeature(
         f"{where} has unsupported type {kind!r} (supported: input_text, input_image)",
         param=f"{where}.type",
@@ -161,10 +174,7 @@ def _part(raw: Any, where: str, vision: bool) -> dict[str, Any]:
 
 
 def _parse_arguments(text: str, where: str) -> dict[str, Any]:
-    try:
-        args = json.loads(text) if text.strip() else {}
-    except ValueError as e:
-        raise InvalidRequest(f"{where} is not valid JSON: {e}", param=where) from e
+    args = parse_arguments(text, where)
     if not isinstance(args, dict):
         raise InvalidRequest(f"{where} must be a JSON object", param=where)
     return args

@@ -39,7 +39,12 @@ def options(body: CompletionRequest) -> CompletionOptions:
     )
 
 
-def make_router(models: Models, *, max_n: int, keepalive_s: float) -> APIRouter:
+def make_router(
+    models: Models, *, max_n: int, keepalive_s: float, max_queue: int = 64
+) -> APIRouter:
+    """``max_queue``: the requests the engine lets wait (--max-queue); a batch of prompts
+    asking for more generations than that could never be queued whole, so it is a 400, not
+    a 503 to retry."""
     router = APIRouter()
 
     @router.post("/v1/completions")
@@ -56,6 +61,13 @@ def make_router(models: Models, *, max_n: int, keepalive_s: float) -> APIRouter:
         if body.suffix is not None:  # stop where the model leaves the hole it fills
             opts = replace(opts, stop=opts.stop + fim_stop_strings(service.tokenizer))
         n = check_n(body.n, max_n)
+        asked = len(body.prompts()) * n
+        if asked > max_queue:
+            raise InvalidRequest(
+                f"the request asks for {asked} generations (prompts x n); this server takes at "
+                f"most {max_queue} at once (--max-queue): send fewer prompts or a smaller n",
+                param="prompt",
+            )
         prompts = await completions.prepare(body.prompts(), body.suffix, opts.max_tokens)
         log(
             f"Request: completions, model={body.model}, prompts={len(prompts)}, "
