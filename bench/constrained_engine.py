@@ -39,6 +39,7 @@ import asyncio
 import json
 import os
 import statistics
+import sys
 import threading
 import time
 from collections import defaultdict
@@ -115,6 +116,27 @@ def install_phases(model: Any) -> None:
     ):
         setattr(owner, name, _timed(label, getattr(owner, name)))
     mx.async_eval = _timed("async_eval", mx.async_eval)
+    _time_worker_start()
+
+
+def _time_worker_start() -> None:
+    """``worker_start``: from a plan's hand-off to the masks' worker thread to its compute
+    starting there (the thread's wake-up, and its wait for the interpreter lock)."""
+    submit, compute = GrammarMasks.submit, GrammarMasks.compute
+
+    def submitted(self: GrammarMasks, plan: Any, vocab: int) -> Any:
+        plan.submitted_at = time.perf_counter()
+        return submit(self, plan, vocab)
+
+    def started(self: GrammarMasks, plan: Any, vocab: int) -> Any:
+        at = getattr(plan, "submitted_at", None)
+        if at is not None:
+            with _LOCK:
+                SPENT["worker_start"] += time.perf_counter() - at
+        return compute(self, plan, vocab)
+
+    GrammarMasks.submit = submitted  # type: ignore[method-assign]
+    GrammarMasks.compute = started  # type: ignore[method-assign]
 
 
 def phase_ms(steps: int) -> dict[str, float]:
@@ -228,7 +250,16 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--phases", action="store_true", help="where each step's time went")
+    p.add_argument(
+        "--switch-interval",
+        type=float,
+        default=None,
+        help="the interpreter's thread switch interval in seconds (sys.setswitchinterval; "
+        "Python's default 0.005): how long a thread may wait for the lock another holds",
+    )
     a = p.parse_args()
+    if a.switch_interval is not None:
+        sys.setswitchinterval(a.switch_interval)
     modes = tuple(m for m in MODES if m in a.modes.split(","))
     assert modes[0] == "free", "the ratios are against free decoding"
 

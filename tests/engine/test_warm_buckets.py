@@ -88,6 +88,52 @@ def test_idle_time_has_a_budget_of_its_own(model, buckets):
     assert ran[2:] == [(64, 64), (128, 0), (256, 0)]
 
 
+def test_a_piece_that_builds_kernels_leaves_the_rest_for_idle_time(model, buckets):
+    """A first token read from a kernel cache that lacks the pieces' kernels (an upgrade's
+    new pieces, a cache another program filled): the first piece seen building (a step of
+    ``building_s`` or more) ends what the readiness line waits for, well within its budget.
+    On a fresh H100 the whole budget's pieces held the line 27 s after a 1 s first token."""
+    clock, ran = buckets
+    clock.cost = 4.0
+    samplers = _sampler_pieces(clock, ran, 3, 0.5)
+    plan = WarmUp(model, 1, 256, 30.0, buckets=True, samplers=samplers, building_s=3.0, clock=clock)
+    plan.before_ready()
+    assert ran == [(16, 64)]  # 4 s: building; 32 and 64 would have fit in the 30 s
+    assert plan.building and plan.deferred_buckets == 4 and plan.deferred_samplers == 3
+    while plan.pending:
+        plan.step()
+    # idle time runs what was left, the short buckets and the samplers first
+    assert ran[1:] == [(32, 64), (64, 64), (-1, 0), (-2, 0), (-3, 0), (128, 0), (256, 0)]
+
+    # pieces quicker than ``building_s`` (kernels read from the cache) fill the budget
+    clock.now, ran[:] = 0.0, []
+    clock.cost = 2.0
+    plan = WarmUp(model, 1, 256, 30.0, buckets=True, samplers=samplers, building_s=3.0, clock=clock)
+    plan.before_ready()
+    assert ran == [(16, 64), (32, 64), (64, 64), (-1, 0), (-2, 0), (-3, 0)]
+    assert not plan.building and plan.deferred_buckets == 2
+    plan.close()
+
+
+def test_the_start_line_says_kernels_are_being_built(model, buckets, monkeypatch):
+    from functools import partial
+
+    clock, _ = buckets
+    clock.cost = 5.0
+    lines: list[str] = []
+    monkeypatch.setattr(warming, "WarmUp", partial(WarmUp, clock=clock))
+    monkeypatch.setattr(warming, "log", lines.append)
+    monkeypatch.setattr(warming, "builds_kernels_on_first_use", lambda: True)
+    cfg = EngineConfig(
+        max_batch_size=2, warm_up=True, prefill_buckets=True, prefill_step_size=256, solo=True
+    )
+    w = Warming(model, cfg)
+    assert w.before_serving(30.0) == ""
+    w.close()
+    (line,) = [x for x in lines if x.startswith("Warm-up:")]
+    assert "kernels being built" in line and "left for idle time" in line, line
+
+
 def _start_line(model: Any, clock: _Clock, monkeypatch: pytest.MonkeyPatch, solo: bool) -> str:
     """The warm-up's start line for three batch sizes and a 20 s budget."""
     from functools import partial

@@ -160,12 +160,19 @@ class WarmUp:
         solo: bool = False,
         samplers: list[Piece] | None = None,
         cold: bool = False,
+        building_s: float | None = None,
         clock: Callable[[], float] | None = None,
     ):
         self.model = model
         # kernels are being built on first use (``COLD_FIRST_TOKEN_S``): nothing before the
         # readiness line, what a first request meets first in idle time (``before_ready``)
         self.cold = cold
+        # a warm-up step this long builds kernels (a first token read from a kernel cache
+        # that holds the model's pass but not every piece's kernels: after an upgrade, or a
+        # cache another program filled); the readiness line then waits for no other piece
+        # (None: never so judged; where kernels are not built per shape)
+        self.building_s = building_s
+        self.building = False  # a step before the readiness line was judged so
         # a lone request runs on the lone path (``solo``): its short buckets come before the
         # batch's size 1 (``before_ready``)
         self.solo = solo
@@ -305,20 +312,30 @@ class WarmUp:
         self.deferred = len(self._first)
 
     def _within_budget(self, pieces: list[Piece], t0: float) -> list[Piece]:
-        """Run ``pieces`` in order until the readiness budget is spent; returns those not
-        started. A piece under way when it runs out is kept in ``_run`` (idle time goes on
-        with it); once one is kept, nothing else starts."""
+        """Run ``pieces`` in order until the readiness budget is spent, or a step is seen
+        building kernels (``building_s``); returns those not started. A piece under way
+        then is kept in ``_run`` (idle time goes on with it); once one is kept, nothing else
+        starts."""
         pieces = list(pieces)
-        while pieces and self._run is None:
-            if self._clock() - t0 >= self.ready_budget_s:
-                break
+        while pieces and self._run is None and not self._ready_spent_now(t0):
             run = pieces.pop(0)()
-            while self._clock() - t0 < self.ready_budget_s:
-                if next(run, StopIteration) is StopIteration:
+            while True:
+                if self._ready_spent_now(t0):  # with this piece under way: idle time's
+                    self._run = run
                     break
-            else:  # out of budget with this piece under way: idle time goes on with it
-                self._run = run
+                started = self._clock()
+                done = next(run, StopIteration) is StopIteration
+                took = self._clock() - started
+                if self.building_s is not None and took >= self.building_s:
+                    self.building = True
+                if done:
+                    break
         return pieces
+
+    def _ready_spent_now(self, t0: float) -> bool:
+        """Whether the readiness line waits for no more: its budget spent, or kernels seen
+        being built."""
+        return self.building or self._clock() - t0 >= self.ready_budget_s
 
     def step(self) -> float:
         """Run the next piece (one generator step); returns its seconds."""

@@ -94,6 +94,7 @@ class Warming:
                     solo=cfg.solo,
                     samplers=self._samplers(),
                     cold=cold,
+                    building_s=COLD_FIRST_TOKEN_S if builds_kernels_on_first_use() else None,
                 )
                 secs = plan.before_ready()
                 if budget == float("inf"):  # ranks in lockstep: every rank, every piece, now
@@ -194,4 +195,6 @@ def _line(plan: WarmUp, n: int, buckets: bool, shapes: ShapePieces | None, secs:
     sizes = "1" if plan.pending else f"1-{n}"
     head = f"batch sizes {sizes}{what}" if not plan.batch1_deferred else what.lstrip(", ")
     later = f"; left for idle time: {', '.join(idle)}" if idle else ""
+    if plan.building and idle:
+        later += " (kernels being built: a piece took seconds, the kernel cache lacks them)"
     return f"Warm-up: {head} in {secs:.1f}s{later}"
