@@ -222,3 +222,39 @@ def test_the_tokenizer_routes_leave_the_event_loop_free(scripted, path, body):
     finally:
         delattr(tokenizer, name)
     assert getattr(tokenizer, name) == original
+
+
+def test_ollama_raw_generate_enforces_its_format(scripted_factory, tiny_tokenizer):
+    """``raw`` skips the template, not the grammar: a format is enforced (a processor on
+    the request), and one that cannot be is refused as without ``raw``."""
+    srv = scripted_factory(constraints=ConstraintCompiler(tiny_tokenizer))
+    raw = {"model": "m", "stream": False, "raw": True, "prompt": "Answer: "}
+    srv.engine.push('{"a": 1}')
+    r = post(srv, "/api/generate", {**raw, "format": "json"})
+    assert r.status_code == 200, r.text
+    assert len(srv.engine.requests[-1].logits_processors) == 1
+    srv.engine.push("text")
+    assert post(srv, "/api/generate", raw).status_code == 200
+    assert srv.engine.requests[-1].logits_processors == ()
+    assert "cannot enforce" in ollama_error(
+        post(srv, "/api/generate", {**raw, "format": {"type": "foo"}})
+    )
+    assert "admits no output" in ollama_error(
+        post(srv, "/api/generate", {**raw, "format": {"$ref": "#"}})
+    )
+
+
+def test_ollama_raw_generate_s_format_shapes_a_real_model_s_text(tiny_server):
+    """On a real engine (random weights: the grammar alone makes the text valid)."""
+    body = {
+        "model": "m",
+        "stream": False,
+        "raw": True,
+        "prompt": "Answer: ",
+        "format": {"enum": ["yes", "no"]},
+        "options": {"num_predict": 16, "temperature": 1.0, "seed": 3},
+    }
+    r = httpx.post(tiny_server.base_url + "/api/generate", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    assert json.loads(r.json()["response"]) in ("yes", "no")
+    assert r.json()["done_reason"] == "stop"

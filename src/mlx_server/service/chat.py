@@ -31,6 +31,7 @@ from mlx_server.types import ChatRequest, GenerationRequest
 
 if TYPE_CHECKING:
     from mlx_server.engine.grammar.constraints import ConstraintCompiler
+    from mlx_server.engine.grammar.spec import ConstraintSpec
     from mlx_server.models.vision import VisionPromptBuilder
 
 T = TypeVar("T")
@@ -263,15 +264,22 @@ class ChatService:
         self, chat: ChatRequest, prepared: PreparedPrompt
     ) -> list[Callable[..., Any]]:
         spec = constraint_spec(chat, self.tool_format if chat.tools else None)
+        activate_after = None
+        if spec is not None and prepared.start_in_reasoning:
+            activate_after = self.tokenizer.encode(self.reasoning_tags[1], add_special_tokens=False)
+        return self.grammar_processors(spec, activate_after)
+
+    def grammar_processors(
+        self, spec: ConstraintSpec | None, activate_after: list[int] | None = None
+    ) -> list[Callable[..., Any]]:
+        """A fresh grammar processor for one sequence (none for no ``spec``); InvalidRequest
+        where this model cannot enforce it."""
         if spec is None:
             return []
         if self.constraints is None:
             raise InvalidRequest(
                 "structured output is not available for this model", param="response_format"
             )
-        activate_after = None
-        if prepared.start_in_reasoning:
-            activate_after = self.tokenizer.encode(self.reasoning_tags[1], add_special_tokens=False)
         try:
             return [self.constraints.processor(spec, activate_after=activate_after)]
         except ValueError as e:  # ConstraintError: a grammar llguidance rejects

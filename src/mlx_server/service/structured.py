@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from mlx_server.errors import InvalidRequest
 from mlx_server.logs import log
@@ -48,15 +48,29 @@ def constraint_spec(chat: ChatRequest, tool_format: ToolFormat | None) -> Constr
                 chat.tools, name, start=tool_format.start, end=tool_format.end
             )
         elif chat.response_format is not None:
-            rf = chat.response_format
-            spec = (
-                ConstraintSpec.json_object()
-                if rf["type"] == "json_object"
-                else ConstraintSpec.json_schema(rf["schema"])
-            )
+            return format_spec(chat.response_format)
         if spec is not None:
             validate_spec(spec)
     except ConstraintError as e:
         param = "tools" if required else "response_format"
         raise InvalidRequest(f"cannot enforce this {param}: {e}", param=param) from e
+    return spec
+
+
+def format_spec(response_format: dict[str, Any]) -> ConstraintSpec:
+    """The ConstraintSpec of a ``response_format`` (``json_object`` or ``json_schema`` with
+    its ``schema``), validated; InvalidRequest for what cannot be enforced."""
+    from mlx_server.engine.grammar.spec import ConstraintError, ConstraintSpec, validate_spec
+
+    try:
+        spec = (
+            ConstraintSpec.json_object()
+            if response_format["type"] == "json_object"
+            else ConstraintSpec.json_schema(response_format["schema"])
+        )
+        validate_spec(spec)
+    except ConstraintError as e:
+        raise InvalidRequest(
+            f"cannot enforce this response_format: {e}", param="response_format"
+        ) from e
     return spec

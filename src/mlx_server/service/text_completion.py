@@ -23,6 +23,7 @@ from mlx_server.models.text_prompt import (
 from mlx_server.parsing.pipeline import OutputPipeline
 from mlx_server.service.chat import ChatService, Tokenizer
 from mlx_server.service.generation import Generation, check_sampling, submit
+from mlx_server.service.structured import format_spec
 from mlx_server.types import GenerationRequest, SamplingParams
 
 PromptInput = str | list[int]
@@ -41,6 +42,9 @@ class CompletionOptions:
     stop: tuple[str, ...] = ()
     top_logprobs: int | None = None  # None: no logprobs
     ignore_eos: bool = False
+    # the text must be JSON (``json_object``) or match a schema (``json_schema``): the
+    # chat path's grammar, without a template (Ollama's raw ``/api/generate`` with ``format``)
+    response_format: dict[str, Any] | None = None
 
 
 class CompletionService:
@@ -101,14 +105,35 @@ class CompletionService:
 
         return await asyncio.to_thread(build)
 
+    async def grammars(self, opts: CompletionOptions, n: int) -> list[tuple[Any, ...]]:
+        """``build_grammars`` on a worker thread (a schema's first compile takes a while)."""
+        if opts.response_format is None:
+            return [()] * n
+        return await asyncio.to_thread(self.build_grammars, opts, n)
+
+    def build_grammars(self, opts: CompletionOptions, n: int) -> list[tuple[Any, ...]]:
+        """Each of ``n`` prompts' own grammar processor for the options' ``response_format``
+        (none without one); InvalidRequest for what cannot be enforced."""
+        if opts.response_format is None:
+            return [()] * n
+        spec = format_spec(opts.response_format)
+        return [tuple(self.chat.grammar_processors(spec)) for _ in range(n)]
+
     def start(
-        self, prompts: list[TextPrompt], opts: CompletionOptions, request_id: str
+        self,
+        prompts: list[TextPrompt],
+        opts: CompletionOptions,
+        request_id: str,
+        grammars: list[tuple[Any, ...]] | None = None,
     ) -> list[Generation]:
-        """Submit every prompt; if one is refused (queue full), cancel the others and raise."""
+        """Submit every prompt; if one is refused (queue full), cancel the others and raise.
+        ``grammars``: each prompt's processors, built (``grammars``) or to build here."""
         check_sampling(opts.sampling, self.chat.vocab_size)
+        if grammars is None:
+            grammars = self.build_grammars(opts, len(prompts))
         gens: list[Generation] = []
         try:
-            for p in prompts:
+            for p, grammar in zip(prompts, grammars, strict=True):
                 req = GenerationRequest(
                     request_id=request_id,
                     prompt_tokens=p.tokens,
@@ -119,6 +144,7 @@ class CompletionService:
                     top_logprobs=opts.top_logprobs or 0,
                     ignore_eos=opts.ignore_eos,
                     continues_text=True,
+                    logits_processors=grammar,
                 )
                 # Raw text: no reasoning split, no tool calls.
                 pipeline = OutputPipeline(

@@ -114,6 +114,7 @@ def text_options(body: GenerateBody) -> CompletionOptions:
         sampling=sampling(body.options),
         stop=stop_strings(body.options),
         top_logprobs=(body.top_logprobs or 0) if body.logprobs else None,
+        response_format=response_format(body.format),
     )
 
 

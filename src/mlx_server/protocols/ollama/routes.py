@@ -120,7 +120,8 @@ async def _start_text(completions: CompletionService, body: GenerateBody) -> Gen
     if body.suffix is not None:  # stop where the model leaves the hole it fills
         opts = replace(opts, stop=opts.stop + fim_stop_strings(completions.tokenizer))
     prompts = await completions.prepare([body.prompt or ""], body.suffix, opts.max_tokens)
-    return completions.start(prompts, opts, _request_id())[0]
+    grammars = await completions.grammars(opts, len(prompts))  # ``format``
+    return completions.start(prompts, opts, _request_id(), grammars)[0]
 
 
 def _loaded(model: str, keep_alive: Any, *, chat: bool, clock: Clock) -> Response:
