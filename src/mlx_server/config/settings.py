@@ -52,7 +52,8 @@ class Settings:
     )
     max_queue: int = option(
         64,
-        "Requests allowed to wait for a batch slot before new ones get 503",
+        "Requests allowed to wait for a batch slot before new ones get 503 (a /v1/completions "
+        "batch asking for more generations at once gets 400)",
         "--max-queue",
         min=0,
     )
