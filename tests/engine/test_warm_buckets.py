@@ -116,26 +116,17 @@ def test_a_piece_that_builds_kernels_leaves_the_rest_for_idle_time(model, bucket
 
 
 def test_the_start_line_says_kernels_are_being_built(model, buckets, monkeypatch):
-    from functools import partial
-
     clock, _ = buckets
     clock.cost = 5.0
-    lines: list[str] = []
-    monkeypatch.setattr(warming, "WarmUp", partial(WarmUp, clock=clock))
-    monkeypatch.setattr(warming, "log", lines.append)
     monkeypatch.setattr(warming, "builds_kernels_on_first_use", lambda: True)
-    cfg = EngineConfig(
-        max_batch_size=2, warm_up=True, prefill_buckets=True, prefill_step_size=256, solo=True
-    )
-    w = Warming(model, cfg)
-    assert w.before_serving(30.0) == ""
-    w.close()
-    (line,) = [x for x in lines if x.startswith("Warm-up:")]
+    line = _start_line(model, clock, monkeypatch, solo=True, budget=30.0)
     assert "kernels being built" in line and "left for idle time" in line, line
 
 
-def _start_line(model: Any, clock: _Clock, monkeypatch: pytest.MonkeyPatch, solo: bool) -> str:
-    """The warm-up's start line for three batch sizes and a 20 s budget."""
+def _start_line(
+    model: Any, clock: _Clock, monkeypatch: pytest.MonkeyPatch, solo: bool, budget: float = 20.0
+) -> str:
+    """The warm-up's start line for three batch sizes and a ``budget``."""
     from functools import partial
 
     lines: list[str] = []
@@ -145,7 +136,7 @@ def _start_line(model: Any, clock: _Clock, monkeypatch: pytest.MonkeyPatch, solo
         max_batch_size=3, warm_up=True, prefill_buckets=True, prefill_step_size=256, solo=solo
     )
     w = Warming(model, cfg)
-    assert w.before_serving(20.0) == ""
+    assert w.before_serving(budget) == ""
     w.close()
     (line,) = [x for x in lines if x.startswith("Warm-up:")]
     return line
