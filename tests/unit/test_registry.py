@@ -194,6 +194,31 @@ def test_keep_alive_zero_unloads_once_the_request_ends():
     asyncio.run(run())
 
 
+def test_an_unload_asked_during_the_load_is_kept_by_the_request_that_waited_for_it():
+    """The request that started the load gives its own keep_alive once the load ends; an
+    unload asked meanwhile must not be lost to it (it was: the model stayed loaded)."""
+
+    async def run():
+        reg, loader, _ = make()
+        loader.gate.clear()  # the load waits for the test
+        waiting = asyncio.create_task(reg.acquire("a"))
+        slot = reg.slots["a"]
+        await until(lambda: slot.state == "loading", "the load to start")
+        assert await reg.unload("a") == "loading"
+        loader.gate.set()
+        got = await waiting
+        assert got is slot and slot.state == "loaded"  # the waiting request is served
+        reg.release(slot)
+        await until(lambda: slot.state == "unloaded", "the unload asked during the load")
+        assert slot.unloads == 1
+        # a later request keeps it as usual (no unload is pending any more)
+        again = await reg.acquire("a")
+        reg.release(again)
+        assert again.state == "loaded" and not again.unload_asked
+
+    asyncio.run(run())
+
+
 def test_unknown_and_embedding_models():
     async def run():
         reg, _, _ = make()

@@ -33,6 +33,9 @@ class Slot:
     waiting: int = 0  # requests waiting for its load
     last_used: float = 0.0
     keep_alive: float | None = None  # the last request's keep_alive; None: the server's
+    # an unload was asked while it loaded or served: it goes once idle, whatever keep_alive
+    # the requests under way (those waiting for the load among them) gave
+    unload_asked: bool = False
     loads: int = 0
     unloads: int = 0
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
@@ -117,7 +120,8 @@ class ModelRegistry:
         except BaseException:
             slot.leases -= 1
             raise
-        slot.keep_alive = keep_alive
+        if not slot.unload_asked:
+            slot.keep_alive = keep_alive
         slot.last_used = self.clock()
         self._ensure_reaper()
         return slot
@@ -163,7 +167,7 @@ class ModelRegistry:
         try:
             parts = await asyncio.to_thread(self.loader, slot.offer)
         except BaseException:
-            slot.state, slot.memory_bytes = UNLOADED, 0
+            slot.state, slot.memory_bytes, slot.unload_asked = UNLOADED, 0, False
             raise
         slot.parts, slot.state, slot.loads = parts, LOADED, slot.loads + 1
         slot.memory_bytes = weights_bytes(parts.loaded.model) + self._overhead(slot)
@@ -211,6 +215,7 @@ class ModelRegistry:
             return UNLOADED
         if slot.busy or slot.state == LOADING:
             slot.keep_alive = 0  # the reaper unloads it once its requests end
+            slot.unload_asked = True
             self._ensure_reaper()
             return slot.state
         await self._unload(slot)
@@ -221,6 +226,7 @@ class ModelRegistry:
             return
         parts, slot.parts = slot.parts, None
         slot.state, slot.memory_bytes, slot.unloads = UNLOADED, 0, slot.unloads + 1
+        slot.unload_asked = False
         # The engine writes its prefix cache to the disk tier (when on) as it stops.
         await asyncio.to_thread(_release_parts, parts)
         log(f"Model {slot.id} unloaded")
