@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from mlx_server.errors import InvalidRequest
+from mlx_server.errors import InvalidRequest, article
 from mlx_server.models.embedding import EncoderSpec
 
 MAX_INPUTS = 2048  # OpenAI's limit on inputs per embeddings request
@@ -203,7 +203,8 @@ class EmbeddingService:
         if self.spec.kind != kind:
             other = "/v1/rerank" if self.spec.kind == "rerank" else "/v1/embeddings"
             raise InvalidRequest(
-                f"the model '{self.model_id}' is a {self.spec.kind} model; it serves {other}, "
+                f"the model '{self.model_id}' is {article(self.spec.kind)} {self.spec.kind} "
+                f"model; it serves {other}, "
                 f"not {route}",
                 param="model",
                 code="model_not_supported",

@@ -140,3 +140,8 @@ class Overloaded(ServerError):
     def __init__(self, message: str, *, retry_after: int = 1):
         super().__init__(message)
         self.retry_after = retry_after
+
+
+def article(word: str) -> str:
+    """The indefinite article before ``word`` in a message ("an embedding", "a rerank")."""
+    return "an" if word[:1].lower() in ("a", "e", "i", "o", "u") else "a"

@@ -147,6 +147,7 @@ def test_chat_requests_to_an_embedding_model_are_400s(server):
     assert body["type"] == "error" and "embedding model" in body["error"]["message"]
     r = post(server, {"query": "q", "documents": ["d"]}, path="/v1/rerank")
     assert r.status_code == 400 and r.json()["error"]["param"] == "model"
+    assert "is an embedding model; it serves /v1/embeddings" in r.json()["error"]["message"]
 
 
 def test_every_route_needs_the_key(server):

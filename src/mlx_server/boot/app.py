@@ -15,7 +15,7 @@ from pydantic import BaseModel
 
 from mlx_server.config import Settings
 from mlx_server.embedding_service import EmbeddingService
-from mlx_server.errors import InvalidRequest
+from mlx_server.errors import InvalidRequest, article
 from mlx_server.logs import log
 from mlx_server.protocols.anthropic import errors as anthropic_errors
 from mlx_server.protocols.anthropic.routes import make_router as anthropic_router
@@ -181,7 +181,7 @@ def _embedding_routes(app: FastAPI, service: EmbeddingService, models: Models) -
     async def refuse(request: Request) -> None:
         serves = "/v1/rerank" if service.kind == "rerank" else "/v1/embeddings"
         raise InvalidRequest(
-            f"the model '{service.model_id}' is {_article(service.kind)} {service.kind} model; "
+            f"the model '{service.model_id}' is {article(service.kind)} {service.kind} model; "
             f"it serves {serves}, not {request.url.path}",
             param="model",
             code="model_not_supported",
@@ -228,7 +228,3 @@ def error_envelopes() -> Envelopes:
     for prefix in ollama_errors.PATHS:
         envelopes.register(prefix, ollama_errors.error_response)
     return envelopes
-
-
-def _article(kind: str) -> str:
-    return "an" if kind[0] in "aeiou" else "a"

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from mlx_server.errors import InvalidRequest, NotFound, Overloaded
+from mlx_server.errors import InvalidRequest, NotFound, Overloaded, article
 from mlx_server.logs import log
 from mlx_server.models.memory_plan import weights_bytes
 from mlx_server.registry.catalog import Offer
@@ -284,7 +284,7 @@ def wrong_kind(model_id: str, kind: str, instead: str = "") -> InvalidRequest:
     else:
         does = f"it does not serve embeddings or rerank; {instead}"
     return InvalidRequest(
-        f"the model '{model_id}' is {'an' if kind[0] in 'aeiou' else 'a'} {kind} model; {does}",
+        f"the model '{model_id}' is {article(kind)} {kind} model; {does}",
         param="model",
         code="model_not_supported",
     )
