@@ -195,3 +195,17 @@ def test_metrics_count_the_route(server):
     post(server, {"input": "counted"})
     text = httpx.get(server.base_url + "/metrics", headers=AUTH, timeout=30).text
     assert 'route="/v1/embeddings"' in text
+
+
+def test_ollama_s_listing_routes_answer_on_an_embedding_server(server):
+    """Ollama's clients check these before ``/api/embed``; they listed nothing (404) here."""
+    get = lambda path: httpx.get(server.base_url + path, headers=AUTH, timeout=30)  # noqa: E731
+    tags = get("/api/tags")
+    assert tags.status_code == 200, tags.text
+    (entry,) = tags.json()["models"]
+    (loaded,) = get("/api/ps").json()["models"]
+    assert loaded["name"] == entry["name"]
+    assert get("/api/version").json()["version"]
+    show = post(server, {"model": entry["name"]}, path="/api/show")
+    assert show.status_code == 200, show.text
+    assert "embedding" in show.json()["capabilities"]

@@ -22,6 +22,7 @@ from mlx_server.protocols.anthropic.routes import make_router as anthropic_route
 from mlx_server.protocols.llamacpp import make_router as tokenizer_router
 from mlx_server.protocols.ollama import errors as ollama_errors
 from mlx_server.protocols.ollama.embed import make_router as ollama_embed_router
+from mlx_server.protocols.ollama.routes import listing_router as ollama_listing_router
 from mlx_server.protocols.ollama.routes import make_router as ollama_router
 from mlx_server.protocols.openai import errors as openai_errors
 from mlx_server.protocols.openai.chat.routes import make_router as chat_router
@@ -193,6 +194,7 @@ def _embedding_routes(app: FastAPI, service: EmbeddingService, models: Models) -
     app.include_router(embeddings_router(models))
     app.include_router(rerank_router(models))
     app.include_router(ollama_embed_router(models))
+    app.include_router(ollama_listing_router(models))
 
 
 def app_options(settings: Settings, *, vision: bool = False) -> dict[str, Any]:

@@ -83,6 +83,23 @@ def make_router(models: Models, *, vision: bool, keepalive_s: float) -> APIRoute
             gen = await service.start(neutral, request_id=_request_id())
         return await answer(request, body, gen, clock)
 
+    router.include_router(listing_router(models))
+
+    async def manage(request: Request) -> None:
+        raise InvalidRequest(_management_message(request.url.path), code="not_supported")
+
+    for path in _MANAGEMENT:
+        router.add_api_route(path, manage, methods=["POST", "DELETE"])
+    router.include_router(embed_router(models))
+    return router
+
+
+def listing_router(models: Models) -> APIRouter:
+    """What Ollama's clients ask before they use a model (``/api/tags``, ``/api/ps``,
+    ``/api/show``, ``/api/version``): on a chat server, and on an embedding model's, whose
+    clients (``/api/embed``) check them too."""
+    router = APIRouter()
+
     @router.get("/api/tags")
     async def tags() -> dict[str, Any]:
         return {"models": [views.tag_entry(v) for v in views.views(models)]}
@@ -101,12 +118,6 @@ def make_router(models: Models, *, vision: bool, keepalive_s: float) -> APIRoute
     async def version() -> dict[str, Any]:
         return {"version": OLLAMA_VERSION}
 
-    async def manage(request: Request) -> None:
-        raise InvalidRequest(_management_message(request.url.path), code="not_supported")
-
-    for path in _MANAGEMENT:
-        router.add_api_route(path, manage, methods=["POST", "DELETE"])
-    router.include_router(embed_router(models))
     return router
 
 
