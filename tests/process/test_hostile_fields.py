@@ -258,3 +258,28 @@ def test_ollama_raw_generate_s_format_shapes_a_real_model_s_text(tiny_server):
     assert r.status_code == 200, r.text
     assert json.loads(r.json()["response"]) in ("yes", "no")
     assert r.json()["done_reason"] == "stop"
+
+
+@pytest.mark.parametrize("value", [True, [], {}, "x", "NaN"])
+@pytest.mark.parametrize("path", [CHAT, "/api/chat", "/v1/messages", "/v1/responses"])
+def test_a_keep_alive_no_route_can_read_is_one_400_everywhere(scripted, path, value):
+    """Even where a single model ignores it: one rule and one message on every route (an
+    Ollama body read ``true`` as 1 s, a list as pydantic's two-type complaint)."""
+    bodies = {
+        CHAT: {"model": "m", "messages": [USER]},
+        "/api/chat": {"model": "m", "stream": False, "messages": [USER]},
+        "/v1/messages": {"model": "m", "max_tokens": 4, "messages": [USER]},
+        "/v1/responses": {"model": "m", "input": "hi"},
+    }
+    r = post(scripted, path, {**bodies[path], "keep_alive": value})
+    assert r.status_code == 400, r.text
+    assert "keep_alive must be seconds or a duration" in r.text
+    if path == CHAT:
+        assert r.json()["error"]["param"] == "keep_alive"
+
+
+@pytest.mark.parametrize("value", [0, -1, 300, "5m", "1h30m", None])
+def test_keep_alive_values_ollama_reads_are_accepted(scripted, value):
+    scripted.engine.push("ok")
+    body = {"model": "m", "stream": False, "messages": [USER], "keep_alive": value}
+    assert post(scripted, "/api/chat", body).status_code == 200

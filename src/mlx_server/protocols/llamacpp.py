@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict
 
 from mlx_server.models.text_prompt import check_token_ids
+from mlx_server.registry.keep_alive import KeepAliveField
 from mlx_server.registry.lease import Models
 from mlx_server.server.http import parse_and_lease
 
@@ -28,7 +29,7 @@ class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None  # several models: whose tokenizer
-    keep_alive: Any = None
+    keep_alive: KeepAliveField = None
 
 
 class TokenizeRequest(_Body):

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Any
+from typing import Annotated, Any
+
+from pydantic import AfterValidator
 
 from mlx_server.errors import InvalidRequest
 
@@ -50,3 +52,13 @@ def _bad(value: Any) -> InvalidRequest:
         f"request, -1: keep loaded), got {value!r}",
         param="keep_alive",
     )
+
+
+def _checked(value: Any) -> Any:
+    parse_keep_alive(value)  # an InvalidRequest passes through the body's validation as is
+    return value
+
+
+# A body's ``keep_alive`` field: checked as it is read (one rule and one message on every
+# route, whether a single model ignores it or a registry keeps it).
+KeepAliveField = Annotated[Any, AfterValidator(_checked)]

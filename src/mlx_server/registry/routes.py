@@ -11,7 +11,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 from pydantic import BaseModel, ConfigDict
 
-from mlx_server.registry.keep_alive import parse_keep_alive
+from mlx_server.registry.keep_alive import KeepAliveField, parse_keep_alive
 from mlx_server.registry.registry import LOADED, ModelRegistry
 from mlx_server.server.http import parse_body
 
@@ -20,7 +20,7 @@ class ModelAction(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str
-    keep_alive: float | str | None = None
+    keep_alive: KeepAliveField = None
 
 
 def make_router(registry: ModelRegistry) -> APIRouter:

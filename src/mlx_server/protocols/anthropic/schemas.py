@@ -11,6 +11,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from mlx_server.registry.keep_alive import KeepAliveField
+
 
 class _Model(BaseModel):
     model_config = ConfigDict(extra="ignore")
@@ -120,7 +122,7 @@ class CountTokensRequest(_Model):
     model: str
     # Several models: how long the named one stays loaded after this request (Ollama's
     # keep_alive, checked where models load).
-    keep_alive: Any = None
+    keep_alive: KeepAliveField = None
     messages: list[InputMessage] = Field(min_length=1)
     system: str | list[SystemBlock] | None = None
     tools: list[ToolDefinition] | None = None

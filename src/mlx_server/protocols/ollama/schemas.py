@@ -8,11 +8,12 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
 
+from mlx_server.registry.keep_alive import KeepAliveField
+
 # "" (free text), "json" (any JSON value), or a JSON schema object.
 Format = Literal["", "json"] | dict[str, Any]
 # A bool, or a level for models that take one (gpt-oss).
 Think = bool | Literal["low", "medium", "high"]
-KeepAlive = float | str
 
 
 class Options(BaseModel):
@@ -72,7 +73,7 @@ class GenerationBody(BaseModel):
     stream: bool = True
     format: Format | None = None
     options: Options | None = None
-    keep_alive: KeepAlive | None = None
+    keep_alive: KeepAliveField = None
     think: Think | None = None
     logprobs: bool | None = None
     top_logprobs: StrictInt | None = Field(default=None, ge=0, le=20)  # as on /v1
@@ -114,7 +115,7 @@ class EmbedBody(BaseModel):
     input: StrictStr | list[StrictStr]
     truncate: bool = True
     options: Options | None = None
-    keep_alive: KeepAlive | None = None
+    keep_alive: KeepAliveField = None
     dimensions: StrictInt | None = None
 
 
@@ -126,4 +127,4 @@ class EmbeddingsBody(BaseModel):
     model: StrictStr
     prompt: StrictStr = ""
     options: Options | None = None
-    keep_alive: KeepAlive | None = None
+    keep_alive: KeepAliveField = None

@@ -8,6 +8,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from mlx_server.errors import InvalidRequest
+from mlx_server.registry.keep_alive import KeepAliveField
 from mlx_server.types import SamplingParams
 
 
@@ -25,7 +26,7 @@ class SamplingFields(_Model):
     model: str = ""
     # Several models: how long the named one stays loaded after this request (Ollama's
     # keep_alive, checked where models load).
-    keep_alive: Any = None
+    keep_alive: KeepAliveField = None
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
     top_k: int | None = Field(default=None, ge=0)

@@ -11,6 +11,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from mlx_server.protocols.fields import ToolChoiceField
+from mlx_server.registry.keep_alive import KeepAliveField
 
 
 class _Model(BaseModel):
@@ -39,7 +40,7 @@ class CreateResponseRequest(_Model):
     model: str = ""
     # Several models: how long the named one stays loaded after this request (Ollama's
     # keep_alive, checked where models load).
-    keep_alive: Any = None
+    keep_alive: KeepAliveField = None
     input: str | list[Any] = Field(default_factory=list)
     instructions: str | None = None
     tools: list[Any] | None = None

@@ -17,9 +17,11 @@ cross-encoder reads it as a prefix of the query.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
+
+from mlx_server.registry.keep_alive import KeepAliveField
 
 
 class EncoderBody(BaseModel):
@@ -30,7 +32,7 @@ class EncoderBody(BaseModel):
     model: str | None = None
     # Several models: how long the named one stays loaded after this request (Ollama's
     # keep_alive, checked where models load).
-    keep_alive: Any = None
+    keep_alive: KeepAliveField = None
 
 
 class EmbeddingRequest(EncoderBody):
