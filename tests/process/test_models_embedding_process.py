@@ -137,3 +137,15 @@ def test_ollama_embed_by_id(mixed, single_vectors):
     r = post(mixed, "/api/embed", {"model": "tiny-chat", "input": "hi"})
     assert r.status_code == 400 and list(r.json()) == ["error"]
     assert "tiny-chat" in r.json()["error"]
+
+
+def test_an_embedding_model_reports_its_own_longest_input(mixed):
+    """Every route gives the limit the server enforces: the model's 256 tokens, not
+    --ctx-size nor its config's 512 position embeddings."""
+    vectors(post(mixed, "/v1/embeddings", {"model": EMBED, "input": ["a"]}))
+    listed = httpx.get(mixed.base_url + "/v1/models", timeout=30).json()["data"]
+    assert {m["id"]: m["context_length"] for m in listed}[EMBED] == 256
+    ps = httpx.get(mixed.base_url + "/api/ps", timeout=30).json()["models"]
+    assert {m["name"]: m["context_length"] for m in ps}[EMBED] == 256
+    show = post(mixed, "/api/show", {"model": EMBED}).json()
+    assert show["parameters"] == "num_ctx 256"

@@ -294,6 +294,9 @@ def test_ollama_routes_follow_the_registry(many):
     r = api("/api/chat", {"model": "tiny-b", "messages": [], "keep_alive": 0})
     assert r.json()["done_reason"] == "unload"
     until(lambda: statuses(many, AUTH)["tiny-b"] == "unloaded")
+    # the context it is served with, loaded or not (unloaded: its config's was reported)
+    assert api("/api/show", {"model": "tiny-b"}).json()["parameters"] == show["parameters"]
+    assert show["parameters"] == f"num_ctx {loaded['tiny-b']['context_length']}"
 
 
 @pytest.mark.demo  # the shared server serves the demo model

@@ -155,6 +155,8 @@ class RegistryModels:
         if slot.state == LOADED and slot.parts is not None:
             entry["memory_bytes"] = slot.memory_bytes
             service = slot.parts.service
+            if isinstance(service, EmbeddingService):  # its longest input, not --ctx-size
+                entry["context_length"] = service.max_length
             if service.capabilities:
                 entry["capabilities"] = list(service.capabilities)
             if isinstance(service, ChatService):  # the trained context and the like

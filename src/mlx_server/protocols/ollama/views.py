@@ -80,10 +80,8 @@ def views(models: Models) -> list[ModelView]:
         return [_single(models.service)]
     assert isinstance(models, RegistryModels)
     registry = models.registry
-    # Every model is started with the same --ctx-size: any loaded one tells what it came to.
-    chat = [s.parts.service for s in registry.loaded() if s.offer.kind != "embedding"]
-    ctx = chat[0].ctx_size if chat else 0
-    return [_from_slot(slot, registry, ctx) for slot in registry.slots.values()]
+    # Every chat model is served with the same --ctx-size, loaded or not.
+    return [_from_slot(slot, registry, models.ctx_size) for slot in registry.slots.values()]
 
 
 def find(models: Models, name: str) -> ModelView:
@@ -181,8 +179,19 @@ def _from_slot(slot: Any, registry: Any, ctx_size: int) -> ModelView:
         expires_in=expires,
         service=parts.service if parts is not None and slot.offer.kind != "embedding" else None,
         config=config,
-        ctx_size=ctx_size or int(config.get("max_position_embeddings") or 0),
+        ctx_size=_context(slot, parts, ctx_size, config),
     )
+
+
+def _context(slot: Any, parts: Any, ctx_size: int, config: dict[str, Any]) -> int:
+    """The context the server enforces: a chat model's ``--ctx-size``; an embedding model's
+    longest input (its own maximum, while loaded; before, its config's, within the size)."""
+    if slot.offer.kind != "embedding":
+        return ctx_size
+    if parts is not None:
+        return int(parts.service.max_length)
+    own = int(config.get("max_position_embeddings") or 0)
+    return min(own, ctx_size) if own else ctx_size
 
 
 def _model_dir(tokenizer: Any) -> Path | None:
