@@ -39,9 +39,7 @@ def options(body: CompletionRequest) -> CompletionOptions:
     )
 
 
-def make_router(
-    models: Models, *, max_n: int, keepalive_s: float, max_queue: int = 64
-) -> APIRouter:
+def make_router(models: Models, *, max_n: int, keepalive_s: float, max_queue: int) -> APIRouter:
     """``max_queue``: the requests the engine lets wait (--max-queue); a batch of prompts
     asking for more generations than that could never be queued whole, so it is a 400, not
     a 503 to retry."""
