@@ -9,7 +9,9 @@ before the fed tokens are read: ``launch_first=True``) and ``per_row`` (the same
 through mlx-lm's per-row processor calls: ``BatchRunner(batch_grammars=False)``; on the lone
 path, one stream, the grammar's processor called every step: ``SoloRunner(step_grammars=False)``)
 and ``eager`` (``batched``'s engine with the masks applied in five separate kernels, as
-before the compiled graph: ``mask_bits.FUSED = False``; on a CPU both are the host's way). The schema asks for a string longer
+before the compiled graph: ``mask_bits.FUSED = False``; on a CPU both are the host's way) and
+``pooled`` (``batched`` with every step's matchers on llguidance's pool of ``--pool-threads``
+threads: one call that holds no interpreter lock, where one by one each row takes it again). The schema asks for a string longer
 than ``--max-tokens`` can hold, so a constrained answer runs to the limit too. One stream
 takes the lone-request path in every mode (its grammar is one per-row processor either way).
 
@@ -62,7 +64,7 @@ from mlx_server.engine.runners.solo import LoneFirstRunner, SoloRunner, SoloSequ
 from mlx_server.events import Finished
 from mlx_server.types import GenerationRequest, SamplingParams
 
-MODES = ("free", "batched", "launched", "per_row", "eager")
+MODES = ("free", "batched", "launched", "per_row", "eager", "pooled")
 
 
 SPENT: dict[str, float] = defaultdict(float)
@@ -119,10 +121,15 @@ def install_phases(model: Any) -> None:
     _time_worker_start()
 
 
+TIMELINE: list[dict[str, float]] = []  # per step handed to the worker: its moments
+
+
 def _time_worker_start() -> None:
     """``worker_start``: from a plan's hand-off to the masks' worker thread to its compute
-    starting there (the thread's wake-up, and its wait for the interpreter lock)."""
-    submit, compute = GrammarMasks.submit, GrammarMasks.compute
+    starting there (the thread's wake-up, and its wait for the interpreter lock). Each
+    handed-off step's moments go to ``TIMELINE`` (see ``timeline_ms``)."""
+    submit, compute, mask = GrammarMasks.submit, GrammarMasks.compute, GrammarMasks.mask
+    result = Future.result
 
     def submitted(self: GrammarMasks, plan: Any, vocab: int) -> Any:
         plan.submitted_at = time.perf_counter()
@@ -130,13 +137,63 @@ def _time_worker_start() -> None:
 
     def started(self: GrammarMasks, plan: Any, vocab: int) -> Any:
         at = getattr(plan, "submitted_at", None)
+        began = time.perf_counter()
         if at is not None:
             with _LOCK:
-                SPENT["worker_start"] += time.perf_counter() - at
-        return compute(self, plan, vocab)
+                SPENT["worker_start"] += began - at
+        try:
+            return compute(self, plan, vocab)
+        finally:
+            plan.compute_at, plan.computed_at = began, time.perf_counter()
+
+    def waited(self: Future, timeout: float | None = None) -> Any:
+        _HERE.result_at = time.perf_counter()
+        return result(self, timeout)
+
+    def masked(self: GrammarMasks, plan: Any, logits: Any) -> Any:
+        at = getattr(plan, "submitted_at", None)
+        if at is not None and hasattr(plan, "computed_at"):
+            TIMELINE.append(
+                {
+                    "submit": at,
+                    "compute": plan.compute_at,
+                    "computed": plan.computed_at,
+                    "result": getattr(_HERE, "result_at", at),
+                    "resumed": time.perf_counter(),
+                }
+            )
+        return mask(self, plan, logits)
 
     GrammarMasks.submit = submitted  # type: ignore[method-assign]
     GrammarMasks.compute = started  # type: ignore[method-assign]
+    GrammarMasks.mask = masked  # type: ignore[method-assign]
+    Future.result = waited  # type: ignore[method-assign]
+
+
+def timeline_ms() -> dict[str, list[float]]:
+    """Median and 90th percentile (ms) over the handed-off steps since the last call, from
+    the hand-off: the worker's start (``start``), its compute's end (``done``), the engine
+    thread's call for the result, after its launch (``ask``), and its return to the step
+    (``back``); ``late``: from the later of done and ask to back (the engine thread's
+    wake-up and wait for the lock). Empties ``TIMELINE``."""
+    rows, TIMELINE[:] = list(TIMELINE), []
+    if not rows:
+        return {}
+    parts = {
+        "start": [r["compute"] - r["submit"] for r in rows],
+        "done": [r["computed"] - r["submit"] for r in rows],
+        "ask": [r["result"] - r["submit"] for r in rows],
+        "back": [r["resumed"] - r["submit"] for r in rows],
+        "late": [r["resumed"] - max(r["computed"], r["result"]) for r in rows],
+    }
+    out = {}
+    for k, v in parts.items():
+        v = sorted(v)
+        out[k] = [
+            round(statistics.median(v) * 1000, 3),
+            round(v[int(0.9 * (len(v) - 1))] * 1000, 3),
+        ]
+    return out
 
 
 def phase_ms(steps: int) -> dict[str, float]:
@@ -167,7 +224,12 @@ def essay_schema(max_tokens: int) -> dict[str, Any]:
 
 
 def make_engine(
-    model: Any, tokenizer: Any, batch_grammars: bool, streams: int, launch_first: bool = False
+    model: Any,
+    tokenizer: Any,
+    batch_grammars: bool,
+    streams: int,
+    launch_first: bool = False,
+    pool_threads: int | None = None,
 ) -> Engine:
     eos = sorted(int(t) for t in tokenizer.eos_token_ids)
     step = 512
@@ -179,6 +241,9 @@ def make_engine(
         keep_caches=False,
         batch_grammars=batch_grammars,
         launch_first=launch_first,
+        grammar_masks=None
+        if pool_threads is None
+        else GrammarMasks(threads=pool_threads, pool_above_s=0),
     )
     lone = SoloRunner(model, eos, prefill_step_size=step, step_grammars=batch_grammars)
     runner = LoneFirstRunner(lone, batch)
@@ -257,6 +322,7 @@ def main() -> None:
         help="the interpreter's thread switch interval in seconds (sys.setswitchinterval; "
         "Python's default 0.005): how long a thread may wait for the lock another holds",
     )
+    p.add_argument("--pool-threads", type=int, default=2, help="llguidance's pool in ``pooled``")
     a = p.parse_args()
     if a.switch_interval is not None:
         sys.setswitchinterval(a.switch_interval)
@@ -272,6 +338,8 @@ def main() -> None:
         engines = {"free": batched, "batched": batched, "eager": batched}
         if "launched" in modes:
             engines["launched"] = make_engine(model, tokenizer, True, n, launch_first=True)
+        if "pooled" in modes:
+            engines["pooled"] = make_engine(model, tokenizer, True, n, pool_threads=a.pool_threads)
         if "per_row" in modes:
             engines["per_row"] = make_engine(model, tokenizer, False, n)
         ratios: dict[str, list[float]] = {m: [] for m in modes if m != "free"}
@@ -283,10 +351,12 @@ def main() -> None:
                 for mode in order:
                     reqs = requests(tokenizer, compiler, mode, n, a.max_tokens)
                     phase_ms(1)  # zero the totals
+                    timeline_ms()
                     mask_bits.FUSED = False if mode == "eager" else None
                     res = asyncio.run(one_run(engines[mode], reqs))
                     if a.phases:
                         res["phases_ms_per_step"] = phase_ms(max(res["tokens"], default=1))
+                        res["timeline_ms"] = timeline_ms()
                     rates[mode] = res["decode_tok_s"]
                     if r:
                         load_avg = round(os.getloadavg()[0], 1)

@@ -6,14 +6,19 @@ bitmask, and the masks are applied to the batch's logits in one MLX operation. W
 several CPU cores the consuming and filling (``compute``) run on a worker thread while the
 engine's thread launches the step's forward pass; with one core to spare they run inline,
 after the launch while the device runs the pass (hand-offs to threads that a busy machine
-may not schedule soon would cost more than they save). The matchers run one after another
-(each fill outside the interpreter lock) unless doing so is measured to cost more than
-``POOL_ABOVE_S`` a step: then on llguidance's own thread pool (``LLExecutor``:
-``consume_token_par``, ``fill_next_token_bitmask_par``) wherever that is measured faster.
-Most grammars' fills take microseconds a row, where waking a pool costs more than it saves:
-on an H100's host the pool took 4.2-4.4 ms a step for 32 rows of a JSON schema; on this
-2-core CPU one by one took 1.4 ms, the pool of 2 to 8 threads 1.9-3.0 ms
-(``bench/constrained_engine.py --phases``).
+may not schedule soon would cost more than they save).
+
+The masks of several rows are filled in one llguidance call (``fill_next_token_bitmask_par``),
+which lets go of the interpreter lock once: a call per row lets go of it and takes it again
+per row, and each time another thread running Python (the server's event loop delivering
+the last step's tokens) may keep it up to the interpreter's switch interval, 5 ms. On this
+2-core CPU with one such thread, 32 rows of a JSON schema took 174 ms a step one call per
+row, against under 1 ms without it (``bench/constrained_fill.py --busy 0,1``). That call
+runs on a thread of llguidance's own: one, or its pool of ``threads`` where the fills are
+measured to cost more than ``POOL_ABOVE_S`` a step and the pool is measured faster (waking
+several threads costs more than most grammars' fills, microseconds a row: on an H100's host
+the pool took 4.2-4.4 ms a step for 32 rows of a JSON schema). Consuming a token holds the
+lock (microseconds): the matchers consume one after another on the calling thread.
 
 A row's failure is its own: an exception while advancing or filling one grammar is
 recorded on that row's owner (its sequence's ``fault``, as ``sampling.guard_processor``
@@ -89,7 +94,8 @@ class MaskPlan:
 class GrammarMasks:
     """Masks a batch's logits by its rows' grammars; see the module docstring.
 
-    ``threads``: the size of llguidance's thread pool; 1 fills inline. ``plan`` and
+    ``threads``: the size of llguidance's thread pool; 1: none, and ``compute`` runs where
+    it is called (never on a worker thread of this object's). ``plan`` and
     ``mask`` run on the engine's thread; ``compute`` (consuming and filling: no MLX) may
     run on another while the engine's thread launches the forward pass (``submit``).
     """
@@ -99,6 +105,7 @@ class GrammarMasks:
         to take longer than this a step (0: always, where there is a pool)."""
         self.threads = default_threads() if threads is None else max(1, threads)
         self._executor = llguidance.LLExecutor(self.threads) if self.threads > 1 else None
+        self._single: llguidance.LLExecutor | None = None  # one thread: the fills in one call
         self._worker: ThreadPoolExecutor | None = None
         self._buffers: dict[tuple[int, int], np.ndarray] = {}
         self._pool_above_s = pool_above_s
@@ -133,7 +140,7 @@ class GrammarMasks:
         rows = max(len(plan.feed), len(plan.live))
         pool = self._pool_now(rows)
         t0 = time.perf_counter()
-        self._consume(plan.feed, pool)
+        self._consume(plan.feed)
         plan.live = [(i, g) for i, g in plan.live if not g.failed]
         plan.words = self._masks(plan.live, vocab, pool) if plan.live else None
         if rows:
@@ -222,30 +229,14 @@ class GrammarMasks:
                     feed.append((g, token))
         return live, feed
 
-    def _consume(self, feed: list[tuple[BatchGrammar, int]], pool: bool) -> None:
-        # A completed grammar is checked in Python (which end-of-sequence token it accepts
-        # is ours to say); the others advance in one call on the pool.
-        alone, together = feed, []
-        if pool and self._executor is not None and len(feed) > 1:
-            stopped = [g.processor.matcher.is_stopped() for g, _ in feed]
-            alone = [f for f, s in zip(feed, stopped, strict=True) if s]
-            together = [f for f, s in zip(feed, stopped, strict=True) if not s]
-        results: list[bool] | None = None
-        if self._executor is not None and len(together) > 1:
-            pairs = [(g.processor.matcher, t) for g, t in together]
-            try:
-                results = llguidance.numpy.consume_token_par(self._executor, pairs)
-            except Exception:  # which row failed is unknown: find it one by one
-                results = None
-        if results is None:
-            alone, together = alone + together, []
-        for g, t in alone:
+    def _consume(self, feed: list[tuple[BatchGrammar, int]]) -> None:
+        # One after another on this thread: consuming holds the interpreter lock (a call
+        # that let go of it would wait for it again, as the fills do).
+        for g, t in feed:
             try:
                 g.processor.consume(t)
             except Exception as e:
                 g.blame(e)
-        for (g, t), ok in zip(together, results or [], strict=True):
-            g.processor.record(t, ok)
 
     # ---- the masks ----------------------------------------------------------------------
 
@@ -274,10 +265,10 @@ class GrammarMasks:
             if len(self._buffers) > 64:
                 self._buffers.clear()
             buf = self._buffers[key] = np.zeros(key, dtype=np.int32)
-        if pool and self._executor is not None and len(grammars) > 1:
+        if len(grammars) > 1:  # one call, the interpreter lock let go of once
             pairs = [(g.processor.matcher, j) for j, g in enumerate(grammars)]
             try:
-                llguidance.numpy.fill_next_token_bitmask_par(self._executor, pairs, buf)
+                llguidance.numpy.fill_next_token_bitmask_par(self._executor_for(pool), pairs, buf)
                 return buf
             except Exception:  # which row failed is unknown: fill them one by one
                 pass
@@ -288,6 +279,14 @@ class GrammarMasks:
             except Exception as e:
                 g.blame(e)
         return buf
+
+    def _executor_for(self, pool: bool) -> llguidance.LLExecutor:
+        """llguidance's pool where chosen, else a thread of its own that fills in turn."""
+        if pool and self._executor is not None:
+            return self._executor
+        if self._single is None:
+            self._single = llguidance.LLExecutor(1)
+        return self._single
 
 
 def _settled(g: BatchGrammar) -> bool:
