@@ -223,6 +223,23 @@ def essay_schema(max_tokens: int) -> dict[str, Any]:
     }
 
 
+def notes_schema(max_tokens: int) -> dict[str, Any]:
+    """Strings without a length bound (llguidance's lexer meets the same states again, as
+    in most schemas), as many as ``max_tokens`` of them: the array cannot end before the
+    limit (each item takes at least two tokens)."""
+    return {
+        "type": "object",
+        "properties": {
+            "notes": {"type": "array", "items": {"type": "string"}, "minItems": max_tokens}
+        },
+        "required": ["notes"],
+        "additionalProperties": False,
+    }
+
+
+SCHEMAS = {"essay": essay_schema, "notes": notes_schema}
+
+
 def make_engine(
     model: Any,
     tokenizer: Any,
@@ -285,14 +302,21 @@ async def one_run(engine: Engine, reqs: list[GenerationRequest]) -> dict[str, An
     }
 
 
-def requests(tokenizer: Any, compiler: ConstraintCompiler, mode: str, n: int, max_tokens: int):
+def requests(
+    tokenizer: Any,
+    compiler: ConstraintCompiler,
+    mode: str,
+    n: int,
+    max_tokens: int,
+    schema: str = "essay",
+):
     reqs = []
     for i in range(n):
         messages = [{"role": "user", "content": f"[{mode} {i}] Reply in JSON: a long essay."}]
         prompt = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
         processors: tuple[Any, ...] = ()
         if mode != "free":
-            spec = ConstraintSpec.json_schema(essay_schema(max_tokens))
+            spec = ConstraintSpec.json_schema(SCHEMAS[schema](max_tokens))
             processors = (compiler.processor(spec),)
         reqs.append(
             GenerationRequest(
@@ -322,6 +346,7 @@ def main() -> None:
         help="the interpreter's thread switch interval in seconds (sys.setswitchinterval; "
         "Python's default 0.005): how long a thread may wait for the lock another holds",
     )
+    p.add_argument("--schema", default="essay", choices=sorted(SCHEMAS))
     p.add_argument("--pool-threads", type=int, default=2, help="llguidance's pool in ``pooled``")
     a = p.parse_args()
     if a.switch_interval is not None:
@@ -349,7 +374,7 @@ def main() -> None:
                 order = modes[k:] + modes[:k]
                 rates = {}
                 for mode in order:
-                    reqs = requests(tokenizer, compiler, mode, n, a.max_tokens)
+                    reqs = requests(tokenizer, compiler, mode, n, a.max_tokens, a.schema)
                     phase_ms(1)  # zero the totals
                     timeline_ms()
                     mask_bits.FUSED = False if mode == "eager" else None

@@ -1,7 +1,8 @@
 """The host's cost of a batch's grammar masks, no model: ms per step for N rows.
 
 Each of N rows has a matcher of ``constrained_engine.essay_schema`` (a JSON object whose
-string runs to the step limit) and walks a path of its own (a seeded random allowed token
+string runs to the step limit, its length counted: ``--schema essay``) or of ``notes_schema``
+(strings of any length: ``--schema notes``) and walks a path of its own (a seeded random allowed token
 each step, one without a quote while one exists, so that the string goes on). Per step
 ``GrammarMasks.compute`` consumes the rows' tokens and fills their masks: inline (one row
 after another, each fill outside the interpreter lock) and on llguidance's pool of T
@@ -24,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from constrained_engine import essay_schema
+from constrained_engine import SCHEMAS
 from mlx_lm.tokenizer_utils import load as load_tokenizer
 
 from mlx_server.engine.grammar.constraints import ConstraintCompiler, ConstraintSpec
@@ -40,10 +41,16 @@ def _busy(stop: threading.Event) -> None:
 
 
 def walk(
-    compiler: ConstraintCompiler, masks: GrammarMasks, n: int, steps: int, vocab: int, quotes: Any
+    compiler: ConstraintCompiler,
+    masks: GrammarMasks,
+    n: int,
+    steps: int,
+    vocab: int,
+    quotes: Any,
+    schema: str = "essay",
 ) -> list[float]:
     rng = np.random.default_rng(n)
-    spec = ConstraintSpec.json_schema(essay_schema(steps))
+    spec = ConstraintSpec.json_schema(SCHEMAS[schema](steps))
     rows = [BatchGrammar(compiler.processor(spec)) for _ in range(n)]
     tokens = [0] * n
     took = []
@@ -71,6 +78,7 @@ def main() -> None:
     p.add_argument("--threads", default="2,4,8")
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--busy", default="0,1")
+    p.add_argument("--schema", default="essay", choices=["essay", "notes"])
     a = p.parse_args()
     tokenizer = load_tokenizer(Path(a.model))
     compiler = ConstraintCompiler(tokenizer)
@@ -90,12 +98,13 @@ def main() -> None:
         try:
             for n in (int(x) for x in a.sizes.split(",")):
                 for way, masks in ways.items():
-                    walk(compiler, masks, n, 8, vocab, quotes)  # warm
-                    took = sorted(walk(compiler, masks, n, a.steps, vocab, quotes))
+                    walk(compiler, masks, n, 8, vocab, quotes, a.schema)  # warm
+                    took = sorted(walk(compiler, masks, n, a.steps, vocab, quotes, a.schema))
                     line = {
                         "rows": n,
                         "way": way,
                         "busy_threads": busy,
+                        "schema": a.schema,
                         "ms_median": round(statistics.median(took) * 1000, 3),
                         "ms_p90": round(took[int(0.9 * (len(took) - 1))] * 1000, 3),
                         "us_per_row": round(statistics.median(took) * 1e6 / n, 1),

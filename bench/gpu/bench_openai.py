@@ -28,8 +28,9 @@ Scenarios (select with --scenario, comma separated, or "all" = default):
               per turn.
   constrained (not in "all") response_format json_schema vs free decoding at
               each --concurrency level: aggregate tok/s and their ratio, after one
-              unmeasured json_schema request; at N = 1 --constrained-rounds
-              interleaved rounds, the median per-round ratio and its spread.
+              unmeasured json_schema request; at each level --constrained-rounds
+              interleaved rounds, the median per-round ratio and its spread;
+              --constrained-schema essay (counted length) or notes.
 
 Each scenario prints ONE JSON line on stdout (and appends it to --out if
 given). Progress notes go to stderr.
@@ -799,20 +800,32 @@ class Bench:
         string, so a constrained answer does not end before max_tokens.
 
         One json_schema request is sent first, unmeasured: a server may build its grammar
-        compiler on the first constrained request. At N = 1 the two modes run in
+        compiler on the first constrained request. At each N the two modes run in
         --constrained-rounds interleaved rounds (free, json_schema, free, ...): ``ratio`` is
-        the median per-round ratio, ``ratio_per_round`` its spread."""
+        the median per-round ratio, ``ratio_per_round`` its spread. --constrained-schema:
+        ``essay`` (one string of a counted length: llguidance meets a new lexer state every
+        token) or ``notes`` (strings of any length, as most schemas have)."""
         a = self.args
-        schema = {
-            "type": "object",
-            "properties": {
-                "title": {"type": "string", "maxLength": 40},
-                "essay": {"type": "string", "minLength": 8 * a.conc_max_tokens},
-            },
-            "required": ["title", "essay"],
-            "additionalProperties": False,
-        }
-        fmt = {"type": "json_schema", "json_schema": {"name": "essay", "schema": schema}}
+        if a.constrained_schema == "notes":  # strings of any length, as many as max_tokens
+            notes = {"type": "array", "items": {"type": "string"}, "minItems": a.conc_max_tokens}
+            schema = {
+                "type": "object",
+                "properties": {"notes": notes},
+                "required": ["notes"],
+                "additionalProperties": False,
+            }
+        else:  # one string whose length is counted: a new lexer state every token
+            schema = {
+                "type": "object",
+                "properties": {
+                    "title": {"type": "string", "maxLength": 40},
+                    "essay": {"type": "string", "minLength": 8 * a.conc_max_tokens},
+                },
+                "required": ["title", "essay"],
+                "additionalProperties": False,
+            }
+        name = a.constrained_schema
+        fmt = {"type": "json_schema", "json_schema": {"name": name, "schema": schema}}
 
         async def run(mode: str, n: int, tag: str, max_tokens: int) -> dict[str, Any]:
             extra = {"response_format": fmt} if mode == "json_schema" else None
@@ -849,7 +862,7 @@ class Bench:
         levels = []
         for n in a.concurrency:  # bounded
             row: dict[str, Any] = {"n": n}
-            n_rounds = a.constrained_rounds if n == 1 else 1
+            n_rounds = a.constrained_rounds
             per_mode: dict[str, list[dict[str, Any]]] = {"free": [], "json_schema": []}
             ratios: list[float] = []
             for k in range(n_rounds):  # bounded
@@ -1020,7 +1033,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--constrained-rounds",
         type=int,
         default=5,
-        help="constrained: interleaved rounds (free, json_schema) at N = 1",
+        help="constrained: interleaved rounds (free, json_schema) at each N",
+    )
+    p.add_argument(
+        "--constrained-schema",
+        default="essay",
+        choices=["essay", "notes"],
+        help="constrained: the schema (essay: one string of a counted length; notes: strings)",
     )
     p.add_argument("--timeout", type=float, default=300.0, help="per-request read timeout, s")
     p.add_argument("--no-ignore-eos", action="store_true")
