@@ -7,7 +7,8 @@
 # Env: MODELS="1b:4 1b:0 8b:4" (preset:bits; presets in presets.py: 1b, 8b, qwen35-9b (hybrid), gptoss-20b
 #      (sliding window + sinks, MoE)), LEVELS=1,8,32, SERVERS="ours mlxlm" (empty: none), RAW=1 (0: skip raw_engine.py),
 #      OURS_ARGS="" (extra flags for our server), SRC (the project's src; default the kit's copy, else ./src),
-#      BENCH (these scripts; default the kit's copy), PROFILE=1b-0 (py-spy the server on this model at N=32),
+#      BENCH (these scripts; default the kit's copy), PROFILE=1b-0 (py-spy the server on this model at N=32; with
+#      PROFILE_EXTRA='{"response_format": ...}' a second burst with those fields, pyspy-<model>-extra.txt; PYSPY=1 prepare.sh),
 #      LAYERS=1 (0: skip layers.py), LAYERS_ARGS (e.g. "--skip batch,engine"), LAYERS_ONLY (model names, e.g. "1b-0").
 #      SCEN (bench_openai.py scenarios per server; default burst,single,concurrency,prefix),
 #      VARIANTS=1 (variants.py against ours: one stream per request variant vs the raw engine doing the same),
@@ -143,6 +144,13 @@ for spec in $MODELS; do
         timeout 60 python3 $BENCH/bench_openai.py --base-url "http://127.0.0.1:$P/v1" --model m --label "profiled $preset-$bits" \
           --scenario concurrency --concurrency 32,32 --conc-max-tokens 128 --warmup 0 > /dev/null 2>&1
         wait $YP
+        if [ -n "${PROFILE_EXTRA:-}" ]; then  # the same burst, each request with these fields
+          $S/bin/py-spy record --pid $SP --duration 8 --rate 250 --threads --idle --format raw -o $T/pyspy-$preset-$bits-extra.txt > /dev/null 2>&1 &
+          YP=$!
+          timeout 60 python3 $BENCH/bench_openai.py --base-url "http://127.0.0.1:$P/v1" --model m --label "profiled extra $preset-$bits" \
+            --scenario concurrency --concurrency 32,32 --conc-max-tokens 128 --warmup 0 --conc-extra "$PROFILE_EXTRA" > /dev/null 2>&1
+          wait $YP
+        fi
       fi
     else echo "$srv did not start"; tail -5 $T/$srv-$preset-$bits.log; fi
     kill $SP; sleep 2; kill -9 $SP 2>/dev/null

@@ -8,6 +8,7 @@ K=${K:-/tmp/kit/a}; S=${S:-/tmp/site}
 ls .gpu/b/mlx_cuda.part.* > /dev/null 2>&1 || { echo "no .gpu/b here: carry .gpu/b"; exit 1; }
 W=$K/$(cat $K/mlx_cuda.name)
 cat $K/mlx_cuda.part.* .gpu/b/mlx_cuda.part.* > "$W" || exit 1
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target $S $K/wheels/*.whl "$W" || exit 1
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target $S $K/wheels/*.whl \
+  $(ls .gpu/b/wheels/*.whl 2>/dev/null) "$W" || exit 1
 # libmlx.so looks for the CUDA libraries at ../../nvidia beside it: use the image's.
 ln -sfn "$(python3 -c 'import nvidia; print(list(nvidia.__path__)[0])')" $S/nvidia

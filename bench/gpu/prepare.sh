@@ -15,8 +15,8 @@ MLX=${MLX_VERSION:-$(.venv/bin/python -c 'import importlib.metadata as m; print(
 MLXLM=${MLXLM_VERSION:-$(.venv/bin/python -c 'import importlib.metadata as m; print(m.version("mlx-lm"))')}
 # Runtime dependencies the device image lacks (it has numpy, transformers, tokenizers, jinja2,
 # httpx, huggingface_hub, tqdm, pyyaml, safetensors, anyio, h11, click). Add new ones here.
-# PYSPY=1 adds py-spy (device_bench.sh's PROFILE burst samples the server's threads with it); without
-# it the kit and the checkout fit one run's 64 MiB with room for the tree to grow.
+# PYSPY=1 adds py-spy (device_bench.sh's PROFILE burst samples the server's threads with it), in .gpu/b: .gpu/a
+# and the checkout fit one run's 64 MiB with little room.
 WHEELS=${WHEELS:-"fastapi starlette pydantic pydantic-core annotated-types typing-inspection typing-extensions
   annotated-doc opentelemetry-api uvicorn httptools llguidance jsonschema jsonschema-specifications referencing rpds-py gguf"}
 [ "${PYSPY:-0}" = 1 ] && WHEELS="$WHEELS py-spy"
@@ -25,7 +25,10 @@ PLAT="--only-binary=:all: --python-version 3.12 --implementation cp --platform a
 for n in 5 17 24 27 28 31 34 35; do PLAT="$PLAT --platform manylinux_2_${n}_x86_64"; done
 PLAT="$PLAT --platform manylinux2014_x86_64 --platform manylinux1_x86_64"
 python3 -m pip download -q --no-deps $PLAT -d .gpu/dl "mlx==$MLX" "mlx-cuda-13==$MLX" "mlx-lm==$MLXLM" $WHEELS 2>&1 | grep -v "is ignored" || true
-mv .gpu/dl/mlx_cuda_13-*.whl .gpu/ && mv .gpu/dl/*.whl .gpu/a/wheels/
+mv .gpu/dl/mlx_cuda_13-*.whl .gpu/
+# py-spy goes with the second run (.gpu/a and the checkout must fit one run's 64 MiB)
+mkdir -p .gpu/b/wheels && { mv .gpu/dl/py_spy-*.whl .gpu/b/wheels/ 2>/dev/null || true; }
+mv .gpu/dl/*.whl .gpu/a/wheels/
 # The mlx-cuda wheel (~90 MB) is over one run's 64 MiB: split it across the two runs.
 split -b 45000000 -d .gpu/mlx_cuda_13-*.whl .gpu/a/mlx_cuda.part.
 mv .gpu/a/mlx_cuda.part.01 .gpu/b/ && basename .gpu/mlx_cuda_13-*.whl > .gpu/a/mlx_cuda.name && rm .gpu/mlx_cuda_13-*.whl
