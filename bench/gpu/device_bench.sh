@@ -12,7 +12,7 @@
 #      LAYERS=1 (0: skip layers.py), LAYERS_ARGS (e.g. "--skip batch,engine"), LAYERS_ONLY (model names, e.g. "1b-0").
 #      SCEN (bench_openai.py scenarios per server; default burst,single,concurrency,prefix),
 #      VARIANTS=1 (variants.py against ours: one stream per request variant vs the raw engine doing the same),
-#      CONSTRAINED=1 (json_schema vs free at LEVELS, ours; CONSTRAINED_SCHEMA=essay|notes: bench_openai.py's), CONSTRAINED_ENGINE=1 (constrained_engine.py, no HTTP: the
+#      CONSTRAINED=1 (json_schema vs free at LEVELS, ours; CONSTRAINED_SCHEMA="essay notes": bench_openai.py's, each in turn), CONSTRAINED_ENGINE=1 (constrained_engine.py, no HTTP: the
 #      masked step's two orders, batched and launched, against free decoding at 8 and 32 streams; one stream's grammar
 #      stepped (batched) and called through its processor (per_row)), LOGPROBS=1 (ours:
 #      the concurrency bursts again with each token's top 5 log-probabilities asked, label "ours logprobs5"), LONG_CTX (model names, e.g. "8b-4": the agent session,
@@ -134,9 +134,11 @@ for spec in $MODELS; do
           --conc-extra '{"logprobs": true, "top_logprobs": 5}' --out "$R" > /dev/null
       fi
       if [ $srv = ours ] && [ "$CONSTRAINED" = 1 ]; then
-        timeout 240 python3 $BENCH/bench_openai.py --base-url "http://127.0.0.1:$P/v1" --model m --label "ours $preset-$bits" \
-          --scenario constrained --constrained-rounds 5 --concurrency "$LEVELS" --conc-max-tokens 128 --warmup 1 \
-          --constrained-schema "${CONSTRAINED_SCHEMA:-essay}" --out "$R" > /dev/null
+        for schema in ${CONSTRAINED_SCHEMA:-essay}; do
+          timeout 240 python3 $BENCH/bench_openai.py --base-url "http://127.0.0.1:$P/v1" --model m --label "ours-$schema $preset-$bits" \
+            --scenario constrained --constrained-rounds 5 --concurrency "$LEVELS" --conc-max-tokens 128 --warmup 1 \
+            --constrained-schema $schema --out "$R" > /dev/null
+        done
       fi
       if [ $srv = ours ] && [ "$preset-$bits" = "$PROFILE" ] && [ -x $S/bin/py-spy ]; then
         $S/bin/py-spy record --pid $SP --duration 8 --rate 250 --threads --idle --format raw -o $T/pyspy-$preset-$bits.txt > /dev/null 2>&1 &
