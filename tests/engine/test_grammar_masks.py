@@ -377,3 +377,39 @@ def test_tokens_are_read_from_arrays_scheduled_before_the_forward_pass(
     assert out.shape == (2, 1, vocab) and out[0, 0, brace].item() == 1
     assert out[0, 0, 0].item() == float("-inf") and mx.all(out[1] == 1).item()
     masks.close()
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_step_fills_every_row_in_one_call_and_consumes_on_its_own_thread(
+    monkeypatch, tokenizer, compiler, threads
+):
+    """Each llguidance call that lets go of the interpreter lock must take it again, and
+    another thread running Python (the event loop) may keep it up to the switch interval
+    (5 ms): a step's masks are filled in one call (on llguidance's one thread, or its pool),
+    never one call a row, and the tokens are consumed with calls that keep the lock."""
+    import llguidance.numpy as llg_numpy
+
+    calls: list[int] = []
+    real_fill = llg_numpy.fill_next_token_bitmask_par
+
+    def counted(executor: Any, pairs: list[Any], buf: np.ndarray) -> None:
+        calls.append(len(pairs))
+        real_fill(executor, pairs, buf)
+
+    def refused(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("a call per row, or a consume that lets go of the lock")
+
+    monkeypatch.setattr(llg_numpy, "fill_next_token_bitmask_par", counted)
+    monkeypatch.setattr(llg_numpy, "consume_token_par", refused)
+    monkeypatch.setattr(llguidance.LLMatcher, "unsafe_compute_mask_ptr", refused, raising=False)
+    masks = GrammarMasks(threads=threads, pool_above_s=0.0)
+    rows = [BatchGrammar(compiler.processor(ConstraintSpec.json_schema(s))) for s in SCHEMAS]
+    vocab, rng, steps = len(tokenizer), random.Random(threads), 12
+    tokens = [0] * len(rows)
+    for _ in range(steps):
+        out = masks.apply(rows, tokens, mx.zeros((len(rows), vocab)))
+        tokens = [rng.choice(np.flatnonzero(np.array(r) > -np.inf).tolist()) for r in out]
+    assert calls == [len(rows)] * steps
+    assert all(not g.failed and g.processor.consumed == steps - 1 for g in rows)
+    assert masks.pooled == (steps if threads > 1 else 0)
+    masks.close()
