@@ -259,6 +259,28 @@ def test_embedding_models_load_count_no_kv_budget_and_unload_like_chat_models():
     asyncio.run(run())
 
 
+def test_a_request_without_a_model_gets_the_first_model_of_its_kind():
+    """``--models-dir`` lists models by name, so an embedding model may come first: a chat
+    request that names no model gets the first chat model, an embeddings request the first
+    embedding model; a named model of the wrong kind is still a 400."""
+
+    async def run():
+        offers = [Offer("a-emb", "/m/e", "embedding", 0), Offer("b-chat", "/m/c", "chat", 0)]
+        limits = Limits(500 * MB, 0, 0.0, max_waiting=4, overhead_bytes=MB)
+        loader = Loader()
+        reg = ModelRegistry(offers, limits, loader, clock=Clock())
+        chat = await reg.acquire("")
+        emb = await reg.acquire("", serves="embedding")
+        assert (chat.id, emb.id) == ("b-chat", "a-emb") and reg.slot("").id == "a-emb"
+        with pytest.raises(InvalidRequest, match="embedding model"):
+            await reg.acquire("a-emb")
+        only_emb, _, _ = make(("e",), kind="embedding")
+        with pytest.raises(InvalidRequest, match="embedding model"):
+            await only_emb.acquire("")  # no chat model at all: the default's kind says so
+
+    asyncio.run(run())
+
+
 @pytest.mark.parametrize(
     ("value", "seconds"),
     [

@@ -84,10 +84,12 @@ class ModelRegistry:
 
     # ---- lookup ------------------------------------------------------------------------
 
-    def slot(self, model_id: str) -> Slot:
-        """The slot of ``model_id`` (empty: the default model); unknown: 404 model_not_found.
-        Ollama's clients name a model with a tag: ``<id>:latest`` is ``<id>``."""
-        slot = self.slots.get(model_id or self.default_id)
+    def slot(self, model_id: str, serves: str | None = None) -> Slot:
+        """The slot of ``model_id`` (empty: the default model; for a request that needs a
+        kind, ``serves``, the first offered of that kind when the default is not); unknown:
+        404 model_not_found. Ollama's clients name a model with a tag: ``<id>:latest`` is
+        ``<id>``."""
+        slot = self.slots.get(model_id or self._default_for(serves))
         if slot is None and model_id.endswith(":latest"):
             slot = self.slots.get(model_id.removesuffix(":latest"))
         if slot is None:
@@ -98,6 +100,14 @@ class ModelRegistry:
                 code="model_not_found",
             )
         return slot
+
+    def _default_for(self, serves: str | None) -> str:
+        """The default model, or where it does not serve ``serves`` the first offer that
+        does (``--models-dir`` lists by name: an embedding model may come first)."""
+        first = self.slots[self.default_id]
+        if serves is None or _serves(first, serves):
+            return self.default_id
+        return next((i for i, s in self.slots.items() if _serves(s, serves)), self.default_id)
 
     def loaded(self) -> list[Slot]:
         return [s for s in self.slots.values() if s.state == LOADED]
@@ -110,7 +120,7 @@ class ModelRegistry:
         """Lease the model for a request, loading it first if need be. ``serves``: what the
         request needs, "chat" (text generation) or "embedding" (embeddings and rerank); a
         model of the other kind is a 400 before anything loads; None: any model."""
-        slot = self.slot(model_id)
+        slot = self.slot(model_id, serves)
         if serves is not None:
             _check_serves(slot, serves)
         slot.leases += 1  # from here on it is not a candidate for unloading
@@ -270,8 +280,12 @@ class ModelRegistry:
                 slot.parts.engine.shutdown(timeout)
 
 
+def _serves(slot: Slot, serves: str) -> bool:
+    return (slot.offer.kind == "embedding") == (serves == "embedding")
+
+
 def _check_serves(slot: Slot, serves: str) -> None:
-    if (slot.offer.kind == "embedding") != (serves == "embedding"):
+    if not _serves(slot, serves):
         raise wrong_kind(slot.id, slot.offer.kind, "name an embedding model")
 
 
