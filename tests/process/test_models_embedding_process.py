@@ -104,10 +104,14 @@ def test_each_route_refuses_the_other_kind_and_unknown_ids(mixed):
         error = refused(post(mixed, path, {"model": "tiny-chat", **body}), 400)
         assert (error["param"], error["code"]) == ("model", "model_not_supported")
         assert "chat model" in error["message"]
-        error = refused(post(mixed, path, body), 400)  # no model: the default, a chat model
-        assert error["param"] == "model"
         error = refused(post(mixed, path, {"model": "nope", **body}), 404)
         assert error["code"] == "model_not_found"
+    # No model: the default (a chat model) does not embed, so the first embedding-kind model
+    # answers; for rerank that is the embedding model, which does not rerank.
+    r = post(mixed, "/v1/embeddings", {"input": "hi"})
+    assert r.status_code == 200 and r.json()["model"] == EMBED, r.text
+    error = refused(post(mixed, "/v1/rerank", {"query": "q", "documents": ["d"]}), 400)
+    assert error["param"] == "model" and EMBED in error["message"]
     # An embedding model asked to rerank (and a reranker to embed): the service's own 400.
     body = {"model": EMBED, "query": "q", "documents": ["d"]}
     assert refused(post(mixed, "/v1/rerank", body), 400)["param"] == "model"
