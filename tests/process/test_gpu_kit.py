@@ -339,6 +339,40 @@ def test_the_constrained_engine_script_compares_both_masked_orders(tiny_model_di
     assert summary["eager_over_free"] > 0
 
 
+def test_the_constrained_scripts_run_the_pool_the_notes_schema_and_the_timeline(tiny_model_dir):
+    """``constrained_engine.py``'s ``pooled`` mode with ``--schema notes`` runs its streams
+    to the limit and, its masks filled on the worker thread, times each hand-off
+    (``timeline_ms``: medians and 90th percentiles, in order); ``constrained_fill.py`` prints
+    a line per rows, way and busy threads."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.run(
+        [sys.executable, str(KIT.parent / "constrained_engine.py"), "--model", str(tiny_model_dir),
+         "--streams", "2", "--modes", "free,pooled", "--rounds", "1", "--max-tokens", "6",
+         "--schema", "notes", "--pool-threads", "2", "--phases"],
+        capture_output=True, text=True, timeout=240, env=env,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    runs = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith('{"streams"')]
+    assert {x["mode"] for x in runs} == {"free", "pooled"}
+    assert all(x["tokens"] == [6, 6] and x["reasons"] == ["length"] for x in runs)
+    (pooled,) = [x for x in runs if x["mode"] == "pooled"]
+    timeline = pooled["timeline_ms"]
+    assert set(timeline) == {"start", "done", "ask", "back", "late"}
+    assert all(0 <= median <= p90 for median, p90 in timeline.values())
+    assert timeline["start"][0] <= timeline["done"][0]
+    path = {**env, "PYTHONPATH": os.pathsep.join([str(KIT.parent), env.get("PYTHONPATH", "")])}
+    proc = subprocess.run(
+        [sys.executable, str(KIT.parent / "constrained_fill.py"), "--model", str(tiny_model_dir),
+         "--sizes", "1,3", "--threads", "2", "--steps", "4", "--busy", "0,1", "--schema", "notes"],
+        capture_output=True, text=True, timeout=240, env=path,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{")]
+    ways = {(x["rows"], x["way"], x["busy_threads"]) for x in lines}
+    assert ways == {(n, w, b) for n in (1, 3) for w in ("inline", "pool2") for b in (0, 1)}
+    assert all(x["steps"] == 4 and 0 < x["ms_median"] <= x["ms_p90"] for x in lines)
+
+
 def test_a_context_s_rest_leaves_out_only_what_ran_inside_it():
     """``--phases``' accounting: a context's ``_rest`` is its time less its direct children's
     on its own thread; a phase also timed outside it (the model's prefill) or nested deeper
