@@ -413,3 +413,37 @@ def test_a_step_fills_every_row_in_one_call_and_consumes_on_its_own_thread(
     assert all(not g.failed and g.processor.consumed == steps - 1 for g in rows)
     assert masks.pooled == (steps if threads > 1 else 0)
     masks.close()
+
+
+def test_a_new_group_s_first_step_masks_its_grammars_at_once(
+    monkeypatch, model, tokenizer, compiler
+):
+    """mlx-lm steps a group just out of prefill once in a batch of its own, with the raw
+    model and the per-row processor lists; there too the group's grammars are masked in
+    one call (``mask_first_steps``), never through each row's processor call, and the
+    tokens are the per-row path's."""
+    calls = {"per_row": 0}
+    real_call = GrammarLogitsProcessor.__call__
+
+    def counted(self: GrammarLogitsProcessor, tokens: mx.array, logits: mx.array) -> mx.array:
+        calls["per_row"] += 1
+        return real_call(self, tokens, logits)
+
+    monkeypatch.setattr(GrammarLogitsProcessor, "__call__", counted)
+    outputs = {}
+    for batched in (False, True):
+        masks = GrammarMasks(threads=1)
+        engine = engine_with(model, tokenizer, batch_grammars=batched, grammar_masks=masks)
+        calls["per_row"] = 0
+        try:
+            outputs[batched] = drive(
+                engine, generate_all(engine, mixed_requests(tokenizer, compiler))
+            )
+        finally:
+            engine.shutdown(timeout=10)
+        if batched:
+            assert calls["per_row"] == 0 and masks.steps > 10
+        else:
+            assert calls["per_row"] > 10 and masks.steps == 0
+    for new, old in zip(outputs[True], outputs[False], strict=True):
+        assert (new.text, new.reason) == (old.text, old.reason)

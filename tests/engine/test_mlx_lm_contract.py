@@ -119,6 +119,56 @@ def test_the_decode_batch_the_grammar_masks_wrap():
     assert [t for _, t in seen[2:]] == [7] * 6
 
 
+def test_a_new_group_s_first_step_the_first_step_masks_wrap():
+    """``batch_step.mask_first_steps``: the generator's prompt batch is ``_prompt_batch``; a
+    group split off it keeps its class (``split`` copies by class); its ``generate`` (tokens
+    of one each) builds a ``GenerationBatch`` with ``self.model`` and the same ``uids`` and
+    ``logits_processors`` list objects, and steps it once there, calling the model with the
+    group's last tokens."""
+    import mlx.core as mx
+    from mlx_lm.generate import BatchGenerator, GenerationBatch, PromptProcessingBatch
+    from mlx_lm.models import llama
+
+    args = llama.ModelArgs(
+        model_type="llama",
+        hidden_size=16,
+        num_hidden_layers=1,
+        intermediate_size=32,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        vocab_size=32,
+        rms_norm_eps=1e-5,
+    )
+    model = llama.Model(args)
+    seen: list[tuple[int, ...]] = []
+
+    class Marked(PromptProcessingBatch):
+        def generate(self, tokens):
+            lists = (self.uids, self.logits_processors)
+            raw = self.model
+
+            def first(inputs: mx.array, cache: object = None) -> mx.array:
+                seen.append(tuple(inputs.shape))
+                return raw(inputs, cache=cache)
+
+            self.model = first
+            batch = super().generate(tokens)
+            assert isinstance(batch, GenerationBatch) and batch.model is first
+            assert batch.uids is lists[0] and batch.logits_processors is lists[1]
+            return batch
+
+    gen = BatchGenerator(model)
+    assert type(gen._prompt_batch) is PromptProcessingBatch
+    gen._prompt_batch.__class__ = Marked
+    gen.insert([[1, 2, 3], [4, 5]], max_tokens=[3, 3], logits_processors=[[], []])
+    firsts = []
+    for _ in range(6):
+        firsts += [r.uid for r in gen.next()[1]]
+        assert type(gen._prompt_batch) is Marked
+    assert seen == [(2, 1)]  # one first step, for the group, inside generate
+    assert len(firsts) == 6
+
+
 TINY_LLAMA = {
     "model_type": "llama",
     "hidden_size": 32,

@@ -8,8 +8,9 @@ would: its cache, the tokens in it, and the tokens still to feed.
 The model inside mlx-lm's decode batch is wrapped (``batch_step.DecodeStep``): grammars are
 masked for the whole batch at once, processors run only on the rows that have some, and
 each distinct sampler draws for all its rows in one call. A sequence's first token is
-sampled by mlx-lm's per-row calls, in the batch it makes for sequences that have just
-finished their prefill.
+sampled in the batch mlx-lm makes for sequences that have just finished their prefill: its
+grammars masked for that group at once too (``batch_step.mask_first_steps``), its other
+processors and samplers mlx-lm's per-row calls.
 """
 
 from __future__ import annotations
@@ -21,7 +22,12 @@ from mlx_lm.generate import BatchGenerator, StopSequences
 from mlx_server.engine.core.wired import hands_off
 from mlx_server.engine.grammar.masks import GrammarMasks
 from mlx_server.engine.runners.base import Insert, KVState, Progress, Response
-from mlx_server.engine.runners.batch_step import DecodeStep, RowGrammar, row_grammar
+from mlx_server.engine.runners.batch_step import (
+    DecodeStep,
+    RowGrammar,
+    mask_first_steps,
+    row_grammar,
+)
 from mlx_server.engine.sampling.logprobs import BATCH_TOP, PickedValues
 from mlx_server.engine.sampling.samplers import LogitsProcessor, Sampler
 
@@ -91,7 +97,20 @@ class BatchRunner:
                 launch_first=self._launch_first,
                 wants=self._wants,
             )
+        if self._batch_grammars:
+            mask_first_steps(gen, self._first_step)
         return gen
+
+    def _first_step(self, model: Any, rows: Any) -> DecodeStep:
+        """The model of a new group's first decode step: its grammars masked at once."""
+        return DecodeStep(
+            model,
+            rows,
+            self._grammars,
+            self._grammar_masks,
+            by_group=False,
+            launch_first=self._launch_first,
+        )
 
     def _grammar_masks(self) -> GrammarMasks:
         if self._masks is None:  # its thread pool, only once a grammar runs

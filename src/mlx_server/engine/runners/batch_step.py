@@ -9,8 +9,7 @@ stands in for that model. Per step it
 
 - masks the rows of sequences with a grammar, the whole batch in one ``GrammarMasks`` call
   while the device computes the forward pass (a grammar leaves its row's processor list the
-  first time it is seen here: its first token was sampled by mlx-lm's per-row call, in the
-  batch made for sequences that just finished their prefill);
+  first time it is seen here);
 - runs the other processors of the rows that have some (``rows.process_rows``), and hands
   mlx-lm empty processor lists for the step;
 - hands mlx-lm one sampler object for every row, which samples each distinct sampler's rows
@@ -20,6 +19,14 @@ stands in for that model. Per step it
 
 A mask sets scores to -inf, which penalties and biases leave at -inf, so masking first
 changes no result.
+
+A group of sequences that just finished their prefill takes its first decode step in a
+``GenerationBatch`` of its own, which mlx-lm builds (``PromptProcessingBatch.generate``)
+and steps at once, with the raw model and the per-row processor lists, before it joins the
+decode batch. ``mask_first_steps`` puts a ``DecodeStep`` (grammars only) in that step too:
+else each row's grammar ran its processor call there (a launch, a read of the row's last
+token and its own mask, row after row: about 5 % of the engine thread at 32 streams of
+json_schema on an H100, bench/results/gpu-2026-12-07h-pyspy-*).
 """
 
 from __future__ import annotations
@@ -29,7 +36,7 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 import mlx.core as mx
-from mlx_lm.generate import GenerationBatch
+from mlx_lm.generate import GenerationBatch, PromptProcessingBatch
 
 from mlx_server.engine.core import tuning
 from mlx_server.engine.grammar.masks import BatchGrammar, GrammarMasks
@@ -222,3 +229,40 @@ class _BatchSampler:
         tokens = sample_by_group(rows, logprobs)
         self._step._pick(logprobs, tokens)
         return tokens
+
+
+@dataclass
+class _NewRows:
+    """What a ``DecodeStep`` reads of a batch, for a group whose batch is being built: the
+    lists mlx-lm hands that ``GenerationBatch`` (the same objects, so that a grammar leaving
+    its row's processor list leaves the batch's)."""
+
+    uids: list[int]
+    logits_processors: list[Any]
+
+
+class FirstStepPrompts(PromptProcessingBatch):
+    """mlx-lm's prompt batch whose groups take their first decode step through a
+    ``DecodeStep`` (``mask_first_steps``). mlx-lm copies a prompt batch by its class
+    (``split``), so every group split off keeps it."""
+
+    make_step: Callable[[Any, Any], Any]  # (raw model, _NewRows) -> the first step's model
+
+    def generate(self, tokens: list[list[int]]) -> Any:
+        if any(len(t) != 1 for t in tokens):  # a prefill before the step: mlx-lm's own way
+            return super().generate(tokens)
+        raw = self.model
+        self.model = type(self).make_step(raw, _NewRows(self.uids, self.logits_processors))
+        try:
+            batch = super().generate(tokens)
+        finally:
+            self.model = raw
+        batch.model = raw
+        return batch
+
+
+def mask_first_steps(gen: Any, make_step: Callable[[Any, Any], Any]) -> None:
+    """Make ``gen``'s (a ``BatchGenerator``'s) groups take their first decode step through
+    ``make_step(raw model, rows)``: a ``DecodeStep`` over the new group's rows."""
+    cls = type("FirstStepPrompts", (FirstStepPrompts,), {"make_step": staticmethod(make_step)})
+    gen._prompt_batch.__class__ = cls
