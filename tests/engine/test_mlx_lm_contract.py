@@ -75,13 +75,8 @@ def test_sampling_helpers(name):
     assert callable(getattr(sample_utils, name, None)), f"mlx_lm.sample_utils.{name} is gone"
 
 
-def test_the_decode_batch_the_grammar_masks_wrap():
-    """BatchRunner wraps the model of BatchGenerator's decode batch (``DecodeStep``): that
-    batch must be one object for the generator's life, call ``self.model(inputs[:, None],
-    cache=...)`` each step with the tokens fed, sample from what it returns, and keep
-    ``uids`` and a per-row ``logits_processors`` list in row order."""
-    import mlx.core as mx
-    from mlx_lm.generate import BatchGenerator, GenerationBatch
+def _one_layer_llama():
+    """A one-layer Llama of 32 tokens (random weights)."""
     from mlx_lm.models import llama
 
     args = llama.ModelArgs(
@@ -94,7 +89,18 @@ def test_the_decode_batch_the_grammar_masks_wrap():
         vocab_size=32,
         rms_norm_eps=1e-5,
     )
-    model = llama.Model(args)
+    return llama.Model(args)
+
+
+def test_the_decode_batch_the_grammar_masks_wrap():
+    """BatchRunner wraps the model of BatchGenerator's decode batch (``DecodeStep``): that
+    batch must be one object for the generator's life, call ``self.model(inputs[:, None],
+    cache=...)`` each step with the tokens fed, sample from what it returns, and keep
+    ``uids`` and a per-row ``logits_processors`` list in row order."""
+    import mlx.core as mx
+    from mlx_lm.generate import BatchGenerator, GenerationBatch
+
+    model = _one_layer_llama()
     gen = BatchGenerator(model)  # no stop tokens: each sequence runs to max_tokens
     decode = gen._generation_batch
     assert isinstance(decode, GenerationBatch)
@@ -127,19 +133,8 @@ def test_a_new_group_s_first_step_the_first_step_masks_wrap():
     group's last tokens."""
     import mlx.core as mx
     from mlx_lm.generate import BatchGenerator, GenerationBatch, PromptProcessingBatch
-    from mlx_lm.models import llama
 
-    args = llama.ModelArgs(
-        model_type="llama",
-        hidden_size=16,
-        num_hidden_layers=1,
-        intermediate_size=32,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        vocab_size=32,
-        rms_norm_eps=1e-5,
-    )
-    model = llama.Model(args)
+    model = _one_layer_llama()
     seen: list[tuple[int, ...]] = []
 
     class Marked(PromptProcessingBatch):
