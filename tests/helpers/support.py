@@ -66,13 +66,17 @@ def start_in_process(
 
 
 def serve_in_process(app, engine=None, service=None) -> InProcessServer:
-    """Serve ``app`` with uvicorn on a thread of this process."""
+    """Serve ``app`` with uvicorn on a thread of this process, on a socket bound here and
+    kept: a port found free and bound again later may be taken meanwhile (a client's
+    ephemeral port, another server)."""
     import uvicorn
 
-    port = free_port()
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
     config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error", lifespan="off")
     server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, daemon=True)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.time() + 10
     while not server.started and time.time() < deadline:
@@ -198,15 +202,31 @@ def serving(
     args: list[str], env: dict[str, str] | None = None, timeout: float = 150
 ) -> Iterator[ServerProcess]:
     """A server process (on a free port unless ``args`` name one) that has printed its
-    readiness line, stopped on leaving, also when it never became ready."""
-    if "--port" not in args:
-        args = [*args, "--port", str(free_port())]
-    sp = launch(args, env)
+    readiness line, stopped on leaving, also when it never became ready. A port found free
+    may be taken before the server binds it (a client's ephemeral port): then another port,
+    up to three tries."""
+    own_port = "--port" not in args
+    for tries_left in (2, 1, 0):
+        sp = launch([*args, "--port", str(free_port())] if own_port else args, env)
+        ready = sp.wait_ready(timeout)
+        if ready or not own_port or not tries_left or not _port_taken(sp):
+            break
+        sp.stop()
     try:
-        assert sp.wait_ready(timeout), f"not ready: {sp.lines} {sp.stderr_text()}"
+        assert ready, f"not ready: {sp.lines} {sp.stderr_text()}"
         yield sp
     finally:
         sp.stop()
+
+
+def _port_taken(sp: ServerProcess) -> bool:
+    """Whether the server stopped because its port was taken (False while it runs)."""
+    try:
+        sp.proc.wait(10)
+    except subprocess.TimeoutExpired:
+        return False
+    text = sp.stderr_text().lower()
+    return "address already in use" in text or "errno 98" in text
 
 
 REPO = Path(__file__).resolve().parents[2]
