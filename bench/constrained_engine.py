@@ -5,7 +5,9 @@ requests on one model, in an order that rotates each round: ``free`` (``ignore_e
 runs to ``--max-tokens``), ``batched`` (a ``response_format``-style JSON schema, grammars
 masked for the whole batch, the masks filled on a worker thread while the forward pass is
 launched: ``BatchRunner(launch_first=False)``), ``launched`` (the same, the pass queued
-before the fed tokens are read: ``launch_first=True``) and ``per_row`` (the same schema
+before the fed tokens are read: ``launch_first=True``; at one stream the fed token read and
+the mask filled on the engine's thread after the launch, where ``batched`` has the masks'
+worker do it during the launch with cores to spare, or with ``--beside``) and ``per_row`` (the same schema
 through mlx-lm's per-row processor calls: ``BatchRunner(batch_grammars=False)``; on the lone
 path, one stream, the grammar's processor called every step: ``SoloRunner(step_grammars=False)``)
 and ``eager`` (``batched``'s engine with the masks applied in five separate kernels, as
@@ -65,6 +67,7 @@ from mlx_server.events import Finished
 from mlx_server.types import GenerationRequest, SamplingParams
 
 MODES = ("free", "batched", "launched", "per_row", "eager", "pooled")
+FILL_BESIDE: bool | None = None  # ``--beside``: True
 
 
 SPENT: dict[str, float] = defaultdict(float)
@@ -262,7 +265,13 @@ def make_engine(
         if pool_threads is None
         else GrammarMasks(threads=pool_threads, pool_above_s=0),
     )
-    lone = SoloRunner(model, eos, prefill_step_size=step, step_grammars=batch_grammars)
+    # one stream: ``launched`` reads and fills on the engine's thread after the launch, the
+    # others where the server would (on the masks' worker during the launch, with cores to
+    # spare; ``--beside`` forces it)
+    beside = False if launch_first else FILL_BESIDE
+    lone = SoloRunner(
+        model, eos, prefill_step_size=step, step_grammars=batch_grammars, fill_beside=beside
+    )
     runner = LoneFirstRunner(lone, batch)
     config = EngineConfig(
         max_batch_size=streams, prompt_cache_size=0, prefill_step_size=step, kv_bytes_per_token=1
@@ -348,7 +357,14 @@ def main() -> None:
     )
     p.add_argument("--schema", default="essay", choices=sorted(SCHEMAS))
     p.add_argument("--pool-threads", type=int, default=2, help="llguidance's pool in ``pooled``")
+    p.add_argument(
+        "--beside",
+        action="store_true",
+        help="one stream's read and fill on the masks' worker whatever the CPU count",
+    )
     a = p.parse_args()
+    global FILL_BESIDE
+    FILL_BESIDE = True if a.beside else None
     if a.switch_interval is not None:
         sys.setswitchinterval(a.switch_interval)
     modes = tuple(m for m in MODES if m in a.modes.split(","))

@@ -16,6 +16,7 @@ from mlx_server.engine.core.engine import Engine, EngineConfig
 from mlx_server.engine.core.handle import Started, TokenPiece
 from mlx_server.engine.grammar.constraints import ConstraintCompiler, ConstraintSpec
 from mlx_server.engine.grammar.processor import GrammarLogitsProcessor
+from mlx_server.engine.runners import solo as solo_runner
 from mlx_server.engine.runners.base import Insert, KVState, Progress, Response
 from mlx_server.types import SamplingParams
 
@@ -69,7 +70,17 @@ def same(a: Any, b: Any) -> None:
         assert [t.token for t in x.top] == [t.token for t in y.top]
 
 
-def test_the_lone_runner_takes_requests_with_processors_and_matches_the_batch(lm, compiler):
+@pytest.fixture(params=["inline", "beside"])
+def fills(request, monkeypatch):
+    """A lone stream's grammar read and filled on the engine's thread after the launch
+    (a machine without cores to spare), or on the masks' worker during it (one with)."""
+    monkeypatch.setattr(
+        solo_runner, "default_threads", lambda: 1 if request.param == "inline" else 4
+    )
+    return request.param
+
+
+def test_the_lone_runner_takes_requests_with_processors_and_matches_the_batch(lm, compiler, fills):
     model, tokenizer = lm
     p = prompt(tokenizer, 12, seed=1)
     cfg = {"prompt_cache_size": 0, "max_batch_size": 4}
@@ -78,14 +89,17 @@ def test_the_lone_runner_takes_requests_with_processors_and_matches_the_batch(lm
         running_engine(model, tokenizer, solo=False, **cfg) as batch,
     ):
         for name, settings in variants(compiler).items():
-            runs, stepped = lone.stats()["solo_runs"], lone.stats()["solo_grammar_steps"]
+            before = lone.stats()
             (fast,) = solo(lone, [request(p, 24, **settings())])
-            assert lone.stats()["solo_runs"] == runs + 1, name
+            after = lone.stats()
+            assert after["solo_runs"] == before["solo_runs"] + 1, name
             # after its first token a grammar is masked a step at a time, not called (the
             # step queued after the last token too)
-            masked = lone.stats()["solo_grammar_steps"] - stepped
+            masked = after["solo_grammar_steps"] - before["solo_grammar_steps"]
+            beside = after["solo_grammar_fills_beside"] - before["solo_grammar_fills_beside"]
             tokens = fast.finished.usage.completion_tokens
             assert masked == (tokens if name.startswith("grammar") else 0), name
+            assert beside == (masked if fills == "beside" else 0), name
             (slow,) = solo(batch, [request(p, 24, **settings())])
             same(fast, slow)
             if name == "ignore_eos_logprobs":
@@ -140,7 +154,7 @@ class Exploding(GrammarLogitsProcessor):
         return super().observe(token)
 
 
-def test_a_grammar_failing_on_the_lone_path_ends_only_its_own_request(lm, compiler):
+def test_a_grammar_failing_on_the_lone_path_ends_only_its_own_request(lm, compiler, fills):
     """A stepped grammar that raises ends its request with the error; the engine serves
     the next request, alone, as before."""
     model, tokenizer = lm

@@ -29,10 +29,10 @@ sequence alone.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import llguidance
 import llguidance.numpy
@@ -49,6 +49,8 @@ from mlx_server.engine.grammar.mask_bits import (
     words_for,
 )
 from mlx_server.engine.grammar.processor import GrammarLogitsProcessor
+
+_T = TypeVar("_T")
 
 
 class _Faultable(Protocol):
@@ -178,10 +180,34 @@ class GrammarMasks:
 
     def submit(self, plan: MaskPlan, vocab: int) -> Future[MaskPlan]:
         """``compute`` on this object's worker thread."""
+        return self._on_worker(self.compute, plan, vocab)
+
+    def submit_read(
+        self,
+        read: Callable[[], Sequence[int]],
+        grammars: Sequence[BatchGrammar | None],
+        vocab: int,
+    ) -> Future[MaskPlan | None]:
+        """``plan`` and ``compute`` on this object's worker thread, on the tokens ``read``
+        returns there (an MLX read that waits for the device: it lets go of the interpreter
+        lock meanwhile, and must touch no array the calling thread evaluates until the
+        result is taken). The plan is None when no row is masked."""
+        return self._on_worker(self._read_and_compute, read, grammars, vocab)
+
+    def _read_and_compute(
+        self,
+        read: Callable[[], Sequence[int]],
+        grammars: Sequence[BatchGrammar | None],
+        vocab: int,
+    ) -> MaskPlan | None:
+        plan = self.plan(grammars, read())
+        return None if plan is None else self.compute(plan, vocab)
+
+    def _on_worker(self, fn: Callable[..., _T], *args: object) -> Future[_T]:
         if self._worker is None:
             self._worker = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
         self.submitted += 1
-        return self._worker.submit(self.compute, plan, vocab)
+        return self._worker.submit(fn, *args)
 
     def mask(self, plan: MaskPlan, logits: mx.array) -> mx.array:
         """``logits`` with the computed plan's rows masked."""

@@ -18,6 +18,14 @@ sampled: the pass is queued, then the token it feeds is read (the previous step'
 queued already) and the mask filled while the device runs the pass. Through mlx-lm's
 processor signature the same read needs the token context, an array of its own to evaluate
 every step: one more launch per token, which on a GPU is a host-bound lone stream's cost.
+
+With cores to spare (``fill_beside``) that read and the fill run on the masks' worker
+thread while this one launches the pass: on a GPU the launch of a small model's pass is
+host work of about a millisecond (which lets go of the interpreter lock), so the fill no
+longer adds to a host-bound stream's step. The worker reads a copy of the token made in the
+step that sampled it (``mx.stop_gradient``: no kernel, an array of its own), so that no
+array is touched by two threads at once: this thread's launch walks the pass's graph, which
+holds the token itself.
 """
 
 from __future__ import annotations
@@ -29,7 +37,7 @@ import mlx.core as mx
 from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import TokenBuffer
 
-from mlx_server.engine.grammar.masks import BatchGrammar, GrammarMasks
+from mlx_server.engine.grammar.masks import BatchGrammar, GrammarMasks, default_threads
 from mlx_server.engine.runners.base import Insert, KVState, Progress, Response, Runner
 from mlx_server.engine.runners.batch import BatchRunner
 from mlx_server.engine.runners.batch_step import row_grammar
@@ -53,9 +61,12 @@ class SoloSequence(ChunkedPrefill):
         prefill_step_size: int,
         buckets: bool = False,
         masks: GrammarMasks | None = None,
+        fill_beside: bool = False,
     ):
         """``masks``: drive a grammar among the processors a step at a time (see the module
-        docstring) from its second token on; None: through its processor call."""
+        docstring) from its second token on; None: through its processor call.
+        ``fill_beside``: read the fed token and fill its mask on the masks' worker thread
+        while this one launches the pass."""
         super().__init__(
             model,
             job.uid,
@@ -73,6 +84,10 @@ class SoloSequence(ChunkedPrefill):
         self._grammar: BatchGrammar | None = found.grammar if found is not None else None
         self._others = [p for p in self.processors if found is None or p is not found.listed]
         self._sampled = False  # a first token: from now on a grammar is stepped, not called
+        self._beside = fill_beside and self._grammar is not None
+        # the worker's copy of the token the next step feeds, launched with it (``_decode``)
+        self._probe: mx.array | None = None
+        self._made_probe: mx.array | None = None
         self._max_tokens = job.request.max_tokens
         self._eos = set(eos)
         self._context: TokenBuffer | None = None  # the processors' view: prompt + generated
@@ -95,13 +110,20 @@ class SoloSequence(ChunkedPrefill):
             self._next = self._forward(mx.array(self._todo))
             # Queued whole before the next step is built on it, as every later sample is:
             # ranks sharing a model then meet its collectives in the same order.
-            mx.async_eval(*_arrays(self._next))
+            self._queue_step()
             self.fed += self._todo
             self._todo = []
         token, logprobs, picked = self._next
         self._next = self._forward(token)  # queued before this token is read
-        mx.async_eval(*_arrays(self._next))
+        self._queue_step()
         return self._emit(token, logprobs, fed=True, picked=picked)
+
+    def _queue_step(self) -> None:
+        """Queue the step just built: its sample and, for the worker, the sample's copy."""
+        assert self._next is not None
+        made, self._made_probe = self._made_probe, None
+        mx.async_eval(*_arrays(self._next), *([made] if made is not None else []))
+        self._probe = made
 
     @property
     def top_logprobs(self) -> int:
@@ -131,12 +153,9 @@ class SoloSequence(ChunkedPrefill):
     def _forward(self, tokens: mx.array) -> tuple[mx.array, mx.array, Picked | None]:
         logits = self.model(tokens[None], cache=self.cache)[:, -1, :]
         called = self.processors
+        probe, self._probe = self._probe, None
         if self._sampled and self._grammar is not None and self._masks is not None:
-            # The pass goes first, then the fed token (sampled and queued a step ago) is
-            # read and the mask filled while the device runs the pass.
-            mx.async_eval(logits)
-            fed = cast(list[int], tokens.tolist())
-            logits = self._masks.apply([self._grammar], fed[-1:], logits)
+            logits = self._masked(tokens, probe, logits)
             called = self._others
         if called:  # as GenerationBatch._step: the context ends with the input
             if self._context is None:
@@ -147,9 +166,27 @@ class SoloSequence(ChunkedPrefill):
         self._sampled = True
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         token = self.sampler(logprobs)
+        if self._beside:
+            self._made_probe = mx.stop_gradient(token)
         row = logprobs.squeeze(0)
         picked = pick(row, token, self._top_k) if self._top_k >= 0 else None
         return token, row, picked
+
+    def _masked(self, tokens: mx.array, probe: mx.array | None, logits: mx.array) -> mx.array:
+        """``logits`` masked by the grammar after it consumed the fed token (sampled and
+        queued a step ago): the pass goes first, the read and the fill while the device runs
+        it, on the worker thread (reading ``probe``) while this one launches, or here after."""
+        masks, grammar = cast(GrammarMasks, self._masks), cast(BatchGrammar, self._grammar)
+        vocab = logits.shape[-1]
+        if probe is not None:
+            pending = masks.submit_read(lambda: _last(probe), [grammar], vocab)
+            mx.async_eval(logits)
+            plan = pending.result()
+        else:
+            mx.async_eval(logits)
+            plan = masks.plan([grammar], _last(tokens))
+            plan = masks.compute(plan, vocab) if plan is not None else None
+        return masks.mask(plan, logits) if plan is not None else logits
 
     def _emit(
         self, token: mx.array, logprobs: mx.array, fed: bool, picked: Picked | None = None
@@ -166,6 +203,11 @@ class SoloSequence(ChunkedPrefill):
         if reason is None:
             return Response(self.uid, tok, logprobs, None, picked=picked)
         return Response(self.uid, tok, logprobs, reason, self.cache, list(self.fed), picked=picked)
+
+
+def _last(tokens: mx.array) -> list[int]:
+    """The last of the fed tokens, read (waiting for the step that sampled it)."""
+    return cast(list[int], tokens.tolist())[-1:]
 
 
 def _arrays(step: tuple[mx.array, mx.array, Picked | None]) -> list[mx.array]:
@@ -185,12 +227,16 @@ class SoloRunner:
         prefill_step_size: int,
         prefill_buckets: bool = False,
         step_grammars: bool = True,
+        fill_beside: bool | None = None,
     ):
         """``step_grammars=False``: a grammar runs through its processor call every step
-        (what the module docstring says it costs; benchmarks compare)."""
+        (what the module docstring says it costs; benchmarks compare). ``fill_beside``: a
+        stepped grammar's read and fill run on the masks' worker thread while the pass is
+        launched (None: where the machine has cores to spare, as the batch's masks do)."""
         self.model = model
-        # one row's masks, filled inline: the grammar's fill is tens of microseconds
+        # one row's masks in one llguidance call, on this thread or the masks' worker
         self._masks = GrammarMasks(threads=1) if step_grammars else None
+        self._beside = default_threads() > 1 if fill_beside is None else fill_beside
         self._eos = eos
         self._step_size = prefill_step_size
         self._buckets = prefill_buckets
@@ -222,7 +268,13 @@ class SoloRunner:
         if self.seq is not None:
             raise RuntimeError("the solo runner runs one sequence at a time")
         self.seq = SoloSequence(
-            self.model, job, self._eos, self._step_size, self._buckets, self._masks
+            self.model,
+            job,
+            self._eos,
+            self._step_size,
+            self._buckets,
+            self._masks,
+            fill_beside=self._beside,
         )
         self.runs += 1
 
@@ -254,10 +306,17 @@ class SoloRunner:
 
     def close(self) -> None:
         self.seq = None
+        if self._masks is not None:
+            self._masks.close()
 
     def stats(self) -> dict[str, Any]:
-        stepped = self._masks.steps if self._masks is not None else 0
-        return {"solo_runs": self.runs, "solo_grammar_steps": stepped}
+        masks = self._masks
+        return {
+            "solo_runs": self.runs,
+            "solo_grammar_steps": masks.steps if masks is not None else 0,
+            # of them, read and filled on the masks' worker thread
+            "solo_grammar_fills_beside": masks.submitted if masks is not None else 0,
+        }
 
 
 class LoneRunner(Runner, Protocol):
