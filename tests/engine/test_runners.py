@@ -107,7 +107,7 @@ def test_the_lone_runner_takes_requests_with_processors_and_matches_the_batch(lm
         assert "solo_runs" not in batch.stats()
 
 
-def test_a_lone_stream_with_processors_keeps_its_output_when_others_join(lm, compiler):
+def test_a_lone_stream_with_processors_keeps_its_output_when_others_join(lm, compiler, fills):
     """The handed-over sequence takes its sampler, processors and their token context to
     the batch: its text is what it gives alone, at every point of joining."""
     model, tokenizer = lm
