@@ -339,6 +339,29 @@ def test_the_constrained_engine_script_compares_both_masked_orders(tiny_model_di
     assert summary["eager_over_free"] > 0
 
 
+def test_one_stream_s_fill_beside_the_launch_and_after_it_in_one_run(tiny_model_dir):
+    """The next GPU run's first call at one stream: ``batched`` with ``--beside`` reads and
+    fills on the masks' worker (the engine thread waits for its result), ``launched`` on the
+    engine's thread after the launch (no worker); both run to the limit."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.run(
+        [sys.executable, str(KIT.parent / "constrained_engine.py"), "--model", str(tiny_model_dir),
+         "--streams", "1", "--modes", "free,batched,launched", "--rounds", "1", "--max-tokens",
+         "6", "--schema", "notes", "--beside", "--phases"],
+        capture_output=True, text=True, timeout=240, env=env,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{")]
+    runs = {x["mode"]: x for x in lines if "mode" in x}
+    assert set(runs) == {"free", "batched", "launched"}
+    assert all(x["tokens"] == [6] and x["reasons"] == ["length"] for x in runs.values())
+    beside, after = runs["batched"]["phases_ms_per_step"], runs["launched"]["phases_ms_per_step"]
+    assert beside["compute"] > 0 and beside["result"] > 0
+    assert after["compute"] > 0 and "result" not in after
+    (summary,) = [x for x in lines if "summary" in x]
+    assert summary["batched_over_free"] > 0 and summary["launched_over_free"] > 0
+
+
 def test_the_constrained_scripts_run_the_pool_the_notes_schema_and_the_timeline(tiny_model_dir):
     """``constrained_engine.py``'s ``pooled`` mode with ``--schema notes`` runs its streams
     to the limit and, its masks filled on the worker thread, times each hand-off
