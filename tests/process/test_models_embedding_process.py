@@ -106,12 +106,13 @@ def test_each_route_refuses_the_other_kind_and_unknown_ids(mixed):
         assert "chat model" in error["message"]
         error = refused(post(mixed, path, {"model": "nope", **body}), 404)
         assert error["code"] == "model_not_found"
-    # No model: the default (a chat model) does not embed, so the first embedding-kind model
-    # answers; for rerank that is the embedding model, which does not rerank.
+    # No model: the default (a chat model) does not embed, so the first embedder answers
+    # embeddings and the first reranker (offered after the embedder) reranks.
     r = post(mixed, "/v1/embeddings", {"input": "hi"})
     assert r.status_code == 200 and r.json()["model"] == EMBED, r.text
-    error = refused(post(mixed, "/v1/rerank", {"query": "q", "documents": ["d"]}), 400)
-    assert error["param"] == "model" and EMBED in error["message"]
+    r = post(mixed, "/v1/rerank", {"query": "cats", "documents": ["a cat", "stocks"]})
+    assert r.status_code == 200 and r.json()["model"] == "tiny-rerank", r.text
+    assert len(r.json()["results"]) == 2
     # An embedding model asked to rerank (and a reranker to embed): the service's own 400.
     body = {"model": EMBED, "query": "q", "documents": ["d"]}
     assert refused(post(mixed, "/v1/rerank", body), 400)["param"] == "model"

@@ -4,6 +4,7 @@ load the test can hold, and a clock the test moves."""
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import threading
 import time
@@ -277,6 +278,41 @@ def test_a_request_without_a_model_gets_the_first_model_of_its_kind():
         only_emb, _, _ = make(("e",), kind="embedding")
         with pytest.raises(InvalidRequest, match="embedding model"):
             await only_emb.acquire("")  # no chat model at all: the default's kind says so
+
+    asyncio.run(run())
+
+
+def test_a_rerank_request_without_a_model_gets_the_first_reranker(tmp_path):
+    """Embedders and rerankers are both embedding-kind models: without a model, a rerank
+    request gets the first reranker and an embeddings request the first embedder, in either
+    order of offer; with one of them only, that one (whose service then says what it does)."""
+    bert = {"model_type": "bert", "hidden_size": 8, "max_position_embeddings": 64}
+    configs = {
+        "emb": {**bert, "architectures": ["BertModel"]},
+        "rank": {**bert, "architectures": ["BertForSequenceClassification"], "num_labels": 1},
+    }
+    for name, config in configs.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(config))
+
+    def offer(name: str) -> Offer:
+        return Offer(f"x-{name}", str(tmp_path / name), "embedding", 0)
+
+    async def run():
+        limits = Limits(500 * MB, 0, 0.0, max_waiting=4, overhead_bytes=MB)
+        chat = Offer("chat", "/m/c", "chat", 0)
+        for encoders in (["emb", "rank"], ["rank", "emb"]):
+            reg = ModelRegistry([chat, *map(offer, encoders)], limits, Loader(), clock=Clock())
+            rank = await reg.acquire("", serves="rerank")
+            emb = await reg.acquire("", serves="embedding")
+            assert (rank.id, emb.id) == ("x-rank", "x-emb"), encoders
+            assert (await reg.acquire("")).id == "chat"
+        for only in ("emb", "rank"):
+            reg = ModelRegistry([chat, offer(only)], limits, Loader(), clock=Clock())
+            for serves in ("embedding", "rerank"):
+                assert (await reg.acquire("", serves=serves)).id == f"x-{only}"
+        with pytest.raises(InvalidRequest, match="chat model"):
+            await reg.acquire("chat", serves="rerank")
 
     asyncio.run(run())
 

@@ -96,6 +96,17 @@ def is_encoder_model(model_dir: Path) -> bool:
     return model_type in ENCODER_TYPES and not causal
 
 
+def ranks_documents(model_dir: Path) -> bool:
+    """Whether the directory's encoder model is a reranker (scores a query against
+    documents) rather than an embedder, as its load would read it; False where it cannot
+    be read."""
+    try:
+        config = _read_json(model_dir / "config.json") or {}
+        return isinstance(config, dict) and read_spec(model_dir, config).kind == "rerank"
+    except (ModelLoadError, OSError, ValueError):
+        return False
+
+
 def read_spec(model_dir: Path, config: dict[str, Any]) -> EncoderSpec:
     """Pooling, normalisation and maximum length from the model's sentence-transformers
     files; where they are absent, the defaults sentence-transformers itself would take."""

@@ -36,7 +36,14 @@ class Models(Protocol):
     async def encoder(
         self, request: Request, name: str | None, keep_alive: Any = None
     ) -> EmbeddingService:
-        """The embedding or reranker model ``name``, leased for ``request``."""
+        """The embedding or reranker model ``name``, leased for ``request`` (empty: the
+        default, or the first embedder)."""
+        ...
+
+    async def reranker(
+        self, request: Request, name: str | None, keep_alive: Any = None
+    ) -> EmbeddingService:
+        """As ``encoder``, for a rerank request: no name, the first reranker."""
         ...
 
     def engines(self) -> list[OwnedEngine]:
@@ -77,6 +84,11 @@ class OneModel:
             instead = "start the server with an embedding or reranker model (or --embedding)"
             raise wrong_kind(self.model_id, "chat", instead)
         return self.service
+
+    async def reranker(
+        self, request: Request, name: str | None, keep_alive: Any = None
+    ) -> EmbeddingService:
+        return await self.encoder(request, name, keep_alive)
 
     def engines(self) -> list[OwnedEngine]:
         return [self.service.engine]
@@ -132,6 +144,12 @@ class RegistryModels:
         self, request: Request, name: str | None, keep_alive: Any = None
     ) -> EmbeddingService:
         service: EmbeddingService = await self._lease(request, name, keep_alive, "embedding")
+        return service
+
+    async def reranker(
+        self, request: Request, name: str | None, keep_alive: Any = None
+    ) -> EmbeddingService:
+        service: EmbeddingService = await self._lease(request, name, keep_alive, "rerank")
         return service
 
     def engines(self) -> list[OwnedEngine]:

@@ -6,10 +6,12 @@ unloaded under them: every request holds a lease on its model until its response
 from __future__ import annotations
 
 import asyncio
+import functools
 import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from mlx_server.errors import InvalidRequest, NotFound, Overloaded, article
@@ -103,11 +105,18 @@ class ModelRegistry:
 
     def _default_for(self, serves: str | None) -> str:
         """The default model, or where it does not serve ``serves`` the first offer that
-        does (``--models-dir`` lists by name: an embedding model may come first)."""
-        first = self.slots[self.default_id]
-        if serves is None or _serves(first, serves):
+        does (``--models-dir`` lists by name: an embedding model may come first). Among
+        encoder models, a rerank request prefers the first reranker, an embeddings request
+        the first embedder."""
+        if serves is None:
             return self.default_id
-        return next((i for i, s in self.slots.items() if _serves(s, serves)), self.default_id)
+        order = [self.default_id, *(i for i in self.slots if i != self.default_id)]
+        fits = [i for i in order if _serves(self.slots[i], serves)]
+        if serves in ENCODER_TASKS and len(fits) > 1:
+            ranks = serves == "rerank"
+            best = (i for i in fits if _ranks(self.slots[i].offer.path) == ranks)
+            return next(best, fits[0])
+        return fits[0] if fits else self.default_id
 
     def loaded(self) -> list[Slot]:
         return [s for s in self.slots.values() if s.state == LOADED]
@@ -118,8 +127,9 @@ class ModelRegistry:
         self, model_id: str, keep_alive: float | None = None, serves: str | None = "chat"
     ) -> Slot:
         """Lease the model for a request, loading it first if need be. ``serves``: what the
-        request needs, "chat" (text generation) or "embedding" (embeddings and rerank); a
-        model of the other kind is a 400 before anything loads; None: any model."""
+        request needs, "chat" (text generation), "embedding" or "rerank" (an embedding-kind
+        model; without ``model_id`` the first embedder or reranker); a model of the other
+        kind is a 400 before anything loads; None: any model."""
         slot = self.slot(model_id, serves)
         if serves is not None:
             _check_serves(slot, serves)
@@ -280,8 +290,19 @@ class ModelRegistry:
                 slot.parts.engine.shutdown(timeout)
 
 
+ENCODER_TASKS = ("embedding", "rerank")  # what a request may need of an embedding-kind model
+
+
 def _serves(slot: Slot, serves: str) -> bool:
-    return (slot.offer.kind == "embedding") == (serves == "embedding")
+    return (slot.offer.kind == "embedding") == (serves in ENCODER_TASKS)
+
+
+@functools.lru_cache(maxsize=256)
+def _ranks(path: str) -> bool:
+    """Whether the encoder model at ``path`` is a reranker (read once per path)."""
+    from mlx_server.models.embedding import ranks_documents
+
+    return ranks_documents(Path(path))
 
 
 def _check_serves(slot: Slot, serves: str) -> None:

@@ -19,6 +19,7 @@ from mlx_server.protocols.openai.embeddings.schemas import (
 )
 from mlx_server.registry.lease import Models
 from mlx_server.server.collect import collect
+from mlx_server.server.http import Lease
 
 Body = TypeVar("Body", bound=EncoderBody)
 # The body's JSON answer from the service (raising what refuses the body).
@@ -26,21 +27,25 @@ Answer = Callable[[Body, EmbeddingService], Awaitable[dict[str, Any]]]
 
 
 def embeddings_router(models: Models) -> APIRouter:
-    return _router(("/v1/embeddings", "/embeddings"), EmbeddingRequest, _embed, models)
+    paths = ("/v1/embeddings", "/embeddings")
+    return _router(paths, EmbeddingRequest, _embed, models.encoder)
 
 
 def rerank_router(models: Models) -> APIRouter:
-    return _router(("/v1/rerank", "/rerank"), RerankRequest, _rerank, models)
+    return _router(("/v1/rerank", "/rerank"), RerankRequest, _rerank, models.reranker)
 
 
 def _router(
-    paths: tuple[str, ...], schema: type[Body], answer: Answer[Body], models: Models
+    paths: tuple[str, ...],
+    schema: type[Body],
+    answer: Answer[Body],
+    lease: Lease[EmbeddingService],
 ) -> APIRouter:
-    """POST ``paths``: ``answer`` each parsed body with the embedding model it names."""
+    """POST ``paths``: ``answer`` each parsed body with the model it names (``lease``)."""
     router = APIRouter()
 
     async def route(request: Request) -> Response:
-        return await collect(request, schema, models.encoder, answer)
+        return await collect(request, schema, lease, answer)
 
     for path in paths:
         router.add_api_route(path, route, methods=["POST"])
