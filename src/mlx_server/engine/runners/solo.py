@@ -85,9 +85,9 @@ class SoloSequence(ChunkedPrefill):
         self._others = [p for p in self.processors if found is None or p is not found.listed]
         self._sampled = False  # a first token: from now on a grammar is stepped, not called
         self._beside = fill_beside and self._grammar is not None
-        # the worker's copy of the token the next step feeds, launched with it (``_decode``)
+        # the worker's copy of the token the next step feeds (made by ``_forward``, launched
+        # with the token by ``_queue_step``)
         self._probe: mx.array | None = None
-        self._made_probe: mx.array | None = None
         self._max_tokens = job.request.max_tokens
         self._eos = set(eos)
         self._context: TokenBuffer | None = None  # the processors' view: prompt + generated
@@ -121,9 +121,8 @@ class SoloSequence(ChunkedPrefill):
     def _queue_step(self) -> None:
         """Queue the step just built: its sample and, for the worker, the sample's copy."""
         assert self._next is not None
-        made, self._made_probe = self._made_probe, None
-        mx.async_eval(*_arrays(self._next), *([made] if made is not None else []))
-        self._probe = made
+        probe = [self._probe] if self._probe is not None else []
+        mx.async_eval(*_arrays(self._next), *probe)
 
     @property
     def top_logprobs(self) -> int:
@@ -167,7 +166,7 @@ class SoloSequence(ChunkedPrefill):
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         token = self.sampler(logprobs)
         if self._beside:
-            self._made_probe = mx.stop_gradient(token)
+            self._probe = mx.stop_gradient(token)
         row = logprobs.squeeze(0)
         picked = pick(row, token, self._top_k) if self._top_k >= 0 else None
         return token, row, picked
