@@ -149,6 +149,65 @@ def test_a_lazy_compiler_compiles_as_one_that_wrapped_the_tokenizer_at_once(tiny
     assert a.matcher.compute_bitmask() == b.matcher.compute_bitmask()
 
 
+def test_a_lazy_compiler_prepared_ahead_wraps_once_and_caches_nothing(tiny_tokenizer, monkeypatch):
+    """``prepare`` (the engine's idle time) does what a first constrained request would
+    wait for; the request then wraps nothing and finds the cache as it was."""
+    from mlx_server.engine.grammar import constraints
+
+    wraps: list[object] = []
+    real = constraints.llguidance.hf.from_tokenizer
+    monkeypatch.setattr(
+        constraints.llguidance.hf,
+        "from_tokenizer",
+        lambda *a, **k: (wraps.append(a), real(*a, **k))[1],
+    )
+    lazy = ConstraintCompiler(tiny_tokenizer, lazy=True)
+    assert wraps == []
+    lazy.prepare()
+    assert len(wraps) == 1 and lazy.hits == lazy.misses == 0
+    spec = ConstraintSpec.json_object()
+    got = lazy.processor(spec)
+    want = ConstraintCompiler(tiny_tokenizer).processor(spec)
+    assert len(wraps) == 2  # the second: the eager compiler's own
+    assert lazy.misses == 1 and got.matcher.compute_bitmask() == want.matcher.compute_bitmask()
+
+
+def test_idle_work_runs_on_the_engine_thread_after_readiness_and_a_failure_only_logs(
+    lm, monkeypatch
+):
+    from mlx_server.engine.core import warming
+
+    model, tokenizer = lm
+    lines: list[str] = []
+    monkeypatch.setattr(warming, "log", lines.append)
+    ran: list[str] = []
+
+    def fails() -> None:
+        raise RuntimeError("no vocabulary")
+
+    engine = text_engine(model, tokenizer, EngineConfig(max_batch_size=2, warm_idle_s=0.0))
+    engine.when_idle("a failing piece", fails)
+    engine.when_idle("a piece", lambda: ran.append(threading.current_thread().name))
+    assert engine.warming_up  # left for idle time (no warm-up plan on this host)
+    engine.start()
+    try:
+        assert engine.wait_ready(60)
+        deadline = time.monotonic() + 60
+        while engine.warming_up and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert not engine.warming_up
+        assert ran == ["mlx-engine"]
+        failed = [x for x in lines if x.startswith("Idle-time preparation of a failing piece")]
+        assert failed == [
+            "Idle-time preparation of a failing piece failed: RuntimeError: no vocabulary"
+        ]
+        assert any(x.startswith("Idle time: a piece ready in ") for x in lines), lines
+        done = asyncio.run(_generate(engine, tokenizer.encode("Hello there")))
+        assert done.reason == "length" and done.usage.completion_tokens == 5
+    finally:
+        engine.shutdown()
+
+
 def test_a_slow_tokenizer_is_refused_at_once_even_by_a_lazy_compiler():
     class Slow:
         eos_token_id = 0

@@ -350,6 +350,21 @@ def test_an_agent_session_stays_cached(
     assert cached[1] >= wanted[0] and cached[2] >= wanted[1], (cached, wanted)
 
 
+def test_every_model_s_structured_output_is_prepared_in_idle_time(matrix: ServerProcess) -> None:
+    """Each model's grammar tokenizer is wrapped while its engine is idle after the
+    readiness line (a first json_schema request does not wait for it), once per model."""
+    line = "Idle time: structured output's tokenizer ready"
+
+    def prepared() -> list[str]:
+        return [x for x in matrix.lines if line in x]
+
+    deadline = time.monotonic() + DEADLINE
+    while len(prepared()) < len(FAMILY_NAMES):
+        assert time.monotonic() < deadline, prepared()
+        time.sleep(0.05)
+    assert len(prepared()) == len(FAMILY_NAMES)
+
+
 def test_no_server_errors_across_the_matrix(matrix: ServerProcess) -> None:
     """Last: nothing the matrix sent made the server log an error or a traceback."""
     assert httpx.get(matrix.base_url + "/health").json()["status"] == "ok"

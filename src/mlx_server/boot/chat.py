@@ -119,13 +119,16 @@ def load_chat_model(
         lockstep=sharded.lead() if sharded is not None else None,
     )
     engine = _engine(loaded, settings, model, config, vision, observer)
+    constraints = _constraint_compiler(loaded.tokenizer)
+    if constraints is not None:  # ready before a first json_schema request, not in its time
+        engine.when_idle("structured output's tokenizer", constraints.prepare)
     service = ChatService(
         loaded.model_id,
         loaded.tokenizer,
         engine,
         ctx_size=settings.ctx_size,
         tool_call_parser=settings.tool_call_parser,
-        constraints=_constraint_compiler(loaded.tokenizer),
+        constraints=constraints,
         vision=_vision_prompt_builder(loaded, settings) if vision else None,
         capabilities=loaded.capabilities,
         trained_ctx=trained_context(loaded.config),

@@ -125,6 +125,11 @@ class Engine(OwnerThread):
         """Cancel one request by id, or every queued and running one. Returns how many."""
         return self._sched.cancel(request_id)
 
+    def when_idle(self, what: str, piece: Callable[[], object]) -> None:
+        """Host work for idle time after the warm-up (``Warming.when_idle``). From any
+        thread."""
+        self._warming.when_idle(what, piece)
+
     @property
     def warming_up(self) -> bool:
         """Whether warm-up pieces are left for idle time (benchmarks wait for them)."""

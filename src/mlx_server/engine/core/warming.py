@@ -43,10 +43,18 @@ class Warming:
         self.logits_dtype: Any = None
         # the engine said it was ready before its first token was (``before_serving``)
         self.ready_early = False
+        # host work for idle time after the plan's pieces (``when_idle``)
+        self._idle: list[tuple[str, Callable[[], object]]] = []
 
     @property
     def pending(self) -> bool:
-        return self._plan is not None
+        return self._plan is not None or bool(self._idle)
+
+    def when_idle(self, what: str, piece: Callable[[], object]) -> None:
+        """Run ``piece`` in idle time once the warm-up's own pieces are done: host work a
+        first request would otherwise wait for (structured output's tokenizer, say). Its
+        failure is logged; serving goes on (the first use does it again)."""
+        self._idle.append((what, piece))
 
     def before_serving(self, budget: float, ready: Callable[[], None] | None = None) -> str:
         """Warm up as far as ``budget`` seconds allow (unbounded: all of it); returns why
@@ -141,11 +149,14 @@ class Warming:
         if self._plan is not None:
             self._plan.close()
             self._plan = None
+        self._idle.clear()
 
     def later(self) -> None:
         """One piece of the warm-up left for idle time."""
         plan = self._plan
         if plan is None:
+            if self._idle:
+                self._run_idle(*self._idle.pop(0))
             return
         try:
             secs = plan.step()
@@ -162,6 +173,15 @@ class Warming:
         if not plan.pending:
             self._plan = None
             log(f"Warm-up: done while idle ({plan.spent:.1f}s in all)")
+
+    def _run_idle(self, what: str, piece: Callable[[], object]) -> None:
+        t0 = time.perf_counter()
+        try:
+            piece()
+        except Exception as e:
+            log(f"Idle-time preparation of {what} failed: {faults.describe(e)}")
+            return
+        log(f"Idle time: {what} ready in {time.perf_counter() - t0:.2f}s")
 
 
 def _cold_line(plan: WarmUp, first_s: float) -> str:

@@ -53,6 +53,14 @@ __all__ = [
 ]
 
 
+# the schema ``ConstraintCompiler.prepare`` builds: an object, a string, a number, an array
+_PREPARE_SCHEMA = {
+    "type": "object",
+    "properties": {"a": {"type": "string"}, "b": {"type": "array", "items": {"type": "number"}}},
+    "required": ["a"],
+}
+
+
 class ConstraintCompiler:
     """Compiles specs for one tokenizer and hands out per-sequence processors.
 
@@ -115,6 +123,14 @@ class ConstraintCompiler:
                     self._vocab = {str(k): v for k, v in self._hf.get_vocab().items()}
                     self._wrapped = wrapped
         return self._wrapped
+
+    def prepare(self) -> None:
+        """What a first constrained request would otherwise wait for, done ahead (a lazy
+        compiler, in the engine's idle time): llguidance's view of the tokenizer, and one
+        small schema built and checked (the schema checker's and grammar builder's first
+        use). The built matcher is not cached: the cache holds what requests asked for."""
+        _ = self._tokenizer
+        self._build(ConstraintSpec.json_schema(_PREPARE_SCHEMA))
 
     def processor(
         self, spec: ConstraintSpec, *, activate_after: Sequence[int] | None = None
