@@ -295,6 +295,7 @@ class Bench:
         self.send_stream_usage = True
         self.notes: list[str] = []
         self.cpu = ServerCPU(args.server_pid)
+        self.settled_s: float | None = None  # the wait for the idle-time warm-up (``settle``)
 
     async def close(self) -> None:
         await self.client.aclose()
@@ -547,6 +548,7 @@ class Bench:
             "ignore_eos_sent": self.send_ignore_eos,
             "stream_usage_requested": self.send_stream_usage,
             "client": self.args.client,
+            "idle_warm_up_wait_s": self.settled_s,
         }
 
     async def warmup(self) -> None:
@@ -557,6 +559,29 @@ class Bench:
             if not r["ok"]:
                 raise SystemExit(f"warm-up failed: {r.get('error')}")
         log(f"warm-up done ({self.args.warmup} requests)")
+
+    async def settle(self) -> None:
+        """Wait, ``--settle-s`` at most, until the server has nothing left for its idle time
+        (our ``/health``'s ``warming_up``; a server without it: at once), so that no round
+        meets a warm-up piece (on a cold CUDA kernel cache one takes seconds)."""
+        root = self.base[: -len("/v1")] if self.base.endswith("/v1") else self.base
+        t0 = time.perf_counter()
+        while True:
+            try:
+                r = await self.client.get(root + "/health")
+                body = r.json() if r.status_code == 200 else {}
+                busy = isinstance(body, dict) and body.get("warming_up") is True
+            except (httpx.HTTPError, ValueError):
+                busy = False
+            waited = time.perf_counter() - t0
+            if not busy:
+                break
+            if waited >= self.args.settle_s:
+                self.notes.append(f"still warming up after {waited:.0f}s of waiting")
+                break
+            await asyncio.sleep(0.1)
+        self.settled_s = waited if not busy else None
+        log(f"idle-time warm-up: settled after {waited:.1f}s")
 
     # --------------------------------------------------------------- scenarios
     async def sc_single(self) -> dict:
@@ -954,6 +979,7 @@ async def amain(args: argparse.Namespace) -> int:
         for s in wanted:
             if s != "burst" and not warmed:
                 await b.warmup()
+                await b.settle()
                 warmed = True
             t0 = time.perf_counter()
             res = await getattr(b, f"sc_{s}")()
@@ -1029,6 +1055,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--nonstream-repeats", type=int, default=5)
     p.add_argument("--nonstream-max-tokens", type=int, default=8)
     p.add_argument("--warmup", type=int, default=1)
+    p.add_argument(
+        "--settle-s",
+        type=float,
+        default=60.0,
+        help="after the warm-up requests, wait this long at most for the server's idle-time "
+        "warm-up to end (/health's warming_up)",
+    )
     p.add_argument(
         "--constrained-rounds",
         type=int,

@@ -354,6 +354,11 @@ def test_every_model_s_structured_output_is_prepared_in_idle_time(matrix: Server
     """Each model's grammar tokenizer is wrapped while its engine is idle after the
     readiness line (a first json_schema request does not wait for it), once per model."""
     line = "Idle time: structured output's tokenizer ready"
+    for name in FAMILY_NAMES:  # every model loaded (a model loads on its first request)
+        r = httpx.post(
+            matrix.base_url + "/v1/chat/completions", json=chat_body(name, 1), timeout=120
+        )
+        assert r.status_code == 200, r.text
 
     def prepared() -> list[str]:
         return [x for x in matrix.lines if line in x]
@@ -363,6 +368,10 @@ def test_every_model_s_structured_output_is_prepared_in_idle_time(matrix: Server
         assert time.monotonic() < deadline, prepared()
         time.sleep(0.05)
     assert len(prepared()) == len(FAMILY_NAMES)
+    models = httpx.get(matrix.base_url + "/health", timeout=10).json()["models"]
+    assert {name: m["warming_up"] for name, m in models.items()} == dict.fromkeys(
+        FAMILY_NAMES, False
+    )
 
 
 def test_no_server_errors_across_the_matrix(matrix: ServerProcess) -> None:

@@ -100,6 +100,8 @@ def test_every_script_writes_its_lines(results):
 def test_the_new_scenarios_report_what_they_promise(results):
     out = results
     got = rows(out)
+    (single,) = [r for r in got if r["scenario"] == "single"]
+    assert single["idle_warm_up_wait_s"] >= 0  # measured once the idle-time work was done
     (long_ctx,) = [r for r in got if r["scenario"] == "long_ctx"]
     assert [t["turn"] for t in long_ctx["turns"]] == [1, 2, 3]
     assert long_ctx["turns"][2]["cached_tokens"] > long_ctx["turns"][0]["prompt_tokens"] // 2

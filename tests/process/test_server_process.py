@@ -123,6 +123,22 @@ def test_health_answers_during_generation(e2e_server):
         time.sleep(0.02)
 
 
+def test_health_says_when_the_idle_time_work_is_done(e2e_server):
+    """``warming_up`` turns false once the engine has done what it left for idle time (here
+    structured output's tokenizer, which the log names); a json_schema request then runs."""
+    url = e2e_server.base_url
+    e2e_server.wait_for_line("Idle time: structured output's tokenizer ready", timeout=60)
+    deadline = time.monotonic() + 60
+    while (health := httpx.get(url + "/health", timeout=5).json())["warming_up"]:
+        assert time.monotonic() < deadline, health
+        time.sleep(0.02)
+    assert health["warming_up"] is False and health["status"] == "ok"
+    fmt = {"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "object"}}}
+    body = chat("x", max_tokens=8, temperature=0, response_format=fmt)
+    r = httpx.post(url + "/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+
+
 def test_disconnect_frees_the_slot(e2e_server):
     since = len(e2e_server.lines)
     messages = [{"role": "user", "content": "x"}]

@@ -115,6 +115,9 @@ class OneModel:
             stats = {k: v for k, v in engine.stats().items() if isinstance(v, int)}
             return {"status": "ok", **stats, **counts}
         body: dict[str, Any] = {"status": "ok", **counts, **service.context_info()}
+        # work left for idle time (warm-up pieces, structured output's tokenizer): a request
+        # arriving while a piece runs waits for it (benchmarks wait for false)
+        body["warming_up"] = bool(getattr(engine, "warming_up", False))
         if error := getattr(engine, "start_error", ""):  # failed after the readiness line
             body.update(status="error", error=f"the model cannot serve: {error}")
         body.update({k: v for k, v in engine.stats().items() if k.startswith(_HEALTH_STATS)})
@@ -198,6 +201,8 @@ def _slot_health(slot: Slot) -> dict[str, Any]:
         out.update(
             active=engine.active_count, queued=engine.queue_depth, memory_bytes=slot.memory_bytes
         )
+        if hasattr(engine, "warming_up"):  # a chat model's engine (``OneModel.health``)
+            out["warming_up"] = bool(engine.warming_up)
         out.update({k: v for k, v in engine.stats().items() if k in _DISK_STATE})
     return out
 
