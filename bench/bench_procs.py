@@ -109,6 +109,21 @@ class Server:
             time.sleep(0.5)
         raise RuntimeError(f"{self.kind} server did not become ready")
 
+    def settle(self, timeout: float = 60) -> float:
+        """Wait until the server has nothing left for its idle time (our ``/health``'s
+        ``warming_up``; mlx_lm.server: at once), so that no measured request meets a
+        warm-up piece; the seconds waited."""
+        t0 = time.time()
+        while time.time() - t0 < timeout:
+            try:
+                body = httpx.get(f"{self.base}/health", timeout=5).json()
+            except (httpx.HTTPError, ValueError):
+                break
+            if not (isinstance(body, dict) and body.get("warming_up") is True):
+                break
+            time.sleep(0.1)
+        return time.time() - t0
+
     def peak_rss_mb(self) -> float | None:
         return peak_rss_mb(self.proc.pid) if self.proc else None
 

@@ -220,6 +220,8 @@ class running:
                 system.run(warm_up, 8)
             else:
                 stream_chat(system.base, warm_up, 8)
+        for server in servers.values():  # and the idle-time warm-up is over
+            server.settle()
         return self.systems, servers
 
     def __exit__(self, *exc: Any) -> None:
