@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from clients import wait_until
 from engine_runner import text_engine
 
 from mlx_server.engine.core.engine import Engine, EngineConfig
@@ -192,10 +193,7 @@ def test_idle_work_runs_on_the_engine_thread_after_readiness_and_a_failure_only_
     engine.start()
     try:
         assert engine.wait_ready(60)
-        deadline = time.monotonic() + 60
-        while engine.warming_up and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert not engine.warming_up
+        assert wait_until(lambda: not engine.warming_up, "the idle-time work", timeout=60)
         assert ran == ["mlx-engine"]
         failed = [x for x in lines if x.startswith("Idle-time preparation of a failing piece")]
         assert failed == [
