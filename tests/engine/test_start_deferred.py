@@ -1,6 +1,7 @@
 """What the start leaves for after the readiness line: the warm-up's batch sizes above one
 (run while the engine is idle, a request served meanwhile) and the grammar compiler's
-wrapping of the tokenizer (done by the first compile)."""
+wrapping of the tokenizer (in the engine's idle time, ``Engine.when_idle``, or by the first
+compile)."""
 
 from __future__ import annotations
 

@@ -253,7 +253,8 @@ def _vision_prompt_builder(loaded: Any, settings: Settings) -> Any:
 def _constraint_compiler(tokenizer: Any) -> Any:
     """The grammar compiler for structured output, or None when the tokenizer can't have one."""
     try:
-        return ConstraintCompiler(tokenizer, lazy=True)  # wrapped by the first constrained request
+        # wrapped in the engine's idle time (``prepare``), or by a constrained request before it
+        return ConstraintCompiler(tokenizer, lazy=True)
     except ConstraintError as e:
         log(f"Structured output is unavailable for this model: {e}")
         return None

@@ -81,8 +81,9 @@ class ConstraintCompiler:
         """``lazy``: wrap the tokenizer in the first ``compile`` instead of here. Wrapping
         takes a second or more on a large vocabulary and holds the interpreter lock all
         along (tokenizers' and llguidance's native code), so it cannot overlap other start
-        work; a server that starts lazily is ready that much sooner, and its first
-        constrained request pays it once. A slow tokenizer is refused here either way."""
+        work; a server that starts lazily is ready that much sooner, and does it in its
+        idle time (``prepare``) or in the first constrained request, whichever comes first.
+        A slow tokenizer is refused here either way."""
         hf_tokenizer = getattr(tokenizer, "_tokenizer", tokenizer)
         eos = eos_token_ids or getattr(tokenizer, "eos_token_ids", None)
         if not eos and hf_tokenizer.eos_token_id is not None:
