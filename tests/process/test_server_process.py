@@ -125,9 +125,11 @@ def test_health_answers_during_generation(e2e_server):
 
 def test_health_says_when_the_idle_time_work_is_done(e2e_server):
     """``warming_up`` turns false once the engine has done what it left for idle time (here
-    structured output's tokenizer, which the log names); a json_schema request then runs."""
+    structured output's tokenizer and the chat template's probe, which the log names); a
+    json_schema request then runs."""
     url = e2e_server.base_url
     e2e_server.wait_for_line("Idle time: structured output's tokenizer ready", timeout=60)
+    e2e_server.wait_for_line("Idle time: the chat template ready", timeout=60)
     deadline = time.monotonic() + 60
     while (health := httpx.get(url + "/health", timeout=5).json())["warming_up"]:
         assert time.monotonic() < deadline, health

@@ -11,6 +11,7 @@ import pytest
 from support import start_in_process
 from tiny_model import build_tokenizer
 
+from mlx_server.models.chat_template import load_chat_template
 from mlx_server.models.system_turns import (
     fold_late_system_messages,
     has_late_system,
@@ -64,10 +65,39 @@ def rejecting_tokenizer(tmp_path_factory):
 
 
 def test_probe_tells_templates_apart(tmp_path, tiny_tokenizer, rejecting_tokenizer):
+    dropping = tokenizer_with(tmp_path / "drop", DROPPING)
+    hoisting = tokenizer_with(tmp_path / "hoist", HOISTING)
     assert renders_system_in_place(tiny_tokenizer)  # ChatML renders every turn as it comes
     assert not renders_system_in_place(rejecting_tokenizer)
-    assert not renders_system_in_place(tokenizer_with(tmp_path / "drop", DROPPING))
-    assert not renders_system_in_place(tokenizer_with(tmp_path / "hoist", HOISTING))
+    assert not renders_system_in_place(dropping)
+    assert not renders_system_in_place(hoisting)
+    # through the model's probed template, as its requests render: the same answers
+    for tokenizer, in_place in (
+        (tiny_tokenizer, True),
+        (rejecting_tokenizer, False),
+        (dropping, False),
+        (hoisting, False),
+    ):
+        template = load_chat_template(tokenizer)
+        assert template is not None
+        assert renders_system_in_place(tokenizer, template) is in_place
+
+
+def test_the_probe_renders_with_the_template_requests_render_with(tiny_tokenizer):
+    """A template whose requests render in the server's own environment is probed there
+    (its compiled form is the one requests use), not through the tokenizer's."""
+    template = load_chat_template(tiny_tokenizer)
+    assert template is not None
+    probed: list[list[dict]] = []
+    render = template.render
+
+    def recording(messages, **kwargs):
+        probed.append(messages)
+        return render(messages, **kwargs)
+
+    template.render = recording  # type: ignore[method-assign]
+    assert renders_system_in_place(tiny_tokenizer, template)
+    assert [m["role"] for m in probed[0]].count("system") == 3
 
 
 def test_fold_keeps_the_order_and_merges_turns_that_meet():

@@ -134,6 +134,7 @@ def load_chat_model(
         trained_ctx=trained_context(loaded.config),
         history_ends=not vision and settings.prompt_cache_size > 0 and needs_checkpoints(model),
     )
+    engine.when_idle("the chat template", service.prepare_template)
     log(
         f"KV budget: {kv_budget // (1 << 20)}MB, max batch size {batch}, prefix cache "
         f"{engine.config.prompt_cache_bytes // (1 << 20)}MB"

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from mlx_server.models.chat_template import ChatTemplate
+
 # A conversation with a system message first, after a user turn, and last: the places
 # Anthropic's and OpenAI's APIs allow one. Each text is a marker found in the rendered prompt.
 _PROBE = (
@@ -24,12 +26,18 @@ _PROBE = (
 )
 
 
-def renders_system_in_place(tokenizer: Any) -> bool:
+def renders_system_in_place(tokenizer: Any, template: ChatTemplate | None = None) -> bool:
     """True if the chat template renders every system message of the probe conversation,
-    in order, where it stands (no error, none dropped or moved)."""
+    in order, where it stands (no error, none dropped or moved). ``template``: the model's
+    probed template, which renders its requests (else the tokenizer renders them)."""
     messages = [{"role": role, "content": text} for role, text in _PROBE]
     try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        if template is not None:
+            text = template.render(messages, add_generation_prompt=True)
+        else:
+            text = tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=False
+            )
     except Exception:  # raise_exception() in the template, or any other refusal
         return False
     if not isinstance(text, str):

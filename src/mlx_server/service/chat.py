@@ -110,10 +110,16 @@ class ChatService:
     @functools.cached_property
     def system_in_place(self) -> bool:
         """Whether the chat template renders system messages after the first turn in place."""
-        in_place = renders_system_in_place(self.tokenizer)
+        in_place = renders_system_in_place(self.tokenizer, self.chat_template)
         if not in_place:
             log("Chat template takes a system message only first: later ones are folded into it")
         return in_place
+
+    def prepare_template(self) -> None:
+        """Probe the chat template ahead of the first request (in the engine's idle time):
+        compiling a large template and rendering the probe conversation cost a first request
+        tens of milliseconds otherwise (the compiled template is cached for every render)."""
+        _ = self.system_in_place
 
     def template_messages(self, chat: ChatRequest) -> list[dict[str, Any]]:
         """The messages as the template gets them: later system messages folded if need be."""
