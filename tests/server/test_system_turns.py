@@ -11,7 +11,7 @@ import pytest
 from support import start_in_process
 from tiny_model import build_tokenizer
 
-from mlx_server.models.chat_template import load_chat_template
+from mlx_server.models.chat_template import ChatTemplate, load_chat_template
 from mlx_server.models.system_turns import (
     fold_late_system_messages,
     has_late_system,
@@ -226,3 +226,12 @@ def test_a_template_without_a_system_role_gets_the_system_text_in_the_first_user
         assert prompt.index("You are an agent.") < prompt.index("What does a.py print?")
     finally:
         srv.stop()
+
+
+def test_a_template_that_needs_the_server_s_variables_is_probed_with_them():
+    """Firefunction v2's template reads ``functions`` and ``datetime``, which the server's
+    template supplies and a bare render does not: probed through the server's template, its
+    system turns are seen rendered in place (a bare render raised, which read as "fold")."""
+    source = Path(__file__).parents[1] / "data/templates/fireworks-ai-llama-3-firefunction-v2.jinja"
+    template = ChatTemplate({"default": source.read_text()}, {"bos_token": "<s>"})
+    assert renders_system_in_place(None, template)
