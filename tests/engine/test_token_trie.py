@@ -1,6 +1,6 @@
 """The prefix cache's trie answers as mlx-lm's ``PromptTrie`` does (random adds, pops, prefix
 pops and searches side by side), without walking what is stored below a prompt's parting
-point."""
+point, and with a node per branch and entry rather than per token."""
 
 from __future__ import annotations
 
@@ -26,8 +26,12 @@ def _same(ours, theirs, trie: TokenTrie, tokens: list[int]) -> None:
         trie.get("m", ours.longer)  # an entry
 
 
-@pytest.mark.parametrize("seed", range(6))
-def test_random_operations_agree_with_mlx_lm(seed):
+# (seed, tokens, longest new run): short runs over six tokens meet at every place; long runs
+# over three part inside long runs, split them and join them again.
+@pytest.mark.parametrize(
+    "seed,alphabet,run", [(s, 5, 8) for s in range(8)] + [(s, 2, 40) for s in range(4)]
+)
+def test_random_operations_agree_with_mlx_lm(seed, alphabet, run):
     rng = random.Random(seed)
     ours, theirs = TokenTrie(), PromptTrie()
     stored: list[list[int]] = []
@@ -36,8 +40,8 @@ def test_random_operations_agree_with_mlx_lm(seed):
         if stored and rng.random() < 0.6:  # share a prefix with a stored one
             base = rng.choice(stored)
             cut = rng.randint(0, len(base))
-            return base[:cut] + [rng.randint(0, 5) for _ in range(rng.randint(0, 6))]
-        return [rng.randint(0, 5) for _ in range(rng.randint(0, 8))]
+            return base[:cut] + [rng.randint(0, alphabet) for _ in range(rng.randint(0, run - 2))]
+        return [rng.randint(0, alphabet) for _ in range(rng.randint(0, run))]
 
     for _ in range(400):
         op = rng.random()
@@ -78,6 +82,32 @@ def test_missing_entries_raise_key_error_as_mlx_lm_does():
     assert ours.search("m", [1, 2, 3]).longer is None  # nothing left below the root
 
 
+def _nodes(node) -> int:
+    return 1 + sum(_nodes(c) for c in node.children.values())
+
+
+def test_a_long_entry_is_one_node_and_its_turns_replace_each_other():
+    """An agent session's turns: each stored turn extends the last, whose entry goes
+    (``pop_prefixes``); the trie keeps a node per entry and branch, never per token."""
+    rng = random.Random(1)
+    ours = TokenTrie()
+    turn = [rng.randint(0, 50_000) for _ in range(32_000)]
+    assert ours.add("m", turn, 0) is None
+    assert _nodes(ours._roots["m"]) == 2
+    for i in range(1, 4):
+        longer = turn + [rng.randint(0, 50_000) for _ in range(500)]
+        ours.add("m", longer, i)
+        assert _nodes(ours._roots["m"]) == 3  # the old turn's end is a branch point for now
+        assert ours.pop_prefixes("m", longer) == [(len(turn), i - 1)]
+        assert _nodes(ours._roots["m"]) == 2  # joined again
+        assert ours.get("m", longer) == i
+        res = ours.search("m", longer[:-10] + [7])
+        assert res.longer == longer and res.common_prefix == len(longer) - 10
+        turn = longer
+    assert ours.pop("m", turn) == 3
+    assert _nodes(ours._roots["m"]) == 1
+
+
 def test_a_search_does_not_walk_the_stored_conversations_below_a_shared_prefix(monkeypatch):
     """Sixty stored sessions of 2,000 tokens after one system prompt: a new session's
     search parts at the system prompt; mlx-lm's walks all 120,000 nodes below it."""
@@ -90,7 +120,8 @@ def test_a_search_does_not_walk_the_stored_conversations_below_a_shared_prefix(m
         theirs.add("m", tokens, i)
     prompt = system + [999, 7, 8]
     steps = []
-    monkeypatch.setattr(trie, "min", lambda *a, **k: steps.append(1) or min(*a, **k), raising=False)
+    common = trie._common
+    monkeypatch.setattr(trie, "_common", lambda *a: steps.append(1) or common(*a))
     t = time.perf_counter()
     res = ours.search("m", prompt)
     ours_s = time.perf_counter() - t
@@ -100,5 +131,6 @@ def test_a_search_does_not_walk_the_stored_conversations_below_a_shared_prefix(m
     _same(res, ref, ours, prompt)
     assert res.common_prefix == len(system)
     assert len(res.longer) == len(system) + 2001
-    assert len(steps) == 2001  # one step down per token of the entry, none across sessions
+    assert len(steps) == 1  # the system prompt's run compared once; no session walked
+    assert _nodes(ours._roots["m"]) == 1 + 1 + 60  # the root, the system prompt, the sessions
     print(f"search: ours {ours_s * 1e3:.2f} ms, mlx-lm {theirs_s * 1e3:.2f} ms")
