@@ -55,6 +55,7 @@ ENGINE_CALLS = [
     ("engine._drop_cancelled", f"{_CORE}.endings", "Endings", "cancelled"),
     ("engine._finish", f"{_CORE}.endings", "Endings", "finish"),
     ("engine.deliver_token", f"{_CORE}.endings", "", "deliver_token"),
+    ("prefixes.keep", f"{_CORE}.prefixes", "Prefixes", "keep"),
     ("engine.flush", f"{_CORE}.handle", "Outbox", "flush"),
     ("handle.push", f"{_CORE}.handle", "GenerationHandle", "push"),
 ]
