@@ -56,6 +56,10 @@ ENGINE_CALLS = [
     ("engine._finish", f"{_CORE}.endings", "Endings", "finish"),
     ("engine.deliver_token", f"{_CORE}.endings", "", "deliver_token"),
     ("prefixes.keep", f"{_CORE}.prefixes", "Prefixes", "keep"),
+    # of it: the trie and the entry's bookkeeping, evictions, the memory budget's check
+    ("prefix_cache.insert", "mlx_server.engine.cache.prefix", "PrefixCache", "insert_cache"),
+    ("prefix_cache.evict", "mlx_server.engine.cache.prefix", "PrefixCache", "_evict"),
+    ("memory.after_insert", f"{_CORE}.memory", "MemoryBudget", "_after_insert"),
     ("engine.flush", f"{_CORE}.handle", "Outbox", "flush"),
     ("handle.push", f"{_CORE}.handle", "GenerationHandle", "push"),
 ]
