@@ -24,6 +24,9 @@
 #      figure: mlx_lm.server's /health answers before its model is loaded); it warms the server before the burst.
 #      A server named ours512 is ours with --prefill-step-size 512, ourspl ours with --prompt-lookup, oursrows ours with
 #      4-bit matmuls over 8-32 rows in pieces of 7 (serve_split_rows.py: a measurement).
+#      DISK_EVICTIONS=1: disk_evictions.py (no HTTP): two engines with a RAM tier of 2 entries, one with a disk
+#      tier, the same bursts of distinct ~400-token prompts at 8 and 32 streams: what handing evicted entries
+#      to the disk tier costs the step loop (each save's arrays are evaluated on the engine's thread).
 #      FRESH_KERNELS=1: each server starts on an empty MLX kernel cache (PTX=/tmp/ptx/<server>-<model>), so
 #      that readiness and the first answer compare cold against cold (about a minute more per model on 8B).
 set -u
@@ -33,7 +36,7 @@ T=$OUT/logs; mkdir -p $T
 MODELS=${MODELS:-"1b:4 1b:0 8b:4"}; LEVELS=${LEVELS:-1,8,32}; SERVERS=${SERVERS-"ours mlxlm"}
 SRC=${SRC:-$([ -d $K/src/mlx_server ] && echo $K/src || echo $PWD/src)}; OURS_ARGS=${OURS_ARGS:-}; BENCH=${BENCH:-$K}; PROFILE=${PROFILE:-1b-0}; LAYERS=${LAYERS:-1}
 LAYERS_ARGS=${LAYERS_ARGS:-}; LAYERS_ONLY=${LAYERS_ONLY:-}; SCEN=${SCEN:-burst,single,concurrency,prefix}
-VARIANTS=${VARIANTS:-0}; CONSTRAINED=${CONSTRAINED:-0}; CONSTRAINED_ENGINE=${CONSTRAINED_ENGINE:-0}; LONG_CTX=${LONG_CTX:-}; LONG_SERVERS=${LONG_SERVERS:-"ours mlxlm"}
+DISK_EVICTIONS=${DISK_EVICTIONS:-0}; VARIANTS=${VARIANTS:-0}; CONSTRAINED=${CONSTRAINED:-0}; CONSTRAINED_ENGINE=${CONSTRAINED_ENGINE:-0}; LONG_CTX=${LONG_CTX:-}; LONG_SERVERS=${LONG_SERVERS:-"ours mlxlm"}
 RAW=${RAW:-1}; FRESH_KERNELS=${FRESH_KERNELS:-0}; PTX=${PTX:-/tmp/ptx}
 exec > >(tee -a "$L") 2>&1
 K=$K S=$S bash "$(cd "$(dirname "$0")" && pwd)/install.sh" || exit 1
@@ -92,6 +95,11 @@ for spec in $MODELS; do
     timeout 300 python3 $PWD/bench/constrained_engine.py --model $M --streams 8,32 --modes free,batched,eager \
       --rounds 5 --max-tokens 128 --phases >> $T/constrained-engine-$preset-$bits.log 2>&1
     grep summary $T/constrained-engine-$preset-$bits.log
+  fi
+  if [ "$DISK_EVICTIONS" = 1 ]; then
+    timeout 240 python3 $BENCH/disk_evictions.py --model $M --label "disk $preset-$bits" --levels 8,32 --rounds 5 \
+      --out "$R" > $T/disk-evictions-$preset-$bits.log 2>&1
+    grep '"what":"ratio"' $T/disk-evictions-$preset-$bits.log
   fi
   if [ "$LAYERS" = 1 ] && { [ -z "$LAYERS_ONLY" ] || [[ " $LAYERS_ONLY " == *" $preset-$bits "* ]]; }; then
     timeout 240 python3 $BENCH/layers.py --model $M --label "layers $preset-$bits" --levels "$LEVELS" $LAYERS_ARGS --out "$R" > $T/layers-$preset-$bits.log 2>&1

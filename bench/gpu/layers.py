@@ -196,7 +196,9 @@ def batch_once(model: Any, tok: Any, prompts: list[list[int]], max_tokens: int) 
 # ---- layer 3: the Engine without HTTP ------------------------------------------------------
 
 
-async def engine_once(engine: Any, prompts: list[list[int]], max_tokens: int) -> dict[str, float]:
+async def engine_once(
+    engine: Any, prompts: list[list[int]], max_tokens: int, ignore_eos: bool = False
+) -> dict[str, float]:
     from mlx_server.engine.core.handle import TokenPiece
     from mlx_server.types import GenerationRequest, SamplingParams
 
@@ -218,6 +220,7 @@ async def engine_once(engine: Any, prompts: list[list[int]], max_tokens: int) ->
             prompt_tokens=ids,
             max_tokens=max_tokens,
             sampling=SamplingParams(temperature=0.0),
+            **({"ignore_eos": True} if ignore_eos else {}),
         )
         h = engine.submit(req, loop)
         t_first = 0.0
@@ -311,10 +314,12 @@ async def level(engine: Any, model: Any, tok: Any, a: argparse.Namespace, n: int
     emit(layer="engine", n=n, wall_s=wall / a.rounds, rounds=a.rounds, **row, phases=summary)
 
 
-async def engine_layer(model: Any, tok: Any, a: argparse.Namespace) -> None:
+def make_engine(model: Any, tok: Any, max_batch: int, **extra: Any) -> Any:
+    """An ``Engine`` configured as the server configures one on this device (``extra``: more
+    ``EngineConfig`` fields), not yet started."""
     from mlx_server.engine.core.engine import Engine, EngineConfig
 
-    kw: dict[str, Any] = {"max_batch_size": max(a.levels), "kv_budget_bytes": 64 << 30}
+    kw: dict[str, Any] = {"max_batch_size": max_batch, "kv_budget_bytes": 64 << 30, **extra}
     try:  # the server's device-sized defaults, where this version of the engine has them
         from mlx_server.engine.core.tuning import builds_kernels_on_first_use, default_prefill_step
 
@@ -329,9 +334,13 @@ async def engine_layer(model: Any, tok: Any, a: argparse.Namespace) -> None:
     try:  # the runner start-up builds, where this version of the engine takes one
         from mlx_server.engine.runners.assembly import text_runner
 
-        engine = Engine(model, tok, cfg, runner=text_runner(model, tok, cfg))
+        return Engine(model, tok, cfg, runner=text_runner(model, tok, cfg))
     except ImportError:
-        engine = Engine(model, tok, cfg)
+        return Engine(model, tok, cfg)
+
+
+async def engine_layer(model: Any, tok: Any, a: argparse.Namespace) -> None:
+    engine = make_engine(model, tok, max(a.levels))
     engine.start()
     t_ready = time.perf_counter()
     if hasattr(engine, "wait_ready"):  # an engine that warms up before it serves

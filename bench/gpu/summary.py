@@ -64,6 +64,13 @@ def main(path: str) -> None:
                     print(
                         f"  Engine           prefill {r['prompt_tokens']} tok cold ttft {r['cold_ttft_s']:.3f} s, warm ({r['warm_prompt_tokens']}) {r['warm_ttft_s']:.4f} s"
                     )
+                elif layer == "disk_evictions" and what == "ratio":
+                    q, each = r.get("decode_disk_over_ram_per_round"), r.get("disk_save_ms_each")
+                    vs = f"{q['median']:.2f} ({q['min']:.2f}-{q['max']:.2f})" if q else "-"
+                    ms_each = f"{each:.2f} ms" if each is not None else "-"
+                    print(
+                        f"  disk tier  N={n:<3} decode with / without it per round {vs}; {r['disk_saves']} saves, {ms_each} each on the engine thread"
+                    )
                 elif layer == "engine" and what == "first_burst":
                     print(f"  Engine           first burst N=8 ttft p95 {r['ttft_p95_s']:.3f} s")
                 elif layer == "engine" and n:

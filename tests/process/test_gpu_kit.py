@@ -341,6 +341,31 @@ def test_the_constrained_engine_script_compares_both_masked_orders(tiny_model_di
     assert summary["eager_over_free"] > 0
 
 
+def test_the_disk_evictions_script_compares_the_two_tiers(tiny_model_dir, tmp_path):
+    """``disk_evictions.py``: with a RAM tier of one entry every finishing stream evicts one;
+    the engine with a disk tier hands each to it on its thread (``disk.save``, timed), the
+    other drops them; both take the same rounds and the ratio row compares them."""
+    out = tmp_path / "disk.jsonl"
+    kit("disk_evictions.py", "--model", str(tiny_model_dir), "--levels", "2", "--rounds", "2",
+        "--prompt-tokens", "80", "--max-tokens", "4", "--entries", "1", "--min-tokens", "32",
+        "--out", str(out))  # fmt: skip
+    lines = rows(out)
+    by_engine = {x["engine"]: x for x in lines if "engine" in x}
+    assert set(by_engine) == {"disk", "ram"}
+    for x in by_engine.values():
+        assert x["n"] == 2 and len(x["decode_tok_s"]["all"]) == 2
+        assert x["prompt_cache_evictions"] == 4  # 2 rounds of 2 streams, each evicting one
+        assert min(x["decode_tok_s"]["all"]) > 0  # every answer ran to its 4 tokens
+    assert "prompt_cache_disk_entries" not in by_engine["ram"]
+    (ratio,) = [x for x in lines if x.get("what") == "ratio"]
+    assert ratio["disk_saves"] == 4 and ratio["disk_save_ms_each"] > 0
+    assert ratio["prompt_tokens"] >= 32
+    assert len(ratio["decode_disk_over_ram_per_round"]["all"]) == 2
+    summary = kit("summary.py", str(out))
+    assert "disk tier  N=2   decode with / without it per round" in summary
+    assert "4 saves" in summary
+
+
 def test_one_stream_s_fill_beside_the_launch_and_after_it_in_one_run(tiny_model_dir):
     """The next GPU run's first call at one stream: ``batched`` with ``--beside`` reads and
     fills on the masks' worker (the engine thread waits for its result), ``launched`` on the
