@@ -4,11 +4,14 @@ A full RAM tier evicts an entry for every new one stored, and an evicted entry o
 ``--min-tokens`` tokens goes to the disk tier (``DiskPromptCache.save``), whose arrays are cut
 and evaluated on the engine's thread: on a GPU that evaluation waits for the step in flight.
 Two engines on one model, each with a RAM tier of ``--entries`` entries, one with a disk tier
-(in a temporary folder) and one without, take the same bursts in interleaved rounds (the
-order alternating): ``N`` streams of distinct prompts of about ``--prompt-tokens`` tokens, so
-every finishing stream evicts one; each answer runs to ``--max-tokens`` (``ignore_eos``). Printed per level: aggregate and decode tok/s, the per-round
-ratio disk / RAM only (median and spread), the disk engine's ``disk.save`` calls and time on
-the engine thread (``phases``), evictions, files written and saves dropped (queue full).
+(in a temporary folder) and one without, take bursts of the same shape in interleaved rounds
+(the order alternating): ``N`` streams of distinct prompts (a system prompt of
+``--prompt-tokens`` as ``make_system_prompt`` counts them, led by a fresh tag; the row gives
+the real length), so every finishing stream evicts one; each answer runs to ``--max-tokens``
+(``ignore_eos``). Printed per level: each engine's aggregate and decode tok/s and evictions
+(the disk one's entries on disk and saves dropped with the writer's queue full), then the
+per-round ratios with / without the disk tier (median and spread) and the ``disk.save`` calls
+with their time on the engine's thread (``phases``).
 
     python3 disk_evictions.py --model DIR --label "disk 1b-0" --levels 8,32 --out results.jsonl
         [--rounds 5] [--prompt-tokens 400] [--max-tokens 64] [--entries 2] [--min-tokens 256]
@@ -81,17 +84,16 @@ async def level(engines: dict[str, Any], tok: Any, a: argparse.Namespace, n: int
             decode_tok_s=layers.spread([x["decode_tok_s"] for x in xs]),
             **counts,
         )
-    ratio = [
-        d["decode_tok_s"] / m["decode_tok_s"]
-        for d, m in zip(rows["disk"], rows["ram"], strict=True)
-        if m["decode_tok_s"] > 0
-    ]
+    pairs = list(zip(rows["disk"], rows["ram"], strict=True))
+    ratio = [d["decode_tok_s"] / m["decode_tok_s"] for d, m in pairs if m["decode_tok_s"] > 0]
+    whole = [d["aggregate_tok_s"] / m["aggregate_tok_s"] for d, m in pairs]
     layers.emit(
         layer="disk_evictions",
         what="ratio",
         n=n,
         prompt_tokens=len(prompts(tok, 1, a.prompt_tokens)[0]),
         decode_disk_over_ram_per_round=layers.spread(ratio) if ratio else None,
+        aggregate_disk_over_ram_per_round=layers.spread(whole),
         disk_saves=saves["n"],
         disk_save_ms_each=saves["s"] * 1000 / saves["n"] if saves["n"] else None,
     )

@@ -67,6 +67,8 @@ def main(path: str) -> None:
                 elif layer == "disk_evictions" and what == "ratio":
                     q, each = r.get("decode_disk_over_ram_per_round"), r.get("disk_save_ms_each")
                     vs = f"{q['median']:.2f} ({q['min']:.2f}-{q['max']:.2f})" if q else "-"
+                    w = r["aggregate_disk_over_ram_per_round"]
+                    vs += f", aggregate {w['median']:.2f} ({w['min']:.2f}-{w['max']:.2f})"
                     ms_each = f"{each:.2f} ms" if each is not None else "-"
                     print(
                         f"  disk tier  N={n:<3} decode with / without it per round {vs}; {r['disk_saves']} saves, {ms_each} each on the engine thread"

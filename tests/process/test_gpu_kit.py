@@ -361,6 +361,7 @@ def test_the_disk_evictions_script_compares_the_two_tiers(tiny_model_dir, tmp_pa
     assert ratio["disk_saves"] == 4 and ratio["disk_save_ms_each"] > 0
     assert ratio["prompt_tokens"] >= 32
     assert len(ratio["decode_disk_over_ram_per_round"]["all"]) == 2
+    assert len(ratio["aggregate_disk_over_ram_per_round"]["all"]) == 2
     summary = kit("summary.py", str(out))
     assert "disk tier  N=2   decode with / without it per round" in summary
     assert "4 saves" in summary
