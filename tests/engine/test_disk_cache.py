@@ -71,6 +71,29 @@ def test_an_entry_survives_a_restart_with_its_tokens_and_values(tmp_path):
     assert again.stats()["prompt_cache_disk_hits"] == 1
 
 
+def test_states_beyond_the_waiting_writes_are_dropped_and_counted(tmp_path, monkeypatch):
+    """With ``max_pending`` writes waiting (a slow disk), a new state is not queued: it is
+    dropped, and the disk tier's counters say how many (``/health``)."""
+    import threading
+
+    disk = reopen(tmp_path, max_pending=1)
+    release = threading.Event()
+    write = disk._write
+
+    def slow_write(job):
+        assert release.wait(30), "the test never released the writer"
+        write(job)
+
+    monkeypatch.setattr(disk, "_write", slow_write)
+    assert disk.save(list(range(100, 120)), kv(20), "assistant")
+    assert not disk.save(list(range(200, 220)), kv(20), "assistant")
+    assert not disk.save(list(range(300, 320)), kv(20), "assistant")
+    assert disk.stats()["prompt_cache_disk_dropped"] == 2
+    release.set()
+    stop(disk)
+    assert len(entry_files(tmp_path)) == 1
+
+
 def test_a_prompt_that_diverges_keeps_only_the_shared_prefix(tmp_path):
     disk = reopen(tmp_path)
     disk.save(list(range(50)), kv(50), "assistant")

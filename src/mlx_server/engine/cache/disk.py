@@ -225,6 +225,8 @@ class DiskPromptCache(DiskReads, DiskWrites):
             "prompt_cache_disk_written_bytes": self.written_bytes,
             "prompt_cache_disk_corrupt": self.corrupt,
             "prompt_cache_disk_oversize": self.oversize,
+            # states not written because ``max_pending`` writes were already waiting
+            "prompt_cache_disk_dropped": self.dropped,
         }
 
     def mark_closing(self) -> None:
