@@ -26,7 +26,7 @@
 #      4-bit matmuls over 8-32 rows in pieces of 7 (serve_split_rows.py: a measurement).
 #      DISK_EVICTIONS=1: disk_evictions.py (no HTTP): two engines with a RAM tier of 2 entries, one with a disk
 #      tier, bursts of distinct long prompts (a 400-token system prompt each) at 8 and 32 streams: what handing evicted entries
-#      to the disk tier costs the step loop (each save's arrays are evaluated on the engine's thread).
+#      to the disk tier costs the step loop (the saves run on the engine's thread).
 #      FRESH_KERNELS=1: each server starts on an empty MLX kernel cache (PTX=/tmp/ptx/<server>-<model>), so
 #      that readiness and the first answer compare cold against cold (about a minute more per model on 8B).
 set -u

@@ -1,8 +1,9 @@
 """What handing evicted prefix-cache entries to the disk tier costs the engine's step loop.
 
 A full RAM tier evicts an entry for every new one stored, and an evicted entry of at least
-``--min-tokens`` tokens goes to the disk tier (``DiskPromptCache.save``), whose arrays are cut
-and evaluated on the engine's thread: on a GPU that evaluation waits for the step in flight.
+``--min-tokens`` tokens goes to the disk tier (``DiskPromptCache.save``, on the engine's thread:
+it cuts the arrays and launches their evaluation; ``settle`` hands them to the writer steps
+later, where evaluating them once waited for the step in flight).
 Two engines on one model, each with a RAM tier of ``--entries`` entries, one with a disk tier
 (in a temporary folder) and one without, take bursts of the same shape in interleaved rounds
 (the order alternating): ``N`` streams of distinct prompts (a system prompt of

@@ -60,7 +60,7 @@ ENGINE_CALLS = [
     ("prefix_cache.insert", "mlx_server.engine.cache.prefix", "PrefixCache", "insert_cache"),
     ("prefix_cache.evict", "mlx_server.engine.cache.prefix", "PrefixCache", "_evict"),
     ("memory.after_insert", f"{_CORE}.memory", "MemoryBudget", "_after_insert"),
-    # an evicted entry handed to the disk tier (its arrays evaluated on this thread)
+    # an evicted entry handed to the disk tier (its arrays cut, their evaluation launched)
     ("disk.save", "mlx_server.engine.cache.disk", "DiskPromptCache", "save"),
     ("engine.flush", f"{_CORE}.handle", "Outbox", "flush"),
     ("handle.push", f"{_CORE}.handle", "GenerationHandle", "push"),

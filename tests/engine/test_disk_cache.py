@@ -94,6 +94,35 @@ def test_states_beyond_the_waiting_writes_are_dropped_and_counted(tmp_path, monk
     assert len(entry_files(tmp_path)) == 1
 
 
+def test_a_saved_state_reaches_the_writer_three_steps_later_or_when_idle(tmp_path, monkeypatch):
+    """``save`` only starts the state's evaluation (waiting for it would wait for the step in
+    flight); the engine's ``settle`` before each step hands the writer the states saved three
+    steps ago, and all of them once it goes idle. Written and read back all the same."""
+    disk = reopen(tmp_path)
+    handed: list[list[int]] = []
+    put = disk._queue.put
+
+    def recorded(job, *args, **kwargs):
+        if job is not None:
+            handed.append(job.tokens.tolist())
+        put(job, *args, **kwargs)
+
+    monkeypatch.setattr(disk._queue, "put", recorded)
+    first, second = list(range(100, 120)), list(range(200, 230))
+    assert disk.save(first, kv(20), "assistant")
+    disk.settle()
+    disk.settle()
+    assert handed == [] and disk.is_queued(disk.lookup(first, 0)[0])  # served from memory
+    disk.settle()
+    assert handed == [first]
+    assert disk.save(second, kv(30, start=5), "assistant")
+    disk.settle(everything=True)
+    assert handed == [first, second]
+    disk = restart(disk)
+    cache, tokens, _ = disk.load(disk.lookup(second, 0)[0])
+    assert tokens == second and cache[0].keys[0, 0, :, 0].tolist() == list(range(5, 35))
+
+
 def test_a_prompt_that_diverges_keeps_only_the_shared_prefix(tmp_path):
     disk = reopen(tmp_path)
     disk.save(list(range(50)), kv(50), "assistant")

@@ -9,8 +9,12 @@ In parts: this module (looking entries up, handing new ones to the writer, the l
 folder), ``disk_index`` (entries, the manifest, the shared state), ``disk_reader`` (files
 back into states) and ``disk_writer`` (the writer thread).
 
-Threads: the engine (MLX) thread looks entries up and hands new ones over with ``save``
-after evaluating their arrays; a writer thread writes the files (to a temporary name, then
+Threads: the engine (MLX) thread looks entries up and hands new ones over: ``save`` cuts a
+state's arrays and starts their evaluation behind the step in flight (waiting for it there
+would cost the step loop its overlap with the GPU), and ``settle``, called once a step,
+gives the writer the states saved three steps earlier or more (done by then: evaluating
+them waits for nothing), all of them when the engine goes idle or the tier closes. Every MLX
+evaluation stays on the engine's thread. A writer thread writes the files (to a temporary name, then
 renamed: a crash never leaves a half-written entry under a real name), enforces the size
 bound (least recently used first) and rewrites the manifest. A file whose size or CRC does
 not match the manifest, or that fails to parse, is logged, deleted and treated as a miss.
@@ -113,6 +117,10 @@ class DiskPromptCache(DiskReads, DiskWrites):
         self._dirty = False
         self._queue = queue.Queue()
         self._queued = {}  # written soon, served from RAM
+        # saved, their arrays still being computed behind a step: (settle count, job)
+        self._settling: list[tuple[int, WriteJob]] = []
+        self._settled = 0  # calls of ``settle``
+        self._closing = False  # saves go to the writer at once
         self._loader = None  # the thread pool that reads files (made on first use)
         self.oversize = 0  # states larger than the whole tier, never written
         self._closed = False  # no more saves
@@ -198,7 +206,8 @@ class DiskPromptCache(DiskReads, DiskWrites):
         import mlx.core as mx
 
         arrays["tokens"] = mx.array(tokens, dtype=mx.int32)
-        mx.eval(list(arrays.values()))  # before a slot is taken: a failure here leaks none
+        # Behind the step in flight; before a slot is taken: a failure here leaks none.
+        mx.async_eval(list(arrays.values()))
         with self._lock:
             if self._closed or self._pending >= self.max_pending:
                 self.dropped += 1
@@ -210,7 +219,9 @@ class DiskPromptCache(DiskReads, DiskWrites):
         with self._lock:
             self.pending_bytes += sum(a.nbytes for a in arrays.values())
             self._queued[name] = (entry, job)
-        self._queue.put(job)
+        self._settling.append((self._settled, job))
+        if self._closing:
+            self.settle(everything=True)
         return True
 
     def stats(self) -> dict[str, int]:
@@ -231,7 +242,9 @@ class DiskPromptCache(DiskReads, DiskWrites):
 
     def mark_closing(self) -> None:
         """Tell a server waiting for this folder that ``close`` is coming (the last writes
-        are under way)."""
+        are under way); from here a state saved goes to the writer at once."""
+        self._closing = True
+        self.settle(everything=True)
         self._folder.mark_closing()
 
     def close(self, timeout: float | None = None) -> bool:
@@ -239,6 +252,7 @@ class DiskPromptCache(DiskReads, DiskWrites):
         give the folder up. Waits at most ``timeout`` seconds and returns whether the folder
         was given up by then; otherwise the writer gives it up when its last write ends (or
         the process exits), so the next owner never deletes a file still being written."""
+        self.settle(everything=True)
         with self._lock:
             self._closed = self._stopping = True
         self._folder.mark_closing()

@@ -88,6 +88,9 @@ class DiskState:
     _dirty: bool
     _queue: queue.Queue[WriteJob | None]
     _queued: dict[str, tuple[Entry, WriteJob]]
+    _settling: list[tuple[int, WriteJob]]
+    _settled: int
+    _closing: bool
     _entries: dict[str, Entry]
     _loader: Any
     _closed: bool

@@ -26,13 +26,46 @@ from mlx_server.logs import log
 class DiskWrites(DiskState):
     """The writing half of ``DiskPromptCache``."""
 
+    def settle(self, everything: bool = False) -> None:
+        """Give the writer the states ``save`` left computing: those saved three calls ago
+        or earlier, or all of them. Called on the thread that saves (the engine's) before
+        each step and with ``everything`` when it goes idle: a state saved while step k+1
+        was in flight is handed over before step k+3, when the engine has waited for step
+        k+2, queued after the state's arrays (so evaluating them here waits for nothing).
+        A failure to evaluate them drops them (counted as dropped) and is raised."""
+        self._settled += 1
+        ready = len(self._settling)
+        if not everything:
+            ready = sum(1 for n, _ in self._settling if n <= self._settled - 3)
+        if not ready:
+            return
+        jobs = [job for _, job in self._settling[:ready]]
+        del self._settling[:ready]
+        import mlx.core as mx
+
+        try:
+            mx.eval([a for job in jobs for a in job.arrays.values()])
+        except Exception:
+            with self._idle:
+                for job in jobs:
+                    self._pending -= 1
+                    self._queued.pop(entry_name(job.tokens), None)
+                    self.pending_bytes -= sum(a.nbytes for a in job.arrays.values())
+                    self.dropped += 1
+                self._idle.notify_all()
+            raise
+        for job in jobs:
+            self._queue.put(job)
+
     @property
     def busy(self) -> bool:
         """Whether the writer queue is full (``save`` would drop a new entry)."""
         return self._pending >= self.max_pending
 
     def flush(self, timeout: float | None = None) -> bool:
-        """Wait until every queued write is on disk and the manifest is current."""
+        """Wait until every queued write is on disk and the manifest is current (states
+        still settling are handed over first: call it on the thread that saves)."""
+        self.settle(everything=True)
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._idle:
             while self._pending or self._dirty:

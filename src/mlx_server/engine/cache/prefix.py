@@ -136,6 +136,12 @@ class PrefixCache(LRUPromptCache):
             return True
         return self._disk.read_ahead(tokens, keep if key is not None else 0, self.on_loaded)
 
+    def settle(self, everything: bool = False) -> None:
+        """Before each step (``everything``: when the engine goes idle): the disk tier's
+        saved states whose arrays are computed by now go to its writer."""
+        if self._disk is not None:
+            self._disk.settle(everything)
+
     @property
     def loading(self) -> bool:
         """Whether a disk read is in flight."""

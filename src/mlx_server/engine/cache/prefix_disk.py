@@ -95,6 +95,14 @@ class DiskSide:
             self._faults.note("writing an entry to disk", e)
             return False
 
+    def settle(self, everything: bool = False) -> None:
+        """Hand the writer the states whose arrays are computed by now (``DiskPromptCache.settle``);
+        a failure drops them there, logged once."""
+        try:
+            self.disk.settle(everything)
+        except Exception as e:
+            self._faults.note("writing an entry to disk", e)
+
     def close(self, entries: Callable[[], Iterable[tuple[list[int], Any]]], timeout: float) -> None:
         """Write ``entries()`` (tokens and cache entries, most valuable first) and close the
         tier, waiting at most ``timeout`` seconds in all."""

@@ -294,6 +294,7 @@ class Engine(OwnerThread):
     # ---- engine thread: stepping -------------------------------------------------------
 
     def _step(self) -> None:
+        self._prefixes.settle()
         progress, responses = self._runner.step()
         self._clock.mark(PARTS[1])
         active = self._sched.active
@@ -310,4 +311,6 @@ class Engine(OwnerThread):
         self._prefixes.save(progress, active)
         self._clock.mark(PARTS[2])
         self._end.responses(responses)
+        if not self._sched.active:  # idle next: nothing left to wait for
+            self._prefixes.settle(everything=True)
         self._clock.mark(PARTS[3])

@@ -100,6 +100,12 @@ class Prefixes:
         if self.cache is not None and cache is not None and len(tokens) > seq.started.cached_tokens:
             self.cache.insert(list(tokens), cache)
 
+    def settle(self, everything: bool = False) -> None:
+        """Before each step, and with ``everything`` once nothing runs: the states handed to
+        the disk tier whose arrays are computed by now go to its writer."""
+        if self.cache is not None:
+            self.cache.settle(everything)
+
     def close(self) -> None:
         """RAM entries to the disk tier, within a deadline; a failure is noted, not raised
         (the last writes are a service: stopping goes on)."""
