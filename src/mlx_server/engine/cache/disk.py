@@ -121,6 +121,7 @@ class DiskPromptCache(DiskReads, DiskWrites):
         self._settling: list[tuple[int, WriteJob]] = []
         self._settled = 0  # calls of ``settle``
         self._closing = False  # saves go to the writer at once
+        self._saver: int | None = None  # the thread that saves (the engine's)
         self._loader = None  # the thread pool that reads files (made on first use)
         self.oversize = 0  # states larger than the whole tier, never written
         self._closed = False  # no more saves
@@ -219,6 +220,7 @@ class DiskPromptCache(DiskReads, DiskWrites):
         with self._lock:
             self.pending_bytes += sum(a.nbytes for a in arrays.values())
             self._queued[name] = (entry, job)
+        self._saver = threading.get_ident()
         self._settling.append((self._settled, job))
         if self._closing:
             self.settle(everything=True)

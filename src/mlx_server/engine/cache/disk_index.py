@@ -91,6 +91,7 @@ class DiskState:
     _settling: list[tuple[int, WriteJob]]
     _settled: int
     _closing: bool
+    _saver: int | None  # the thread that saves (and settles): the engine's
     _entries: dict[str, Entry]
     _loader: Any
     _closed: bool

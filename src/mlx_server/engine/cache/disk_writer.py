@@ -63,9 +63,11 @@ class DiskWrites(DiskState):
         return self._pending >= self.max_pending
 
     def flush(self, timeout: float | None = None) -> bool:
-        """Wait until every queued write is on disk and the manifest is current (states
-        still settling are handed over first: call it on the thread that saves)."""
-        self.settle(everything=True)
+        """Wait until every queued write is on disk and the manifest is current. On the
+        thread that saves, states still settling are handed over first; on another (a test
+        beside a running engine) the engine hands them over when it goes idle."""
+        if self._saver in (None, threading.get_ident()):
+            self.settle(everything=True)
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._idle:
             while self._pending or self._dirty:

@@ -181,6 +181,8 @@ class Engine(OwnerThread):
             if self._sched.active:
                 clock.running(self._sched.active.values())
                 self._step()
+            if not self._sched.active:  # idle next: the disk tier's saves to its writer now
+                self._prefixes.settle(everything=True)
         except Exception as e:
             if self.config.lockstep is not None:
                 self.config.lockstep.broken(e)  # the ranks no longer agree: stop
@@ -311,6 +313,4 @@ class Engine(OwnerThread):
         self._prefixes.save(progress, active)
         self._clock.mark(PARTS[2])
         self._end.responses(responses)
-        if not self._sched.active:  # idle next: nothing left to wait for
-            self._prefixes.settle(everything=True)
         self._clock.mark(PARTS[3])
