@@ -48,14 +48,18 @@ class DiskWrites(DiskState):
         except Exception:
             with self._idle:
                 for job in jobs:
-                    self._pending -= 1
-                    self._queued.pop(entry_name(job.tokens), None)
-                    self.pending_bytes -= sum(a.nbytes for a in job.arrays.values())
+                    self._release_locked(job)
                     self.dropped += 1
                 self._idle.notify_all()
             raise
         for job in jobs:
             self._queue.put(job)
+
+    def _release_locked(self, job: WriteJob) -> None:
+        """A pending write is over (written, failed or dropped): its slot and memory go."""
+        self._pending -= 1
+        self._queued.pop(entry_name(job.tokens), None)
+        self.pending_bytes -= sum(a.nbytes for a in job.arrays.values())
 
     @property
     def busy(self) -> bool:
@@ -102,9 +106,7 @@ class DiskWrites(DiskState):
                 log(f"Prompt cache: could not write an entry: {type(e).__name__}: {e}")
         with self._idle:
             if job is not None:
-                self._pending -= 1
-                self._queued.pop(entry_name(job.tokens), None)
-                self.pending_bytes -= sum(a.nbytes for a in job.arrays.values())
+                self._release_locked(job)
                 job = None  # the arrays go now, not at the next job
             done = self._stopping and not self._pending
             if self._dirty and (done or self._queue.empty()):
