@@ -54,9 +54,13 @@ PY
 port() { python3 -c 'import socket;s=socket.socket();s.bind(("127.0.0.1",0));print(s.getsockname()[1])'; }
 wait_ready() { for _ in $(seq 1 480); do curl -s -m 2 -o /dev/null "http://127.0.0.1:$1/health" && return 0; sleep 0.25; done; return 1; }
 first_answer() {  # $1 port, $2 model: one 1-token chat answer, up to 240 s
+  # One request may wait that long: on an empty kernel cache an 8B's first answer builds its
+  # quantized matmul for 40 s and more, and a request given up is cancelled and asked again
+  # (curl -m 60 did: the eighteenth session's 8B read 80.6 s where the server's own log puts
+  # its answer at about 70).
   local body='{"model":"'$2'","messages":[{"role":"user","content":"hi"}],"max_tokens":1}'
   for _ in $(seq 1 240); do
-    [ "$(curl -s -m 60 -o /dev/null -w '%{http_code}' -H 'Content-Type: application/json' -d "$body" \
+    [ "$(curl -s -m 240 -o /dev/null -w '%{http_code}' -H 'Content-Type: application/json' -d "$body" \
       "http://127.0.0.1:$1/v1/chat/completions")" = 200 ] && return 0
     sleep 1
   done

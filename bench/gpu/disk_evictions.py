@@ -86,7 +86,11 @@ async def level(engines: dict[str, Any], tok: Any, a: argparse.Namespace, n: int
             **counts,
         )
     pairs = list(zip(rows["disk"], rows["ram"], strict=True))
-    ratio = [d["decode_tok_s"] / m["decode_tok_s"] for d, m in pairs if m["decode_tok_s"] > 0]
+    ratio = [
+        d["decode_tok_s"] / m["decode_tok_s"]
+        for d, m in pairs
+        if m["decode_tok_s"] > 0 and d["decode_tok_s"] > 0
+    ]
     whole = [d["aggregate_tok_s"] / m["aggregate_tok_s"] for d, m in pairs]
     layers.emit(
         layer="disk_evictions",

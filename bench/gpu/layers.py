@@ -230,6 +230,12 @@ async def engine_once(
                 t_first = t_first or time.perf_counter()
             elif hasattr(ev, "usage"):  # Finished (the start event carries no usage)
                 n = ev.usage.completion_tokens
+                if ev.timings is not None and n:
+                    # The first token's time from the engine's own clock: a piece is
+                    # pushed only once it has text, and a random-weight model's text
+                    # can be held back to the end (an unfinished character, special
+                    # tokens), which made one round's decode rate read 34 million tok/s.
+                    t_first = time.perf_counter() - ev.timings.predicted_ms / 1000
         return t_first, time.perf_counter(), n
 
     t0, c0 = time.perf_counter(), time.thread_time()
@@ -316,8 +322,18 @@ async def level(engine: Any, model: Any, tok: Any, a: argparse.Namespace, n: int
 
 def make_engine(model: Any, tok: Any, max_batch: int, **extra: Any) -> Any:
     """An ``Engine`` configured as the server configures one on this device (``extra``: more
-    ``EngineConfig`` fields), not yet started."""
+    ``EngineConfig`` fields), not yet started. The server's CUDA paths go in first, as its
+    loader puts them in (on a CUDA GPU; elsewhere nothing changes): without them a short
+    chunk after a cached prefix, a warm turn, built a cuDNN graph the server never builds
+    (the first round's warm turn read 63-74 ms on the 1B, the next 13-15)."""
     from mlx_server.engine.core.engine import Engine, EngineConfig
+
+    try:
+        from mlx_server.models.cuda_paths import install_cuda_paths
+
+        install_cuda_paths(model)
+    except ImportError:  # a version of the server from before them
+        pass
 
     kw: dict[str, Any] = {"max_batch_size": max_batch, "kv_budget_bytes": 64 << 30, **extra}
     try:  # the server's device-sized defaults, where this version of the engine has them

@@ -458,3 +458,76 @@ def test_a_context_s_rest_leaves_out_only_what_ran_inside_it():
     # are the graph (3 s, its launch inside) and its own launch (1 s)
     assert got["masked"] == 8000 and got["masked_rest"] == 4000
     assert got["model"] == 53000 and got["masked async_eval"] == 2000
+
+
+def test_the_engine_rounds_time_a_stream_whose_text_comes_only_at_the_end():
+    """``layers.engine_once``' decode rate runs from the last stream's first token, read
+    from the engine's own timings: a stream whose text is held back to its end (a random
+    model's unfinished character) once made that window a millisecond (34 million tok/s)."""
+    import asyncio
+
+    from mlx_server.engine.core.handle import Started, TokenPiece
+    from mlx_server.events import Finished, Timings, Usage
+
+    sys.path.insert(0, str(KIT))
+    try:
+        import layers
+    finally:
+        sys.path.remove(str(KIT))
+    clock = {"t": 0.0}
+
+    def events(text_at_end: bool):
+        async def gen():
+            yield Started()
+            clock["t"] = 1.0  # both streams' first token
+            if not text_at_end:
+                yield TokenPiece("a")
+            clock["t"] = 5.0
+            if text_at_end:
+                yield TokenPiece("all of it")
+            clock["t"] += 0.001
+            yield Finished("length", Usage(10, 9), Timings(10, 1.0, 9, 4000.0))
+
+        return gen()
+
+    class Engine:
+        streams = iter([False, True])
+
+        def submit(self, req, loop):
+            return events(next(self.streams))
+
+    real = layers.time.perf_counter
+    layers.time.perf_counter = lambda: clock["t"]
+    try:
+        row = asyncio.run(layers.engine_once(Engine(), [[1, 2], [3, 4]], 9, True))
+    finally:
+        layers.time.perf_counter = real
+    # 16 tokens after the two first ones, from the later first token (about 1.0) to the end
+    assert row["tokens"] == 18
+    assert 3.9 < row["decode_tok_s"] < 4.1
+
+
+def test_the_kit_s_engine_runs_the_server_s_cuda_paths(tiny_model_dir, monkeypatch):
+    """``layers.make_engine`` (the engine rows of ``layers.py`` and ``disk_evictions.py``)
+    puts in the short queries' attention the server's loader installs on a CUDA GPU (a CUDA
+    GPU simulated here): a warm turn's short chunk then computes plainly, as the server's does,
+    not through a cuDNN graph built for its key length."""
+    import mlx.core as mx
+    from mlx_lm import load
+
+    from mlx_server.models import cuda_attention
+
+    sys.path.insert(0, str(KIT))
+    try:
+        import layers
+    finally:
+        sys.path.remove(str(KIT))
+    model, tok = load(str(tiny_model_dir))
+    monkeypatch.setattr(cuda_attention, "on_cuda_gpu", lambda: True)
+    try:
+        assert mx.fast.scaled_dot_product_attention is not cuda_attention.short_query_attention
+        engine = layers.make_engine(model, tok, 2)
+        assert mx.fast.scaled_dot_product_attention is cuda_attention.short_query_attention
+        assert engine is not None
+    finally:
+        cuda_attention.uninstall()
