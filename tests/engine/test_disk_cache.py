@@ -76,7 +76,7 @@ def test_states_beyond_the_waiting_writes_are_dropped_and_counted(tmp_path, monk
     dropped, and the disk tier's counters say how many (``/health``)."""
     import threading
 
-    disk = reopen(tmp_path, max_pending=1)
+    disk = reopen(tmp_path, max_pending=1, max_pending_bytes=0)
     release = threading.Event()
     write = disk._write
 
@@ -92,6 +92,34 @@ def test_states_beyond_the_waiting_writes_are_dropped_and_counted(tmp_path, monk
     release.set()
     stop(disk)
     assert len(entry_files(tmp_path)) == 1
+
+
+def test_beyond_the_slots_states_wait_while_their_bytes_fit(tmp_path, monkeypatch):
+    """Streams finishing together each evict a state: beyond ``max_pending`` waiting writes,
+    small states still wait for the writer while all of them hold at most
+    ``max_pending_bytes``; the one that would pass it is dropped. All the taken ones are
+    written once the writer goes on."""
+    import threading
+
+    disk = reopen(tmp_path, max_pending=1, max_pending_bytes=0)
+    release = threading.Event()
+    write = disk._write
+
+    def slow_write(job):
+        assert release.wait(30), "the test never released the writer"
+        write(job)
+
+    monkeypatch.setattr(disk, "_write", slow_write)
+    assert disk.save(list(range(100, 120)), kv(20), "assistant")  # the slot
+    one = disk.pending_bytes  # a 20-token state's arrays and its tokens
+    disk.max_pending_bytes = 3 * one
+    taken = [disk.save(list(range(s, s + 20)), kv(20), "assistant") for s in (200, 300)]
+    assert taken == [True, True] and disk.pending_bytes == 3 * one
+    assert not disk.save(list(range(400, 420)), kv(20), "assistant")
+    assert disk.stats()["prompt_cache_disk_dropped"] == 1
+    release.set()
+    stop(disk)
+    assert len(entry_files(tmp_path)) == 3
 
 
 def test_a_saved_state_reaches_the_writer_three_steps_later_or_when_idle(tmp_path, monkeypatch):

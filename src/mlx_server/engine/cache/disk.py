@@ -59,6 +59,10 @@ from mlx_server.engine.cache.folder_lock import FolderLock
 from mlx_server.engine.cache.serialize import FORMAT_VERSION, serialize
 from mlx_server.logs import log
 
+# The memory the writes waiting for the writer may hold beyond ``max_pending`` of them (see
+# ``DiskPromptCache``): a burst of 32 finishing streams of a 1B model, 500-token states.
+MAX_PENDING_BYTES = 1 << 30
+
 __all__ = ["MANIFEST", "DiskPromptCache", "FileRead", "default_root", "model_cache_dir"]
 
 
@@ -89,8 +93,12 @@ def model_cache_dir(root: Path, model_dir: Path, layout: dict[str, Any]) -> Path
 class DiskPromptCache(DiskReads, DiskWrites):
     """KV states on disk, bounded by ``max_bytes``; see the module docstring.
 
-    ``min_tokens``: shorter states are not worth a file. ``max_pending``: writes waiting for
-    the writer thread (each holds its arrays in memory); beyond it new ones are dropped.
+    ``min_tokens``: shorter states are not worth a file. Writes waiting for the writer thread
+    hold their arrays in memory (counted in the engine's memory budget): a new one is taken
+    while fewer than ``max_pending`` wait, or while all of them with it hold at most
+    ``max_pending_bytes``; beyond, it is dropped (counted). The bytes let a burst of small
+    states through (streams finishing together each evict one: with 4 slots, 4 of 32 were
+    written on the GPU kit's 1B), the count a few large ones.
     Raises ``FolderLocked`` (an ``OSError``), having touched nothing, when another cache
     holds ``directory``; one that is closing is waited for, at most ``lock_wait_s`` seconds.
     """
@@ -102,12 +110,14 @@ class DiskPromptCache(DiskReads, DiskWrites):
         *,
         min_tokens: int = 256,
         max_pending: int = 4,
+        max_pending_bytes: int = MAX_PENDING_BYTES,
         lock_wait_s: float = 0.0,
     ):
         self.directory = Path(directory)
         self.max_bytes = max_bytes
         self.min_tokens = min_tokens
         self.max_pending = max_pending
+        self.max_pending_bytes = max_pending_bytes
         self.hits = self.misses = self.corrupt = self.dropped = 0
         self.read_bytes = self.written_bytes = 0
         self._lock = threading.Lock()
@@ -201,7 +211,7 @@ class DiskPromptCache(DiskReads, DiskWrites):
         with self._lock:
             if self._closed:
                 return False
-            if self._pending >= self.max_pending:
+            if not self._room_locked(size):
                 self.dropped += 1
                 return False
         import mlx.core as mx
@@ -210,7 +220,7 @@ class DiskPromptCache(DiskReads, DiskWrites):
         # Behind the step in flight; before a slot is taken: a failure here leaks none.
         mx.async_eval(list(arrays.values()))
         with self._lock:
-            if self._closed or self._pending >= self.max_pending:
+            if self._closed or not self._room_locked(size):
                 self.dropped += 1
                 return False
             self._pending += 1
@@ -226,6 +236,12 @@ class DiskPromptCache(DiskReads, DiskWrites):
             self.settle(everything=True)
         return True
 
+    def _room_locked(self, size: int) -> bool:
+        """Whether a write of ``size`` bytes may wait for the writer beside those waiting."""
+        if self._pending < self.max_pending:
+            return True
+        return self.pending_bytes + size <= self.max_pending_bytes
+
     def stats(self) -> dict[str, int]:
         with self._lock:
             n, size = len(self._entries), sum(e.nbytes for e in self._entries.values())
@@ -238,7 +254,7 @@ class DiskPromptCache(DiskReads, DiskWrites):
             "prompt_cache_disk_written_bytes": self.written_bytes,
             "prompt_cache_disk_corrupt": self.corrupt,
             "prompt_cache_disk_oversize": self.oversize,
-            # states not written because ``max_pending`` writes were already waiting
+            # states not written because the waiting writes held their limit already
             "prompt_cache_disk_dropped": self.dropped,
         }
 

@@ -63,7 +63,8 @@ class DiskWrites(DiskState):
 
     @property
     def busy(self) -> bool:
-        """Whether the writer queue is full (``save`` would drop a new entry)."""
+        """Whether the writer's slots are taken (``save`` takes a new state only if it fits
+        ``max_pending_bytes`` beside the waiting ones)."""
         return self._pending >= self.max_pending
 
     def flush(self, timeout: float | None = None) -> bool:
