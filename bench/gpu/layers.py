@@ -257,7 +257,10 @@ async def engine_once(
 
 
 def phase_summary(snap: dict[str, Any], tokens: int) -> dict[str, Any]:
-    steps = max(1, snap.get("gen.next", {}).get("n", 0))
+    # The batch's steps; one stream runs on the lone runner, which has no ``gen.next``: the
+    # engine's steps then (per "step" its whole run's totals read 1.8 s at N = 1 before).
+    steps = snap.get("gen.next", {}).get("n", 0) or snap.get("engine._step", {}).get("n", 0)
+    steps = max(1, steps)
     out: dict[str, Any] = {"steps": steps}
     for k, v in snap.items():
         out[k] = {

@@ -531,3 +531,17 @@ def test_the_kit_s_engine_runs_the_server_s_cuda_paths(tiny_model_dir, monkeypat
         assert engine is not None
     finally:
         cuda_attention.uninstall()
+
+
+def test_one_stream_s_phases_are_per_engine_step():
+    """At one stream the engine runs the lone runner (no ``gen.next``): the kit's per-step
+    phases then divide by the engine's steps, not print the whole run's totals as one step."""
+    sys.path.insert(0, str(KIT))
+    try:
+        import layers
+    finally:
+        sys.path.remove(str(KIT))
+    lone = layers.phase_summary({"engine._step": {"s": 2.0, "cpu_s": 1.0, "n": 100}}, 100)
+    assert lone["steps"] == 100 and lone["engine._step"]["ms_per_step"] == 20.0
+    batch = {"engine._step": {"s": 2.0, "n": 110}, "gen.next": {"s": 1.5, "n": 100}}
+    assert layers.phase_summary(batch, 800)["engine._step"]["ms_per_step"] == 20.0
