@@ -219,16 +219,17 @@ class DiskPromptCache(DiskReads, DiskWrites):
         arrays["tokens"] = mx.array(tokens, dtype=mx.int32)
         # Behind the step in flight; before a slot is taken: a failure here leaks none.
         mx.async_eval(list(arrays.values()))
-        with self._lock:
-            if self._closed or not self._room_locked(size):
+        held = size + arrays["tokens"].nbytes
+        with self._lock:  # the slot and its bytes taken together: no other save sees half
+            if self._closed or not self._room_locked(held):
                 self.dropped += 1
                 return False
             self._pending += 1
+            self.pending_bytes += held
         job = WriteJob(np.asarray(tokens, dtype=np.int32), arrays, metadata, kind, trimmable)
         name = entry_name(job.tokens)
         entry = Entry(name, job.tokens, size, 0, kind, trimmable, time.time())
         with self._lock:
-            self.pending_bytes += sum(a.nbytes for a in arrays.values())
             self._queued[name] = (entry, job)
         self._saver = threading.get_ident()
         self._settling.append((self._settled, job))
