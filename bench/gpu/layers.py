@@ -432,6 +432,9 @@ def main() -> int:
     model, tok = load(a.model)
     if a.dtype:
         model.set_dtype(getattr(mx, a.dtype))
+        # Computed here: a lazy cast left for the engine's thread to evaluate fails there
+        # ("There is no Stream(cpu, 0) in current thread": MLX's streams are per thread).
+        mx.eval(model.parameters())
     emit(layer="load", value=time.perf_counter() - t)
     skip = a.skip_set = set(a.skip.split(","))
 

@@ -545,3 +545,15 @@ def test_one_stream_s_phases_are_per_engine_step():
     assert lone["steps"] == 100 and lone["engine._step"]["ms_per_step"] == 20.0
     batch = {"engine._step": {"s": 2.0, "n": 110}, "gen.next": {"s": 1.5, "n": 100}}
     assert layers.phase_summary(batch, 800)["engine._step"]["ms_per_step"] == 20.0
+
+
+def test_layers_casts_the_weights_before_the_engine_s_thread_runs(tiny_model_dir, tmp_path):
+    """``layers.py --dtype`` with nothing run on the main thread first (``--skip stream``):
+    the cast is computed where it is made, so the engine's thread runs the first burst
+    instead of failing every request on an array of another thread's stream."""
+    out = tmp_path / "layers.jsonl"
+    kit("layers.py", "--model", str(tiny_model_dir), "--label", "cast", "--levels", "2",
+                 "--max-tokens", "4", "--system-tokens", "50", "--rounds", "1", "--dtype",
+                 "float16", "--skip", "stream,compile,shapes", "--out", str(out))  # fmt: skip
+    (first,) = [r for r in rows(out) if r.get("what") == "first_burst"]
+    assert first["tokens"] == 8 * 32 and first["ttft_p95_s"] > 0
