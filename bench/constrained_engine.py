@@ -64,6 +64,7 @@ from mlx_server.engine.runners.batch import BatchRunner
 from mlx_server.engine.runners.batch_step import DecodeStep
 from mlx_server.engine.runners.solo import LoneFirstRunner, SoloRunner, SoloSequence
 from mlx_server.events import Finished
+from mlx_server.models.base import settle_arrays
 from mlx_server.models.cuda_paths import install_cuda_paths
 from mlx_server.types import GenerationRequest, SamplingParams
 
@@ -372,6 +373,7 @@ def main() -> None:
     assert modes[0] == "free", "the ratios are against free decoding"
 
     model, tokenizer = load(a.model)[:2]
+    settle_arrays(model)  # as the server's loader: nothing lazy left for the engine's thread
     install_cuda_paths(model)  # what the server's loader puts in place on a CUDA GPU
     compiler = ConstraintCompiler(tokenizer)
     if a.phases:

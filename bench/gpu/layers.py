@@ -328,12 +328,17 @@ def make_engine(model: Any, tok: Any, max_batch: int, **extra: Any) -> Any:
     ``EngineConfig`` fields), not yet started. The server's CUDA paths go in first, as its
     loader puts them in (on a CUDA GPU; elsewhere nothing changes): without them a short
     chunk after a cached prefix, a warm turn, built a cuDNN graph the server never builds
-    (the first round's warm turn read 63-74 ms on the 1B, the next 13-15)."""
+    (the first round's warm turn read 63-74 ms on the 1B, the next 13-15). And every array
+    the model holds is computed here, as the loader does: a lazy one (``--dtype``'s cast, a
+    RoPE's frequencies) left for the engine's thread fails there ("There is no Stream(cpu,
+    0) in current thread": MLX's streams are per thread)."""
     from mlx_server.engine.core.engine import Engine, EngineConfig
 
     try:
+        from mlx_server.models.base import settle_arrays
         from mlx_server.models.cuda_paths import install_cuda_paths
 
+        settle_arrays(model)
         install_cuda_paths(model)
     except ImportError:  # a version of the server from before them
         pass
@@ -432,9 +437,6 @@ def main() -> int:
     model, tok = load(a.model)
     if a.dtype:
         model.set_dtype(getattr(mx, a.dtype))
-        # Computed here: a lazy cast left for the engine's thread to evaluate fails there
-        # ("There is no Stream(cpu, 0) in current thread": MLX's streams are per thread).
-        mx.eval(model.parameters())
     emit(layer="load", value=time.perf_counter() - t)
     skip = a.skip_set = set(a.skip.split(","))
 

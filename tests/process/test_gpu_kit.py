@@ -549,8 +549,9 @@ def test_one_stream_s_phases_are_per_engine_step():
 
 def test_layers_casts_the_weights_before_the_engine_s_thread_runs(tiny_model_dir, tmp_path):
     """``layers.py --dtype`` with nothing run on the main thread first (``--skip stream``):
-    the cast is computed where it is made, so the engine's thread runs the first burst
-    instead of failing every request on an array of another thread's stream."""
+    ``make_engine`` computes the model's lazy arrays (the cast) as the server's loader does,
+    so the engine's thread runs the first burst instead of failing every request on an
+    array of another thread's stream."""
     out = tmp_path / "layers.jsonl"
     kit("layers.py", "--model", str(tiny_model_dir), "--label", "cast", "--levels", "2",
                  "--max-tokens", "4", "--system-tokens", "50", "--rounds", "1", "--dtype",
