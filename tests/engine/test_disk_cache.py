@@ -71,12 +71,10 @@ def test_an_entry_survives_a_restart_with_its_tokens_and_values(tmp_path):
     assert again.stats()["prompt_cache_disk_hits"] == 1
 
 
-def test_states_beyond_the_waiting_writes_are_dropped_and_counted(tmp_path, monkeypatch):
-    """With ``max_pending`` writes waiting (a slow disk), a new state is not queued: it is
-    dropped, and the disk tier's counters say how many (``/health``)."""
+def held_writer(disk: DiskPromptCache, monkeypatch):
+    """Hold ``disk``'s writer (a slow disk) until the returned event is set."""
     import threading
 
-    disk = reopen(tmp_path, max_pending=1, max_pending_bytes=0)
     release = threading.Event()
     write = disk._write
 
@@ -85,6 +83,14 @@ def test_states_beyond_the_waiting_writes_are_dropped_and_counted(tmp_path, monk
         write(job)
 
     monkeypatch.setattr(disk, "_write", slow_write)
+    return release
+
+
+def test_states_beyond_the_waiting_writes_are_dropped_and_counted(tmp_path, monkeypatch):
+    """With ``max_pending`` writes waiting (a slow disk), a new state is not queued: it is
+    dropped, and the disk tier's counters say how many (``/health``)."""
+    disk = reopen(tmp_path, max_pending=1, max_pending_bytes=0)
+    release = held_writer(disk, monkeypatch)
     assert disk.save(list(range(100, 120)), kv(20), "assistant")
     assert not disk.save(list(range(200, 220)), kv(20), "assistant")
     assert not disk.save(list(range(300, 320)), kv(20), "assistant")
@@ -99,17 +105,8 @@ def test_beyond_the_slots_states_wait_while_their_bytes_fit(tmp_path, monkeypatc
     small states still wait for the writer while all of them hold at most
     ``max_pending_bytes``; the one that would pass it is dropped. All the taken ones are
     written once the writer goes on."""
-    import threading
-
     disk = reopen(tmp_path, max_pending=1, max_pending_bytes=0)
-    release = threading.Event()
-    write = disk._write
-
-    def slow_write(job):
-        assert release.wait(30), "the test never released the writer"
-        write(job)
-
-    monkeypatch.setattr(disk, "_write", slow_write)
+    release = held_writer(disk, monkeypatch)
     assert disk.save(list(range(100, 120)), kv(20), "assistant")  # the slot
     one = disk.pending_bytes  # a 20-token state's arrays and its tokens
     disk.max_pending_bytes = 3 * one
