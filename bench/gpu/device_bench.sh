@@ -27,6 +27,7 @@
 #      DISK_EVICTIONS=1: disk_evictions.py (no HTTP): two engines with a RAM tier of 2 entries, one with a disk
 #      tier, bursts of distinct long prompts (a 400-token system prompt each) at 8 and 32 streams: what handing evicted entries
 #      to the disk tier costs the step loop (the saves run on the engine's thread).
+#      STEP_GRAPH=1: step_graph.py: one 8-stream decode step's ops, the engine's against BatchGenerator's (seconds).
 #      FRESH_KERNELS=1: each server starts on an empty MLX kernel cache (PTX=/tmp/ptx/<server>-<model>), so
 #      that readiness and the first answer compare cold against cold (about a minute more per model on 8B).
 set -u
@@ -104,6 +105,10 @@ for spec in $MODELS; do
     timeout 240 python3 $BENCH/disk_evictions.py --model $M --label "disk $preset-$bits" --levels 8,32 --rounds 5 \
       --out "$R" > $T/disk-evictions-$preset-$bits.log 2>&1
     grep '"what":"ratio"' $T/disk-evictions-$preset-$bits.log
+  fi
+  if [ "${STEP_GRAPH:-0}" = 1 ]; then
+    timeout 120 python3 $BENCH/step_graph.py --model $M --streams 8 > $T/step-graph-$preset-$bits.log 2>&1
+    grep '^{' $T/step-graph-$preset-$bits.log
   fi
   if [ "$LAYERS" = 1 ] && { [ -z "$LAYERS_ONLY" ] || [[ " $LAYERS_ONLY " == *" $preset-$bits "* ]]; }; then
     timeout 240 python3 $BENCH/layers.py --model $M --label "layers $preset-$bits" --levels "$LEVELS" $LAYERS_ARGS --out "$R" > $T/layers-$preset-$bits.log 2>&1

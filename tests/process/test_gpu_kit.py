@@ -558,3 +558,16 @@ def test_layers_casts_the_weights_before_the_engine_s_thread_runs(tiny_model_dir
                  "float16", "--skip", "stream,compile,shapes", "--out", str(out))  # fmt: skip
     (first,) = [r for r in rows(out) if r.get("what") == "first_burst"]
     assert first["tokens"] == 8 * 32 and first["ttft_p95_s"] > 0
+
+
+def test_the_engine_s_decode_step_is_mlx_lm_s_graph_and_the_eos_ban(tiny_model_dir):
+    """``step_graph.py``: one decode step's graph, written before it is computed, has the ops
+    of ``BatchGenerator``'s own step and, for rows that ignore EOS, the ban (a bias added):
+    nothing more per step, whatever the rows (on a GPU a small model's step is bound by
+    launching its ops)."""
+    out = kit("step_graph.py", "--model", str(tiny_model_dir), "--streams", "3",
+              "--max-tokens", "8")  # fmt: skip
+    (row,) = [json.loads(x) for x in out.splitlines() if x.startswith("{")]
+    assert row["streams"] == 3 and row["batch_generator_ops"] > 50
+    assert row["engine_more"] == {"Broadcast": 1, "Add": 1} and row["engine_fewer"] == {}
+    assert row["engine_ops"] == row["batch_generator_ops"] + 2
