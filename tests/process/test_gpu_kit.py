@@ -524,6 +524,7 @@ def test_the_kit_s_engine_runs_the_server_s_cuda_paths(tiny_model_dir, monkeypat
         sys.path.remove(str(KIT))
     model, tok = load(str(tiny_model_dir))
     monkeypatch.setattr(cuda_attention, "on_cuda_gpu", lambda: True)
+    cuda_attention.uninstall()  # MLX's own, whatever ran before in this process
     try:
         assert mx.fast.scaled_dot_product_attention is not cuda_attention.short_query_attention
         engine = layers.make_engine(model, tok, 2)
@@ -563,7 +564,7 @@ def test_layers_casts_the_weights_before_the_engine_s_thread_runs(tiny_model_dir
 def test_the_engine_s_decode_step_is_mlx_lm_s_graph_and_the_eos_ban(tiny_model_dir):
     """``step_graph.py``: one decode step's graph, written before it is computed, has the ops
     of ``BatchGenerator``'s own step and, for rows that ignore EOS, the ban (a bias added):
-    nothing more per step, whatever the rows (on a GPU a small model's step is bound by
+    nothing more per step for greedy rows (on a GPU a small model's step is bound by
     launching its ops)."""
     out = kit("step_graph.py", "--model", str(tiny_model_dir), "--streams", "3",
               "--max-tokens", "8")  # fmt: skip
