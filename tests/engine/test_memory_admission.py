@@ -107,3 +107,20 @@ def test_the_prefix_cache_gives_memory_back_before_a_request_waits():
     assert budget.fits(3 * entry) and len(pc) == 2  # two entries given back, not more
     assert not budget.fits(6 * entry) and len(pc) == 2  # can never fit: nothing evicted
     assert budget.evicted_bytes == 2 * entry
+
+
+def test_the_writes_waiting_for_the_disk_hold_a_sixteenth_of_the_budget_at_most(tmp_path):
+    """Beyond its slots the disk tier takes states while the waiting writes hold at most
+    ``max_pending_bytes`` (memory of the budget until written): the budget lowers it to a
+    sixteenth of itself, and leaves it where the budget is large."""
+    from mlx_server.engine.cache.disk import MAX_PENDING_BYTES
+
+    small = DiskPromptCache(tmp_path / "small", 1 << 30)
+    large = DiskPromptCache(tmp_path / "large", 1 << 30)
+    try:
+        MemoryBudget(64 * MB, PrefixCache(16, 1 << 30, disk=small))
+        MemoryBudget(64 << 30, PrefixCache(16, 1 << 30, disk=large))
+        assert small.max_pending_bytes == 4 * MB
+        assert large.max_pending_bytes == MAX_PENDING_BYTES
+    finally:
+        assert small.close(10) and large.close(10)

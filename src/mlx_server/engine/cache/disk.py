@@ -60,7 +60,8 @@ from mlx_server.engine.cache.serialize import FORMAT_VERSION, serialize
 from mlx_server.logs import log
 
 # The memory the writes waiting for the writer may hold beyond ``max_pending`` of them (see
-# ``DiskPromptCache``): a burst of 32 finishing streams of a 1B model, 500-token states.
+# ``DiskPromptCache``): a burst of 32 finishing streams of a 1B model, 500-token states. The
+# engine's memory budget lowers it to a sixteenth of itself (``MemoryBudget``).
 MAX_PENDING_BYTES = 1 << 30
 
 __all__ = ["MANIFEST", "DiskPromptCache", "FileRead", "default_root", "model_cache_dir"]

@@ -57,6 +57,11 @@ class MemoryBudget:
         self._cache_limit = self._cache_cap
         if prefix_cache is not None and running is not None:
             prefix_cache.on_insert = self._after_insert
+        disk = getattr(prefix_cache, "disk", None)
+        if disk is not None:
+            # The writes waiting for the disk tier hold memory of this budget, not freed until
+            # written: a sixteenth of it at most (a 16 GB Mac's budget is a few GB).
+            disk.max_pending_bytes = min(disk.max_pending_bytes, budget_bytes // 16)
 
     def _after_insert(self) -> None:
         """Keep the prefix cache within what the budget leaves it (the newest entry stays
